@@ -1,0 +1,210 @@
+//! The demo plugin: generates text on a model the host registered, then starts a long
+//! decode and cancels it from the guest's own event loop (WASI 0.2 pollables) while the
+//! decode is running inside llama.cpp.
+//!
+//! Output lines are `key: value` so tests can read them.
+
+wit_bindgen::generate!({
+    path: "../../wit",
+    world: "plugin",
+    generate_all,
+});
+
+use llamabox::inference::cancel::CancelToken;
+use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
+use llamabox::inference::types::Error;
+use wasi::clocks::monotonic_clock;
+use wasi::io::poll;
+
+struct Options {
+    model: String,
+    prompt: String,
+    generate: u32,
+    threads: u32,
+    long_tokens: u32,
+    cancel_after_ms: u64,
+    bad_inputs: bool,
+}
+
+impl Options {
+    fn parse() -> Result<Self, String> {
+        let mut o = Options {
+            model: "default".into(),
+            prompt: "The llama in the box".into(),
+            generate: 16,
+            threads: 1,
+            long_tokens: 512,
+            cancel_after_ms: 20,
+            bad_inputs: false,
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(flag) = args.next() {
+            let mut value = || args.next().ok_or(format!("{flag} needs a value"));
+            let number = |v: String| v.parse::<u64>().map_err(|_| format!("{flag}: {v:?} is not a number"));
+            match flag.as_str() {
+                "--model" => o.model = value()?,
+                "--prompt" => o.prompt = value()?,
+                "--generate" => o.generate = number(value()?)? as u32,
+                "--threads" => o.threads = number(value()?)? as u32,
+                "--long-tokens" => o.long_tokens = number(value()?)? as u32,
+                "--cancel-after-ms" => o.cancel_after_ms = number(value()?)?,
+                "--bad-inputs" => o.bad_inputs = true,
+                _ => return Err(format!("unknown argument {flag:?}")),
+            }
+        }
+        Ok(o)
+    }
+}
+
+fn main() {
+    let result = Options::parse().and_then(|o| run(&o).map_err(|e| format!("{e:?}")));
+    if let Err(e) = result {
+        eprintln!("demo: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(o: &Options) -> Result<(), Error> {
+    let model = Model::open(&o.model)?;
+    let n_ctx = (o.long_tokens.max(64) + 64).next_power_of_two();
+    let params = ContextParams {
+        n_ctx: Some(n_ctx),
+        n_batch: Some(o.long_tokens.max(64)),
+        n_ubatch: None,
+        n_seq_max: Some(1),
+        n_threads: Some(o.threads),
+    };
+    let ctx = Context::create(&model, params)?;
+    println!("model: {} (vocab {}, embd {})", o.model, model.n_vocab(), model.n_embd());
+
+    if o.bad_inputs {
+        return bad_inputs(&model, &ctx);
+    }
+
+    generate(o, &model, &ctx)?;
+    cancel_long_decode(o, &model, &ctx)
+}
+
+/// Decode the prompt, print a digest of its logits, then greedy-generate.
+fn generate(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let never = CancelToken::new();
+    // parse-special: chat-template markers such as <|im_start|> become their tokens.
+    let prompt = model.tokenize(&o.prompt, true, true)?;
+    println!("prompt-tokens: {}", prompt.len());
+    ctx.decode(&sequence(&prompt, 0), &never)?;
+    let logits = ctx.logits_ith(prompt.len() as u32 - 1)?;
+    println!("prompt-logits: fnv1a64={:016x}", fnv1a64(&logits));
+
+    let mut text = Vec::new();
+    let mut next = argmax(&logits);
+    let mut pos = prompt.len() as i32;
+    let mut n = 0;
+    while n < o.generate && !model.is_eog(next) {
+        text.extend(model.token_to_piece(next, false)?);
+        ctx.decode(&sequence(&[next], pos), &never)?;
+        pos += 1;
+        n += 1;
+        next = argmax(&ctx.logits_ith(0)?);
+    }
+    println!("generated-tokens: {n}");
+    println!("generated: {}", String::from_utf8_lossy(&text).replace('\n', "\n           "));
+    Ok(())
+}
+
+/// Start a long decode, let it run for `cancel-after-ms`, cancel it from this event
+/// loop, and time the cancel until the pending decode is ready.
+fn cancel_long_decode(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
+    ctx.clear()?;
+    let filler = model.tokenize(" the llama in the box", false, false)?;
+    let tokens: Vec<i32> = filler.iter().copied().cycle().take(o.long_tokens as usize).collect();
+    let token = CancelToken::new();
+    let start = monotonic_clock::now();
+    let pending = ctx.start_decode(&sequence(&tokens, 0), &token)?;
+    let done = pending.subscribe();
+    let timer = monotonic_clock::subscribe_duration(o.cancel_after_ms * 1_000_000);
+    let ready = poll::poll(&[&done, &timer]);
+    let cancel_at = monotonic_clock::now();
+    let cancelled_by_us = !ready.contains(&0);
+    if cancelled_by_us {
+        token.cancel();
+        done.block();
+    }
+    let ready_at = monotonic_clock::now();
+    let outcome = pending.finish();
+    let ms = |ns: u64| ns as f64 / 1e6;
+    match (&outcome, cancelled_by_us) {
+        (Err(Error::Cancelled), true) => println!(
+            "long-decode: cancelled after {:.1} ms; cancel -> ready {:.2} ms",
+            ms(cancel_at - start),
+            ms(ready_at - cancel_at)
+        ),
+        (Ok(()), false) => println!("long-decode: finished before the cancel, in {:.1} ms", ms(ready_at - start)),
+        (other, _) => println!("long-decode: unexpected {other:?}"),
+    }
+    println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
+    Ok(())
+}
+
+/// Every bad input the host must refuse with a clear error, each followed by a good call.
+fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
+    let never = CancelToken::new();
+    let n_vocab = model.n_vocab() as i32;
+    let good = model.tokenize("hello", true, false)?;
+    let cases: Vec<(&str, Batch)> = vec![
+        ("token-too-large", sequence(&[n_vocab], 0)),
+        ("token-negative", sequence(&[-1], 0)),
+        ("empty-batch", sequence(&[], 0)),
+        ("batch-too-large", sequence(&vec![good[0]; ctx.n_batch() as usize + 1], 0)),
+        ("seq-out-of-range", Batch { seq_ids: vec![ctx.n_seq_max() as i32], ..sequence(&good[..1], 0) }),
+        ("position-gap", sequence(&good, 5)),
+        ("columns-differ", Batch { positions: vec![], ..sequence(&good, 0) }),
+    ];
+    for (name, batch) in cases {
+        println!("bad-input {name}: {}", show(ctx.decode(&batch, &never)));
+    }
+    println!("bad-input unknown-model: {}", show(Model::open("no-such-model").map(|_| ())));
+    println!("bad-input logits-of-unrequested-row: {}", show(ctx.logits_ith(0).map(|_| ())));
+    println!("good-tokens: {}", good.len());
+    let after = ctx.decode(&sequence(&good, 0), &never);
+    println!("good-after-bad: {}", show(after));
+    println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
+    Ok(())
+}
+
+fn show(r: Result<(), Error>) -> String {
+    match r {
+        Ok(()) => "ok".into(),
+        Err(Error::InvalidArgument(m)) => format!("invalid-argument: {m}"),
+        Err(Error::ModelNotFound(m)) => format!("model-not-found: {m}"),
+        Err(Error::LimitExceeded(m)) => format!("limit-exceeded: {m}"),
+        Err(e) => format!("{e:?}"),
+    }
+}
+
+/// Tokens of sequence 0 from position `first`, logits for the last one.
+fn sequence(tokens: &[i32], first: i32) -> Batch {
+    let n = tokens.len();
+    Batch {
+        tokens: tokens.to_vec(),
+        positions: (first..first + n as i32).collect(),
+        seq_ids: vec![0; n],
+        logits: (0..n).map(|i| i + 1 == n).collect(),
+    }
+}
+
+fn argmax(logits: &[f32]) -> i32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as i32
+}
+
+/// FNV-1a over the logits' bits: equal digests mean bitwise-equal logits.
+fn fnv1a64(values: &[f32]) -> u64 {
+    values.iter().flat_map(|v| v.to_bits().to_le_bytes()).fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}

@@ -1,0 +1,45 @@
+//! `llamabox:inference/cancel`: the cancel-token resource over a native `CancelFlag`.
+
+use wasmtime::component::Resource;
+
+use super::bindings::llamabox::inference::cancel::{Host, HostCancelToken};
+use super::LlamaCtxView;
+use crate::native::CancelFlag;
+
+/// A guest's cancel token. The embedder can make one from its own `CancelFlag` (to
+/// cancel a plugin's calls from outside) with [`CancelToken::from_flag`].
+pub struct CancelToken {
+    pub(crate) flag: CancelFlag,
+}
+
+impl CancelToken {
+    pub fn from_flag(flag: CancelFlag) -> Self {
+        Self { flag }
+    }
+
+    pub fn flag(&self) -> &CancelFlag {
+        &self.flag
+    }
+}
+
+impl Host for LlamaCtxView<'_> {}
+
+impl HostCancelToken for LlamaCtxView<'_> {
+    async fn new(&mut self) -> wasmtime::Result<Resource<CancelToken>> {
+        Ok(self.table.push(CancelToken { flag: CancelFlag::new() })?)
+    }
+
+    async fn cancel(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<()> {
+        self.table.get(&token)?.flag.cancel();
+        Ok(())
+    }
+
+    async fn is_cancelled(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<bool> {
+        Ok(self.table.get(&token)?.flag.is_cancelled())
+    }
+
+    async fn drop(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<()> {
+        self.table.delete(token)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,40 @@
+//! Host policy for one plugin: caps on what a guest may ask for, each with its reason.
+
+/// Limits a plugin runs under. `Default` gives values safe for an untrusted plugin on a
+/// small machine.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Largest `n-ctx` per context: KV memory grows linearly with it.
+    pub max_n_ctx: u32,
+    /// Largest `n-batch`: the compute buffer grows with it.
+    pub max_n_batch: u32,
+    /// Largest `n-seq-max`.
+    pub max_n_seq: u32,
+    /// Most threads one context may use: ggml's threads spin, so more threads than the
+    /// plugin's share of cores slows everyone.
+    pub max_threads: u32,
+    /// Threads used when the plugin does not ask.
+    pub default_threads: u32,
+    /// Contexts alive at once per store: each owns a thread and its KV memory.
+    pub max_contexts: u32,
+    /// Longest text `tokenize` takes, in bytes (it allocates a token per byte).
+    pub max_text_bytes: usize,
+    /// Most tokens `detokenize` takes.
+    pub max_detokenize_tokens: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        Self {
+            max_n_ctx: 8192,
+            max_n_batch: 2048,
+            max_n_seq: 16,
+            max_threads: cores,
+            default_threads: cores.min(4),
+            max_contexts: 4,
+            max_text_bytes: 1 << 20,
+            max_detokenize_tokens: 1 << 18,
+        }
+    }
+}

@@ -1,0 +1,297 @@
+//! `llamabox:inference/llm`: models, contexts and decodes. Every argument is checked
+//! here against host policy and by `crate::native` against llama.cpp's preconditions;
+//! the native work itself runs on the context's worker thread.
+
+use std::sync::Arc;
+
+use wasmtime::component::Resource;
+use wasmtime_wasi::p2::{subscribe, DynPollable, Pollable};
+
+use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
+use super::{CancelToken, Error, LlamaCtxView};
+use crate::native::{self, CancelFlag, Context, Model, Stop, Token};
+use crate::worker::{Call, Worker};
+
+type Answer<T> = wasmtime::Result<Result<T, Error>>;
+
+pub struct ModelHandle {
+    model: Arc<Model>,
+}
+
+pub struct ContextHandle {
+    worker: Worker<Context>,
+    params: native::ContextParams,
+}
+
+/// A decode started with `start-decode`.
+pub struct PendingDecode {
+    state: PendingState,
+}
+
+enum PendingState {
+    Running(Call<native::Result<()>>),
+    Finished(Result<(), Error>),
+    Taken,
+}
+
+/// The result of a worker call that may have been dropped with its context.
+fn finished<T>(outcome: Option<native::Result<T>>) -> Result<T, Error> {
+    match outcome {
+        Some(result) => result.map_err(Error::from),
+        None => Err(Error::Backend("the context was dropped before the call finished".into())),
+    }
+}
+
+impl LlamaCtxView<'_> {
+    fn context(&self, ctx: &Resource<ContextHandle>) -> wasmtime::Result<&ContextHandle> {
+        Ok(self.table.get(ctx)?)
+    }
+
+    /// Run `f` on the context's worker thread and wait for it.
+    async fn on_worker<T: Send + 'static>(
+        &mut self,
+        ctx: &Resource<ContextHandle>,
+        f: impl FnOnce(&mut Context) -> native::Result<T> + Send + 'static,
+    ) -> Answer<T> {
+        let call = self.context(ctx)?.worker.call(move |c, _| f(c));
+        Ok(finished(call.await))
+    }
+
+    /// Queue a decode; the returned call stops in flight when `token` is cancelled or
+    /// the call is dropped.
+    fn queue_decode(
+        &mut self,
+        ctx: &Resource<ContextHandle>,
+        batch: Batch,
+        token: &Resource<CancelToken>,
+    ) -> wasmtime::Result<Call<native::Result<()>>> {
+        let token: CancelFlag = self.table.get(token)?.flag.clone();
+        let batch = native::Batch {
+            tokens: batch.tokens,
+            positions: batch.positions,
+            seq_ids: batch.seq_ids,
+            logits: batch.logits,
+        };
+        Ok(self
+            .context(ctx)?
+            .worker
+            .call(move |c, abandoned| c.decode(&batch, Some(Stop::on_either(&token, abandoned)))))
+    }
+
+    /// Resolve `params` against the host's defaults and caps.
+    fn resolve(&self, params: ContextParams, model: &Model) -> Result<native::ContextParams, Error> {
+        let limits = &self.ctx.limits;
+        let cap = |name: &str, value: u32, max: u32| {
+            if value > max {
+                Err(Error::LimitExceeded(format!("{name} {value} is above this host's limit {max}")))
+            } else {
+                Ok(value)
+            }
+        };
+        let n_ctx_default = model.n_ctx_train().clamp(1, 4096).min(limits.max_n_ctx);
+        let n_ctx = cap("n-ctx", params.n_ctx.unwrap_or(n_ctx_default), limits.max_n_ctx)?;
+        let n_batch = cap("n-batch", params.n_batch.unwrap_or(n_ctx.min(512)), limits.max_n_batch)?;
+        let n_ubatch = cap("n-ubatch", params.n_ubatch.unwrap_or(n_batch.min(512)), n_batch)?;
+        let n_seq_max = cap("n-seq-max", params.n_seq_max.unwrap_or(1), limits.max_n_seq)?;
+        let n_threads = cap("n-threads", params.n_threads.unwrap_or(limits.default_threads), limits.max_threads)?;
+        Ok(native::ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads })
+    }
+}
+
+impl Host for LlamaCtxView<'_> {}
+
+impl HostModel for LlamaCtxView<'_> {
+    async fn open(&mut self, name: String) -> Answer<Resource<ModelHandle>> {
+        use super::registry::OpenError;
+        match self.ctx.registry.open(&name).await {
+            Ok(model) => Ok(Ok(self.table.push(ModelHandle { model })?)),
+            Err(OpenError::NotFound(name)) => Ok(Err(Error::ModelNotFound(name))),
+            Err(e @ OpenError::LoadFailed(_)) => Ok(Err(Error::Backend(e.to_string()))),
+        }
+    }
+
+    async fn tokenize(
+        &mut self,
+        model: Resource<ModelHandle>,
+        text: String,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Answer<Vec<Token>> {
+        let max = self.ctx.limits.max_text_bytes;
+        if text.len() > max {
+            return Ok(Err(Error::LimitExceeded(format!("text of {} bytes is above max-text-bytes {max}", text.len()))));
+        }
+        Ok(self.table.get(&model)?.model.tokenize(&text, add_special, parse_special).map_err(Error::from))
+    }
+
+    async fn token_to_piece(&mut self, model: Resource<ModelHandle>, token: Token, special: bool) -> Answer<Vec<u8>> {
+        Ok(self.table.get(&model)?.model.token_to_piece(token, special).map_err(Error::from))
+    }
+
+    async fn detokenize(
+        &mut self,
+        model: Resource<ModelHandle>,
+        tokens: Vec<Token>,
+        remove_special: bool,
+        unparse_special: bool,
+    ) -> Answer<String> {
+        let max = self.ctx.limits.max_detokenize_tokens;
+        if tokens.len() > max {
+            return Ok(Err(Error::LimitExceeded(format!("{} tokens is above max-detokenize-tokens {max}", tokens.len()))));
+        }
+        let model = &self.table.get(&model)?.model;
+        Ok(model.detokenize(&tokens, remove_special, unparse_special).map_err(Error::from))
+    }
+
+    async fn n_vocab(&mut self, model: Resource<ModelHandle>) -> wasmtime::Result<u32> {
+        Ok(self.table.get(&model)?.model.n_vocab())
+    }
+
+    async fn n_embd(&mut self, model: Resource<ModelHandle>) -> wasmtime::Result<u32> {
+        Ok(self.table.get(&model)?.model.n_embd())
+    }
+
+    async fn n_ctx_train(&mut self, model: Resource<ModelHandle>) -> wasmtime::Result<u32> {
+        Ok(self.table.get(&model)?.model.n_ctx_train())
+    }
+
+    async fn bos(&mut self, model: Resource<ModelHandle>) -> wasmtime::Result<Option<Token>> {
+        Ok(self.table.get(&model)?.model.bos())
+    }
+
+    async fn eos(&mut self, model: Resource<ModelHandle>) -> wasmtime::Result<Option<Token>> {
+        Ok(self.table.get(&model)?.model.eos())
+    }
+
+    async fn is_eog(&mut self, model: Resource<ModelHandle>, token: Token) -> wasmtime::Result<bool> {
+        Ok(self.table.get(&model)?.model.is_eog(token))
+    }
+
+    async fn drop(&mut self, model: Resource<ModelHandle>) -> wasmtime::Result<()> {
+        self.table.delete(model)?;
+        Ok(())
+    }
+}
+
+impl HostContext for LlamaCtxView<'_> {
+    async fn create(&mut self, model: Resource<ModelHandle>, params: ContextParams) -> Answer<Resource<ContextHandle>> {
+        let model = self.table.get(&model)?.model.clone();
+        if self.ctx.live_contexts >= self.ctx.limits.max_contexts {
+            let max = self.ctx.limits.max_contexts;
+            return Ok(Err(Error::LimitExceeded(format!("max-contexts: this plugin already has {max} contexts"))));
+        }
+        let params = match self.resolve(params, &model) {
+            Ok(p) => p,
+            Err(e) => return Ok(Err(e)),
+        };
+        // Creating a context allocates its KV memory: do it on the worker's own thread,
+        // off the executor.
+        let spawned = tokio::task::spawn_blocking(move || {
+            Worker::spawn("llamabox-context", move || Context::new(model, params))
+        })
+        .await?;
+        let worker = match spawned {
+            Ok(worker) => worker,
+            Err(e) => return Ok(Err(e.into())),
+        };
+        let Some(params) = worker.call(|c, _| c.params()).await else {
+            return Ok(Err(Error::Backend("context worker stopped".into())));
+        };
+        self.ctx.live_contexts += 1;
+        Ok(Ok(self.table.push(ContextHandle { worker, params })?))
+    }
+
+    async fn decode(&mut self, ctx: Resource<ContextHandle>, batch: Batch, cancel: Resource<CancelToken>) -> Answer<()> {
+        let call = self.queue_decode(&ctx, batch, &cancel)?;
+        Ok(finished(call.await))
+    }
+
+    async fn start_decode(
+        &mut self,
+        ctx: Resource<ContextHandle>,
+        batch: Batch,
+        cancel: Resource<CancelToken>,
+    ) -> Answer<Resource<PendingDecode>> {
+        let call = self.queue_decode(&ctx, batch, &cancel)?;
+        Ok(Ok(self.table.push(PendingDecode { state: PendingState::Running(call) })?))
+    }
+
+    async fn logits_ith(&mut self, ctx: Resource<ContextHandle>, row: u32) -> Answer<Vec<f32>> {
+        self.on_worker(&ctx, move |c| c.logits_ith(row).map(<[f32]>::to_vec)).await
+    }
+
+    async fn seq_rm(&mut self, ctx: Resource<ContextHandle>, seq: i32, p0: i32, p1: i32) -> Answer<()> {
+        self.on_worker(&ctx, move |c| c.seq_rm(seq, p0, p1)).await
+    }
+
+    async fn seq_pos_max(&mut self, ctx: Resource<ContextHandle>, seq: i32) -> Answer<i32> {
+        self.on_worker(&ctx, move |c| c.seq_pos_max(seq)).await
+    }
+
+    async fn clear(&mut self, ctx: Resource<ContextHandle>) -> Answer<()> {
+        self.on_worker(&ctx, |c| {
+            c.clear();
+            Ok(())
+        })
+        .await
+    }
+
+    async fn n_ctx(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<u32> {
+        Ok(self.context(&ctx)?.params.n_ctx)
+    }
+
+    async fn n_batch(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<u32> {
+        Ok(self.context(&ctx)?.params.n_batch)
+    }
+
+    async fn n_ubatch(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<u32> {
+        Ok(self.context(&ctx)?.params.n_ubatch)
+    }
+
+    async fn n_seq_max(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<u32> {
+        Ok(self.context(&ctx)?.params.n_seq_max)
+    }
+
+    async fn drop(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<()> {
+        // Dropping the worker stops its running call and joins its thread, which frees
+        // the native context after the call has returned.
+        let handle = self.table.delete(ctx)?;
+        self.ctx.live_contexts -= 1;
+        tokio::task::spawn_blocking(move || drop(handle)).await?;
+        Ok(())
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl Pollable for PendingDecode {
+    async fn ready(&mut self) {
+        if let PendingState::Running(call) = &mut self.state {
+            // Cancel-safe: `poll` drops this future every round it is not ready, and
+            // awaiting `&mut Call` neither consumes nor abandons the call.
+            let outcome = call.await;
+            self.state = PendingState::Finished(finished(outcome));
+        }
+    }
+}
+
+impl HostPendingDecode for LlamaCtxView<'_> {
+    async fn subscribe(&mut self, pending: Resource<PendingDecode>) -> wasmtime::Result<Resource<DynPollable>> {
+        subscribe(self.table, pending)
+    }
+
+    async fn finish(&mut self, pending: Resource<PendingDecode>) -> Answer<()> {
+        let pending = self.table.get_mut(&pending)?;
+        pending.ready().await;
+        Ok(match std::mem::replace(&mut pending.state, PendingState::Taken) {
+            PendingState::Finished(result) => result,
+            PendingState::Taken => Err(Error::InvalidArgument("finish was already called".into())),
+            PendingState::Running(_) => unreachable!("ready() leaves no call running"),
+        })
+    }
+
+    async fn drop(&mut self, pending: Resource<PendingDecode>) -> wasmtime::Result<()> {
+        // Dropping an unfinished call sets its stop flag: the decode stops in flight.
+        self.table.delete(pending)?;
+        Ok(())
+    }
+}

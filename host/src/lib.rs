@@ -1,0 +1,17 @@
+//! llamabox: llama.cpp inference for sandboxed WebAssembly components, where a plugin
+//! can cancel any call from another task and the cancel stops native work in flight.
+//!
+//! Layers, top to bottom (nothing reaches back up):
+//! - [`plugin`]: an embedder-facing host that runs plugin components.
+//! - [`component`]: the WIT interfaces over wasmtime (bindings, validation, limits).
+//! - [`worker`]: one thread per native context, stop-and-join on drop.
+//! - [`native`]: safe Rust over llama.cpp; no wasm types.
+
+pub mod component;
+pub mod native;
+pub mod plugin;
+pub mod worker;
+
+pub use component::{Limits, ModelRegistry};
+pub use native::CancelFlag;
+pub use plugin::{PluginHost, RunOutcome};

@@ -1,0 +1,114 @@
+//! `llamabox`: run a plugin component against llama.cpp models registered by name.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context as _};
+use clap::{Parser, Subcommand, ValueEnum};
+use llamabox::native::TextModelSpec;
+use llamabox::{Limits, ModelRegistry, PluginHost, RunOutcome};
+use wasmtime_wasi::WasiCtxBuilder;
+
+#[derive(Parser)]
+#[command(version, about = "llama.cpp inference for sandboxed WebAssembly plugins, with in-flight cancel")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a plugin (a WASI 0.2 command component).
+    Run {
+        /// The plugin component (.wasm).
+        plugin: PathBuf,
+        /// Register a model the plugin may open by NAME (repeatable).
+        #[arg(long = "model", value_name = "NAME=PATH", value_parser = parse_model)]
+        models: Vec<(String, PathBuf)>,
+        /// Most threads a plugin's context may use (default: all cores).
+        #[arg(long)]
+        max_threads: Option<u32>,
+        /// Arguments passed to the plugin, after `--`.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Write a seeded synthetic llama model (random weights) for tests and offline demos.
+    SynthModel {
+        out: PathBuf,
+        #[arg(long, value_enum, default_value = "tiny")]
+        size: Size,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Size {
+    /// Decodes in microseconds.
+    Tiny,
+    /// A 512-token decode takes a good fraction of a second on one core.
+    Slow,
+}
+
+fn parse_model(s: &str) -> Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok((name.to_string(), PathBuf::from(path))),
+        _ => Err(format!("expected NAME=PATH, got {s:?}")),
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,llama_cpp=off".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("llamabox: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::SynthModel { out, size, seed } => {
+            let spec = match size {
+                Size::Tiny => TextModelSpec::tiny(),
+                Size::Slow => TextModelSpec::slow(),
+            };
+            TextModelSpec { seed, ..spec }.write(&out)?;
+            println!("wrote {}", out.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run { plugin, models, max_threads, args } => {
+            let mut registry = ModelRegistry::new();
+            for (name, path) in models {
+                if !path.is_file() {
+                    bail!("model {name:?}: file {} not found", path.display());
+                }
+                registry.register(name, path);
+            }
+            let mut limits = Limits::default();
+            if let Some(n) = max_threads {
+                limits.max_threads = n.max(1);
+                limits.default_threads = limits.default_threads.min(limits.max_threads);
+            }
+            let host = PluginHost::new(registry, limits)?;
+            let argv0 = plugin.file_name().map_or("plugin".into(), |n| n.to_string_lossy().into_owned());
+            let plugin = host.load(&plugin)?;
+            let mut wasi = WasiCtxBuilder::new();
+            wasi.inherit_stdout().inherit_stderr();
+            wasi.args(&std::iter::once(argv0).chain(args).collect::<Vec<_>>());
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            match runtime.block_on(plugin.run(wasi)).context("the plugin trapped")? {
+                RunOutcome::Success => Ok(ExitCode::SUCCESS),
+                RunOutcome::Failed(code) => Ok(ExitCode::from(code.clamp(1, 255) as u8)),
+            }
+        }
+    }
+}

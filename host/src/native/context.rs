@@ -1,0 +1,300 @@
+//! A llama context (its memory, i.e. KV cache) with an all-or-nothing, cancellable decode.
+
+use std::collections::BTreeMap;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use llama_cpp_sys_2 as sys;
+
+use super::cancel::{abort_callback, Stop};
+use super::model::{Model, Token};
+use super::{backend, Error, Result};
+
+/// Settings of a new context, already resolved (no defaults left to pick).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextParams {
+    pub n_ctx: u32,
+    pub n_batch: u32,
+    pub n_ubatch: u32,
+    pub n_seq_max: u32,
+    pub n_threads: u32,
+}
+
+/// Rows to decode: four parallel columns, as in `llama_batch`, one sequence per row.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Batch {
+    pub tokens: Vec<Token>,
+    pub positions: Vec<i32>,
+    pub seq_ids: Vec<i32>,
+    pub logits: Vec<bool>,
+}
+
+impl Batch {
+    /// Tokens of one sequence at consecutive positions from `first_pos`; logits for the
+    /// last row only.
+    pub fn sequence(tokens: &[Token], first_pos: i32, seq: i32) -> Self {
+        let n = tokens.len();
+        Self {
+            tokens: tokens.to_vec(),
+            positions: (first_pos..).take(n).collect(),
+            seq_ids: vec![seq; n],
+            logits: (0..n).map(|i| i + 1 == n).collect(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+pub struct Context {
+    ptr: NonNull<sys::llama_context>,
+    params: ContextParams,
+    /// Which rows of the last successful decode have logits; empty after a failed one.
+    logit_rows: Vec<bool>,
+    /// Declared last: the model must outlive the context.
+    model: Arc<Model>,
+}
+
+// SAFETY: a llama_context is used by one thread at a time (`&mut self` for every call
+// that computes); it may move between threads.
+unsafe impl Send for Context {}
+
+/// Largest n_seq_max llama.cpp accepts (LLAMA_MAX_SEQ).
+pub const MAX_SEQ: u32 = 256;
+
+impl Context {
+    pub fn new(model: Arc<Model>, params: ContextParams) -> Result<Self> {
+        backend::init();
+        let ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads } = params;
+        let invalid = |what: String| Err(Error::InvalidArgument(what));
+        if n_ctx == 0 || n_batch == 0 || n_ubatch == 0 || n_threads == 0 {
+            return invalid(format!("n-ctx, n-batch, n-ubatch and n-threads must be > 0 (got {params:?})"));
+        }
+        if n_ubatch > n_batch {
+            return invalid(format!("n-ubatch {n_ubatch} is larger than n-batch {n_batch}"));
+        }
+        if !(1..=MAX_SEQ).contains(&n_seq_max) {
+            return invalid(format!("n-seq-max {n_seq_max} is outside [1, {MAX_SEQ}]"));
+        }
+        let threads = i32::try_from(n_threads).map_err(|_| Error::InvalidArgument("n-threads too large".into()))?;
+        // SAFETY: start from llama.cpp's defaults (the struct gains fields between versions).
+        let ptr = unsafe {
+            let mut p = sys::llama_context_default_params();
+            p.n_ctx = n_ctx;
+            p.n_batch = n_batch;
+            p.n_ubatch = n_ubatch;
+            p.n_seq_max = n_seq_max;
+            p.n_threads = threads;
+            p.n_threads_batch = threads;
+            sys::llama_init_from_model(model.as_ptr(), p)
+        };
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| Error::Backend("llama.cpp could not create the context (see its log)".into()))?;
+        // llama.cpp may round n_ctx up (padding) or clamp n_batch; report what it chose.
+        let actual = unsafe {
+            ContextParams {
+                n_ctx: sys::llama_n_ctx(ptr.as_ptr()),
+                n_batch: sys::llama_n_batch(ptr.as_ptr()),
+                n_ubatch: sys::llama_n_ubatch(ptr.as_ptr()),
+                n_seq_max: sys::llama_n_seq_max(ptr.as_ptr()),
+                n_threads,
+            }
+        };
+        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), model })
+    }
+
+    pub fn params(&self) -> ContextParams {
+        self.params
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    fn memory(&self) -> sys::llama_memory_t {
+        unsafe { sys::llama_get_memory(self.ptr.as_ptr()) }
+    }
+
+    fn check_seq(&self, seq: i32) -> Result<()> {
+        if (0..self.params.n_seq_max as i32).contains(&seq) {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "sequence id {seq} is outside [0, {})",
+                self.params.n_seq_max
+            )))
+        }
+    }
+
+    /// Highest position of `seq` in memory, -1 when empty.
+    pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
+        self.check_seq(seq)?;
+        Ok(unsafe { sys::llama_memory_seq_pos_max(self.memory(), seq) })
+    }
+
+    /// Remove positions `[p0, p1)` of `seq` (`p1 < 0`: to the end). Removing part of a
+    /// sequence from the middle is refused by llama.cpp for some memories; that is an error.
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<()> {
+        self.check_seq(seq)?;
+        if p0 < 0 {
+            return Err(Error::InvalidArgument(format!("p0 {p0} is negative")));
+        }
+        if unsafe { sys::llama_memory_seq_rm(self.memory(), seq, p0, p1) } {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!("this memory cannot remove [{p0}, {p1}) from sequence {seq}")))
+        }
+    }
+
+    pub fn clear(&mut self) {
+        unsafe { sys::llama_memory_clear(self.memory(), true) };
+        self.logit_rows.clear();
+    }
+
+    /// Logits of `row` of the last successful decode, if that row asked for them.
+    pub fn logits_ith(&self, row: u32) -> Result<&[f32]> {
+        if !self.logit_rows.get(row as usize).copied().unwrap_or(false) {
+            return Err(Error::InvalidArgument(format!(
+                "row {row} has no logits: the last successful decode did not ask for them"
+            )));
+        }
+        // SAFETY: row is a row of the last successful decode that has an output.
+        let ptr = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), row as i32) };
+        if ptr.is_null() {
+            return Err(Error::Backend(format!("llama.cpp has no logits for row {row}")));
+        }
+        // SAFETY: llama.cpp returns n_vocab floats that live until the next decode, which
+        // needs `&mut self`.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, self.model.n_vocab() as usize) })
+    }
+
+    /// Everything llama.cpp would otherwise assert on or reject, checked up front so the
+    /// caller gets a message that says what is wrong.
+    fn check_batch(&self, batch: &Batch) -> Result<()> {
+        let n = batch.len();
+        let invalid = |what: String| Err(Error::InvalidArgument(what));
+        if n == 0 {
+            return invalid("empty batch".into());
+        }
+        if batch.positions.len() != n || batch.seq_ids.len() != n || batch.logits.len() != n {
+            return invalid(format!(
+                "batch columns differ in length: {} tokens, {} positions, {} sequence ids, {} logits flags",
+                n,
+                batch.positions.len(),
+                batch.seq_ids.len(),
+                batch.logits.len()
+            ));
+        }
+        if n > self.params.n_batch as usize {
+            return invalid(format!("batch of {n} tokens is larger than n-batch {}", self.params.n_batch));
+        }
+        self.model.check_tokens(&batch.tokens)?;
+        // Each sequence must continue where its memory ends, one position per row.
+        let mut next: BTreeMap<i32, i32> = BTreeMap::new();
+        for (row, (&seq, &pos)) in batch.seq_ids.iter().zip(&batch.positions).enumerate() {
+            self.check_seq(seq)?;
+            let expected = match next.get(&seq) {
+                Some(&p) => p,
+                None => self.seq_pos_max(seq)? + 1,
+            };
+            if pos != expected {
+                return invalid(format!(
+                    "row {row}: sequence {seq} must continue at position {expected}, got {pos}"
+                ));
+            }
+            let after = pos.checked_add(1).ok_or_else(|| Error::InvalidArgument("position overflow".into()))?;
+            next.insert(seq, after);
+        }
+        Ok(())
+    }
+
+    /// Decode `batch`. With a `stop`, llama.cpp polls it after every graph node and
+    /// stops in flight; without one this is the plain llama.cpp call (no callback).
+    ///
+    /// All or nothing: on any error, memory is restored to exactly what it was before
+    /// the call (llama.cpp itself keeps the ubatches an aborted decode finished).
+    pub fn decode(&mut self, batch: &Batch, stop: Option<Stop<'_>>) -> Result<()> {
+        if stop.is_some_and(|s| s.is_set()) {
+            return Err(Error::Cancelled);
+        }
+        self.check_batch(batch)?;
+        let before: Vec<(i32, i32)> = {
+            let mut seqs = batch.seq_ids.clone();
+            seqs.sort_unstable();
+            seqs.dedup();
+            seqs.into_iter().map(|s| (s, unsafe { sys::llama_memory_seq_pos_max(self.memory(), s) })).collect()
+        };
+        self.logit_rows.clear();
+
+        let mut seq_ptrs: Vec<*mut i32> = batch.seq_ids.iter().map(|s| s as *const i32 as *mut i32).collect();
+        let mut n_seq_id = vec![1i32; batch.len()];
+        let mut logits: Vec<i8> = batch.logits.iter().map(|&l| l as i8).collect();
+        // SAFETY: every pointer points into a vector that outlives the call; llama.cpp
+        // reads the batch and never writes through these pointers.
+        let raw = sys::llama_batch {
+            n_tokens: batch.len() as i32,
+            token: batch.tokens.as_ptr().cast_mut(),
+            embd: std::ptr::null_mut(),
+            pos: batch.positions.as_ptr().cast_mut(),
+            n_seq_id: n_seq_id.as_mut_ptr(),
+            seq_id: seq_ptrs.as_mut_ptr(),
+            logits: logits.as_mut_ptr(),
+        };
+        let ret = match &stop {
+            Some(stop) => {
+                let _installed = AbortCallback::install(self.ptr, stop);
+                unsafe { sys::llama_decode(self.ptr.as_ptr(), raw) }
+            }
+            None => unsafe { sys::llama_decode(self.ptr.as_ptr(), raw) },
+        };
+        match ret {
+            0 => {
+                self.logit_rows = batch.logits.clone();
+                Ok(())
+            }
+            1 => Err(Error::ContextFull),
+            -1 => Err(Error::InvalidArgument("llama.cpp rejected the batch (see its log)".into())),
+            _ => {
+                // Aborted (2) or failed (< -1): drop what the finished ubatches left.
+                for (seq, pos_max) in before {
+                    unsafe { sys::llama_memory_seq_rm(self.memory(), seq, pos_max + 1, -1) };
+                }
+                if ret == 2 {
+                    Err(Error::Cancelled)
+                } else {
+                    Err(Error::Backend(format!("llama_decode failed ({ret})")))
+                }
+            }
+        }
+    }
+}
+
+/// The abort callback, installed for one call and removed when dropped, so a context
+/// never holds a pointer to a finished call's `Stop`.
+struct AbortCallback(NonNull<sys::llama_context>);
+
+impl AbortCallback {
+    fn install(ctx: NonNull<sys::llama_context>, stop: &Stop<'_>) -> Self {
+        let data = stop as *const Stop as *mut std::ffi::c_void;
+        unsafe { sys::llama_set_abort_callback(ctx.as_ptr(), Some(abort_callback), data) };
+        Self(ctx)
+    }
+}
+
+impl Drop for AbortCallback {
+    fn drop(&mut self) {
+        unsafe { sys::llama_set_abort_callback(self.0.as_ptr(), None, std::ptr::null_mut()) };
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: `&mut self` proves no call is running on this context.
+        unsafe { sys::llama_free(self.ptr.as_ptr()) }
+    }
+}

@@ -1,0 +1,30 @@
+//! Safe Rust over llama.cpp (`llama-cpp-sys-2`). Knows nothing of wasm: every function
+//! here is safe to call with any arguments, checking them before llama.cpp can assert.
+
+mod backend;
+pub mod cancel;
+pub mod context;
+pub mod model;
+pub mod synthetic;
+
+pub use cancel::{CancelFlag, Stop};
+pub use context::{Batch, Context, ContextParams};
+pub use model::{Model, Token};
+pub use synthetic::TextModelSpec;
+
+/// Why a native call failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// The call was cancelled; it changed nothing.
+    #[error("cancelled")]
+    Cancelled,
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// No room in the context's memory for the batch.
+    #[error("context is full")]
+    ContextFull,
+    #[error("{0}")]
+    Backend(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,190 @@
+//! A loaded text model and its vocabulary. Read-only once loaded, so one `Model` is
+//! shared (through `Arc`) by every context and every plugin that opens it.
+
+use std::ffi::CString;
+use std::path::Path;
+use std::ptr::NonNull;
+
+use llama_cpp_sys_2 as sys;
+
+use super::{backend, Error, Result};
+
+pub type Token = i32;
+
+pub struct Model {
+    ptr: NonNull<sys::llama_model>,
+    vocab: NonNull<sys::llama_vocab>,
+    n_vocab: i32,
+}
+
+// SAFETY: a llama_model is immutable after loading; llama.cpp documents sharing one
+// model between contexts on different threads. The vocabulary is part of the model.
+unsafe impl Send for Model {}
+unsafe impl Sync for Model {}
+
+impl Model {
+    /// Load a GGUF model on the CPU. Blocking (reads or maps the whole file).
+    pub fn load(path: &Path) -> Result<Self> {
+        backend::init();
+        if !path.is_file() {
+            return Err(Error::Backend(format!("model file {} not found", path.display())));
+        }
+        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| Error::InvalidArgument("model path contains a NUL byte".into()))?;
+        // SAFETY: default params, a valid C string; a null return is handled.
+        let ptr = unsafe {
+            let params = sys::llama_model_default_params();
+            sys::llama_model_load_from_file(c_path.as_ptr(), params)
+        };
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            Error::Backend(format!("llama.cpp could not load {} (see its log)", path.display()))
+        })?;
+        // SAFETY: ptr is a live model; the vocab lives as long as the model.
+        let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
+        let Some(vocab) = NonNull::new(vocab.cast_mut()) else {
+            unsafe { sys::llama_model_free(ptr.as_ptr()) };
+            return Err(Error::Backend("model has no vocabulary".into()));
+        };
+        let n_vocab = unsafe { sys::llama_vocab_n_tokens(vocab.as_ptr()) };
+        Ok(Self { ptr, vocab, n_vocab })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut sys::llama_model {
+        self.ptr.as_ptr()
+    }
+
+    fn vocab(&self) -> *const sys::llama_vocab {
+        self.vocab.as_ptr()
+    }
+
+    pub fn n_vocab(&self) -> u32 {
+        self.n_vocab as u32
+    }
+
+    pub fn n_embd(&self) -> u32 {
+        unsafe { sys::llama_model_n_embd(self.as_ptr()) }.max(0) as u32
+    }
+
+    pub fn n_ctx_train(&self) -> u32 {
+        unsafe { sys::llama_model_n_ctx_train(self.as_ptr()) }.max(0) as u32
+    }
+
+    pub fn n_layer(&self) -> u32 {
+        unsafe { sys::llama_model_n_layer(self.as_ptr()) }.max(0) as u32
+    }
+
+    pub fn bos(&self) -> Option<Token> {
+        Some(unsafe { sys::llama_vocab_bos(self.vocab()) }).filter(|&t| self.is_valid(t))
+    }
+
+    pub fn eos(&self) -> Option<Token> {
+        Some(unsafe { sys::llama_vocab_eos(self.vocab()) }).filter(|&t| self.is_valid(t))
+    }
+
+    pub fn is_eog(&self, token: Token) -> bool {
+        self.is_valid(token) && unsafe { sys::llama_vocab_is_eog(self.vocab(), token) }
+    }
+
+    pub fn is_valid(&self, token: Token) -> bool {
+        (0..self.n_vocab).contains(&token)
+    }
+
+    /// Every token in `[0, n_vocab)`, or an error naming the first that is not.
+    pub fn check_tokens(&self, tokens: &[Token]) -> Result<()> {
+        match tokens.iter().position(|&t| !self.is_valid(t)) {
+            None => Ok(()),
+            Some(i) => Err(Error::InvalidArgument(format!(
+                "token {} at index {i} is outside the vocabulary [0, {})",
+                tokens[i], self.n_vocab
+            ))),
+        }
+    }
+
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+        let len = i32::try_from(text.len())
+            .map_err(|_| Error::InvalidArgument("text longer than 2^31 bytes".into()))?;
+        // One token per byte plus BOS/EOS is an upper bound for every tokenizer llama.cpp has.
+        let mut tokens = vec![0 as Token; text.len() + 2];
+        let call = |buf: &mut [Token]| unsafe {
+            sys::llama_tokenize(
+                self.vocab(),
+                text.as_ptr().cast(),
+                len,
+                buf.as_mut_ptr(),
+                buf.len().min(i32::MAX as usize) as i32,
+                add_special,
+                parse_special,
+            )
+        };
+        let mut n = call(&mut tokens);
+        if n < 0 {
+            // Only when the bound above is wrong: llama.cpp reports the size it needs.
+            tokens.resize(n.unsigned_abs() as usize, 0);
+            n = call(&mut tokens);
+        }
+        if n < 0 {
+            return Err(Error::Backend(format!("llama_tokenize failed ({n})")));
+        }
+        tokens.truncate(n as usize);
+        Ok(tokens)
+    }
+
+    /// One token's bytes (which may be part of a UTF-8 character).
+    pub fn token_to_piece(&self, token: Token, special: bool) -> Result<Vec<u8>> {
+        self.check_tokens(&[token])?;
+        let mut buf = vec![0u8; 64];
+        loop {
+            let n = unsafe {
+                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special)
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return Ok(buf);
+            }
+            buf.resize(n.unsigned_abs() as usize, 0);
+        }
+    }
+
+    /// Tokens to text; invalid UTF-8 becomes U+FFFD.
+    pub fn detokenize(&self, tokens: &[Token], remove_special: bool, unparse_special: bool) -> Result<String> {
+        self.check_tokens(tokens)?;
+        let n_tokens = i32::try_from(tokens.len())
+            .map_err(|_| Error::InvalidArgument("too many tokens".into()))?;
+        let mut buf = vec![0u8; tokens.len() * 8 + 16];
+        loop {
+            let cap = buf.len().min(i32::MAX as usize) as i32;
+            let n = unsafe {
+                sys::llama_detokenize(
+                    self.vocab(),
+                    tokens.as_ptr(),
+                    n_tokens,
+                    buf.as_mut_ptr().cast(),
+                    cap,
+                    remove_special,
+                    unparse_special,
+                )
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return Ok(String::from_utf8_lossy(&buf).into_owned());
+            }
+            if n == i32::MIN {
+                return Err(Error::Backend("detokenized text longer than 2^31 bytes".into()));
+            }
+            buf.resize(n.unsigned_abs() as usize, 0);
+        }
+    }
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        // SAFETY: every context holds an Arc<Model>, so none is alive here.
+        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+    }
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("n_vocab", &self.n_vocab).finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,201 @@
+//! One OS thread per native context. The thread owns the context, runs one call at a
+//! time, and is stopped and joined when its `Worker` is dropped: native objects are only
+//! ever freed on their own thread, after the call using them has returned.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{mpsc, Arc, Mutex};
+use std::task::{ready, Context as TaskContext, Poll};
+use std::thread::JoinHandle;
+
+use tokio::sync::oneshot;
+
+use crate::native::CancelFlag;
+
+type Job<S> = Box<dyn FnOnce(&mut S) + Send>;
+
+/// A thread that owns a `S` and runs calls on it in order.
+pub struct Worker<S: 'static> {
+    jobs: Option<mpsc::Sender<(Job<S>, CancelFlag)>>,
+    thread: Option<JoinHandle<()>>,
+    running: Arc<Mutex<Running>>,
+}
+
+/// Which call is running, so that dropping the worker can stop it.
+#[derive(Default)]
+struct Running {
+    shutting_down: bool,
+    call: Option<CancelFlag>,
+}
+
+impl<S: 'static> Worker<S> {
+    /// Start the thread and build its state on it. Blocks until `init` has returned.
+    pub fn spawn<E: Send + 'static>(
+        name: &str,
+        init: impl FnOnce() -> Result<S, E> + Send + 'static,
+    ) -> Result<Self, E> {
+        let (jobs_tx, jobs_rx) = mpsc::channel::<(Job<S>, CancelFlag)>();
+        let (init_tx, init_rx) = mpsc::sync_channel::<Result<(), E>>(1);
+        let running = Arc::new(Mutex::new(Running::default()));
+        let thread_running = running.clone();
+        let thread = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || {
+                let mut state = match init() {
+                    Ok(state) => {
+                        let _ = init_tx.send(Ok(()));
+                        state
+                    }
+                    Err(e) => {
+                        let _ = init_tx.send(Err(e));
+                        return;
+                    }
+                };
+                for (job, call) in jobs_rx {
+                    {
+                        let mut running = lock(&thread_running);
+                        if running.shutting_down {
+                            break; // drops the job: its caller sees the call end
+                        }
+                        running.call = Some(call);
+                    }
+                    job(&mut state);
+                    lock(&thread_running).call = None;
+                }
+                // `state` (the native context) is dropped here, on its own thread.
+            })
+            .expect("spawning a worker thread");
+        let worker = Self { jobs: Some(jobs_tx), thread: Some(thread), running };
+        match init_rx.recv() {
+            Ok(Ok(())) => Ok(worker),
+            Ok(Err(e)) => Err(e),
+            Err(_) => panic!("worker thread panicked while starting"),
+        }
+    }
+
+    /// Queue `f`. It gets the call's own flag, set if the returned [`Call`] is dropped
+    /// before it finished or the worker shuts down; pass it to the native call's `Stop`.
+    pub fn call<R: Send + 'static>(&self, f: impl FnOnce(&mut S, &CancelFlag) -> R + Send + 'static) -> Call<R> {
+        let abandoned = CancelFlag::new();
+        let (tx, rx) = oneshot::channel();
+        let flag = abandoned.clone();
+        let job: Job<S> = Box::new(move |state| {
+            // A caller that is already gone gets no compute.
+            if !tx.is_closed() {
+                let _ = tx.send(f(state, &flag));
+            }
+        });
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send((job, abandoned.clone()));
+        }
+        Call { result: rx, abandoned, done: false }
+    }
+}
+
+fn lock(m: &Mutex<Running>) -> std::sync::MutexGuard<'_, Running> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl<S: 'static> Drop for Worker<S> {
+    fn drop(&mut self) {
+        {
+            let mut running = lock(&self.running);
+            running.shutting_down = true;
+            if let Some(call) = &running.call {
+                call.cancel();
+            }
+        }
+        self.jobs = None; // closes the queue: the thread leaves its loop
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A call queued on a worker. Resolves to `None` if the worker stopped before
+/// running it. Dropping an unfinished `Call` stops the native work it started.
+pub struct Call<R> {
+    result: oneshot::Receiver<R>,
+    abandoned: CancelFlag,
+    done: bool,
+}
+
+impl<R> Future for Call<R> {
+    type Output = Option<R>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<R>> {
+        let out = ready!(Pin::new(&mut self.result).poll(cx)).ok();
+        self.done = true;
+        Poll::Ready(out)
+    }
+}
+
+impl<R> Drop for Call<R> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.abandoned.cancel();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[tokio::test]
+    async fn runs_calls_in_order_on_its_own_state() {
+        let worker = Worker::spawn("test", || Ok::<_, ()>(Vec::<u32>::new())).unwrap();
+        let a = worker.call(|v, _| {
+            v.push(1);
+            v.len()
+        });
+        let b = worker.call(|v, _| {
+            v.push(2);
+            v.clone()
+        });
+        assert_eq!(a.await, Some(1));
+        assert_eq!(b.await, Some(vec![1, 2]));
+    }
+
+    #[test]
+    fn init_error_is_returned() {
+        assert_eq!(Worker::<()>::spawn("test", || Err("no")).err(), Some("no"));
+    }
+
+    #[test]
+    fn dropping_a_call_sets_its_flag_and_drop_joins() {
+        let (started_tx, started_rx) = mpsc::channel();
+        let seen = Arc::new(AtomicUsize::new(0));
+        let seen2 = seen.clone();
+        let worker = Worker::spawn("test", || Ok::<_, ()>(())).unwrap();
+        let call = worker.call(move |_, abandoned| {
+            started_tx.send(()).unwrap();
+            while !abandoned.is_cancelled() {
+                std::thread::yield_now();
+            }
+            seen2.fetch_add(1, Ordering::SeqCst);
+        });
+        started_rx.recv().unwrap();
+        drop(call);
+        drop(worker); // joins: the loop above must have seen the flag
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn dropping_the_worker_stops_the_running_call() {
+        let (started_tx, started_rx) = mpsc::channel();
+        let worker = Worker::spawn("test", || Ok::<_, ()>(())).unwrap();
+        let call = worker.call(move |_, abandoned| {
+            started_tx.send(()).unwrap();
+            while !abandoned.is_cancelled() {
+                std::thread::yield_now();
+            }
+            "stopped"
+        });
+        started_rx.recv().unwrap();
+        drop(worker);
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        assert_eq!(rt.block_on(call), Some("stopped"));
+    }
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install what building llamabox needs, skipping what is already there:
+# cmake and a C/C++ toolchain for llama.cpp, libclang for bindgen, ccache for the C++
+# objects, and Rust's wasm32-wasip2 target for the guest plugins.
+set -euo pipefail
+
+need=()
+command -v cmake >/dev/null || need+=(cmake)
+command -v clang >/dev/null || need+=(clang)
+command -v ccache >/dev/null || need+=(ccache)
+command -v g++ >/dev/null || need+=(g++)
+ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing: ${need[*]}"
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2

@@ -1,0 +1,65 @@
+//! The `llamabox` command line: clear errors for bad invocations, and a real run.
+
+mod common;
+
+use std::process::{Command, Output};
+
+fn llamabox(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_llamabox")).args(args).output().expect("running llamabox")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn missing_plugin_file_is_named() {
+    let out = llamabox(&["run", "/nonexistent/plugin.wasm"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("plugin /nonexistent/plugin.wasm not found"), "{}", stderr(&out));
+}
+
+#[test]
+fn a_file_that_is_not_a_component_is_refused() {
+    let bogus = common::repo_root().join("README.md");
+    let out = llamabox(&["run", bogus.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("is not a valid WebAssembly component"), "{}", stderr(&out));
+}
+
+#[test]
+fn model_flags_are_checked() {
+    let plugin = common::demo_plugin().to_str().unwrap();
+    let out = llamabox(&["run", plugin, "--model", "nameonly"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("expected NAME=PATH"), "{}", stderr(&out));
+    let out = llamabox(&["run", plugin, "--model", "m=/nonexistent/model.gguf"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("model \"m\": file /nonexistent/model.gguf not found"), "{}", stderr(&out));
+}
+
+#[test]
+fn runs_the_demo_and_reports_unknown_model_names() {
+    let plugin = common::demo_plugin().to_str().unwrap();
+    let model = format!("tiny={}", common::tiny_model().display());
+    let ok = llamabox(&["run", plugin, "--model", &model, "--", "--model", "tiny", "--long-tokens", "64"]);
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(ok.status.success(), "{stdout}\n{}", stderr(&ok));
+    assert!(stdout.contains("generated-tokens: 16"), "{stdout}");
+    assert!(stdout.contains("long-decode: "), "{stdout}");
+
+    let unknown = llamabox(&["run", plugin, "--model", &model, "--", "--model", "other"]);
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(stderr(&unknown).contains("ModelNotFound(\"other\")"), "{}", stderr(&unknown));
+}
+
+#[test]
+fn synth_model_writes_a_loadable_model() {
+    let path = common::repo_root().join("target/test-models").join(format!("cli-synth-{}.gguf", std::process::id()));
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let out = llamabox(&["synth-model", path.to_str().unwrap(), "--seed", "7"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let model = llamabox::native::Model::load(&path).unwrap();
+    assert_eq!(model.n_embd(), llamabox::native::TextModelSpec::tiny().n_embd);
+    std::fs::remove_file(path).unwrap();
+}

@@ -1,0 +1,97 @@
+//! Shared by the integration tests: generated models, the built guest, a plugin runner.
+#![allow(dead_code)] // each test binary uses its own part of this module
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use llamabox::native::TextModelSpec;
+use llamabox::{Limits, ModelRegistry, PluginHost, RunOutcome};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::WasiCtxBuilder;
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn scratch_dir() -> PathBuf {
+    let dir = repo_root().join("target").join("test-models");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Write `spec` once per test process (generation is seeded, so reruns agree).
+fn generated(name: &str, spec: TextModelSpec, cell: &'static OnceLock<PathBuf>) -> &'static Path {
+    cell.get_or_init(|| {
+        let path = scratch_dir().join(format!("{name}-{}.gguf", std::process::id()));
+        spec.write(&path).unwrap();
+        path
+    })
+}
+
+/// A model whose decodes take microseconds.
+pub fn tiny_model() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    generated("tiny", TextModelSpec::tiny(), &CELL)
+}
+
+/// A model whose 512-token decode takes long enough to cancel in flight.
+pub fn slow_model() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    generated("slow", TextModelSpec::slow(), &CELL)
+}
+
+/// The demo plugin, built for wasm32-wasip2 (once per test process; cargo makes
+/// repeated builds no-ops).
+pub fn demo_plugin() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    CELL.get_or_init(|| {
+        let root = repo_root();
+        let target_dir = root.join("target").join("guest");
+        let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .current_dir(root.join("guest"))
+            .args(["build", "--release", "--target", "wasm32-wasip2", "--target-dir"])
+            .arg(&target_dir)
+            .env_remove("RUSTFLAGS")
+            .env_remove("CARGO_ENCODED_RUSTFLAGS")
+            .status()
+            .expect("running cargo to build the guest");
+        assert!(status.success(), "building the guest plugin failed");
+        target_dir.join("wasm32-wasip2/release/llamabox-demo.wasm")
+    })
+}
+
+/// Run the demo plugin with `args` against `models` (name, path); returns its stdout
+/// followed by its stderr.
+pub async fn run_demo(models: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, String) {
+    let mut registry = ModelRegistry::new();
+    for (name, path) in models {
+        registry.register(*name, *path);
+    }
+    let host = PluginHost::new(registry, Limits::default()).unwrap();
+    let plugin = host.load(demo_plugin()).unwrap();
+    let (stdout, stderr) = (MemoryOutputPipe::new(1 << 20), MemoryOutputPipe::new(1 << 20));
+    let mut wasi = WasiCtxBuilder::new();
+    wasi.stdout(stdout.clone()).stderr(stderr.clone());
+    wasi.args(&std::iter::once("demo").chain(args.iter().copied()).collect::<Vec<_>>());
+    let outcome = plugin.run(wasi).await.unwrap();
+    let text = String::from_utf8([stdout.contents(), stderr.contents()].concat()).unwrap();
+    print!("{text}");
+    (outcome, text)
+}
+
+/// The value of the first `key: value` line.
+pub fn field<'a>(output: &'a str, key: &str) -> &'a str {
+    let prefix = format!("{key}: ");
+    output
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .unwrap_or_else(|| panic!("no {key:?} line in:\n{output}"))
+}
+
+/// FNV-1a over f32 bits, as the demo plugin prints it: equal digests, equal logits.
+pub fn fnv1a64(values: &[f32]) -> u64 {
+    values.iter().flat_map(|v| v.to_bits().to_le_bytes()).fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}

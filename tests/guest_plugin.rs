@@ -1,0 +1,74 @@
+//! The demo plugin run under the host: generation, a decode cancelled from the guest's
+//! own event loop, the same logits as the native path, and bad inputs refused.
+
+mod common;
+
+use std::sync::Arc;
+
+use llamabox::native::{Batch, Context, ContextParams, Model};
+use llamabox::RunOutcome;
+
+const PROMPT: &str = "The llama in the box";
+
+/// The guest decodes the prompt with these settings (see guest/demo: n-ctx from
+/// --long-tokens 512, n-batch 512, default n-ubatch, 1 thread).
+fn native_prompt_digest(path: &std::path::Path) -> String {
+    let model = Arc::new(Model::load(path).unwrap());
+    let params = ContextParams { n_ctx: 1024, n_batch: 512, n_ubatch: 512, n_seq_max: 1, n_threads: 1 };
+    let mut ctx = Context::new(model.clone(), params).unwrap();
+    let prompt = model.tokenize(PROMPT, true, true).unwrap();
+    ctx.decode(&Batch::sequence(&prompt, 0, 0), None).unwrap();
+    let logits = ctx.logits_ith(prompt.len() as u32 - 1).unwrap();
+    format!("fnv1a64={:016x}", common::fnv1a64(logits))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_generates_then_cancels_a_long_decode_in_flight() {
+    let model = common::slow_model();
+    let (outcome, out) = common::run_demo(
+        &[("slow", model)],
+        &["--model", "slow", "--prompt", PROMPT, "--generate", "8", "--long-tokens", "512", "--cancel-after-ms", "5"],
+    )
+    .await;
+    assert_eq!(outcome, RunOutcome::Success);
+    assert_eq!(common::field(&out, "generated-tokens"), "8");
+    // A 512-token decode of this model takes far longer than 5 ms on any machine this
+    // runs on, so the guest's timer fires first and its cancel lands mid-decode.
+    let long = common::field(&out, "long-decode");
+    assert!(long.starts_with("cancelled after"), "{long}");
+    assert_eq!(common::field(&out, "memory-after"), "seq-pos-max=-1", "a cancelled decode leaves memory empty");
+    assert_eq!(common::field(&out, "prompt-logits"), native_prompt_digest(model), "guest and native logits differ");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
+    let (outcome, out) = common::run_demo(&[("tiny", common::tiny_model())], &["--model", "tiny", "--bad-inputs"]).await;
+    assert_eq!(outcome, RunOutcome::Success);
+    let expect = [
+        ("token-too-large", "invalid-argument: token"),
+        ("token-negative", "invalid-argument: token -1"),
+        ("empty-batch", "invalid-argument: empty batch"),
+        ("batch-too-large", "invalid-argument: batch of 513 tokens is larger than n-batch 512"),
+        ("seq-out-of-range", "invalid-argument: sequence id 1 is outside [0, 1)"),
+        ("position-gap", "invalid-argument: row 0: sequence 0 must continue at position 0, got 5"),
+        ("columns-differ", "invalid-argument: batch columns differ"),
+        ("unknown-model", "model-not-found: no-such-model"),
+        ("logits-of-unrequested-row", "invalid-argument: row 0 has no logits"),
+    ];
+    for (case, prefix) in expect {
+        let got = common::field(&out, &format!("bad-input {case}"));
+        assert!(got.starts_with(prefix), "{case}: {got:?} should start with {prefix:?}");
+    }
+    assert_eq!(common::field(&out, "good-after-bad"), "ok");
+    let good: i32 = common::field(&out, "good-tokens").parse().unwrap();
+    assert_eq!(common::field(&out, "memory-after"), format!("seq-pos-max={}", good - 1), "only the good batch is in memory");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_sees_only_registered_names() {
+    let (outcome, out) = common::run_demo(&[("tiny", common::tiny_model())], &["--model", "elsewhere"]).await;
+    assert_eq!(outcome, RunOutcome::Failed(1));
+    assert!(out.contains("ModelNotFound(\"elsewhere\")"), "{out}");
+    let model_dir = common::tiny_model().parent().unwrap().to_str().unwrap();
+    assert!(!out.contains(model_dir), "no host path may reach a plugin");
+}
