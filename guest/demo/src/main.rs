@@ -107,7 +107,7 @@ fn generate(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
         next = argmax(&ctx.logits_ith(0)?);
     }
     println!("generated-tokens: {n}");
-    println!("generated: {}", String::from_utf8_lossy(&text).replace('\n', "\n           "));
+    println!("generated: {}", String::from_utf8_lossy(&text).trim_start().replace('\n', "\n           "));
     Ok(())
 }
 
