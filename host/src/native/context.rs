@@ -223,19 +223,11 @@ impl Context {
             return Err(Error::Cancelled);
         }
         self.check_batch(batch)?;
-        let before: Vec<(i32, i32)> = {
-            let mut seqs = batch.seq_ids.clone();
-            seqs.sort_unstable();
-            seqs.dedup();
-            seqs.into_iter().map(|s| (s, unsafe { sys::llama_memory_seq_pos_max(self.memory(), s) })).collect()
-        };
-        self.logit_rows.clear();
-
         let mut seq_ptrs: Vec<*mut i32> = batch.seq_ids.iter().map(|s| s as *const i32 as *mut i32).collect();
         let mut n_seq_id = vec![1i32; batch.len()];
         let mut logits: Vec<i8> = batch.logits.iter().map(|&l| l as i8).collect();
-        // SAFETY: every pointer points into a vector that outlives the call; llama.cpp
-        // reads the batch and never writes through these pointers.
+        // SAFETY (for llama_decode): every pointer points into a vector that outlives
+        // the call; llama.cpp reads the batch and never writes through these pointers.
         let raw = sys::llama_batch {
             n_tokens: batch.len() as i32,
             token: batch.tokens.as_ptr().cast_mut(),
@@ -245,6 +237,99 @@ impl Context {
             seq_id: seq_ptrs.as_mut_ptr(),
             logits: logits.as_mut_ptr(),
         };
+        self.all_or_nothing(&batch.seq_ids, |ctx| ctx.decode_raw(raw, &batch.logits, stop))
+    }
+
+    /// Decode media embeddings (`n × n_embd_inp` floats, from a projector) into `seq` at
+    /// the positions after its end, in n-batch pieces; logits for the last row if
+    /// `logits_last`. `non_causal` runs the whole chunk in one ubatch with non-causal
+    /// attention, as some projectors require. All or nothing, like [`Context::decode`].
+    pub fn decode_embeddings(
+        &mut self,
+        embd: &[f32],
+        seq: i32,
+        non_causal: bool,
+        logits_last: bool,
+        stop: Option<Stop<'_>>,
+    ) -> Result<()> {
+        if stop.is_some_and(|s| s.is_set()) {
+            return Err(Error::Cancelled);
+        }
+        let width = self.model.n_embd_inp() as usize;
+        if width == 0 || embd.is_empty() || embd.len() % width != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{} floats are not a whole number of {width}-wide embeddings",
+                embd.len()
+            )));
+        }
+        let n = embd.len() / width;
+        let first = self.seq_pos_max(seq)? + 1;
+        if non_causal && n > self.params.n_ubatch as usize {
+            return Err(Error::InvalidArgument(format!(
+                "this media chunk has {n} embeddings and must be decoded in one ubatch, but n-ubatch is {}",
+                self.params.n_ubatch
+            )));
+        }
+        let piece = if non_causal { n } else { self.params.n_batch as usize };
+        self.all_or_nothing(&[seq], |ctx| {
+            if non_causal {
+                unsafe { sys::llama_set_causal_attn(ctx.ptr.as_ptr(), false) };
+            }
+            let result = (0..n).step_by(piece).try_for_each(|start| {
+                let rows = piece.min(n - start);
+                let positions: Vec<i32> = (first + start as i32..).take(rows).collect();
+                let mut seq_ids = vec![seq; rows];
+                let mut seq_ptrs: Vec<*mut i32> = seq_ids.iter_mut().map(|s| s as *mut i32).collect();
+                let mut n_seq_id = vec![1i32; rows];
+                let flags: Vec<bool> = (0..rows).map(|r| logits_last && start + r + 1 == n).collect();
+                let mut logits: Vec<i8> = flags.iter().map(|&l| l as i8).collect();
+                let raw = sys::llama_batch {
+                    n_tokens: rows as i32,
+                    token: std::ptr::null_mut(),
+                    embd: embd[start * width..(start + rows) * width].as_ptr().cast_mut(),
+                    pos: positions.as_ptr().cast_mut(),
+                    n_seq_id: n_seq_id.as_mut_ptr(),
+                    seq_id: seq_ptrs.as_mut_ptr(),
+                    logits: logits.as_mut_ptr(),
+                };
+                ctx.decode_raw(raw, &flags, stop)
+            });
+            if non_causal {
+                unsafe { sys::llama_set_causal_attn(ctx.ptr.as_ptr(), true) };
+            }
+            result
+        })
+    }
+
+    /// Logits of the last row of the last successful decode, if it asked for them.
+    pub fn last_logits(&self) -> Result<&[f32]> {
+        match self.logit_rows.len() {
+            0 => Err(Error::InvalidArgument("there is no successful decode to read logits from".into())),
+            n => self.logits_ith(n as u32 - 1),
+        }
+    }
+
+    /// Run `f`; if it fails, remove from every sequence in `seqs` whatever lies past
+    /// where it ended before. Valid because every decode continues its sequences
+    /// (checked up front), so all a failed call can have added lies past that end.
+    fn all_or_nothing(&mut self, seqs: &[i32], f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+        let mut seqs = seqs.to_vec();
+        seqs.sort_unstable();
+        seqs.dedup();
+        let ends: Vec<(i32, i32)> = seqs.iter().map(|&s| (s, unsafe { sys::llama_memory_seq_pos_max(self.memory(), s) })).collect();
+        self.logit_rows.clear();
+        let result = f(self);
+        if result.is_err() {
+            self.logit_rows.clear();
+            for (seq, end) in ends {
+                unsafe { sys::llama_memory_seq_rm(self.memory(), seq, end + 1, -1) };
+            }
+        }
+        result
+    }
+
+    /// One `llama_decode`, with the abort callback installed for it when there is a stop.
+    fn decode_raw(&mut self, raw: sys::llama_batch, logit_rows: &[bool], stop: Option<Stop<'_>>) -> Result<()> {
         let ret = match &stop {
             Some(stop) => {
                 let _installed = AbortCallback::install(self.ptr, stop);
@@ -254,22 +339,13 @@ impl Context {
         };
         match ret {
             0 => {
-                self.logit_rows = batch.logits.clone();
+                self.logit_rows = logit_rows.to_vec();
                 Ok(())
             }
             1 => Err(Error::ContextFull),
             -1 => Err(Error::InvalidArgument("llama.cpp rejected the batch (see its log)".into())),
-            _ => {
-                // Aborted (2) or failed (< -1): drop what the finished ubatches left.
-                for (seq, pos_max) in before {
-                    unsafe { sys::llama_memory_seq_rm(self.memory(), seq, pos_max + 1, -1) };
-                }
-                if ret == 2 {
-                    Err(Error::Cancelled)
-                } else {
-                    Err(Error::Backend(format!("llama_decode failed ({ret})")))
-                }
-            }
+            2 => Err(Error::Cancelled),
+            _ => Err(Error::Backend(format!("llama_decode failed ({ret})"))),
         }
     }
 }

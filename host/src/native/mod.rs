@@ -3,14 +3,17 @@
 
 mod backend;
 pub mod cancel;
+pub mod chunker;
 pub mod context;
+pub mod media;
 pub mod model;
 pub mod synthetic;
 
 pub use cancel::{CancelFlag, Stop};
 pub use context::{Batch, Context, ContextParams};
+pub use media::{Chunk, ChunkKind, EncodeScope, MediaCaps, MediaContext, MediaInput};
 pub use model::{Model, Token};
-pub use synthetic::TextModelSpec;
+pub use synthetic::{ProjectorKind, ProjectorSpec, TextModelSpec};
 
 /// Why a native call failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -65,6 +65,11 @@ impl Model {
         unsafe { sys::llama_model_n_embd(self.as_ptr()) }.max(0) as u32
     }
 
+    /// Width of input embeddings (what a projector must produce).
+    pub fn n_embd_inp(&self) -> u32 {
+        unsafe { sys::llama_model_n_embd_inp(self.as_ptr()) }.max(0) as u32
+    }
+
     pub fn n_ctx_train(&self) -> u32 {
         unsafe { sys::llama_model_n_ctx_train(self.as_ptr()) }.max(0) as u32
     }

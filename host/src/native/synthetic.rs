@@ -80,17 +80,154 @@ impl TextModelSpec {
                 blk("ffn_down", vec![ff, e]),
             ]);
         }
-        let mut rng = SplitMix64(self.seed);
-        for (name, shape) in &tensors {
-            let data: Vec<f32> = if shape.len() == 1 {
-                vec![1.0; shape[0]] // norms: identity scale
-            } else {
-                // Uniform with the variance of N(0, 1/fan_in): activations stay O(1).
-                let bound = (3.0 / shape[0] as f32).sqrt();
-                (0..shape.iter().product::<usize>()).map(|_| rng.uniform(bound)).collect()
-            };
-            file.tensor_f32(name, shape, data)?;
+        file.random_tensors(self.seed, &tensors)?;
+        file.write(path)
+    }
+}
+
+/// Shape of a synthetic projector (mmproj) for a text model of width `n_embd_text`:
+/// a LLaVA-1.5 `mlp` vision encoder or a `qwen2a` (whisper) audio encoder, random
+/// weights. Both run real attention, so an encode has boundaries where it can stop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProjectorSpec {
+    pub kind: ProjectorKind,
+    /// Encoder width.
+    pub n_embd: u32,
+    pub n_ff: u32,
+    pub n_head: u32,
+    pub n_layer: u32,
+    /// Width of the text model's input embeddings, which the projector must produce.
+    pub n_embd_text: u32,
+    pub seed: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProjectorKind {
+    /// Images are letterboxed to `image_size`² and cut into `patch_size`² patches:
+    /// (image_size / patch_size)² embeddings per image. llava runs n_layer - 1 blocks.
+    Vision { image_size: u32, patch_size: u32 },
+    /// 16 kHz audio, `n_mel` mel bins; every clip becomes 750 embeddings per 30 s.
+    Audio { n_mel: u32 },
+}
+
+impl ProjectorSpec {
+    /// A vision projector whose encode takes milliseconds (64 embeddings per image).
+    pub fn tiny_vision(n_embd_text: u32) -> Self {
+        Self {
+            kind: ProjectorKind::Vision { image_size: 64, patch_size: 8 },
+            n_embd: 64,
+            n_ff: 128,
+            n_head: 4,
+            n_layer: 4,
+            n_embd_text,
+            seed: 11,
         }
+    }
+
+    /// A vision projector whose encode takes a good fraction of a second on one core
+    /// (256 embeddings of width 768 through 8 blocks): for cancel benchmarks.
+    pub fn slow_vision(n_embd_text: u32) -> Self {
+        Self {
+            kind: ProjectorKind::Vision { image_size: 224, patch_size: 14 },
+            n_embd: 768,
+            n_ff: 2048,
+            n_head: 12,
+            n_layer: 9,
+            n_embd_text,
+            seed: 12,
+        }
+    }
+
+    /// An audio projector whose encode takes milliseconds.
+    pub fn tiny_audio(n_embd_text: u32) -> Self {
+        Self { kind: ProjectorKind::Audio { n_mel: 16 }, n_embd: 32, n_ff: 64, n_head: 2, n_layer: 2, n_embd_text, seed: 13 }
+    }
+
+    pub fn write(&self, path: &Path) -> Result<()> {
+        backend::init();
+        if self.n_head == 0 || self.n_embd % self.n_head != 0 || self.n_ff == self.n_embd || self.n_layer == 0 {
+            // n_ff == n_embd would make clip swap the FFN's up and down (a legacy fix).
+            return Err(Error::InvalidArgument(format!("unusable projector shape {self:?}")));
+        }
+        let (e, ff, text) = (self.n_embd as usize, self.n_ff as usize, self.n_embd_text as usize);
+        let mut file = GgufFile::new()?;
+        file.kv_str("general.architecture", "clip");
+        file.kv_str("general.name", "llamabox synthetic projector");
+        let (prefix, blk) = match self.kind {
+            ProjectorKind::Vision { .. } => ("clip.vision", "v.blk"),
+            ProjectorKind::Audio { .. } => ("clip.audio", "a.blk"),
+        };
+        file.kv_u32(&format!("{prefix}.embedding_length"), self.n_embd);
+        file.kv_u32(&format!("{prefix}.feed_forward_length"), self.n_ff);
+        file.kv_u32(&format!("{prefix}.block_count"), self.n_layer);
+        file.kv_u32(&format!("{prefix}.attention.head_count"), self.n_head);
+        file.kv_u32(&format!("{prefix}.projection_dim"), self.n_embd_text);
+        file.kv_f32(&format!("{prefix}.attention.layer_norm_epsilon"), 1e-5);
+
+        let mut tensors: Vec<(String, Vec<usize>)> = Vec::new();
+        match self.kind {
+            ProjectorKind::Vision { image_size, patch_size } => {
+                if patch_size == 0 || image_size % patch_size != 0 {
+                    return Err(Error::InvalidArgument(format!("image size {image_size} is not a multiple of patch size {patch_size}")));
+                }
+                let patches = ((image_size / patch_size) as usize).pow(2);
+                let p = patch_size as usize;
+                file.kv_bool("clip.has_vision_encoder", true);
+                file.kv_str("clip.projector_type", "mlp");
+                file.kv_u32("clip.vision.image_size", image_size);
+                file.kv_u32("clip.vision.patch_size", patch_size);
+                file.kv_f32s("clip.vision.image_mean", &[0.5, 0.5, 0.5]);
+                file.kv_f32s("clip.vision.image_std", &[0.5, 0.5, 0.5]);
+                tensors.push(("v.patch_embd.weight".into(), vec![p, p, 3, e]));
+                tensors.push(("v.position_embd.weight".into(), vec![e, patches]));
+            }
+            ProjectorKind::Audio { n_mel } => {
+                file.kv_bool("clip.has_audio_encoder", true);
+                file.kv_str("clip.projector_type", "qwen2a");
+                file.kv_u32("clip.audio.num_mel_bins", n_mel);
+                // Whisper: two convolutions (the second halves 3000 mel frames to 1500
+                // positions), then the encoder blocks.
+                tensors.extend([
+                    ("a.conv1d.1.weight".into(), vec![3, n_mel as usize, e]),
+                    ("a.conv1d.1.bias".into(), vec![1, e]),
+                    ("a.conv1d.2.weight".into(), vec![3, e, e]),
+                    ("a.conv1d.2.bias".into(), vec![1, e]),
+                    ("a.position_embd.weight".into(), vec![e, 1500]),
+                ]);
+            }
+        }
+        for l in 0..self.n_layer {
+            let t = |name: &str, shape: Vec<usize>| (format!("{blk}.{l}.{name}"), shape);
+            tensors.extend([
+                t("ln1.weight", vec![e]),
+                t("ln1.bias", vec![e]),
+                t("attn_q.weight", vec![e, e]),
+                t("attn_q.bias", vec![e]),
+                t("attn_k.weight", vec![e, e]), // whisper's k has no bias
+                t("attn_v.weight", vec![e, e]),
+                t("attn_v.bias", vec![e]),
+                t("attn_out.weight", vec![e, e]),
+                t("attn_out.bias", vec![e]),
+                t("ln2.weight", vec![e]),
+                t("ln2.bias", vec![e]),
+                t("ffn_up.weight", vec![e, ff]),
+                t("ffn_up.bias", vec![ff]),
+                t("ffn_down.weight", vec![ff, e]),
+                t("ffn_down.bias", vec![e]),
+            ]);
+        }
+        match self.kind {
+            ProjectorKind::Vision { .. } => tensors.extend([
+                ("mm.0.weight".into(), vec![e, text]),
+                ("mm.0.bias".into(), vec![text]),
+                ("mm.2.weight".into(), vec![text, text]),
+                ("mm.2.bias".into(), vec![text]),
+            ]),
+            ProjectorKind::Audio { .. } => {
+                tensors.extend([("mm.a.fc.weight".into(), vec![e, text]), ("mm.a.fc.bias".into(), vec![text])])
+            }
+        }
+        file.random_tensors(self.seed, &tensors)?;
         file.write(path)
     }
 }
@@ -203,6 +340,10 @@ impl GgufFile {
         unsafe { sys::gguf_set_val_f32(self.gguf, Self::key(key).as_ptr(), value) }
     }
 
+    pub(crate) fn kv_bool(&mut self, key: &str, value: bool) {
+        unsafe { sys::gguf_set_val_bool(self.gguf, Self::key(key).as_ptr(), value) }
+    }
+
     pub(crate) fn kv_f32s(&mut self, key: &str, values: &[f32]) {
         unsafe {
             sys::gguf_set_arr_data(self.gguf, Self::key(key).as_ptr(), sys::GGUF_TYPE_FLOAT32, values.as_ptr().cast(), values.len())
@@ -219,6 +360,27 @@ impl GgufFile {
         let owned: Vec<CString> = values.iter().map(|s| CString::new(s.as_str()).expect("no NUL in vocab")).collect();
         let mut ptrs: Vec<*const c_char> = owned.iter().map(|s| s.as_ptr()).collect();
         unsafe { sys::gguf_set_arr_str(self.gguf, Self::key(key).as_ptr(), ptrs.as_mut_ptr(), ptrs.len()) }
+    }
+
+    /// Add seeded random F32 tensors. Names ending in `.bias` get small values, other
+    /// 1-D tensors (norm scales) ones; the rest uniform with the variance of
+    /// N(0, 1/fan_in), so activations stay O(1) through any depth.
+    pub(crate) fn random_tensors(&mut self, seed: u64, tensors: &[(String, Vec<usize>)]) -> Result<()> {
+        let mut rng = SplitMix64(seed);
+        for (name, shape) in tensors {
+            let n = shape.iter().product::<usize>();
+            let data: Vec<f32> = if name.ends_with(".bias") {
+                (0..n).map(|_| rng.uniform(0.02)).collect()
+            } else if shape.len() == 1 {
+                vec![1.0; n]
+            } else {
+                let fan_in = shape[..shape.len() - 1].iter().product::<usize>().max(1);
+                let bound = (3.0 / fan_in as f32).sqrt();
+                (0..n).map(|_| rng.uniform(bound)).collect()
+            };
+            self.tensor_f32(name, shape, data)?;
+        }
+        Ok(())
     }
 
     /// Add an F32 tensor; `shape` is ggml order (ne0 = the contiguous dimension).

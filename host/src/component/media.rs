@@ -1,0 +1,276 @@
+//! `llamabox:inference/media`: projectors, chunks, cancellable encodes, and evaluating
+//! a chunk list into a text context.
+
+use std::sync::Arc;
+
+use wasmtime::component::Resource;
+use wasmtime_wasi::p2::{subscribe, DynPollable};
+
+use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, HostMediaContext, HostPendingEncode, Input};
+use super::llm::{ContextHandle, ModelHandle};
+use super::pending::{finished, Pending};
+use super::{CancelToken, Error, LlamaCtxView};
+use crate::native::{self, Batch, CancelFlag, Chunk, MediaContext, MediaInput, Model, Stop, Token};
+use crate::worker::{Call, Worker};
+
+type Answer<T> = wasmtime::Result<Result<T, Error>>;
+
+pub struct ChunkHandle {
+    chunk: Arc<Chunk>,
+}
+
+pub struct MediaContextHandle {
+    worker: Worker<MediaContext>,
+    model: Arc<Model>,
+    vision: bool,
+    audio: bool,
+    sample_rate: Option<u32>,
+    mrope: bool,
+}
+
+/// An encode started with `start-encode-chunk`.
+pub type PendingEncode = Pending<Vec<f32>>;
+
+impl LlamaCtxView<'_> {
+    fn media(&self, media: &Resource<MediaContextHandle>) -> wasmtime::Result<&MediaContextHandle> {
+        Ok(self.table.get(media)?)
+    }
+
+    fn queue_encode(
+        &mut self,
+        media: &Resource<MediaContextHandle>,
+        chunk: &Resource<ChunkHandle>,
+        token: &Resource<CancelToken>,
+    ) -> wasmtime::Result<Call<native::Result<Vec<f32>>>> {
+        let token = self.table.get(token)?.flag.clone();
+        let chunk = self.table.get(chunk)?.chunk.clone();
+        Ok(self.media(media)?.worker.call(move |m, abandoned| m.encode(&chunk, Some(Stop::on_either(&token, abandoned)))))
+    }
+}
+
+impl Host for LlamaCtxView<'_> {}
+
+impl HostChunk for LlamaCtxView<'_> {
+    async fn kind(&mut self, chunk: Resource<ChunkHandle>) -> wasmtime::Result<ChunkKind> {
+        Ok(match self.table.get(&chunk)?.chunk.kind() {
+            native::ChunkKind::Text => ChunkKind::Text,
+            native::ChunkKind::Image => ChunkKind::Image,
+            native::ChunkKind::Audio => ChunkKind::Audio,
+        })
+    }
+
+    async fn n_tokens(&mut self, chunk: Resource<ChunkHandle>) -> wasmtime::Result<u32> {
+        Ok(self.table.get(&chunk)?.chunk.n_tokens() as u32)
+    }
+
+    async fn n_pos(&mut self, chunk: Resource<ChunkHandle>) -> wasmtime::Result<u32> {
+        Ok(self.table.get(&chunk)?.chunk.n_pos().max(0) as u32)
+    }
+
+    async fn text_tokens(&mut self, chunk: Resource<ChunkHandle>) -> wasmtime::Result<Vec<Token>> {
+        Ok(self.table.get(&chunk)?.chunk.text_tokens().to_vec())
+    }
+
+    async fn drop(&mut self, chunk: Resource<ChunkHandle>) -> wasmtime::Result<()> {
+        // A running encode holds its own reference: the chunk outlives it.
+        self.table.delete(chunk)?;
+        Ok(())
+    }
+}
+
+impl HostMediaContext for LlamaCtxView<'_> {
+    async fn open(&mut self, projector: String, model: Resource<ModelHandle>) -> Answer<Resource<MediaContextHandle>> {
+        let model = self.table.get(&model)?.model.clone();
+        let limits = &self.ctx.limits;
+        if self.ctx.live_media_contexts >= limits.max_media_contexts {
+            let max = limits.max_media_contexts;
+            return Ok(Err(Error::LimitExceeded(format!("max-media-contexts: this plugin already has {max}"))));
+        }
+        let Ok(path) = self.ctx.registry.projector_path(&projector).cloned() else {
+            return Ok(Err(Error::ModelNotFound(projector)));
+        };
+        let threads = limits.default_threads;
+        let worker_model = model.clone();
+        let started = Worker::start("llamabox-media", move || MediaContext::new(&path, worker_model, threads)).await;
+        let worker = match started {
+            Ok(worker) => worker,
+            Err(e) => {
+                tracing::error!("opening projector {projector:?}: {e}");
+                return Ok(Err(Error::Backend(format!("projector {projector:?} could not be loaded for this model"))));
+            }
+        };
+        let probe = worker.call(|m, _| (m.supports_vision(), m.supports_audio(), m.audio_sample_rate(), m.uses_mrope()));
+        let Some((vision, audio, sample_rate, mrope)) = probe.await else {
+            return Ok(Err(Error::Backend("media worker stopped".into())));
+        };
+        self.ctx.live_media_contexts += 1;
+        Ok(Ok(self.table.push(MediaContextHandle { worker, model, vision, audio, sample_rate, mrope })?))
+    }
+
+    async fn supports_vision(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<bool> {
+        Ok(self.media(&media)?.vision)
+    }
+
+    async fn supports_audio(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<bool> {
+        Ok(self.media(&media)?.audio)
+    }
+
+    async fn audio_sample_rate(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<Option<u32>> {
+        Ok(self.media(&media)?.sample_rate)
+    }
+
+    async fn marker(&mut self, _media: Resource<MediaContextHandle>) -> wasmtime::Result<String> {
+        Ok(MediaContext::marker().to_string())
+    }
+
+    async fn tokenize(
+        &mut self,
+        media: Resource<MediaContextHandle>,
+        prompt: String,
+        inputs: Vec<Input>,
+    ) -> Answer<Vec<Resource<ChunkHandle>>> {
+        let max = self.ctx.limits.max_text_bytes;
+        if prompt.len() > max {
+            return Ok(Err(Error::LimitExceeded(format!("prompt of {} bytes is above max-text-bytes {max}", prompt.len()))));
+        }
+        let caps = self.ctx.limits.media_caps();
+        let inputs: Vec<MediaInput> = inputs
+            .into_iter()
+            .map(|input| match input {
+                Input::Image(image) => MediaInput::Image { width: image.width, height: image.height, rgb: image.rgb },
+                Input::Audio(samples) => MediaInput::Audio { samples },
+            })
+            .collect();
+        let call = self.media(&media)?.worker.call(move |m, _| m.tokenize(&prompt, &inputs, caps));
+        let chunks = match finished(call.await) {
+            Ok(chunks) => chunks,
+            Err(e) => return Ok(Err(e)),
+        };
+        let handles = chunks
+            .into_iter()
+            .map(|chunk| self.table.push(ChunkHandle { chunk }))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Ok(handles))
+    }
+
+    async fn encode_chunk(
+        &mut self,
+        media: Resource<MediaContextHandle>,
+        chunk: Resource<ChunkHandle>,
+        cancel: Resource<CancelToken>,
+    ) -> Answer<Vec<f32>> {
+        let call = self.queue_encode(&media, &chunk, &cancel)?;
+        Ok(finished(call.await))
+    }
+
+    async fn start_encode_chunk(
+        &mut self,
+        media: Resource<MediaContextHandle>,
+        chunk: Resource<ChunkHandle>,
+        cancel: Resource<CancelToken>,
+    ) -> Answer<Resource<PendingEncode>> {
+        let call = self.queue_encode(&media, &chunk, &cancel)?;
+        Ok(Ok(self.table.push(Pending::new(call))?))
+    }
+
+    async fn eval_chunks(
+        &mut self,
+        media: Resource<MediaContextHandle>,
+        ctx: Resource<ContextHandle>,
+        chunks: Vec<Resource<ChunkHandle>>,
+        seq: i32,
+        cancel: Resource<CancelToken>,
+    ) -> Answer<i32> {
+        let token = self.table.get(&cancel)?.flag.clone();
+        let chunks = chunks.iter().map(|c| Ok(self.table.get(c)?.chunk.clone())).collect::<wasmtime::Result<Vec<_>>>()?;
+        let media = self.media(&media)?;
+        let context = self.table.get(&ctx)?;
+        if !Arc::ptr_eq(&media.model, &context.model) {
+            return Ok(Err(Error::InvalidArgument("the media context was opened for another model".into())));
+        }
+        if media.mrope && chunks.iter().any(|c| c.kind() != native::ChunkKind::Text) {
+            return Ok(Err(Error::InvalidArgument("projectors with multi-dimensional positions (M-RoPE) are not supported yet".into())));
+        }
+        Ok(eval_chunks(&media.worker, &context.worker, &chunks, seq, &token).await)
+    }
+
+    async fn drop(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<()> {
+        let handle = self.table.delete(media)?;
+        self.ctx.live_media_contexts -= 1;
+        // Joining the worker stops its running encode first (see `Worker::drop`).
+        tokio::task::spawn_blocking(move || drop(handle)).await?;
+        Ok(())
+    }
+}
+
+/// Text chunks are decoded, media chunks encoded then decoded, each step stoppable by
+/// `token`. If any step fails, the sequence is cut back to where it ended before.
+async fn eval_chunks(
+    media: &Worker<MediaContext>,
+    context: &Worker<native::Context>,
+    chunks: &[Arc<Chunk>],
+    seq: i32,
+    token: &CancelFlag,
+) -> Result<i32, Error> {
+    let end = finished(context.call(move |c, _| c.seq_pos_max(seq)).await)?;
+    let result = eval_each(media, context, chunks, seq, token).await;
+    if result.is_err() {
+        finished(context.call(move |c, _| c.seq_rm(seq, end + 1, -1)).await)?;
+    }
+    result?;
+    finished(context.call(move |c, _| c.seq_pos_max(seq)).await).map(|last| last + 1)
+}
+
+async fn eval_each(
+    media: &Worker<MediaContext>,
+    context: &Worker<native::Context>,
+    chunks: &[Arc<Chunk>],
+    seq: i32,
+    token: &CancelFlag,
+) -> Result<(), Error> {
+    for (i, chunk) in chunks.iter().enumerate() {
+        let last = i + 1 == chunks.len();
+        let (chunk, token) = (chunk.clone(), token.clone());
+        if chunk.kind() == native::ChunkKind::Text {
+            let step = context.call(move |c, abandoned| {
+                let n_batch = c.params().n_batch as usize;
+                let tokens = chunk.text_tokens();
+                let n_pieces = tokens.len().div_ceil(n_batch);
+                tokens.chunks(n_batch).enumerate().try_for_each(|(p, piece)| {
+                    let mut batch = Batch::sequence(piece, c.seq_pos_max(seq)? + 1, seq);
+                    batch.logits = (0..piece.len()).map(|r| last && p + 1 == n_pieces && r + 1 == piece.len()).collect();
+                    c.decode(&batch, Some(Stop::on_either(&token, abandoned)))
+                })
+            });
+            finished(step.await)?;
+        } else {
+            let encode_token = token.clone();
+            let encoded = media.call(move |m, abandoned| {
+                let embd = m.encode(&chunk, Some(Stop::on_either(&encode_token, abandoned)))?;
+                Ok((embd, m.needs_non_causal(&chunk)))
+            });
+            let (embd, non_causal) = finished(encoded.await)?;
+            let decoded = context.call(move |c, abandoned| {
+                c.decode_embeddings(&embd, seq, non_causal, last, Some(Stop::on_either(&token, abandoned)))
+            });
+            finished(decoded.await)?;
+        }
+    }
+    Ok(())
+}
+
+impl HostPendingEncode for LlamaCtxView<'_> {
+    async fn subscribe(&mut self, pending: Resource<PendingEncode>) -> wasmtime::Result<Resource<DynPollable>> {
+        subscribe(self.table, pending)
+    }
+
+    async fn finish(&mut self, pending: Resource<PendingEncode>) -> Answer<Vec<f32>> {
+        Ok(self.table.get_mut(&pending)?.finish().await)
+    }
+
+    async fn drop(&mut self, pending: Resource<PendingEncode>) -> wasmtime::Result<()> {
+        // Dropping an unfinished encode sets its stop flag: it stops at the next boundary.
+        self.table.delete(pending)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,119 @@
+//! Where a media encode may stop: the decision logic of the eval callback, as a pure
+//! state machine with no llama.cpp in it.
+//!
+//! ggml's scheduler asks the eval callback, node by node, "do you want this node's
+//! output?" (`ask`). On the first yes it computes up to that node, then calls back
+//! with `ask == false`; answering false there stops the graph. So every yes is a point
+//! where an encode can stop, and every yes costs a synchronisation. We say yes only:
+//! - after attention (FLASH_ATTN_EXT or SOFT_MAX): never inside a run of ops the CPU
+//!   backend might fuse, so chunked output stays bitwise identical to unchunked;
+//! - once per `CHUNK_WORK` units of work, so boundaries cost nothing measurable;
+//! - or at the next attention op once a cancel is seen, so a cancel never waits for
+//!   the work budget to fill.
+
+use llama_cpp_sys_2 as sys;
+
+/// Work units between two boundaries: about 0.1 s of CPU matmul per chunk at a few
+/// tens of GFLOP/s, and a few boundaries per second-long encode.
+pub const CHUNK_WORK: u64 = 2_500_000_000;
+
+/// What a graph node costs and whether a boundary may follow it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeWork {
+    pub units: u64,
+    pub boundary_allowed: bool,
+}
+
+impl NodeWork {
+    /// Work of a node: MUL_MAT is output elements × inner dimension (its multiply-adds);
+    /// views and no-ops are free; any other computed op costs its element count.
+    pub fn of(op: sys::ggml_op, out_elements: u64, mul_mat_inner: u64) -> Self {
+        let units = match op {
+            sys::GGML_OP_NONE | sys::GGML_OP_VIEW | sys::GGML_OP_RESHAPE | sys::GGML_OP_PERMUTE | sys::GGML_OP_TRANSPOSE => 0,
+            sys::GGML_OP_MUL_MAT => out_elements.saturating_mul(mul_mat_inner),
+            _ => out_elements,
+        };
+        let boundary_allowed = matches!(op, sys::GGML_OP_FLASH_ATTN_EXT | sys::GGML_OP_SOFT_MAX);
+        Self { units, boundary_allowed }
+    }
+}
+
+/// The callback's state for one encode.
+#[derive(Debug)]
+pub struct Chunker {
+    budget: u64,
+    spent: u64,
+}
+
+impl Default for Chunker {
+    fn default() -> Self {
+        Self::with_budget(CHUNK_WORK)
+    }
+}
+
+impl Chunker {
+    pub fn with_budget(budget: u64) -> Self {
+        Self { budget, spent: 0 }
+    }
+
+    /// `ask == true`: should the scheduler stop after this node and call back?
+    pub fn ask(&mut self, node: NodeWork, cancelled: bool) -> bool {
+        self.spent = self.spent.saturating_add(node.units);
+        node.boundary_allowed && (cancelled || self.spent >= self.budget)
+    }
+
+    /// `ask == false`, at a boundary: go on (true) or stop the encode (false).
+    pub fn at_boundary(&mut self, cancelled: bool) -> bool {
+        self.spent = 0;
+        !cancelled
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ATTN: NodeWork = NodeWork { units: 10, boundary_allowed: true };
+    const MATMUL: NodeWork = NodeWork { units: 60, boundary_allowed: false };
+
+    #[test]
+    fn work_units_by_op() {
+        assert_eq!(NodeWork::of(sys::GGML_OP_MUL_MAT, 100, 64).units, 6400);
+        assert_eq!(NodeWork::of(sys::GGML_OP_ADD, 100, 64).units, 100);
+        for view in [sys::GGML_OP_VIEW, sys::GGML_OP_RESHAPE, sys::GGML_OP_PERMUTE, sys::GGML_OP_TRANSPOSE, sys::GGML_OP_NONE] {
+            assert_eq!(NodeWork::of(view, 100, 64).units, 0);
+        }
+        assert!(NodeWork::of(sys::GGML_OP_SOFT_MAX, 1, 0).boundary_allowed);
+        assert!(NodeWork::of(sys::GGML_OP_FLASH_ATTN_EXT, 1, 0).boundary_allowed);
+        assert!(!NodeWork::of(sys::GGML_OP_MUL_MAT, 1, 1).boundary_allowed, "never a boundary after MUL_MAT");
+        assert!(!NodeWork::of(sys::GGML_OP_ADD, 1, 1).boundary_allowed);
+    }
+
+    #[test]
+    fn boundary_only_after_attention_once_the_budget_is_spent() {
+        let mut c = Chunker::with_budget(100);
+        assert!(!c.ask(MATMUL, false));
+        assert!(!c.ask(ATTN, false), "70 < 100: no boundary yet");
+        assert!(!c.ask(MATMUL, false), "budget spent, but MUL_MAT may not end a chunk");
+        assert!(c.ask(ATTN, false), "first attention op after the budget");
+        assert!(c.at_boundary(false));
+    }
+
+    #[test]
+    fn budget_resets_at_each_boundary() {
+        let mut c = Chunker::with_budget(100);
+        c.ask(MATMUL, false);
+        c.ask(MATMUL, false);
+        assert!(c.ask(ATTN, false));
+        assert!(c.at_boundary(false));
+        assert!(!c.ask(ATTN, false), "10 spent since the boundary");
+    }
+
+    #[test]
+    fn cancel_stops_at_the_next_attention_op_without_waiting_for_the_budget() {
+        let mut c = Chunker::with_budget(1_000_000);
+        assert!(!c.ask(MATMUL, true), "MUL_MAT is never a boundary, cancelled or not");
+        assert!(c.ask(ATTN, true));
+        assert!(!c.at_boundary(true), "a cancelled encode stops at the boundary");
+    }
+}

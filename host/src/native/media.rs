@@ -1,0 +1,443 @@
+//! Images and audio through mtmd: tokenizing a prompt with media markers into chunks,
+//! and encoding media chunks into embeddings, stoppable in flight.
+//!
+//! clip has no abort callback, so the stop goes through the scheduler's eval callback
+//! (see `chunker`). The callback is installed once per media context; a thread-local
+//! [`EncodeScope`] ties it to one call's `Stop` for that call only, so a long-lived
+//! media context never holds a pointer to a finished call's state.
+
+use std::cell::{Cell, RefCell};
+use std::ffi::{c_void, CStr, CString};
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use llama_cpp_sys_2 as sys;
+
+use super::cancel::Stop;
+use super::chunker::{Chunker, NodeWork, CHUNK_WORK};
+use super::model::{Model, Token};
+use super::{backend, Error, Result};
+
+/// One media input for `tokenize`, matched in order with the prompt's markers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MediaInput {
+    /// Packed RGB, `width * height * 3` bytes.
+    Image { width: u32, height: u32, rgb: Vec<u8> },
+    /// Mono PCM at the projector's sample rate.
+    Audio { samples: Vec<f32> },
+}
+
+/// Host caps on media inputs, checked before anything is allocated natively.
+#[derive(Clone, Copy, Debug)]
+pub struct MediaCaps {
+    pub max_image_side: u32,
+    pub max_audio_samples: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkKind {
+    Text,
+    Image,
+    Audio,
+}
+
+/// One chunk of a tokenized prompt. Read-only once made, so it is shared (`Arc`) by the
+/// guest's handle and any call running on it.
+pub struct Chunk {
+    ptr: NonNull<sys::mtmd_input_chunk>,
+}
+
+// SAFETY: an mtmd_input_chunk is plain data, never mutated after tokenize; mtmd only
+// reads it (through const pointers), so it may be shared and freed from any thread.
+unsafe impl Send for Chunk {}
+unsafe impl Sync for Chunk {}
+
+impl Chunk {
+    pub fn kind(&self) -> ChunkKind {
+        match unsafe { sys::mtmd_input_chunk_get_type(self.ptr.as_ptr()) } {
+            sys::MTMD_INPUT_CHUNK_TYPE_IMAGE => ChunkKind::Image,
+            sys::MTMD_INPUT_CHUNK_TYPE_AUDIO => ChunkKind::Audio,
+            _ => ChunkKind::Text,
+        }
+    }
+
+    /// Tokens (text) or embeddings (media) the chunk adds.
+    pub fn n_tokens(&self) -> usize {
+        unsafe { sys::mtmd_input_chunk_get_n_tokens(self.ptr.as_ptr()) }
+    }
+
+    /// Positions the chunk takes in a sequence.
+    pub fn n_pos(&self) -> i32 {
+        unsafe { sys::mtmd_input_chunk_get_n_pos(self.ptr.as_ptr()) }
+    }
+
+    /// The token ids of a text chunk (empty for media).
+    pub fn text_tokens(&self) -> &[Token] {
+        let mut n = 0usize;
+        let ptr = unsafe { sys::mtmd_input_chunk_get_tokens_text(self.ptr.as_ptr(), &mut n) };
+        if ptr.is_null() || self.kind() != ChunkKind::Text {
+            return &[];
+        }
+        // SAFETY: mtmd returns n tokens owned by the chunk, which `self` keeps alive.
+        unsafe { std::slice::from_raw_parts(ptr, n) }
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        unsafe { sys::mtmd_input_chunk_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// A projector (mmproj) bound to a text model. One call at a time (`&mut self`).
+pub struct MediaContext {
+    ptr: NonNull<sys::mtmd_context>,
+    n_embd: usize,
+    /// Work units between encode boundaries (see `chunker`).
+    chunk_work: u64,
+    /// Declared last: the text model must outlive the media context.
+    model: Arc<Model>,
+}
+
+// SAFETY: used by one thread at a time (`&mut self` for encodes); may move threads.
+unsafe impl Send for MediaContext {}
+
+impl MediaContext {
+    /// Load a projector for `model`. Blocking (reads the projector's weights).
+    pub fn new(path: &Path, model: Arc<Model>, n_threads: u32) -> Result<Self> {
+        backend::init();
+        if !path.is_file() {
+            return Err(Error::Backend(format!("projector file {} not found", path.display())));
+        }
+        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| Error::InvalidArgument("projector path contains a NUL byte".into()))?;
+        let threads = i32::try_from(n_threads.max(1)).unwrap_or(i32::MAX);
+        // SAFETY: defaults first (the struct gains fields between versions).
+        let ptr = unsafe {
+            let mut p = sys::mtmd_context_params_default();
+            p.use_gpu = false;
+            p.print_timings = false;
+            p.n_threads = threads;
+            p.cb_eval = Some(eval_callback);
+            p.cb_eval_user_data = std::ptr::null_mut();
+            sys::mtmd_init_from_file(c_path.as_ptr(), model.as_ptr(), p)
+        };
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            Error::Backend(format!("mtmd could not load projector {} for this model (see its log)", path.display()))
+        })?;
+        let n_embd = model.n_embd_inp() as usize;
+        Ok(Self { ptr, n_embd, chunk_work: CHUNK_WORK, model })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Work units between boundaries where an encode can stop (default `CHUNK_WORK`):
+    /// smaller stops sooner after a cancel and synchronises more often.
+    pub fn set_chunk_work(&mut self, units: u64) {
+        self.chunk_work = units.max(1);
+    }
+
+    pub fn supports_vision(&self) -> bool {
+        unsafe { sys::mtmd_support_vision(self.ptr.as_ptr()) }
+    }
+
+    pub fn supports_audio(&self) -> bool {
+        unsafe { sys::mtmd_support_audio(self.ptr.as_ptr()) }
+    }
+
+    /// Sample rate audio input must have, if the projector takes audio.
+    pub fn audio_sample_rate(&self) -> Option<u32> {
+        let rate = unsafe { sys::mtmd_get_audio_sample_rate(self.ptr.as_ptr()) };
+        (rate > 0).then_some(rate as u32)
+    }
+
+    /// Whether a media chunk must be decoded in one ubatch with non-causal attention.
+    pub fn needs_non_causal(&self, chunk: &Chunk) -> bool {
+        unsafe { sys::mtmd_decode_use_non_causal(self.ptr.as_ptr(), chunk.ptr.as_ptr()) }
+    }
+
+    /// Whether media positions are multi-dimensional (M-RoPE), which llamabox does not
+    /// decode yet.
+    pub fn uses_mrope(&self) -> bool {
+        unsafe { sys::mtmd_decode_use_mrope(self.ptr.as_ptr()) }
+    }
+
+    /// The text that marks where each media input goes in a prompt.
+    pub fn marker() -> &'static str {
+        // SAFETY: a static NUL-terminated string.
+        unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_str().unwrap_or("<__media__>")
+    }
+
+    /// Split `prompt` into text and media chunks; media inputs fill the markers in order.
+    pub fn tokenize(&mut self, prompt: &str, inputs: &[MediaInput], caps: MediaCaps) -> Result<Vec<Arc<Chunk>>> {
+        let invalid = |m: String| Err(Error::InvalidArgument(m));
+        let markers = prompt.matches(Self::marker()).count();
+        if markers != inputs.len() {
+            return invalid(format!("the prompt has {markers} media markers but {} inputs were given", inputs.len()));
+        }
+        let text = CString::new(prompt).map_err(|_| Error::InvalidArgument("prompt contains a NUL byte".into()))?;
+        let bitmaps = inputs.iter().enumerate().map(|(i, input)| self.bitmap(i, input, caps)).collect::<Result<Vec<_>>>()?;
+        let raw: Vec<*const sys::mtmd_bitmap> = bitmaps.iter().map(|b| b.0.as_ptr().cast_const()).collect();
+        let input = sys::mtmd_input_text { text: text.as_ptr(), text_len: prompt.len(), add_special: true, parse_special: true };
+        let list = ChunkList::new()?;
+        let ret = unsafe { sys::mtmd_tokenize(self.ptr.as_ptr(), list.0.as_ptr(), &input, raw.as_ptr(), raw.len()) };
+        match ret {
+            0 => list.into_chunks(),
+            1 => invalid("media markers and inputs do not match".into()),
+            2 => invalid("a media input could not be preprocessed (see the log)".into()),
+            other => Err(Error::Backend(format!("mtmd_tokenize failed ({other})"))),
+        }
+    }
+
+    fn bitmap(&self, index: usize, input: &MediaInput, caps: MediaCaps) -> Result<Bitmap> {
+        let invalid = |m: String| Err(Error::InvalidArgument(format!("input {index}: {m}")));
+        let ptr = match input {
+            MediaInput::Image { width, height, rgb } => {
+                if !self.supports_vision() {
+                    return invalid("this projector takes no images".into());
+                }
+                let max = caps.max_image_side;
+                if *width == 0 || *height == 0 || *width > max || *height > max {
+                    return invalid(format!("image {width}x{height} is outside 1..={max} per side"));
+                }
+                let expected = *width as usize * *height as usize * 3;
+                if rgb.len() != expected {
+                    return invalid(format!("image {width}x{height} needs {expected} RGB bytes, got {}", rgb.len()));
+                }
+                unsafe { sys::mtmd_bitmap_init(*width, *height, rgb.as_ptr()) }
+            }
+            MediaInput::Audio { samples } => {
+                if !self.supports_audio() {
+                    return invalid("this projector takes no audio".into());
+                }
+                // mtmd asserts on a single sample: at least two.
+                if samples.len() < 2 || samples.len() > caps.max_audio_samples {
+                    let max = caps.max_audio_samples;
+                    return invalid(format!("audio of {} samples is outside 2..={max}", samples.len()));
+                }
+                if !samples.iter().all(|s| s.is_finite()) {
+                    return invalid("audio samples must be finite".into());
+                }
+                unsafe { sys::mtmd_bitmap_init_from_audio(samples.len(), samples.as_ptr()) }
+            }
+        };
+        NonNull::new(ptr).map(Bitmap).ok_or_else(|| Error::Backend("could not allocate a bitmap".into()))
+    }
+
+    /// Encode a media chunk into `n_tokens × n_embd` embeddings. With a `stop`, the
+    /// encode stops at the next chunk boundary once it is set, and returns `Cancelled`
+    /// (the partial output is discarded); without one this is the plain mtmd call.
+    pub fn encode(&mut self, chunk: &Chunk, stop: Option<Stop<'_>>) -> Result<Vec<f32>> {
+        if chunk.kind() == ChunkKind::Text {
+            return Err(Error::InvalidArgument("a text chunk has nothing to encode".into()));
+        }
+        if stop.is_some_and(|s| s.is_set()) {
+            return Err(Error::Cancelled);
+        }
+        let ret = match stop {
+            Some(stop) => {
+                let scope = EncodeScope::with_chunker(stop, Chunker::with_budget(self.chunk_work));
+                let ret = unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) };
+                // mtmd returns 0 for a stopped encode: the scope knows it stopped.
+                if scope.stopped() {
+                    return Err(Error::Cancelled);
+                }
+                ret
+            }
+            None => unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) },
+        };
+        if ret != 0 {
+            return Err(Error::Backend(format!("mtmd_encode_chunk failed ({ret})")));
+        }
+        let len = chunk.n_tokens() * self.n_embd;
+        let out = unsafe { sys::mtmd_get_output_embd(self.ptr.as_ptr()) };
+        if out.is_null() {
+            return Err(Error::Backend("mtmd produced no embeddings".into()));
+        }
+        // SAFETY: mtmd documents n_tokens × n_embd_inp floats after a successful encode.
+        Ok(unsafe { std::slice::from_raw_parts(out, len) }.to_vec())
+    }
+}
+
+impl Drop for MediaContext {
+    fn drop(&mut self) {
+        unsafe { sys::mtmd_free(self.ptr.as_ptr()) }
+    }
+}
+
+struct Bitmap(NonNull<sys::mtmd_bitmap>);
+
+impl Drop for Bitmap {
+    fn drop(&mut self) {
+        unsafe { sys::mtmd_bitmap_free(self.0.as_ptr()) }
+    }
+}
+
+struct ChunkList(NonNull<sys::mtmd_input_chunks>);
+
+impl ChunkList {
+    fn new() -> Result<Self> {
+        NonNull::new(unsafe { sys::mtmd_input_chunks_init() })
+            .map(Self)
+            .ok_or_else(|| Error::Backend("could not allocate a chunk list".into()))
+    }
+
+    /// Copy each chunk out, so each can be owned (and freed) on its own.
+    fn into_chunks(self) -> Result<Vec<Arc<Chunk>>> {
+        let n = unsafe { sys::mtmd_input_chunks_size(self.0.as_ptr()) };
+        (0..n)
+            .map(|i| {
+                let copy = unsafe { sys::mtmd_input_chunk_copy(sys::mtmd_input_chunks_get(self.0.as_ptr(), i)) };
+                NonNull::new(copy)
+                    .map(|ptr| Arc::new(Chunk { ptr }))
+                    .ok_or_else(|| Error::Backend("could not copy a chunk".into()))
+            })
+            .collect()
+    }
+}
+
+impl Drop for ChunkList {
+    fn drop(&mut self) {
+        unsafe { sys::mtmd_input_chunks_free(self.0.as_ptr()) }
+    }
+}
+
+/// The running encode's state, reachable from the eval callback through `SCOPE`.
+struct ScopeState<'a> {
+    stop: Stop<'a>,
+    chunker: RefCell<Chunker>,
+    boundaries: Cell<u64>,
+    stopped: Cell<bool>,
+}
+
+std::thread_local! {
+    /// The encode running on this thread, if any (null outside an `EncodeScope`).
+    static SCOPE: Cell<*const ScopeState<'static>> = const { Cell::new(std::ptr::null()) };
+}
+
+/// Ties this thread's eval callbacks to one call's `Stop` until dropped.
+pub struct EncodeScope<'a> {
+    state: Box<ScopeState<'a>>,
+    outer: *const ScopeState<'static>,
+}
+
+impl<'a> EncodeScope<'a> {
+    pub fn with_chunker(stop: Stop<'a>, chunker: Chunker) -> Self {
+        let state = Box::new(ScopeState {
+            stop,
+            chunker: RefCell::new(chunker),
+            boundaries: Cell::new(0),
+            stopped: Cell::new(false),
+        });
+        // The pointer is erased to 'static only while this scope (which owns the state
+        // and borrows the stop for 'a) is alive: `drop` restores the outer scope.
+        let ptr = (&*state as *const ScopeState<'a>).cast::<ScopeState<'static>>();
+        let outer = SCOPE.with(|s| s.replace(ptr));
+        Self { state, outer }
+    }
+
+    /// Whether the callback stopped the computation at a boundary.
+    pub fn stopped(&self) -> bool {
+        self.state.stopped.get()
+    }
+
+    /// Boundaries the computation reached (each one a point where it could stop).
+    pub fn boundaries(&self) -> u64 {
+        self.state.boundaries.get()
+    }
+}
+
+impl Drop for EncodeScope<'_> {
+    fn drop(&mut self) {
+        SCOPE.with(|s| s.set(self.outer));
+    }
+}
+
+/// `ggml_backend_sched_eval_callback`, installed on every media context.
+pub(crate) unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, _: *mut c_void) -> bool {
+    SCOPE.with(|scope| {
+        // SAFETY: non-null only while an EncodeScope on this thread owns the state.
+        let Some(state) = (unsafe { scope.get().as_ref() }) else {
+            return !ask; // outside a scope: want nothing, stop nothing
+        };
+        if ask {
+            // SAFETY: the scheduler passes a live node of the graph it is computing.
+            let node = unsafe { node_work(t) };
+            state.chunker.borrow_mut().ask(node, state.stop.is_set())
+        } else {
+            state.boundaries.set(state.boundaries.get() + 1);
+            let cancelled = state.stop.requested();
+            state.stopped.set(state.stopped.get() || cancelled);
+            state.chunker.borrow_mut().at_boundary(cancelled)
+        }
+    })
+}
+
+unsafe fn node_work(t: *const sys::ggml_tensor) -> NodeWork {
+    let Some(t) = (unsafe { t.as_ref() }) else {
+        return NodeWork { units: 0, boundary_allowed: false };
+    };
+    let elements = t.ne.iter().map(|&d| d.max(0) as u64).product::<u64>();
+    let inner = unsafe { t.src[0].as_ref() }.map_or(0, |src| src.ne[0].max(0) as u64);
+    NodeWork::of(t.op, elements, inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::native::CancelFlag;
+
+    fn node(op: sys::ggml_op) -> sys::ggml_tensor {
+        // SAFETY: ggml_tensor is a plain C struct; all-zero is a valid (empty) value.
+        let mut t: sys::ggml_tensor = unsafe { std::mem::zeroed() };
+        t.op = op;
+        t.ne = [4, 4, 1, 1];
+        t
+    }
+
+    fn call(t: &mut sys::ggml_tensor, ask: bool) -> bool {
+        unsafe { eval_callback(t, ask, std::ptr::null_mut()) }
+    }
+
+    #[test]
+    fn outside_a_scope_the_callback_asks_for_nothing() {
+        let mut attn = node(sys::GGML_OP_SOFT_MAX);
+        assert!(!call(&mut attn, true));
+        assert!(call(&mut attn, false), "and never stops anything");
+    }
+
+    #[test]
+    fn a_scope_routes_this_threads_callbacks_to_its_stop_until_dropped() {
+        let token = CancelFlag::new();
+        token.cancel();
+        let mut attn = node(sys::GGML_OP_SOFT_MAX);
+        let mut matmul = node(sys::GGML_OP_MUL_MAT);
+        {
+            let scope = EncodeScope::with_chunker(Stop::on(&token), Chunker::with_budget(u64::MAX));
+            assert!(!call(&mut matmul, true), "never a boundary after MUL_MAT");
+            assert!(call(&mut attn, true), "a cancel asks at the next attention op");
+            assert!(!call(&mut attn, false), "and stops there");
+            assert!(scope.stopped());
+            assert_eq!(scope.boundaries(), 1);
+            // Another thread has no scope: its callbacks are idle.
+            std::thread::scope(|s| {
+                s.spawn(|| assert!(!call(&mut node(sys::GGML_OP_SOFT_MAX), true)));
+            });
+        }
+        assert!(!call(&mut attn, true), "the scope is gone with its call");
+    }
+
+    #[test]
+    fn the_trip_wire_counts_boundaries() {
+        let token = CancelFlag::new();
+        token.trip_after(2);
+        let mut attn = node(sys::GGML_OP_SOFT_MAX);
+        let scope = EncodeScope::with_chunker(Stop::on(&token), Chunker::with_budget(1));
+        assert!(call(&mut attn, true) && call(&mut attn, false), "boundary 1 goes on");
+        assert!(call(&mut attn, true) && !call(&mut attn, false), "boundary 2 stops");
+        assert!(scope.stopped() && token.is_cancelled());
+    }
+}

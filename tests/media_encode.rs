@@ -1,0 +1,146 @@
+//! Cancellable media encodes on generated projectors, 1 thread: chunked output equal to
+//! plain, deterministic cancels at boundary k, cancel on entry, chunk-list evaluation
+//! that leaves memory untouched when cancelled, and bad inputs refused.
+
+mod common;
+
+use std::sync::Arc;
+
+use llamabox::native::{
+    Batch, CancelFlag, ChunkKind, Context, ContextParams, Error, MediaCaps, MediaContext, MediaInput, Model, Stop,
+};
+
+const CAPS: MediaCaps = MediaCaps { max_image_side: 1024, max_audio_samples: 16_000 * 30 };
+
+fn model() -> Arc<Model> {
+    Arc::new(Model::load(common::tiny_model()).unwrap())
+}
+
+fn media(projector: &std::path::Path, model: &Arc<Model>) -> MediaContext {
+    MediaContext::new(projector, model.clone(), 1).unwrap()
+}
+
+fn image(w: u32, h: u32) -> MediaInput {
+    MediaInput::Image { width: w, height: h, rgb: common::gradient(w, h) }
+}
+
+/// The single media chunk of `prompt` + one input.
+fn media_chunk(m: &mut MediaContext, input: MediaInput) -> Arc<llamabox::native::Chunk> {
+    let prompt = format!("look: {}", MediaContext::marker());
+    let chunks = m.tokenize(&prompt, &[input], CAPS).unwrap();
+    chunks.into_iter().find(|c| c.kind() != ChunkKind::Text).expect("a media chunk")
+}
+
+#[test]
+fn chunked_encode_is_bitwise_identical_to_plain_and_stops_at_boundary_k() {
+    let model = model();
+    for (projector, input) in [
+        (common::tiny_vision(), image(48, 40)),
+        (common::tiny_audio(), MediaInput::Audio { samples: common::tone(8_000) }),
+    ] {
+        let mut m = media(projector, &model);
+        m.set_chunk_work(1); // a boundary after every attention op
+        let chunk = media_chunk(&mut m, input);
+        let plain = m.encode(&chunk, None).unwrap();
+        assert_eq!(plain.len(), chunk.n_tokens() * model.n_embd_inp() as usize);
+
+        let counter = CancelFlag::new();
+        counter.trip_after(u64::MAX); // count boundaries, never trip
+        let chunked = m.encode(&chunk, Some(Stop::on(&counter))).unwrap();
+        let boundaries = counter.polls();
+        assert!(boundaries >= 2, "{projector:?}: expected several boundaries, got {boundaries}");
+        assert!(bitwise_eq(&plain, &chunked), "{projector:?}: chunked output differs from plain");
+
+        for k in [1, boundaries - 1] {
+            let token = CancelFlag::new();
+            token.trip_after(k);
+            assert_eq!(m.encode(&chunk, Some(Stop::on(&token))), Err(Error::Cancelled));
+            assert_eq!(token.polls(), k, "stopped at boundary {k}");
+            let again = m.encode(&chunk, Some(Stop::on(&CancelFlag::new()))).unwrap();
+            assert!(bitwise_eq(&plain, &again), "the encode after a cancel must equal the one before");
+        }
+    }
+}
+
+#[test]
+fn token_cancelled_on_entry_computes_nothing() {
+    let model = model();
+    let mut m = media(common::tiny_vision(), &model);
+    let chunk = media_chunk(&mut m, image(8, 8));
+    let token = CancelFlag::new();
+    token.cancel();
+    token.trip_after(u64::MAX);
+    assert_eq!(m.encode(&chunk, Some(Stop::on(&token))), Err(Error::Cancelled));
+    assert_eq!(token.polls(), 0);
+}
+
+#[test]
+fn media_embeddings_decode_into_a_context_and_a_cancel_leaves_no_trace() {
+    let model = model();
+    let mut m = media(common::tiny_vision(), &model);
+    let chunk = media_chunk(&mut m, image(30, 20));
+    let embd = m.encode(&chunk, None).unwrap();
+    let params = ContextParams { n_ctx: 512, n_batch: 32, n_ubatch: 16, n_seq_max: 1, n_threads: 1 };
+
+    let mut reference = Context::new(model.clone(), params).unwrap();
+    reference.decode(&Batch::sequence(&[1, 100, 101], 0, 0), None).unwrap();
+    let counter = CancelFlag::new();
+    counter.trip_after(u64::MAX);
+    reference.decode_embeddings(&embd, 0, false, true, Some(Stop::on(&counter))).unwrap();
+    let expected = reference.last_logits().unwrap().to_vec();
+    assert_eq!(chunk.n_tokens(), 64, "two 32-row pieces of two ubatches each");
+
+    let mut ctx = Context::new(model.clone(), params).unwrap();
+    ctx.decode(&Batch::sequence(&[1, 100, 101], 0, 0), None).unwrap();
+    let token = CancelFlag::new();
+    token.trip_after(counter.polls() * 7 / 8); // in the last ubatch: llama.cpp keeps the first three
+    assert_eq!(ctx.decode_embeddings(&embd, 0, false, true, Some(Stop::on(&token))), Err(Error::Cancelled));
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), 2, "memory as before the call");
+    ctx.decode_embeddings(&embd, 0, false, true, None).unwrap();
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), 2 + chunk.n_pos());
+    assert!(bitwise_eq(ctx.last_logits().unwrap(), &expected));
+
+    let mut small = Context::new(model.clone(), params).unwrap();
+    match small.decode_embeddings(&embd, 0, true, true, None) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("must be decoded in one ubatch"), "{m}"),
+        other => panic!("a non-causal chunk larger than n-ubatch must be refused, got {other:?}"),
+    }
+    assert!(matches!(small.decode_embeddings(&embd[1..], 0, false, true, None), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn bad_media_inputs_are_refused_with_a_reason() {
+    let model = model();
+    let mut vision = media(common::tiny_vision(), &model);
+    let mut audio = media(common::tiny_audio(), &model);
+    assert!(vision.supports_vision() && !vision.supports_audio());
+    assert!(audio.supports_audio() && audio.audio_sample_rate() == Some(16_000));
+    let marker = MediaContext::marker();
+    let one = format!("a {marker}");
+    let cases: Vec<(bool, String, Vec<MediaInput>, &str)> = vec![
+        (false, one.clone(), vec![image(0, 8)], "outside 1..=1024"),
+        (false, one.clone(), vec![image(8, 5000)], "outside 1..=1024"),
+        (false, one.clone(), vec![MediaInput::Image { width: 4, height: 4, rgb: vec![0; 47] }], "needs 48 RGB bytes"),
+        (false, format!("{marker}{marker}"), vec![image(4, 4)], "2 media markers but 1 inputs"),
+        (false, one.clone(), vec![MediaInput::Audio { samples: common::tone(100) }], "takes no audio"),
+        (true, one.clone(), vec![MediaInput::Audio { samples: vec![] }], "outside 2..="),
+        (true, one.clone(), vec![MediaInput::Audio { samples: vec![0.1] }], "outside 2..="),
+        (true, one.clone(), vec![MediaInput::Audio { samples: vec![0.0; 16_000 * 30 + 1] }], "outside 2..="),
+        (true, one.clone(), vec![MediaInput::Audio { samples: vec![f32::NAN; 10] }], "finite"),
+        (true, one.clone(), vec![image(4, 4)], "takes no images"),
+    ];
+    for (use_audio, prompt, inputs, reason) in cases {
+        let m = if use_audio { &mut audio } else { &mut vision };
+        match m.tokenize(&prompt, &inputs, CAPS) {
+            Err(Error::InvalidArgument(msg)) => assert!(msg.contains(reason), "{msg:?} should mention {reason:?}"),
+            other => panic!("expected invalid-argument ({reason}), got {:?}", other.map(|c| c.len())),
+        }
+    }
+    let chunks = vision.tokenize(&one, &[image(4, 4)], CAPS).unwrap();
+    assert_eq!(chunks.iter().map(|c| c.kind()).collect::<Vec<_>>(), [ChunkKind::Text, ChunkKind::Image]);
+    assert!(matches!(vision.encode(&chunks[0], None), Err(Error::InvalidArgument(_))), "text chunks have nothing to encode");
+}
+
+fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
