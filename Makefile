@@ -28,7 +28,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test clean-models
+.PHONY: deps build guest demo test bench clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -40,15 +40,35 @@ guest: deps
 	cd guest && $(CARGO) build --release --target wasm32-wasip2 --target-dir ../target/guest
 
 demo: build guest
-	@model=$$(scripts/fetch-model.sh) && name=smollm2 && threads=$$(nproc) || { \
+	@model=$$(scripts/fetch-model.sh) && name=smollm2 && threads=$$(nproc) && embd=576 || { \
 	  echo "the real model could not be fetched: falling back to a generated (random-weight) model"; \
-	  model=target/demo-synthetic.gguf; name=synthetic; threads=1; \
+	  model=target/demo-synthetic.gguf; name=synthetic; threads=1; embd=512; \
 	  $(HOST) synth-model $$model --size slow; }; \
+	projector=target/demo-vision-$$embd.gguf; \
+	[ -s $$projector ] || $(HOST) synth-projector $$projector --n-embd-text $$embd --kind slow-vision >/dev/null; \
+	echo "== text: generate, then cancel a 512-token decode from the plugin's event loop"; \
 	$(HOST) run $(GUEST) --model $$name=$$model -- --model $$name --prompt "$$(printf '$(PROMPT)')" \
-	  --generate 48 --threads $$threads --long-tokens 512 --cancel-after-ms 30
+	  --generate 48 --threads $$threads --long-tokens 512 --cancel-after-ms 30 && \
+	echo "== image: cancel an encode in flight (generated random-weight projector), then encode and evaluate it" && \
+	$(HOST) run $(GUEST) --model $$name=$$model --projector eyes=$$projector -- --model $$name --media eyes \
+	  --threads $$threads --cancel-after-ms 30
 
+# Only the host package: the bench crate (bench/) is built by `make bench` alone.
 test: deps
-	$(CARGO) test $(PROFILE) --workspace -- --test-threads=1
+	$(CARGO) test $(PROFILE) -p llamabox -- --test-threads=1
+
+# Benchmarks (never part of `make test`): prints a report and writes bench/RESULTS.md and
+# bench/cancel-latency.png. THREADS=n for llama.cpp threads (default 1: ggml's threads
+# spin, so more than the free cores slows everything); BENCH_ARGS for more flags
+# (`cargo run -p llamabox-bench -- --help`). Builds llama.cpp's llama-bench once into
+# ~/.cache/llamabox for the comparison. About 7 minutes on a quiet 2-core machine.
+THREADS ?= 1
+BENCH_ARGS ?=
+bench: deps guest
+	@model=$$(scripts/fetch-model.sh) || { model=; echo "the real model could not be fetched: benchmarking the generated model only"; }; \
+	llama_bench=$$(bench/llama-bench.sh) || { llama_bench=; echo "llama-bench could not be built: leaving out that comparison"; }; \
+	$(CARGO) run $(PROFILE) -p llamabox-bench -- --threads $(THREADS) \
+	  $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} $(BENCH_ARGS)
 
 clean-models:
 	rm -rf target/test-models target/demo-synthetic.gguf

@@ -72,3 +72,39 @@ async fn a_plugin_sees_only_registered_names() {
     let model_dir = common::tiny_model().parent().unwrap().to_str().unwrap();
     assert!(!out.contains(model_dir), "no host path may reach a plugin");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_cancels_an_image_encode_in_flight_then_evaluates_the_image() {
+    let (outcome, out) = common::run_demo_with(
+        &[("tiny", common::tiny_model())],
+        &[("eyes", common::slow_vision())],
+        &["--model", "tiny", "--media", "eyes", "--cancel-after-ms", "3"],
+    )
+    .await;
+    assert_eq!(outcome, RunOutcome::Success);
+    assert_eq!(common::field(&out, "media"), "image, 2 chunks, 256 embeddings");
+    // The encode runs ~3.6 GMAC on one thread: far longer than 3 ms.
+    let encode = common::field(&out, "media-encode");
+    assert!(encode.starts_with("cancelled after"), "{encode}");
+    assert!(common::field(&out, "media-full-encode").starts_with(&format!("{} floats", 256 * 64)));
+    assert_eq!(common::field(&out, "media-eval-cancelled"), "Some(Error::Cancelled)");
+    assert_eq!(common::field(&out, "media-eval-memory"), "seq-pos-max=-1", "a cancelled evaluation leaves memory empty");
+    let eval = common::field(&out, "media-eval");
+    let n_past: i32 = eval.strip_prefix("n-past=").and_then(|r| r.split(',').next()).unwrap().parse().unwrap();
+    assert!(n_past > 256, "prompt text plus 256 image embeddings, got {eval}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_encodes_audio_through_the_same_path() {
+    let (outcome, out) = common::run_demo_with(
+        &[("tiny", common::tiny_model())],
+        &[("ears", common::tiny_audio())],
+        &["--model", "tiny", "--media", "ears", "--cancel-after-ms", "10000"],
+    )
+    .await;
+    assert_eq!(outcome, RunOutcome::Success);
+    assert!(common::field(&out, "media").starts_with("audio, "), "{out}");
+    assert!(common::field(&out, "media-encode").starts_with("finished before the cancel"));
+    assert!(common::field(&out, "media-full-encode").starts_with(&format!("{} floats", 750 * 64)));
+    assert!(common::field(&out, "media-eval").starts_with("n-past="));
+}

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand, ValueEnum};
-use llamabox::native::TextModelSpec;
+use llamabox::native::{ProjectorSpec, TextModelSpec};
 use llamabox::{Limits, ModelRegistry, PluginHost, RunOutcome};
 use wasmtime_wasi::WasiCtxBuilder;
 
@@ -23,8 +23,11 @@ enum Command {
         /// The plugin component (.wasm).
         plugin: PathBuf,
         /// Register a model the plugin may open by NAME (repeatable).
-        #[arg(long = "model", value_name = "NAME=PATH", value_parser = parse_model)]
+        #[arg(long = "model", value_name = "NAME=PATH", value_parser = parse_named)]
         models: Vec<(String, PathBuf)>,
+        /// Register a projector (mmproj) the plugin may open by NAME (repeatable).
+        #[arg(long = "projector", value_name = "NAME=PATH", value_parser = parse_named)]
+        projectors: Vec<(String, PathBuf)>,
         /// Most threads a plugin's context may use (default: all cores).
         #[arg(long)]
         max_threads: Option<u32>,
@@ -40,6 +43,23 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Write a seeded synthetic projector (mmproj) for a text model of width N-EMBD-TEXT.
+    SynthProjector {
+        out: PathBuf,
+        /// The text model's embedding width (576 for SmolLM2-135M).
+        #[arg(long)]
+        n_embd_text: u32,
+        #[arg(long, value_enum, default_value = "tiny-vision")]
+        kind: ProjectorSize,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ProjectorSize {
+    TinyVision,
+    /// An image encode takes a few hundred milliseconds on one core.
+    SlowVision,
+    TinyAudio,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -50,7 +70,7 @@ enum Size {
     Slow,
 }
 
-fn parse_model(s: &str) -> Result<(String, PathBuf), String> {
+fn parse_named(s: &str) -> Result<(String, PathBuf), String> {
     match s.split_once('=') {
         Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok((name.to_string(), PathBuf::from(path))),
         _ => Err(format!("expected NAME=PATH, got {s:?}")),
@@ -85,13 +105,29 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("wrote {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run { plugin, models, max_threads, args } => {
+        Command::SynthProjector { out, n_embd_text, kind } => {
+            let spec = match kind {
+                ProjectorSize::TinyVision => ProjectorSpec::tiny_vision(n_embd_text),
+                ProjectorSize::SlowVision => ProjectorSpec::slow_vision(n_embd_text),
+                ProjectorSize::TinyAudio => ProjectorSpec::tiny_audio(n_embd_text),
+            };
+            spec.write(&out)?;
+            println!("wrote {}", out.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run { plugin, models, projectors, max_threads, args } => {
             let mut registry = ModelRegistry::new();
             for (name, path) in models {
                 if !path.is_file() {
                     bail!("model {name:?}: file {} not found", path.display());
                 }
                 registry.register(name, path);
+            }
+            for (name, path) in projectors {
+                if !path.is_file() {
+                    bail!("projector {name:?}: file {} not found", path.display());
+                }
+                registry.register_projector(name, path);
             }
             let mut limits = Limits::default();
             if let Some(n) = max_threads {

@@ -102,12 +102,26 @@ pub fn demo_plugin() -> &'static Path {
     })
 }
 
+/// A vision projector for `tiny_model` whose encode takes long enough to cancel in flight.
+pub fn slow_vision() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    generated_projector("slow-vision", ProjectorSpec::slow_vision(TextModelSpec::tiny().n_embd), &CELL)
+}
+
 /// Run the demo plugin with `args` against `models` (name, path); returns its stdout
 /// followed by its stderr.
 pub async fn run_demo(models: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, String) {
+    run_demo_with(models, &[], args).await
+}
+
+/// `run_demo` with projectors registered too.
+pub async fn run_demo_with(models: &[(&str, &Path)], projectors: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, String) {
     let mut registry = ModelRegistry::new();
     for (name, path) in models {
         registry.register(*name, *path);
+    }
+    for (name, path) in projectors {
+        registry.register_projector(*name, *path);
     }
     let host = PluginHost::new(registry, Limits::default()).unwrap();
     let plugin = host.load(demo_plugin()).unwrap();

@@ -12,6 +12,7 @@ wit_bindgen::generate!({
 
 use llamabox::inference::cancel::CancelToken;
 use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
+use llamabox::inference::media::{ChunkKind, Image, Input, MediaContext};
 use llamabox::inference::types::Error;
 use wasi::clocks::monotonic_clock;
 use wasi::io::poll;
@@ -24,6 +25,8 @@ struct Options {
     long_tokens: u32,
     cancel_after_ms: u64,
     bad_inputs: bool,
+    /// A projector name: run the media scenario instead of the text one.
+    media: Option<String>,
 }
 
 impl Options {
@@ -36,6 +39,7 @@ impl Options {
             long_tokens: 512,
             cancel_after_ms: 20,
             bad_inputs: false,
+            media: None,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -49,6 +53,7 @@ impl Options {
                 "--long-tokens" => o.long_tokens = number(value()?)? as u32,
                 "--cancel-after-ms" => o.cancel_after_ms = number(value()?)?,
                 "--bad-inputs" => o.bad_inputs = true,
+                "--media" => o.media = Some(value()?),
                 _ => return Err(format!("unknown argument {flag:?}")),
             }
         }
@@ -79,6 +84,9 @@ fn run(o: &Options) -> Result<(), Error> {
 
     if o.bad_inputs {
         return bad_inputs(&model, &ctx);
+    }
+    if let Some(projector) = &o.media {
+        return media(o, projector, &model, &ctx);
     }
 
     generate(o, &model, &ctx)?;
@@ -118,30 +126,88 @@ fn cancel_long_decode(o: &Options, model: &Model, ctx: &Context) -> Result<(), E
     let filler = model.tokenize(" the llama in the box", false, false)?;
     let tokens: Vec<i32> = filler.iter().copied().cycle().take(o.long_tokens as usize).collect();
     let token = CancelToken::new();
-    let start = monotonic_clock::now();
+    let started = monotonic_clock::now();
     let pending = ctx.start_decode(&sequence(&tokens, 0), &token)?;
-    let done = pending.subscribe();
-    let timer = monotonic_clock::subscribe_duration(o.cancel_after_ms * 1_000_000);
-    let ready = poll::poll(&[&done, &timer]);
-    let cancel_at = monotonic_clock::now();
-    let cancelled_by_us = !ready.contains(&0);
-    if cancelled_by_us {
+    let report = cancel_from_event_loop(&pending.subscribe(), &token, o.cancel_after_ms, started);
+    println!("long-decode: {}", report.describe(&pending.finish()));
+    println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
+    Ok(())
+}
+
+/// What happened when the event loop raced a call against a timer.
+struct CancelReport {
+    started: u64,
+    cancel_at: Option<u64>,
+    ready_at: u64,
+}
+
+/// Wait for `done` or `after_ms`, whichever comes first; on the timer, cancel `token`
+/// and wait for the call to notice.
+fn cancel_from_event_loop(done: &poll::Pollable, token: &CancelToken, after_ms: u64, started: u64) -> CancelReport {
+    let timer = monotonic_clock::subscribe_duration(after_ms * 1_000_000);
+    let ready = poll::poll(&[done, &timer]);
+    let cancel_at = (!ready.contains(&0)).then(|| {
+        let at = monotonic_clock::now();
         token.cancel();
         done.block();
+        at
+    });
+    CancelReport { started, cancel_at, ready_at: monotonic_clock::now() }
+}
+
+impl CancelReport {
+    fn describe<T>(&self, outcome: &Result<T, Error>) -> String {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        match (outcome, self.cancel_at) {
+            (Err(Error::Cancelled), Some(at)) => format!(
+                "cancelled after {:.1} ms; cancel -> ready {:.2} ms",
+                ms(at - self.started),
+                ms(self.ready_at - at)
+            ),
+            (Ok(_), None) => format!("finished before the cancel, in {:.1} ms", ms(self.ready_at - self.started)),
+            (Err(e), _) => format!("unexpected {e:?}"),
+            (Ok(_), Some(_)) => "finished although cancelled (the cancel came after the last boundary)".into(),
+        }
     }
-    let ready_at = monotonic_clock::now();
-    let outcome = pending.finish();
-    let ms = |ns: u64| ns as f64 / 1e6;
-    match (&outcome, cancelled_by_us) {
-        (Err(Error::Cancelled), true) => println!(
-            "long-decode: cancelled after {:.1} ms; cancel -> ready {:.2} ms",
-            ms(cancel_at - start),
-            ms(ready_at - cancel_at)
-        ),
-        (Ok(()), false) => println!("long-decode: finished before the cancel, in {:.1} ms", ms(ready_at - start)),
-        (other, _) => println!("long-decode: unexpected {other:?}"),
-    }
-    println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
+}
+
+/// Encode an image (or an audio clip) and cancel the encode from this event loop, then
+/// encode it fully, evaluate prompt + media into the context and generate from it.
+fn media(o: &Options, projector: &str, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let media = MediaContext::open(projector, model)?;
+    let input = if media.supports_vision() {
+        let (width, height) = (320u32, 240u32);
+        let rgb = (0..height).flat_map(|y| (0..width).flat_map(move |x| [(x * 255 / width) as u8, (y * 255 / height) as u8, 96])).collect();
+        Input::Image(Image { width, height, rgb })
+    } else {
+        let rate = media.audio_sample_rate().unwrap_or(16_000) as f32;
+        Input::Audio((0..rate as usize * 2).map(|i| (i as f32 * 440.0 * std::f32::consts::TAU / rate).sin() * 0.5).collect())
+    };
+    let kind = if media.supports_vision() { "image" } else { "audio" };
+    let prompt = format!("{}Describe this: {}", o.prompt, media.marker());
+    let chunks = media.tokenize(&prompt, &[input])?;
+    let chunk = chunks.iter().find(|c| c.kind() != ChunkKind::Text).ok_or(Error::Backend("no media chunk".into()))?;
+    println!("media: {kind}, {} chunks, {} embeddings", chunks.len(), chunk.n_tokens());
+
+    let token = CancelToken::new();
+    let started = monotonic_clock::now();
+    let pending = media.start_encode_chunk(chunk, &token)?;
+    let report = cancel_from_event_loop(&pending.subscribe(), &token, o.cancel_after_ms, started);
+    println!("media-encode: {}", report.describe(&pending.finish()));
+
+    let started = monotonic_clock::now();
+    let embd = media.encode_chunk(chunk, &CancelToken::new())?;
+    println!("media-full-encode: {} floats in {:.1} ms", embd.len(), (monotonic_clock::now() - started) as f64 / 1e6);
+
+    ctx.clear()?;
+    let cancelled = CancelToken::new();
+    cancelled.cancel();
+    let refs: Vec<&_> = chunks.iter().collect();
+    println!("media-eval-cancelled: {:?}", media.eval_chunks(ctx, &refs, 0, &cancelled).err());
+    println!("media-eval-memory: seq-pos-max={}", ctx.seq_pos_max(0)?);
+    let n_past = media.eval_chunks(ctx, &refs, 0, &CancelToken::new())?;
+    let next = argmax(&ctx.last_logits()?);
+    println!("media-eval: n-past={n_past}, next-token={next}");
     Ok(())
 }
 

@@ -13,9 +13,13 @@
 
 use llama_cpp_sys_2 as sys;
 
-/// Work units between two boundaries: about 0.1 s of CPU matmul per chunk at a few
-/// tens of GFLOP/s, and a few boundaries per second-long encode.
-pub const CHUNK_WORK: u64 = 2_500_000_000;
+/// Work units between two boundaries. clip's F32 matmuls run at ~4 G units/s on two
+/// cores of this project's CI machine, so 2.5e8 units is ~60 ms. (DESIGN.md started
+/// from 2.5e9: ~600 ms of cancel latency there.) Boundaries also need an attention op,
+/// so a chunk is never less than one encoder layer, which bounds the latency when a
+/// layer is bigger than the budget. A boundary costs a synchronisation and, on clip's
+/// CPU backend, a fresh thread pool: tens of microseconds.
+pub const CHUNK_WORK: u64 = 250_000_000;
 
 /// What a graph node costs and whether a boundary may follow it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
