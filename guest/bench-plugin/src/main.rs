@@ -1,0 +1,250 @@
+//! The benchmark plugin (`make bench`, bench/): does exactly the work the benchmark
+//! times natively and times it itself, with `wasi:clocks/monotonic-clock` around the
+//! measured calls only, so instantiation, context creation, clearing and printing are
+//! not in the figures.
+//!
+//! ```text
+//! llamabox-bench-plugin decode   --model M --tokens N --runs R --mode blocking|pending ...
+//! llamabox-bench-plugin generate --model M --tokens N --runs R ...
+//! llamabox-bench-plugin boundary --model M --tokens N --iters I ...
+//! llamabox-bench-plugin noop
+//! ```
+//! Common options: `--threads T --ctx C --batch B` (context parameters, set by the host
+//! so both sides build the same context). Output: one `key: value` line per measurement.
+
+wit_bindgen::generate!({
+    path: "../../wit",
+    world: "plugin",
+    generate_all,
+});
+
+use llamabox::inference::cancel::CancelToken;
+use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
+use llamabox::inference::types::Error;
+use wasi::clocks::monotonic_clock;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Decode,
+    Generate,
+    Boundary,
+    Noop,
+}
+
+struct Options {
+    mode: Mode,
+    model: String,
+    tokens: u32,
+    runs: u32,
+    pending: bool,
+    iters: u32,
+    threads: u32,
+    ctx: u32,
+    batch: u32,
+}
+
+impl Options {
+    fn parse() -> Result<Self, String> {
+        let mut args = std::env::args().skip(1);
+        let mode = match args.next().as_deref() {
+            Some("decode") => Mode::Decode,
+            Some("generate") => Mode::Generate,
+            Some("boundary") => Mode::Boundary,
+            Some("noop") => Mode::Noop,
+            other => return Err(format!("expected decode|generate|boundary|noop, got {other:?}")),
+        };
+        let mut o = Options {
+            mode,
+            model: "default".into(),
+            tokens: 512,
+            runs: 5,
+            pending: false,
+            iters: 10_000,
+            threads: 1,
+            ctx: 1024,
+            batch: 512,
+        };
+        while let Some(flag) = args.next() {
+            let value = args.next().ok_or(format!("{flag} needs a value"))?;
+            let number = || value.parse::<u32>().map_err(|_| format!("{flag}: {value:?} is not a number"));
+            match flag.as_str() {
+                "--model" => o.model = value.clone(),
+                "--tokens" => o.tokens = number()?,
+                "--runs" => o.runs = number()?,
+                "--iters" => o.iters = number()?,
+                "--threads" => o.threads = number()?,
+                "--ctx" => o.ctx = number()?,
+                "--batch" => o.batch = number()?,
+                "--mode" => match value.as_str() {
+                    "blocking" => o.pending = false,
+                    "pending" => o.pending = true,
+                    _ => return Err(format!("--mode: expected blocking|pending, got {value:?}")),
+                },
+                _ => return Err(format!("unknown argument {flag:?}")),
+            }
+        }
+        Ok(o)
+    }
+}
+
+fn main() {
+    let result = Options::parse().and_then(|o| run(&o).map_err(|e| format!("{e:?}")));
+    if let Err(e) = result {
+        eprintln!("bench-plugin: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(o: &Options) -> Result<(), Error> {
+    if o.mode == Mode::Noop {
+        return Ok(());
+    }
+    let model = Model::open(&o.model)?;
+    let params = ContextParams {
+        n_ctx: Some(o.ctx),
+        n_batch: Some(o.batch),
+        n_ubatch: Some(o.batch),
+        n_seq_max: Some(1),
+        n_threads: Some(o.threads),
+    };
+    let ctx = Context::create(&model, params)?;
+    let n_vocab = model.n_vocab();
+    match o.mode {
+        Mode::Decode => decode(o, &ctx, n_vocab),
+        Mode::Generate => generate(o, &ctx, n_vocab),
+        Mode::Boundary => boundary(o, &ctx, n_vocab),
+        Mode::Noop => Ok(()),
+    }
+}
+
+/// `--runs` decodes of the same `--tokens`-token batch on a cleared context, each timed
+/// around the decode call only (blocking `decode`, or `start-decode`, wait on its
+/// pollable, `finish`, as an event loop would).
+fn decode(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
+    let batch = sequence(&bench_tokens(o.tokens, n_vocab), 0);
+    let token = CancelToken::new();
+    for _ in 0..o.runs {
+        ctx.clear()?;
+        let start = monotonic_clock::now();
+        if o.pending {
+            let pending = ctx.start_decode(&batch, &token)?;
+            pending.subscribe().block();
+            pending.finish()?;
+        } else {
+            ctx.decode(&batch, &token)?;
+        }
+        let ns = monotonic_clock::now() - start;
+        let logits = ctx.logits_ith(o.tokens - 1)?;
+        println!("run: ns={ns} logits={:016x}", fnv1a64(&logits));
+    }
+    Ok(())
+}
+
+/// Greedy generation of `--tokens` tokens after an 8-token prompt, as a plugin does it:
+/// one-token decode, `logits-ith` (n_vocab floats out), argmax. Timed from the first
+/// generated token's decode to the last one's logits.
+fn generate(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
+    let prompt = bench_tokens(PROMPT_TOKENS, n_vocab);
+    let token = CancelToken::new();
+    for _ in 0..o.runs {
+        ctx.clear()?;
+        ctx.decode(&sequence(&prompt, 0), &token)?;
+        let mut next = argmax(&ctx.logits_ith(PROMPT_TOKENS - 1)?);
+        let mut generated = Vec::with_capacity(o.tokens as usize);
+        let start = monotonic_clock::now();
+        for pos in PROMPT_TOKENS..PROMPT_TOKENS + o.tokens {
+            generated.push(next);
+            ctx.decode(&sequence(&[next], pos as i32), &token)?;
+            next = argmax(&ctx.logits_ith(0)?);
+        }
+        let ns = monotonic_clock::now() - start;
+        println!("run: ns={ns} tokens={:016x}", fnv1a64_tokens(&generated));
+    }
+    Ok(())
+}
+
+/// What crossing the component boundary costs, each as nanoseconds per call over a loop
+/// (the clock is read once per loop, not per call).
+fn boundary(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
+    let token = CancelToken::new();
+    // Calls that go to the context's worker thread are far slower: fewer iterations.
+    let heavy = (o.iters / 10).max(100);
+    report("empty-import", o.iters, || {
+        std::hint::black_box(token.is_cancelled());
+        Ok(())
+    })?;
+    report("worker-round-trip", heavy, || ctx.seq_pos_max(0).map(drop))?;
+
+    let cancelled = CancelToken::new();
+    cancelled.cancel();
+    let one = sequence(&bench_tokens(1, n_vocab), 0);
+    let many = sequence(&bench_tokens(o.tokens, n_vocab), 0);
+    let refused = |batch: &Batch| match ctx.decode(batch, &cancelled) {
+        Err(Error::Cancelled) => Ok(()),
+        other => Err(Error::Backend(format!("a cancelled token must refuse the decode, got {other:?}"))),
+    };
+    report("decode-cancelled-1", heavy, || refused(&one))?;
+    report(&format!("decode-cancelled-{}", o.tokens), heavy, || refused(&many))?;
+
+    ctx.clear()?;
+    ctx.decode(&one, &token)?;
+    report("logits-ith", heavy, || ctx.logits_ith(0).map(drop))?;
+    println!("n-vocab: {n_vocab}");
+    Ok(())
+}
+
+/// Run `call` `iters` times and print the mean nanoseconds per call.
+fn report(name: &str, iters: u32, mut call: impl FnMut() -> Result<(), Error>) -> Result<(), Error> {
+    let start = monotonic_clock::now();
+    for _ in 0..iters {
+        call()?;
+    }
+    let ns = (monotonic_clock::now() - start) as f64 / iters as f64;
+    println!("boundary: {name} ns-per-call={ns:.1}");
+    Ok(())
+}
+
+/// Tokens of the generation prompt.
+const PROMPT_TOKENS: u32 = 8;
+
+/// The benchmark's token stream: a fixed multiplicative hash of the index, so the guest
+/// and the native side (bench/src/workload.rs) decode the same tokens without passing
+/// them around. What the tokens are does not change how long a decode takes.
+fn bench_tokens(n: u32, n_vocab: u32) -> Vec<i32> {
+    (0..n as u64).map(|i| ((i * 2_654_435_761 + 12_345) % n_vocab as u64) as i32).collect()
+}
+
+/// Tokens of sequence 0 from position `first`, logits for the last one.
+fn sequence(tokens: &[i32], first: i32) -> Batch {
+    let n = tokens.len();
+    Batch {
+        tokens: tokens.to_vec(),
+        positions: (first..first + n as i32).collect(),
+        seq_ids: vec![0; n],
+        logits: (0..n).map(|i| i + 1 == n).collect(),
+    }
+}
+
+/// The first index of the largest logit (ties: the lowest id, as natively).
+fn argmax(logits: &[f32]) -> i32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as i32
+}
+
+/// FNV-1a over the logits' bits: equal digests mean bitwise-equal logits.
+fn fnv1a64(values: &[f32]) -> u64 {
+    fnv1a64_bytes(values.iter().flat_map(|v| v.to_bits().to_le_bytes()))
+}
+
+fn fnv1a64_tokens(tokens: &[i32]) -> u64 {
+    fnv1a64_bytes(tokens.iter().flat_map(|t| t.to_le_bytes()))
+}
+
+fn fnv1a64_bytes(bytes: impl Iterator<Item = u8>) -> u64 {
+    bytes.fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
