@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# llama.cpp's own `llama-bench`, the reference the benchmark compares prompt and
+# generation speed against. Built from the llama.cpp tree vendored in the PyPI sdist
+# llama-cpp-python==0.3.36 (the crate llama-cpp-sys-2 ships llama.cpp without
+# tools/llama-bench), with the CPU features and threading our crate build uses:
+# GGML_NATIVE=OFF, SSE4.2/AVX/AVX2/BMI2/FMA/F16C, no OpenMP, static libraries.
+# Cached in ~/.cache/llamabox: the sdist, its unpacked tree and the build are reused.
+# Prints the binary's path; exits non-zero (with a reason on stderr) if it can't be had.
+set -euo pipefail
+
+version=0.3.36
+cache="${LLAMABOX_CACHE:-$HOME/.cache/llamabox}"
+# Release (-O3), as llama.cpp's own builds. LLAMA_BENCH_BUILD_TYPE=RelWithDebInfo builds
+# with -O2 -g instead, as llama-cpp-sys-2 builds llama.cpp under a cargo profile with
+# debug info (into its own folder).
+build_type="${LLAMA_BENCH_BUILD_TYPE:-Release}"
+build="$cache/llama-bench-build"
+[ "$build_type" = Release ] || build="$build-$build_type"
+bin="$build/bin/llama-bench"
+
+if [ ! -x "$bin" ]; then
+  sdist="$cache/sdist/llama_cpp_python-$version.tar.gz"
+  if [ ! -s "$sdist" ]; then
+    echo "fetching llama-cpp-python==$version (sdist) from PyPI into $cache/sdist" >&2
+    python3 -m pip download --no-deps --no-binary :all: --quiet -d "$cache/sdist" "llama-cpp-python==$version" >&2
+  fi
+  src="$cache/llama_cpp_python-$version"
+  if [ ! -d "$src/vendor/llama.cpp/tools/llama-bench" ]; then
+    tar -xzf "$sdist" -C "$cache"
+  fi
+  echo "building llama-bench ($build_type) into $build (a few minutes, once)" >&2
+  cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE="$build_type" \
+    -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
+    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF \
+    -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >&2
+  cmake --build "$build" --target llama-bench -j "$(nproc)" >&2
+fi
+echo "$bin"

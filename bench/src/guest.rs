@@ -1,0 +1,141 @@
+//! The component side: guest/bench-plugin run under `llamabox::PluginHost`, which
+//! times its own calls and prints one line per measurement.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use llamabox::{Limits, ModelRegistry, PluginHost, RunOutcome};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::WasiCtxBuilder;
+
+use crate::stats::{timed, Samples};
+use crate::workload::{BenchModel, Shape};
+
+pub struct Guest {
+    plugin: llamabox::plugin::Plugin,
+    runtime: tokio::runtime::Runtime,
+    shape: Shape,
+}
+
+/// Per-call costs measured inside the guest, in nanoseconds.
+pub struct Boundary {
+    /// `(name, ns per call)` in the order the guest printed them.
+    pub calls: Vec<(String, f64)>,
+    pub n_vocab: u32,
+}
+
+impl Boundary {
+    pub fn ns(&self, name: &str) -> anyhow::Result<f64> {
+        match self.calls.iter().find(|(n, _)| n == name) {
+            Some((_, ns)) => Ok(*ns),
+            None => bail!("the guest printed no boundary figure {name:?}"),
+        }
+    }
+}
+
+impl Guest {
+    /// Compile `wasm` and register `models` under their names.
+    pub fn new(wasm: &Path, models: &[&BenchModel], shape: Shape) -> anyhow::Result<Self> {
+        let mut registry = ModelRegistry::new();
+        for m in models {
+            registry.register(m.name, &m.path);
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        let limits = Limits { max_threads: shape.threads.max(cores), ..Limits::default() };
+        let host = PluginHost::new(registry, limits)?;
+        let plugin = host
+            .load(wasm)
+            .with_context(|| format!("loading the bench plugin (built by `make bench` into {})", wasm.display()))?;
+        // The guest's calls wait on the context's worker thread: one executor thread is
+        // enough and leaves the cores to llama.cpp.
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        Ok(Self { plugin, runtime, shape })
+    }
+
+    /// Run the plugin with `args`; its stdout, or an error with its stderr.
+    fn run(&self, args: &[String]) -> anyhow::Result<String> {
+        let (stdout, stderr) = (MemoryOutputPipe::new(1 << 20), MemoryOutputPipe::new(1 << 20));
+        let mut wasi = WasiCtxBuilder::new();
+        wasi.stdout(stdout.clone()).stderr(stderr.clone());
+        wasi.args(&std::iter::once("bench-plugin").chain(args.iter().map(String::as_str)).collect::<Vec<_>>());
+        let outcome = self.runtime.block_on(self.plugin.run(wasi)).context("the bench plugin trapped")?;
+        let err = String::from_utf8_lossy(&stderr.contents()).into_owned();
+        match outcome {
+            RunOutcome::Success => Ok(String::from_utf8_lossy(&stdout.contents()).into_owned()),
+            other => bail!("the bench plugin ended with {other:?} (arguments {args:?}): {}", err.trim()),
+        }
+    }
+
+    fn args(&self, mode: &str, model: &BenchModel, extra: &[(&str, String)]) -> Vec<String> {
+        let mut args = vec![mode.to_string(), "--model".into(), model.name.into()];
+        args.extend(self.shape.guest_args());
+        args.extend(extra.iter().flat_map(|(k, v)| [k.to_string(), v.clone()]));
+        args
+    }
+
+    /// One timed prompt decode, `mode` blocking|pending, after a warm-up decode in the
+    /// same plugin run (a new context's first decode touches fresh memory).
+    pub fn prompt_decode(&self, model: &BenchModel, mode: &str) -> anyhow::Result<(Duration, u64)> {
+        let extra = [("--tokens", self.shape.prompt_tokens.to_string()), ("--runs", "2".into()), ("--mode", mode.into())];
+        self.last_run(&self.args("decode", model, &extra), "logits")
+    }
+
+    /// One timed greedy generation, after a warm-up one.
+    pub fn generate(&self, model: &BenchModel) -> anyhow::Result<(Duration, u64)> {
+        let extra = [("--tokens", self.shape.gen_tokens.to_string()), ("--runs", "2".into())];
+        self.last_run(&self.args("generate", model, &extra), "tokens")
+    }
+
+    /// The last of the plugin's `run: ns=N <digest_key>=HEX` lines.
+    fn last_run(&self, args: &[String], digest_key: &str) -> anyhow::Result<(Duration, u64)> {
+        let out = self.run(args)?;
+        let line = out
+            .lines()
+            .filter_map(|l| l.strip_prefix("run: "))
+            .last()
+            .with_context(|| format!("the bench plugin printed no runs:\n{out}"))?;
+        let ns: u64 = field(line, "ns")?.parse().with_context(|| format!("bad ns in {line:?}"))?;
+        let digest = u64::from_str_radix(field(line, digest_key)?, 16).with_context(|| format!("bad digest in {line:?}"))?;
+        Ok((Duration::from_nanos(ns), digest))
+    }
+
+    /// The guest's per-call costs (`iters` calls of the cheap imports).
+    pub fn boundary(&self, model: &BenchModel, iters: u32) -> anyhow::Result<Boundary> {
+        let extra = [("--tokens", self.shape.prompt_tokens.to_string()), ("--iters", iters.to_string())];
+        let out = self.run(&self.args("boundary", model, &extra))?;
+        let mut calls = Vec::new();
+        for line in out.lines().filter_map(|l| l.strip_prefix("boundary: ")) {
+            let (name, rest) = line.split_once(' ').with_context(|| format!("bad boundary line {line:?}"))?;
+            let ns: f64 = field(rest, "ns-per-call")?.parse().with_context(|| format!("bad number in {line:?}"))?;
+            calls.push((name.to_string(), ns));
+        }
+        let n_vocab = out
+            .lines()
+            .find_map(|l| l.strip_prefix("n-vocab: "))
+            .and_then(|v| v.trim().parse().ok())
+            .with_context(|| format!("the bench plugin printed no n-vocab:\n{out}"))?;
+        Ok(Boundary { calls, n_vocab })
+    }
+
+    /// Wall time of `Plugin::run` of a plugin that returns at once: a new store,
+    /// instantiation from the `InstancePre`, WASI setup and an empty `main`.
+    pub fn instantiation(&self, runs: usize) -> anyhow::Result<Samples> {
+        let args = ["noop".to_string()];
+        self.run(&args)?; // warm-up
+        let mut times = Samples::default();
+        for _ in 0..runs {
+            let (t, out) = timed(|| self.run(&args));
+            out?;
+            times.push(t);
+        }
+        Ok(times)
+    }
+}
+
+/// The value of `key=value` among space-separated fields.
+fn field<'a>(line: &'a str, key: &str) -> anyhow::Result<&'a str> {
+    line.split(' ')
+        .find_map(|kv| kv.strip_prefix(key).and_then(|rest| rest.strip_prefix('=')))
+        .with_context(|| format!("no {key}= in {line:?}"))
+}

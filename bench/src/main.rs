@@ -1,0 +1,223 @@
+//! `llamabox-bench` (`make bench`): what in-flight cancel and the component boundary cost,
+//! measured side by side in one run against plain llama.cpp calls and llama.cpp's own
+//! llama-bench. Prints a Markdown report and writes it to bench/RESULTS.md, with the
+//! cancel-latency figure beside it.
+//!
+//! Decode columns are measured in rounds (one run of each way per round, the order
+//! rotating) so that load changing on a shared machine falls on every column alike.
+
+mod guest;
+mod machine;
+mod native;
+mod plot;
+mod reference;
+mod report;
+mod stats;
+mod workload;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{ensure, Context as _};
+use clap::Parser;
+use llamabox::native::Model;
+
+use guest::Guest;
+use native::Native;
+use report::{ModelResults, Way};
+use stats::Runs;
+use workload::{BenchModel, Shape};
+
+#[derive(Parser)]
+#[command(about = "llamabox benchmarks: decode, generation, cancel latency, boundary cost")]
+struct Cli {
+    /// The real model (SmolLM2-135M-Instruct Q4_1; `scripts/fetch-model.sh` prints its
+    /// path). Without it only the generated model is measured.
+    #[arg(long)]
+    real_model: Option<PathBuf>,
+    /// The bench plugin component (guest/bench-plugin).
+    #[arg(long, default_value = "target/guest/wasm32-wasip2/release/llamabox-bench-plugin.wasm")]
+    plugin: PathBuf,
+    /// llama.cpp's llama-bench (bench/llama-bench.sh builds it). Without it that
+    /// comparison is left out.
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
+    /// Threads of every llama.cpp context (ggml's threads spin: keep to free cores).
+    #[arg(long, default_value_t = 1)]
+    threads: u32,
+    /// Timed runs per column (after a warm-up).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Decodes cancelled at random points, per model.
+    #[arg(long, default_value_t = 20)]
+    cancels: usize,
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: u32,
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: u32,
+    /// Calls per loop of the cheap boundary measurements.
+    #[arg(long, default_value_t = 10_000)]
+    boundary_iters: u32,
+    /// Where the generated model is written (once).
+    #[arg(long, default_value = "target/bench-models")]
+    model_dir: PathBuf,
+    /// The report. Anything below its notes marker is kept from the previous report.
+    #[arg(long, default_value = "bench/RESULTS.md")]
+    out: PathBuf,
+    /// The cancel-latency figure.
+    #[arg(long, default_value = "bench/cancel-latency.png")]
+    png: PathBuf,
+}
+
+/// Everything below this line in RESULTS.md is written by hand and kept across runs.
+const NOTES_MARKER: &str = "<!-- Notes below are written by hand; `make bench` keeps them. -->";
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("llamabox-bench: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    ensure!(cli.runs >= 1 && cli.threads >= 1, "--runs and --threads must be at least 1");
+    ensure!((2..=2048).contains(&cli.prompt_tokens), "--prompt-tokens must be in [2, 2048]");
+    let load_start = machine::load_average();
+    let machine = machine::Machine::read();
+    let shape = Shape { prompt_tokens: cli.prompt_tokens, gen_tokens: cli.gen_tokens, threads: cli.threads };
+    let linked = reference::linked_llama_cpp();
+    let reference = cli.llama_bench.as_deref().map(reference::llama_bench_tree).transpose()?;
+
+    let mut models = vec![workload::synthetic_model(&cli.model_dir)?];
+    if let Some(path) = &cli.real_model {
+        models.push(workload::real_model(path.clone())?);
+    }
+    let guest = Guest::new(&cli.plugin, &models.iter().collect::<Vec<_>>(), shape)?;
+
+    let mut results = Vec::new();
+    for model in &models {
+        results.push(measure_model(&cli, shape, &guest, model)?);
+    }
+    // Boundary figures depend on n_vocab (logits out): take the real model's if any.
+    let boundary_model = models.last().context("no model")?;
+    progress(format_args!("boundary cost on {}", boundary_model.label));
+    let boundary = guest.boundary(boundary_model, cli.boundary_iters)?;
+    let instantiation = guest.instantiation(30)?;
+
+    let series: Vec<plot::Series> = results
+        .iter()
+        .map(|r| plot::Series {
+            title: r.model.label.clone(),
+            samples: &r.cancel.samples,
+            decode_secs: r.runs(Way::Plain).times.median(),
+        })
+        .collect();
+    let with_text = plot::cancel_latency_png(&cli.png, &series).context("drawing the cancel-latency figure")?;
+    if !with_text {
+        eprintln!("no DejaVu Sans font found: {} has no text", cli.png.display());
+    }
+
+    let cx = report::RunInfo {
+        machine: &machine,
+        shape,
+        runs: cli.runs,
+        load_start,
+        load_end: machine::load_average(),
+        date: today(),
+        linked: &linked,
+        reference: reference.as_ref(),
+        boundary: &boundary,
+        instantiation: &instantiation,
+        png: relative_to(&cli.png, &cli.out),
+    };
+    let report = report::render(&cx, &results);
+    print!("{report}");
+    write_report(&cli.out, &report)?;
+    eprintln!("wrote {} and {}", cli.out.display(), cli.png.display());
+    Ok(())
+}
+
+/// Every measurement on one model.
+fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> anyhow::Result<ModelResults> {
+    let loaded = Model::load(&model.path).with_context(|| format!("loading {}", model.path.display()))?;
+    let mut native = Native::new(Arc::new(loaded), shape)?;
+
+    // Warm-ups, then rounds of the four decode ways.
+    native.prompt_decode(false)?;
+    native.prompt_decode(true)?;
+    let mut decode: [Runs; 4] = Default::default();
+    for round in 0..cli.runs {
+        progress(format_args!("{}: prompt decode, round {}/{}", model.label, round + 1, cli.runs));
+        for k in 0..Way::ALL.len() {
+            let way = Way::ALL[(round + k) % Way::ALL.len()];
+            let (time, digest) = match way {
+                Way::Plain => native.prompt_decode(false)?,
+                Way::Cancellable => native.prompt_decode(true)?,
+                Way::GuestBlocking => guest.prompt_decode(model, "blocking")?,
+                Way::GuestPending => guest.prompt_decode(model, "pending")?,
+            };
+            decode[way as usize].push(time, digest);
+        }
+    }
+    let nodes = native.prompt_nodes()?;
+
+    // llama-bench right after our own prompt decodes, under the same load.
+    let llama_bench = match &cli.llama_bench {
+        Some(bin) => {
+            progress(format_args!("{}: llama-bench", model.label));
+            reference::run_llama_bench(bin, &model.path, &shape, cli.runs).map_err(|e| format!("{e:#}"))
+        }
+        None => Err("no --llama-bench given".into()),
+    };
+
+    let (mut gen_native, mut gen_guest) = (Runs::default(), Runs::default());
+    native.generate()?; // warm-up
+    for round in 0..cli.runs {
+        progress(format_args!("{}: generation, round {}/{}", model.label, round + 1, cli.runs));
+        let order = if round % 2 == 0 { [true, false] } else { [false, true] };
+        for in_guest in order {
+            let (time, digest) = if in_guest { guest.generate(model)? } else { native.generate()? };
+            if in_guest { &mut gen_guest } else { &mut gen_native }.push(time, digest);
+        }
+    }
+
+    progress(format_args!("{}: {} cancels", model.label, cli.cancels));
+    let plain = &decode[Way::Plain as usize];
+    let expected = plain.digests.first().copied().context("no plain decode")?;
+    let decode_time = Duration::from_secs_f64(plain.times.median());
+    let cancel = native.cancel_latency(cli.cancels, decode_time, expected)?;
+
+    Ok(ModelResults { model: model.clone(), decode, nodes, gen_native, gen_guest, cancel, llama_bench })
+}
+
+fn progress(what: std::fmt::Arguments) {
+    eprintln!("[{}] {what}", machine::load_average());
+}
+
+/// Write `report` to `path`, keeping the hand-written notes of the previous report.
+fn write_report(path: &Path, report: &str) -> anyhow::Result<()> {
+    let previous = std::fs::read_to_string(path).unwrap_or_default();
+    let notes = previous.split_once(NOTES_MARKER).map_or("\n", |(_, notes)| notes);
+    let text = format!("{report}{NOTES_MARKER}{notes}");
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// `target` as the report at `report` links to it: its file name when they share a folder.
+fn relative_to(target: &Path, report: &Path) -> String {
+    match (target.parent(), report.parent(), target.file_name()) {
+        (Some(a), Some(b), Some(name)) if a == b => name.to_string_lossy().into_owned(),
+        _ => target.display().to_string(),
+    }
+}
+
+/// Today's date and time in UTC, from `date` (the report's only use of a calendar).
+fn today() -> String {
+    std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "an unknown date".into())
+}
