@@ -63,3 +63,12 @@ fn synth_model_writes_a_loadable_model() {
     assert_eq!(model.n_embd(), llamabox::native::TextModelSpec::tiny().n_embd);
     std::fs::remove_file(path).unwrap();
 }
+
+#[test]
+fn a_deadline_stops_the_plugin_with_status_124() {
+    let plugin = common::demo_plugin().to_str().unwrap();
+    let model = format!("slow={}", common::slow_model().display());
+    let out = llamabox(&["run", plugin, "--model", &model, "--deadline-ms", "200", "--", "--model", "slow", "--long-tokens", "2048"]);
+    assert_eq!(out.status.code(), Some(124), "{}", stderr(&out));
+    assert!(stderr(&out).contains("deadline of 200 ms passed"), "{}", stderr(&out));
+}

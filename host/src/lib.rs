@@ -12,6 +12,6 @@ pub mod native;
 pub mod plugin;
 pub mod worker;
 
-pub use component::{Limits, ModelRegistry};
+pub use component::{Limits, ModelRegistry, TokenRegistry};
 pub use native::CancelFlag;
-pub use plugin::{PluginHost, RunOutcome};
+pub use plugin::{Plugin, PluginHost, RunOptions, RunOutcome};

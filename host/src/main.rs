@@ -2,11 +2,12 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand, ValueEnum};
 use llamabox::native::{ProjectorSpec, TextModelSpec};
-use llamabox::{Limits, ModelRegistry, PluginHost, RunOutcome};
+use llamabox::{Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
 use wasmtime_wasi::WasiCtxBuilder;
 
 #[derive(Parser)]
@@ -31,6 +32,9 @@ enum Command {
         /// Most threads a plugin's context may use (default: all cores).
         #[arg(long)]
         max_threads: Option<u32>,
+        /// Stop the plugin, native work included, after this many milliseconds.
+        #[arg(long, value_name = "MS")]
+        deadline_ms: Option<u64>,
         /// Arguments passed to the plugin, after `--`.
         #[arg(last = true)]
         args: Vec<String>,
@@ -115,7 +119,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("wrote {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run { plugin, models, projectors, max_threads, args } => {
+        Command::Run { plugin, models, projectors, max_threads, deadline_ms, args } => {
             let mut registry = ModelRegistry::new();
             for (name, path) in models {
                 if !path.is_file() {
@@ -141,9 +145,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             wasi.inherit_stdout().inherit_stderr();
             wasi.args(&std::iter::once(argv0).chain(args).collect::<Vec<_>>());
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            match runtime.block_on(plugin.run(wasi)).context("the plugin trapped")? {
+            let options = RunOptions { deadline: deadline_ms.map(Duration::from_millis), ..RunOptions::default() };
+            match runtime.block_on(plugin.run_with(&options, wasi)).context("the plugin trapped")? {
                 RunOutcome::Success => Ok(ExitCode::SUCCESS),
                 RunOutcome::Failed(code) => Ok(ExitCode::from(code.clamp(1, 255) as u8)),
+                RunOutcome::DeadlineExceeded => {
+                    eprintln!("llamabox: the plugin's deadline of {} ms passed; it was stopped", deadline_ms.unwrap_or(0));
+                    Ok(ExitCode::from(124))
+                }
             }
         }
     }

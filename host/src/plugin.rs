@@ -3,6 +3,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use wasmtime::component::{Component, Linker, ResourceTable};
 use wasmtime::error::Context as _;
@@ -10,14 +11,20 @@ use wasmtime::{Engine, Store};
 use wasmtime_wasi::p2::bindings::CommandPre;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
-use crate::component::{self, LlamaCtx, LlamaCtxView, LlamaView, Limits, ModelRegistry};
+use crate::component::{self, LlamaCtx, LlamaCtxView, LlamaView, Limits, ModelRegistry, TokenRegistry};
 
 /// Store data of one plugin run.
 pub struct PluginState {
     wasi: WasiCtx,
     llama: LlamaCtx,
     table: ResourceTable,
+    limits: wasmtime::StoreLimits,
 }
+
+/// How often the engine's epoch advances. A plugin running wasm yields to the executor
+/// at every tick, so a guest that loops forever holds no executor thread and a run's
+/// deadline can always fire.
+const EPOCH_TICK: Duration = Duration::from_millis(10);
 
 impl WasiView for PluginState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
@@ -34,8 +41,11 @@ impl LlamaView for PluginState {
 /// Hosts plugins: compiles components and runs them against a model registry.
 pub struct PluginHost {
     engine: Engine,
+    /// Stops the epoch ticker thread when the host is dropped.
+    ticker: Arc<std::sync::atomic::AtomicBool>,
     linker: Linker<PluginState>,
     registry: Arc<ModelRegistry>,
+    tokens: Arc<TokenRegistry>,
     limits: Limits,
 }
 
@@ -45,19 +55,54 @@ pub enum RunOutcome {
     Success,
     /// The plugin exited with this non-zero status (1 when `run` returned an error).
     Failed(i32),
+    /// The run's deadline passed: its store was torn down, every native call it had
+    /// running was stopped and its worker joined before this was returned.
+    DeadlineExceeded,
+}
+
+/// How to run a plugin.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Shared cancel tokens open only within their group (one per tenant, say).
+    pub group: String,
+    /// Stop the whole run, native work included, after this long.
+    pub deadline: Option<Duration>,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self { group: "default".into(), deadline: None }
+    }
 }
 
 impl PluginHost {
     pub fn new(registry: ModelRegistry, limits: Limits) -> anyhow::Result<Self> {
-        let engine = Engine::new(&wasmtime::Config::new())?;
+        let mut config = wasmtime::Config::new();
+        config.epoch_interruption(true);
+        let engine = Engine::new(&config)?;
+        let ticker = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (stop, ticking) = (ticker.clone(), engine.clone());
+        std::thread::Builder::new().name("llamabox-epoch".into()).spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(EPOCH_TICK);
+                ticking.increment_epoch();
+            }
+        })?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         component::add_to_linker(&mut linker)?;
-        Ok(Self { engine, linker, registry: Arc::new(registry), limits })
+        Ok(Self { engine, ticker, linker, registry: Arc::new(registry), tokens: Arc::new(TokenRegistry::new()), limits })
     }
 
     pub fn engine(&self) -> &Engine {
         &self.engine
+    }
+
+    /// Shared cancel tokens. The embedder shares its own [`crate::CancelFlag`] here,
+    /// hands the capability to a plugin (an argument, say) and cancels the flag itself
+    /// (client gone, deadline hit) to stop the plugin's native calls in flight.
+    pub fn tokens(&self) -> &Arc<TokenRegistry> {
+        &self.tokens
     }
 
     /// Compile a plugin and check it can link against this host.
@@ -80,7 +125,13 @@ impl PluginHost {
             .instantiate_pre(&component)
             .context("the plugin imports something this host does not provide")?;
         let pre = CommandPre::new(pre).context("the plugin is not a WASI command (it does not export wasi:cli/run)")?;
-        Ok(Plugin { pre, registry: self.registry.clone(), limits: self.limits.clone() })
+        Ok(Plugin { pre, registry: self.registry.clone(), tokens: self.tokens.clone(), limits: self.limits.clone() })
+    }
+}
+
+impl Drop for PluginHost {
+    fn drop(&mut self) {
+        self.ticker.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -88,19 +139,38 @@ impl PluginHost {
 pub struct Plugin {
     pre: CommandPre<PluginState>,
     registry: Arc<ModelRegistry>,
+    tokens: Arc<TokenRegistry>,
     limits: Limits,
 }
 
 impl Plugin {
     /// Run the plugin's `wasi:cli/run` in a fresh store. `wasi` sets its arguments and
     /// stdio (it gets no filesystem, network or environment unless given here).
-    pub async fn run(&self, mut wasi: WasiCtxBuilder) -> anyhow::Result<RunOutcome> {
+    pub async fn run(&self, wasi: WasiCtxBuilder) -> anyhow::Result<RunOutcome> {
+        self.run_with(&RunOptions::default(), wasi).await
+    }
+
+    /// `run` with a group for shared tokens and an optional deadline.
+    pub async fn run_with(&self, options: &RunOptions, wasi: WasiCtxBuilder) -> anyhow::Result<RunOutcome> {
+        let run = self.run_in_store(&options.group, wasi);
+        match options.deadline {
+            None => run.await,
+            // Dropping the run drops its store: every context's worker stops its call
+            // and is joined (see `Worker::drop`) before `timeout` returns.
+            Some(deadline) => tokio::time::timeout(deadline, run).await.unwrap_or(Ok(RunOutcome::DeadlineExceeded)),
+        }
+    }
+
+    async fn run_in_store(&self, group: &str, mut wasi: WasiCtxBuilder) -> anyhow::Result<RunOutcome> {
         let state = PluginState {
             wasi: wasi.build(),
-            llama: LlamaCtx::new(self.registry.clone(), self.limits.clone()),
+            llama: LlamaCtx::new(self.registry.clone(), self.tokens.clone(), group, self.limits.clone()),
             table: ResourceTable::new(),
+            limits: self.limits.store_limits(),
         };
         let mut store = Store::new(self.pre.engine(), state);
+        store.limiter(|state| &mut state.limits);
+        store.epoch_deadline_async_yield_and_update(1);
         let command = self.pre.instantiate_async(&mut store).await?;
         match command.wasi_cli_run().call_run(&mut store).await {
             Ok(Ok(())) => Ok(RunOutcome::Success),

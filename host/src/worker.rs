@@ -14,6 +14,30 @@ use crate::native::CancelFlag;
 
 type Job<S> = Box<dyn FnOnce(&mut S) + Send>;
 
+/// Worker threads alive in this process: an embedder (or a test) can check that
+/// tearing down a store left no native work running.
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+pub fn live_workers() -> usize {
+    LIVE.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Counts a worker thread from its start to the end of its state's drop.
+struct Alive;
+
+impl Alive {
+    fn new() -> Self {
+        LIVE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Alive
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        LIVE.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// A thread that owns a `S` and runs calls on it in order.
 pub struct Worker<S: 'static> {
     jobs: Option<mpsc::Sender<(Job<S>, CancelFlag)>>,
@@ -38,9 +62,11 @@ impl<S: 'static> Worker<S> {
         let (init_tx, init_rx) = mpsc::sync_channel::<Result<(), E>>(1);
         let running = Arc::new(Mutex::new(Running::default()));
         let thread_running = running.clone();
+        let alive = Alive::new();
         let thread = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
+                let _alive = alive; // dropped last, after `state`
                 let mut state = match init() {
                     Ok(state) => {
                         let _ = init_tx.send(Ok(()));

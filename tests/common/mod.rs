@@ -20,13 +20,24 @@ fn scratch_dir() -> PathBuf {
     dir
 }
 
-/// Write `spec` once per test process (generation is seeded, so reruns agree).
+/// The file for a generated model, written on first use. Generation is seeded, so the
+/// file is named by its spec and reused across runs; it is written under a temporary
+/// name and renamed, so concurrent test processes never see half a file.
+fn generated_file(name: &str, spec: &impl std::fmt::Debug, write: impl FnOnce(&Path)) -> PathBuf {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    format!("{spec:?}").hash(&mut hasher);
+    let path = scratch_dir().join(format!("{name}-{:016x}.gguf", hasher.finish()));
+    if !path.is_file() {
+        let partial = path.with_extension(format!("{}.part", std::process::id()));
+        write(&partial);
+        std::fs::rename(&partial, &path).unwrap();
+    }
+    path
+}
+
 fn generated(name: &str, spec: TextModelSpec, cell: &'static OnceLock<PathBuf>) -> &'static Path {
-    cell.get_or_init(|| {
-        let path = scratch_dir().join(format!("{name}-{}.gguf", std::process::id()));
-        spec.write(&path).unwrap();
-        path
-    })
+    cell.get_or_init(|| generated_file(name, &spec, |p| spec.write(p).unwrap()))
 }
 
 /// A model whose decodes take microseconds.
@@ -42,11 +53,7 @@ pub fn slow_model() -> &'static Path {
 }
 
 fn generated_projector(name: &str, spec: ProjectorSpec, cell: &'static OnceLock<PathBuf>) -> &'static Path {
-    cell.get_or_init(|| {
-        let path = scratch_dir().join(format!("{name}-{}.gguf", std::process::id()));
-        spec.write(&path).unwrap();
-        path
-    })
+    cell.get_or_init(|| generated_file(name, &spec, |p| spec.write(p).unwrap()))
 }
 
 /// A vision projector (LLaVA `mlp`) for `tiny_model`.

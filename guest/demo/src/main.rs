@@ -27,6 +27,14 @@ struct Options {
     bad_inputs: bool,
     /// A projector name: run the media scenario instead of the text one.
     media: Option<String>,
+    /// A shared token's capability: run one long decode under it and report.
+    token: Option<String>,
+    /// A shared token's capability: cancel it and exit.
+    cancel_shared: Option<String>,
+    /// Misbehave: loop forever in wasm.
+    spin: bool,
+    /// Misbehave: allocate until something gives.
+    hog_memory: bool,
 }
 
 impl Options {
@@ -40,6 +48,10 @@ impl Options {
             cancel_after_ms: 20,
             bad_inputs: false,
             media: None,
+            token: None,
+            cancel_shared: None,
+            spin: false,
+            hog_memory: false,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -54,6 +66,10 @@ impl Options {
                 "--cancel-after-ms" => o.cancel_after_ms = number(value()?)?,
                 "--bad-inputs" => o.bad_inputs = true,
                 "--media" => o.media = Some(value()?),
+                "--token" => o.token = Some(value()?),
+                "--cancel-shared" => o.cancel_shared = Some(value()?),
+                "--spin" => o.spin = true,
+                "--hog-memory" => o.hog_memory = true,
                 _ => return Err(format!("unknown argument {flag:?}")),
             }
         }
@@ -70,6 +86,25 @@ fn main() {
 }
 
 fn run(o: &Options) -> Result<(), Error> {
+    if o.spin {
+        println!("spinning");
+        let mut x = 0u64;
+        loop {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+    }
+    if o.hog_memory {
+        let mut hoard: Vec<Vec<u8>> = Vec::new();
+        loop {
+            hoard.push(vec![1; 16 << 20]);
+            println!("hoarded {} MiB", hoard.len() * 16);
+        }
+    }
+    if let Some(capability) = &o.cancel_shared {
+        let outcome = CancelToken::open_shared(capability).map(|token| token.cancel());
+        println!("cancel-shared: {}", show(outcome));
+        return Ok(());
+    }
     let model = Model::open(&o.model)?;
     let n_ctx = (o.long_tokens.max(64) + 64).next_power_of_two();
     let params = ContextParams {
@@ -87,6 +122,14 @@ fn run(o: &Options) -> Result<(), Error> {
     }
     if let Some(projector) = &o.media {
         return media(o, projector, &model, &ctx);
+    }
+    if let Some(capability) = &o.token {
+        let token = CancelToken::open_shared(capability)?;
+        let filler = model.tokenize(" the llama in the box", false, false)?;
+        let tokens: Vec<i32> = filler.iter().copied().cycle().take(o.long_tokens as usize).collect();
+        println!("shared-decode: {}", show(ctx.decode(&sequence(&tokens, 0), &token)));
+        println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
+        return Ok(());
     }
 
     generate(o, &model, &ctx)?;
@@ -240,6 +283,7 @@ fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
 fn show(r: Result<(), Error>) -> String {
     match r {
         Ok(()) => "ok".into(),
+        Err(Error::Cancelled) => "cancelled".into(),
         Err(Error::InvalidArgument(m)) => format!("invalid-argument: {m}"),
         Err(Error::ModelNotFound(m)) => format!("model-not-found: {m}"),
         Err(Error::LimitExceeded(m)) => format!("limit-exceeded: {m}"),

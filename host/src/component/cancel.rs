@@ -3,7 +3,7 @@
 use wasmtime::component::Resource;
 
 use super::bindings::llamabox::inference::cancel::{Host, HostCancelToken};
-use super::LlamaCtxView;
+use super::{Error, LlamaCtxView};
 use crate::native::CancelFlag;
 
 /// A guest's cancel token. The embedder can make one from its own `CancelFlag` (to
@@ -36,6 +36,18 @@ impl HostCancelToken for LlamaCtxView<'_> {
 
     async fn is_cancelled(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<bool> {
         Ok(self.table.get(&token)?.flag.is_cancelled())
+    }
+
+    async fn share(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<String> {
+        let flag = &self.table.get(&token)?.flag;
+        Ok(self.ctx.tokens.share(&self.ctx.group, flag))
+    }
+
+    async fn open_shared(&mut self, capability: String) -> wasmtime::Result<Result<Resource<CancelToken>, Error>> {
+        match self.ctx.tokens.open(&self.ctx.group, &capability) {
+            Some(flag) => Ok(Ok(self.table.push(CancelToken { flag })?)),
+            None => Ok(Err(Error::InvalidArgument("no token is shared under this capability in this group".into()))),
+        }
     }
 
     async fn drop(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<()> {

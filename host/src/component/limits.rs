@@ -23,6 +23,13 @@ pub struct Limits {
     pub max_image_side: u32,
     /// Longest audio input in samples (60 s at 16 kHz by default).
     pub max_audio_samples: usize,
+    /// Linear memory of one plugin instance, in bytes: a guest that grows past it gets a
+    /// failed `memory.grow` (and usually a trap), never the host's memory.
+    pub max_wasm_memory: usize,
+    /// Core instances per store (a Rust component needs about 4).
+    pub max_wasm_instances: usize,
+    /// Elements per wasm table.
+    pub max_wasm_table_elements: usize,
     /// Longest text `tokenize` takes, in bytes (it allocates a token per byte).
     pub max_text_bytes: usize,
     /// Most tokens `detokenize` takes.
@@ -38,6 +45,9 @@ impl Default for Limits {
             max_n_seq: 16,
             max_threads: cores,
             default_threads: cores.min(4),
+            max_wasm_memory: 256 << 20,
+            max_wasm_instances: 16,
+            max_wasm_table_elements: 100_000,
             max_contexts: 4,
             max_media_contexts: 2,
             max_image_side: 4096,
@@ -49,6 +59,15 @@ impl Default for Limits {
 }
 
 impl Limits {
+    /// The wasm side of these limits, for `Store::limiter`.
+    pub fn store_limits(&self) -> wasmtime::StoreLimits {
+        wasmtime::StoreLimitsBuilder::new()
+            .memory_size(self.max_wasm_memory)
+            .instances(self.max_wasm_instances)
+            .table_elements(self.max_wasm_table_elements)
+            .build()
+    }
+
     pub(crate) fn media_caps(&self) -> crate::native::MediaCaps {
         crate::native::MediaCaps { max_image_side: self.max_image_side, max_audio_samples: self.max_audio_samples }
     }

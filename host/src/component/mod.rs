@@ -8,6 +8,7 @@ mod llm;
 mod media;
 mod pending;
 mod registry;
+mod tokens;
 
 use std::sync::Arc;
 
@@ -18,6 +19,7 @@ pub use limits::Limits;
 pub use llm::{ContextHandle, ModelHandle, PendingDecode};
 pub use media::{ChunkHandle, MediaContextHandle, PendingEncode};
 pub use registry::ModelRegistry;
+pub use tokens::TokenRegistry;
 
 /// Bindings generated from `wit/`. Every import is async (decode waits on a worker
 /// thread without blocking the executor) and trappable (a bad resource handle traps the
@@ -43,9 +45,12 @@ pub mod bindings {
 
 pub use bindings::llamabox::inference::types::Error;
 
-/// Per-store llamabox state: which models this plugin may open, and its limits.
+/// Per-store llamabox state: which models this plugin may open, the tokens it may
+/// share and open (within its group), and its limits.
 pub struct LlamaCtx {
     registry: Arc<ModelRegistry>,
+    tokens: Arc<TokenRegistry>,
+    group: String,
     limits: Limits,
     /// Contexts this store has alive (checked against `limits.max_contexts`).
     live_contexts: u32,
@@ -54,8 +59,9 @@ pub struct LlamaCtx {
 }
 
 impl LlamaCtx {
-    pub fn new(registry: Arc<ModelRegistry>, limits: Limits) -> Self {
-        Self { registry, limits, live_contexts: 0, live_media_contexts: 0 }
+    /// `group` scopes shared tokens: a plugin opens only capabilities shared in its group.
+    pub fn new(registry: Arc<ModelRegistry>, tokens: Arc<TokenRegistry>, group: impl Into<String>, limits: Limits) -> Self {
+        Self { registry, tokens, group: group.into(), limits, live_contexts: 0, live_media_contexts: 0 }
     }
 }
 

@@ -47,6 +47,11 @@ impl CancelFlag {
         self.0.polls.load(Relaxed)
     }
 
+    /// A handle that does not keep the latch alive (for registries of shared tokens).
+    pub fn downgrade(&self) -> WeakCancelFlag {
+        WeakCancelFlag(Arc::downgrade(&self.0))
+    }
+
     /// Whether two handles share one latch.
     pub fn same_as(&self, other: &CancelFlag) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
@@ -64,6 +69,16 @@ impl CancelFlag {
             return true;
         }
         false
+    }
+}
+
+/// A [`CancelFlag`] that lives only as long as some strong handle does.
+#[derive(Clone, Debug)]
+pub struct WeakCancelFlag(std::sync::Weak<FlagState>);
+
+impl WeakCancelFlag {
+    pub fn upgrade(&self) -> Option<CancelFlag> {
+        self.0.upgrade().map(CancelFlag)
     }
 }
 

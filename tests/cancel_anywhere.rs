@@ -1,0 +1,116 @@
+//! Cancelling a plugin's native work from outside it: the embedder's own token, another
+//! instance through a shared capability (groups keep tenants apart), and a deadline
+//! that tears the store down with no worker left running.
+
+mod common;
+
+use std::time::Duration;
+
+use llamabox::{CancelFlag, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::WasiCtxBuilder;
+
+fn host() -> (PluginHost, Plugin) {
+    let mut registry = ModelRegistry::new();
+    registry.register("slow", common::slow_model());
+    let host = PluginHost::new(registry, Limits::default()).unwrap();
+    let plugin = host.load(common::demo_plugin()).unwrap();
+    (host, plugin)
+}
+
+async fn run(plugin: &Plugin, group: &str, deadline: Option<Duration>, args: &[&str]) -> (RunOutcome, String) {
+    let out = MemoryOutputPipe::new(1 << 16);
+    let mut wasi = WasiCtxBuilder::new();
+    wasi.stdout(out.clone()).stderr(out.clone());
+    wasi.args(&std::iter::once("demo").chain(args.iter().copied()).collect::<Vec<_>>());
+    let options = RunOptions { group: group.into(), deadline };
+    let outcome = plugin.run_with(&options, wasi).await.unwrap();
+    let text = String::from_utf8(out.contents().to_vec()).unwrap();
+    print!("{text}");
+    (outcome, text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedder_cancels_a_plugins_decode_with_its_own_token() {
+    let (host, plugin) = host();
+    let flag = CancelFlag::new();
+    let capability = host.tokens().share("tenant", &flag);
+    // Deterministic: the embedder's token trips after the decode's 20th graph node.
+    flag.trip_after(20);
+    let (outcome, out) = run(&plugin, "tenant", None, &["--model", "slow", "--token", &capability]).await;
+    assert_eq!(outcome, RunOutcome::Success);
+    assert_eq!(common::field(&out, "shared-decode"), "cancelled");
+    assert_eq!(flag.polls(), 20, "stopped at the tripping node, in flight");
+    assert_eq!(common::field(&out, "memory-after"), "seq-pos-max=-1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_instance_cancels_a_blocking_decode_through_a_shared_capability() {
+    let (host, plugin) = host();
+    let flag = CancelFlag::new();
+    let capability = host.tokens().share("tenant", &flag);
+    let (a_args, b_args) = (["--model", "slow", "--token", &capability], ["--cancel-shared", &capability]);
+    let decoding = run(&plugin, "tenant", None, &a_args);
+    let cancelling = async {
+        // Whether B lands before A's decode starts or during it, A must see `cancelled`.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        run(&plugin, "tenant", None, &b_args).await
+    };
+    let ((a, a_out), (b, b_out)) = tokio::join!(decoding, cancelling);
+    assert_eq!((a, b), (RunOutcome::Success, RunOutcome::Success));
+    assert_eq!(common::field(&b_out, "cancel-shared"), "ok");
+    assert_eq!(common::field(&a_out, "shared-decode"), "cancelled");
+    assert!(flag.is_cancelled());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_and_other_group_capabilities_are_refused() {
+    let (host, plugin) = host();
+    let flag = CancelFlag::new();
+    let capability = host.tokens().share("tenant-a", &flag);
+    let (_, other_group) = run(&plugin, "tenant-b", None, &["--cancel-shared", &capability]).await;
+    let (_, forged) = run(&plugin, "tenant-a", None, &["--cancel-shared", "0123456789abcdef0123456789abcdef"]).await;
+    for out in [other_group, forged] {
+        assert!(common::field(&out, "cancel-shared").starts_with("invalid-argument: no token is shared"), "{out}");
+    }
+    assert!(!flag.is_cancelled());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_stops_native_work_and_joins_every_worker() {
+    let (host, plugin) = host();
+    let flag = CancelFlag::new(); // never cancelled: only the deadline stops the decode
+    let capability = host.tokens().share("tenant", &flag);
+    let args = ["--model", "slow", "--token", &capability, "--long-tokens", "2048"];
+    let (outcome, _) = run(&plugin, "tenant", Some(Duration::from_millis(300)), &args).await;
+    assert_eq!(outcome, RunOutcome::DeadlineExceeded);
+    assert_eq!(llamabox::worker::live_workers(), 0, "no worker may outlive its store");
+    assert!(!flag.is_cancelled(), "the deadline stops the call without cancelling the caller's token");
+    // The host keeps serving: the same plugin runs again at once.
+    let (again, out) = run(&plugin, "tenant", None, &["--model", "slow", "--cancel-shared", &capability]).await;
+    assert_eq!((again, common::field(&out, "cancel-shared")), (RunOutcome::Success, "ok"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_loops_forever_is_stopped_by_its_deadline() {
+    let (_host, plugin) = host();
+    let (outcome, out) = run(&plugin, "tenant", Some(Duration::from_millis(200)), &["--spin"]).await;
+    assert_eq!(outcome, RunOutcome::DeadlineExceeded);
+    assert!(out.contains("spinning"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_cannot_take_more_memory_than_its_limit() {
+    let (_host, plugin) = host();
+    let out = MemoryOutputPipe::new(1 << 16);
+    let mut wasi = WasiCtxBuilder::new();
+    wasi.stdout(out.clone()).stderr(out.clone());
+    wasi.args(&["demo", "--hog-memory"]);
+    // The default limit is 256 MiB of linear memory: the guest's allocator fails (a
+    // trap in Rust) well before the host notices anything.
+    let result = plugin.run_with(&RunOptions::default(), wasi).await;
+    let text = String::from_utf8(out.contents().to_vec()).unwrap();
+    let hoarded = text.lines().filter(|l| l.starts_with("hoarded")).count();
+    assert!(result.is_err() || result.as_ref().is_ok_and(|o| *o != RunOutcome::Success), "{result:?}");
+    assert!((1..=16).contains(&hoarded), "stopped at the 256 MiB limit, after {hoarded} × 16 MiB");
+}
