@@ -1,6 +1,7 @@
-//! Cancelling a plugin's native work from outside it: the embedder's own token, another
-//! instance through a shared capability (groups keep tenants apart), and a deadline
-//! that tears the store down with no worker left running.
+//! Cancelling a plugin's native work from outside the call: another task of a WASI 0.3
+//! guest (token or dropped future), the embedder's own token, another instance through
+//! a shared capability (groups keep tenants apart), and a deadline that tears the store
+//! down with no worker left running.
 
 mod common;
 
@@ -113,4 +114,21 @@ async fn a_guest_cannot_take_more_memory_than_its_limit() {
     let hoarded = text.lines().filter(|l| l.starts_with("hoarded")).count();
     assert!(result.is_err() || result.as_ref().is_ok_and(|o| *o != RunOutcome::Success), "{result:?}");
     assert!((1..=16).contains(&hoarded), "stopped at the 256 MiB limit, after {hoarded} × 16 MiB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wasi_0_3_guest_tasks_cancel_in_flight_by_token_or_by_dropping_the_future() {
+    let (outcome, out) =
+        common::run_plugin(common::async_demo_plugin(), &[("slow", common::slow_model())], &[], &["slow", "512"]).await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    // Each decode takes far longer than the 5 ms after which it is stopped.
+    assert_eq!(common::field(&out, "async-spawn"), "cancelled");
+    assert_eq!(common::field(&out, "async-join"), "cancelled");
+    assert_eq!(common::field(&out, "async-drop"), "dropped");
+    for scenario in ["spawn", "join", "drop"] {
+        assert_eq!(common::field(&out, &format!("memory-after-{scenario}")), "seq-pos-max=-1", "{scenario} left a trace");
+    }
+    assert_eq!(common::field(&out, "async-complete"), "ok");
+    assert_eq!(common::field(&out, "memory-after-complete"), "seq-pos-max=511");
+    assert_eq!(llamabox::worker::live_workers(), 0);
 }

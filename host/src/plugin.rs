@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use wasmtime::component::{Component, Linker, ResourceTable};
+use wasmtime::component::{Component, InstancePre, Linker, ResourceTable};
 use wasmtime::error::Context as _;
 use wasmtime::{Engine, Store};
 use wasmtime_wasi::p2::bindings::CommandPre;
@@ -79,6 +79,8 @@ impl PluginHost {
     pub fn new(registry: ModelRegistry, limits: Limits) -> anyhow::Result<Self> {
         let mut config = wasmtime::Config::new();
         config.epoch_interruption(true);
+        // WASI 0.3 guests: `async func` imports (`llamabox:inference/async-calls`).
+        config.wasm_component_model_async(true);
         let engine = Engine::new(&config)?;
         let ticker = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (stop, ticking) = (ticker.clone(), engine.clone());
@@ -90,6 +92,8 @@ impl PluginHost {
         })?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        // WASI 0.3's clock (async `wait-for`), for async guests' timers.
+        wasmtime_wasi::p3::clocks::add_to_linker(&mut linker)?;
         component::add_to_linker(&mut linker)?;
         Ok(Self { engine, ticker, linker, registry: Arc::new(registry), tokens: Arc::new(TokenRegistry::new()), limits })
     }
@@ -124,8 +128,15 @@ impl PluginHost {
             .linker
             .instantiate_pre(&component)
             .context("the plugin imports something this host does not provide")?;
-        let pre = CommandPre::new(pre).context("the plugin is not a WASI command (it does not export wasi:cli/run)")?;
-        Ok(Plugin { pre, registry: self.registry.clone(), tokens: self.tokens.clone(), limits: self.limits.clone() })
+        let entry = match CommandPre::new(pre.clone()) {
+            Ok(command) => Entry::Command(command),
+            Err(_) if component.get_export_index(None, "run").is_some() => Entry::AsyncRun(pre),
+            Err(e) => {
+                let e = e.context("the plugin exports neither wasi:cli/run (a WASI 0.2 command) nor `run` (plugin-async)");
+                return Err(e.into());
+            }
+        };
+        Ok(Plugin { entry, registry: self.registry.clone(), tokens: self.tokens.clone(), limits: self.limits.clone() })
     }
 }
 
@@ -135,9 +146,18 @@ impl Drop for PluginHost {
     }
 }
 
+/// How a plugin is started.
+enum Entry {
+    /// A WASI 0.2 command: `wasi:cli/run`.
+    Command(CommandPre<PluginState>),
+    /// A WASI 0.3 plugin (`plugin-async` world): an async `run` export, called
+    /// concurrently so its tasks can await async imports.
+    AsyncRun(InstancePre<PluginState>),
+}
+
 /// A compiled plugin, ready to run any number of times.
 pub struct Plugin {
-    pre: CommandPre<PluginState>,
+    entry: Entry,
     registry: Arc<ModelRegistry>,
     tokens: Arc<TokenRegistry>,
     limits: Limits,
@@ -168,11 +188,25 @@ impl Plugin {
             table: ResourceTable::new(),
             limits: self.limits.store_limits(),
         };
-        let mut store = Store::new(self.pre.engine(), state);
+        let engine = match &self.entry {
+            Entry::Command(pre) => pre.engine(),
+            Entry::AsyncRun(pre) => pre.engine(),
+        };
+        let mut store = Store::new(engine, state);
         store.limiter(|state| &mut state.limits);
         store.epoch_deadline_async_yield_and_update(1);
-        let command = self.pre.instantiate_async(&mut store).await?;
-        match command.wasi_cli_run().call_run(&mut store).await {
+        let ended = match &self.entry {
+            Entry::Command(pre) => {
+                let command = pre.instantiate_async(&mut store).await?;
+                command.wasi_cli_run().call_run(&mut store).await
+            }
+            Entry::AsyncRun(pre) => {
+                let instance = pre.instantiate_async(&mut store).await?;
+                let run = instance.get_typed_func::<(), (Result<(), ()>,)>(&mut store, "run")?;
+                store.run_concurrent(async |accessor| run.call_concurrent(accessor, ()).await).await.and_then(|r| r).map(|(r,)| r)
+            }
+        };
+        match ended {
             Ok(Ok(())) => Ok(RunOutcome::Success),
             Ok(Err(())) => Ok(RunOutcome::Failed(1)),
             Err(e) => match e.downcast_ref::<wasmtime_wasi::I32Exit>() {

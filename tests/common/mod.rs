@@ -93,7 +93,19 @@ pub fn real_model() -> &'static Path {
 /// repeated builds no-ops).
 pub fn demo_plugin() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    CELL.get_or_init(|| {
+    CELL.get_or_init(|| guests_dir().join("llamabox-demo.wasm"))
+}
+
+/// The WASI 0.3 (async) demo plugin.
+pub fn async_demo_plugin() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    CELL.get_or_init(|| guests_dir().join("llamabox_async_demo.wasm"))
+}
+
+/// Build every guest plugin once per test process; the folder of their components.
+fn guests_dir() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
         let root = repo_root();
         let target_dir = root.join("target").join("guest");
         let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
@@ -104,8 +116,8 @@ pub fn demo_plugin() -> &'static Path {
             .env_remove("CARGO_ENCODED_RUSTFLAGS")
             .status()
             .expect("running cargo to build the guest");
-        assert!(status.success(), "building the guest plugin failed");
-        target_dir.join("wasm32-wasip2/release/llamabox-demo.wasm")
+        assert!(status.success(), "building the guest plugins failed");
+        target_dir.join("wasm32-wasip2/release")
     })
 }
 
@@ -123,6 +135,11 @@ pub async fn run_demo(models: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, S
 
 /// `run_demo` with projectors registered too.
 pub async fn run_demo_with(models: &[(&str, &Path)], projectors: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, String) {
+    run_plugin(demo_plugin(), models, projectors, args).await
+}
+
+/// Run `plugin` with `args`; returns its stdout followed by its stderr.
+pub async fn run_plugin(plugin: &Path, models: &[(&str, &Path)], projectors: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, String) {
     let mut registry = ModelRegistry::new();
     for (name, path) in models {
         registry.register(*name, *path);
@@ -131,15 +148,15 @@ pub async fn run_demo_with(models: &[(&str, &Path)], projectors: &[(&str, &Path)
         registry.register_projector(*name, *path);
     }
     let host = PluginHost::new(registry, Limits::default()).unwrap();
-    let plugin = host.load(demo_plugin()).unwrap();
+    let plugin = host.load(plugin).unwrap();
     let (stdout, stderr) = (MemoryOutputPipe::new(1 << 20), MemoryOutputPipe::new(1 << 20));
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(stdout.clone()).stderr(stderr.clone());
     wasi.args(&std::iter::once("demo").chain(args.iter().copied()).collect::<Vec<_>>());
-    let outcome = plugin.run(wasi).await.unwrap();
+    let outcome = plugin.run(wasi).await;
     let text = String::from_utf8([stdout.contents(), stderr.contents()].concat()).unwrap();
     print!("{text}");
-    (outcome, text)
+    (outcome.unwrap(), text)
 }
 
 /// The value of the first `key: value` line.

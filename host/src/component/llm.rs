@@ -45,7 +45,7 @@ impl LlamaCtxView<'_> {
 
     /// Queue a decode; the returned call stops in flight when `token` is cancelled or
     /// the call is dropped.
-    fn queue_decode(
+    pub(super) fn queue_decode(
         &mut self,
         ctx: &Resource<ContextHandle>,
         batch: Batch,

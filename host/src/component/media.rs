@@ -36,7 +36,7 @@ impl LlamaCtxView<'_> {
         Ok(self.table.get(media)?)
     }
 
-    fn queue_encode(
+    pub(super) fn queue_encode(
         &mut self,
         media: &Resource<MediaContextHandle>,
         chunk: &Resource<ChunkHandle>,

@@ -2,6 +2,7 @@
 //! and the limits a plugin runs under. Never calls llama.cpp directly: native work goes
 //! through `crate::native` types owned by `crate::worker` threads.
 
+mod async_calls;
 mod cancel;
 mod limits;
 mod llm;
@@ -43,6 +44,21 @@ pub mod bindings {
     });
 }
 
+/// Bindings of the `async func` imports (WASI 0.3 guests), reusing the types above.
+pub mod async_bindings {
+    wasmtime::component::bindgen!({
+        path: "../wit",
+        world: "async-host",
+        imports: { default: trappable },
+        with: {
+            "llamabox:inference/types": super::bindings::llamabox::inference::types,
+            "llamabox:inference/cancel": super::bindings::llamabox::inference::cancel,
+            "llamabox:inference/llm": super::bindings::llamabox::inference::llm,
+            "llamabox:inference/media": super::bindings::llamabox::inference::media,
+        },
+    });
+}
+
 pub use bindings::llamabox::inference::types::Error;
 
 /// Per-store llamabox state: which models this plugin may open, the tokens it may
@@ -76,7 +92,7 @@ pub trait LlamaView: Send {
     fn llama(&mut self) -> LlamaCtxView<'_>;
 }
 
-struct HasLlama;
+pub(crate) struct HasLlama;
 
 impl HasData for HasLlama {
     type Data<'a> = LlamaCtxView<'a>;
@@ -91,6 +107,7 @@ pub fn add_to_linker<T: LlamaView + 'static>(linker: &mut Linker<T>) -> wasmtime
     wit::cancel::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     wit::llm::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     wit::media::add_to_linker::<T, HasLlama>(linker, T::llama)?;
+    async_bindings::llamabox::inference::async_calls::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     Ok(())
 }
 

@@ -1,0 +1,114 @@
+//! A WASI 0.3 (component-model async) plugin: the three ways another task stops an
+//! in-flight call. Each scenario starts a long decode and, 5 ms later, either cancels
+//! its token from a spawned task, cancels it from the other arm of a `join!`, or drops
+//! the decode's future without any token (then the host stops the native work itself).
+//!
+//! Output lines are `key: value` so tests can read them.
+
+wit_bindgen::generate!({
+    path: "../../wit",
+    world: "plugin-async",
+    generate_all,
+});
+
+use std::future::Future;
+use std::pin::pin;
+use std::task::Poll;
+
+use futures::join;
+use llamabox::inference::async_calls;
+use llamabox::inference::cancel::CancelToken;
+use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
+use llamabox::inference::types::Error;
+use wasi::clocks0_3_0::monotonic_clock::wait_for;
+
+
+const MS: u64 = 1_000_000;
+
+struct Plugin;
+
+impl Guest for Plugin {
+    /// Arguments: MODEL-NAME [N-TOKENS].
+    async fn run() -> Result<(), ()> {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let model = args.first().cloned().unwrap_or_else(|| "default".into());
+        let tokens: usize = args.get(1).and_then(|n| n.parse().ok()).unwrap_or(512);
+        scenarios(model, tokens).await.map_err(|e| eprintln!("async-demo: {e:?}"))
+    }
+}
+
+export!(Plugin);
+
+async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
+    let model = Model::open(&model_name)?;
+    let params = ContextParams {
+        n_ctx: Some((n as u32 + 64).next_power_of_two()),
+        n_batch: Some(n as u32),
+        n_ubatch: None,
+        n_seq_max: Some(1),
+        n_threads: Some(1),
+    };
+    let ctx = Context::create(&model, params)?;
+    let filler = model.tokenize(" the llama in the box", false, false)?;
+    let tokens: Vec<i32> = filler.iter().copied().cycle().take(n).collect();
+    let batch = Batch {
+        positions: (0..n as i32).collect(),
+        seq_ids: vec![0; n],
+        logits: (0..n).map(|i| i + 1 == n).collect(),
+        tokens,
+    };
+
+    // (a) another task, spawned, cancels the token while this one awaits the decode.
+    let token = std::rc::Rc::new(CancelToken::new());
+    let canceller = token.clone();
+    wit_bindgen::spawn_local(async move {
+        wait_for(5 * MS).await;
+        canceller.cancel();
+    });
+    let outcome = async_calls::decode(&ctx, batch.clone(), &token).await;
+    println!("async-spawn: {}", show(&outcome));
+    println!("memory-after-spawn: seq-pos-max={}", ctx.seq_pos_max(0)?);
+
+    // (b) one task, two arms: the decode, and a sleep that cancels it.
+    let token = CancelToken::new();
+    let (outcome, ()) = join!(async_calls::decode(&ctx, batch.clone(), &token), async {
+        wait_for(5 * MS).await;
+        token.cancel();
+    });
+    println!("async-join: {}", show(&outcome));
+    println!("memory-after-join: seq-pos-max={}", ctx.seq_pos_max(0)?);
+
+    // (c) no cancel at all: the decode loses a race with a timeout and its future is
+    // dropped. The host drops its future, stops the decode in flight and joins it, so
+    // the memory shows no trace of it.
+    let never = CancelToken::new();
+    let raced = first_of(async_calls::decode(&ctx, batch.clone(), &never), wait_for(5 * MS)).await;
+    println!("async-drop: {}", if raced.is_none() { "dropped" } else { "finished first" });
+    println!("memory-after-drop: seq-pos-max={}", ctx.seq_pos_max(0)?);
+
+    // And an uncancelled async decode completes.
+    let outcome = async_calls::decode(&ctx, batch, &CancelToken::new()).await;
+    println!("async-complete: {}", show(&outcome));
+    println!("memory-after-complete: seq-pos-max={}", ctx.seq_pos_max(0)?);
+    Ok(())
+}
+
+/// `Some(a's output)` if `a` finishes first; `None` (and `a` dropped) if `b` does.
+async fn first_of<A: Future, B: Future>(a: A, b: B) -> Option<A::Output> {
+    let (mut a, mut b) = (pin!(a), pin!(b));
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(out) = a.as_mut().poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        b.as_mut().poll(cx).map(|_| None)
+    })
+    .await
+}
+
+fn show(outcome: &Result<(), Error>) -> String {
+    match outcome {
+        Ok(()) => "ok".into(),
+        Err(Error::Cancelled) => "cancelled".into(),
+        Err(e) => format!("{e:?}"),
+    }
+}

@@ -1,0 +1,37 @@
+//! `llamabox:inference/async-calls`: decode and encode as `async func`s (WASI 0.3).
+//! The store is touched only inside `accessor.with`, never across an await; the call
+//! itself is the same worker call as the blocking form, so dropping the host future
+//! (wasmtime does when the guest drops the subtask) stops the native work.
+
+use wasmtime::component::{Accessor, Resource};
+
+use super::async_bindings::llamabox::inference::async_calls::{Host, HostWithStore};
+use super::bindings::llamabox::inference::llm::Batch;
+use super::pending::finished;
+use super::{CancelToken, ChunkHandle, ContextHandle, Error, HasLlama, LlamaCtxView, MediaContextHandle};
+
+type Answer<T> = wasmtime::Result<Result<T, Error>>;
+
+impl Host for LlamaCtxView<'_> {}
+
+impl<T> HostWithStore<T> for HasLlama {
+    async fn decode(
+        accessor: &Accessor<T, Self>,
+        ctx: Resource<ContextHandle>,
+        batch: Batch,
+        cancel: Resource<CancelToken>,
+    ) -> Answer<()> {
+        let call = accessor.with(|mut access| access.get().queue_decode(&ctx, batch, &cancel))?;
+        Ok(finished(call.await))
+    }
+
+    async fn encode_chunk(
+        accessor: &Accessor<T, Self>,
+        media: Resource<MediaContextHandle>,
+        chunk: Resource<ChunkHandle>,
+        cancel: Resource<CancelToken>,
+    ) -> Answer<Vec<f32>> {
+        let call = accessor.with(|mut access| access.get().queue_encode(&media, &chunk, &cancel))?;
+        Ok(finished(call.await))
+    }
+}
