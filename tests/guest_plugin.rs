@@ -53,6 +53,9 @@ async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
         ("position-gap", "invalid-argument: row 0: sequence 0 must continue at position 0, got 5"),
         ("columns-differ", "invalid-argument: batch columns differ"),
         ("unknown-model", "model-not-found: no-such-model"),
+        ("huge-n-ctx", "limit-exceeded: n-ctx 16777216 is above this host's limit"),
+        ("too-many-threads", "limit-exceeded: n-threads 1048576 is above this host's limit"),
+        ("too-many-contexts", "limit-exceeded: max-contexts"),
         ("logits-of-unrequested-row", "invalid-argument: row 0 has no logits"),
     ];
     for (case, prefix) in expect {

@@ -272,6 +272,17 @@ fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
         println!("bad-input {name}: {}", show(ctx.decode(&batch, &never)));
     }
     println!("bad-input unknown-model: {}", show(Model::open("no-such-model").map(|_| ())));
+    let params = |n_ctx: u32, n_threads: u32| ContextParams {
+        n_ctx: Some(n_ctx),
+        n_batch: Some(64),
+        n_ubatch: None,
+        n_seq_max: None,
+        n_threads: Some(n_threads),
+    };
+    println!("bad-input huge-n-ctx: {}", show(Context::create(model, params(1 << 24, 1)).map(|_| ())));
+    println!("bad-input too-many-threads: {}", show(Context::create(model, params(256, 1 << 20)).map(|_| ())));
+    let extra: Vec<_> = (0..4).map(|_| Context::create(model, params(256, 1))).collect();
+    println!("bad-input too-many-contexts: {}", show(extra.into_iter().last().unwrap().map(|_| ())));
     println!("bad-input logits-of-unrequested-row: {}", show(ctx.logits_ith(0).map(|_| ())));
     println!("good-tokens: {}", good.len());
     let after = ctx.decode(&sequence(&good, 0), &never);

@@ -3,7 +3,7 @@
 use wasmtime::component::Resource;
 
 use super::bindings::llamabox::inference::cancel::{Host, HostCancelToken};
-use super::{Error, LlamaCtxView};
+use super::{Error, Held, LlamaCtxView};
 use crate::native::CancelFlag;
 
 /// A guest's cancel token. The embedder can make one from its own `CancelFlag` (to
@@ -26,6 +26,8 @@ impl Host for LlamaCtxView<'_> {}
 
 impl HostCancelToken for LlamaCtxView<'_> {
     async fn new(&mut self) -> wasmtime::Result<Resource<CancelToken>> {
+        // A constructor cannot return an error: too many tokens traps the guest.
+        self.ctx.admit(Held::Token)?;
         Ok(self.table.push(CancelToken { flag: CancelFlag::new() })?)
     }
 
@@ -45,13 +47,17 @@ impl HostCancelToken for LlamaCtxView<'_> {
 
     async fn open_shared(&mut self, capability: String) -> wasmtime::Result<Result<Resource<CancelToken>, Error>> {
         match self.ctx.tokens.open(&self.ctx.group, &capability) {
-            Some(flag) => Ok(Ok(self.table.push(CancelToken { flag })?)),
+            Some(flag) => match self.ctx.admit(Held::Token) {
+                Ok(()) => Ok(Ok(self.table.push(CancelToken { flag })?)),
+                Err(e) => Ok(Err(e)),
+            },
             None => Ok(Err(Error::InvalidArgument("no token is shared under this capability in this group".into()))),
         }
     }
 
     async fn drop(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<()> {
         self.table.delete(token)?;
+        self.ctx.release(Held::Token);
         Ok(())
     }
 }

@@ -17,6 +17,14 @@ pub struct Limits {
     pub default_threads: u32,
     /// Contexts alive at once per store: each owns a thread and its KV memory.
     pub max_contexts: u32,
+    /// KV cells (n-ctx × the model's layers) over all of a store's contexts: what KV
+    /// memory grows with.
+    pub max_kv_cells: u64,
+    /// `pending-decode` / `pending-encode` alive at once per store: each holds a queued
+    /// native call.
+    pub max_pending_calls: u32,
+    /// Cancel tokens alive at once per store (the resource table has no cap of its own).
+    pub max_tokens: u32,
     /// Media contexts alive at once per store: each owns a thread and a projector's weights.
     pub max_media_contexts: u32,
     /// Largest image side in pixels: preprocessing allocates per pixel.
@@ -49,6 +57,9 @@ impl Default for Limits {
             max_wasm_instances: 16,
             max_wasm_table_elements: 100_000,
             max_contexts: 4,
+            max_kv_cells: 8192 * 32,
+            max_pending_calls: 16,
+            max_tokens: 1024,
             max_media_contexts: 2,
             max_image_side: 4096,
             max_audio_samples: 60 * 16_000,

@@ -9,7 +9,7 @@ use wasmtime_wasi::p2::{subscribe, DynPollable};
 
 use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
 use super::pending::{finished, Pending};
-use super::{CancelToken, Error, LlamaCtxView};
+use super::{CancelToken, Error, Held, LlamaCtxView};
 use crate::native::{self, CancelFlag, Context, Model, Stop, Token};
 use crate::worker::{Call, Worker};
 
@@ -23,6 +23,8 @@ pub struct ContextHandle {
     pub(super) worker: Worker<Context>,
     params: native::ContextParams,
     pub(super) model: Arc<Model>,
+    /// What it counts against the store's limits.
+    held: Held,
 }
 
 /// A decode started with `start-decode`.
@@ -163,23 +165,26 @@ impl HostContext for LlamaCtxView<'_> {
     async fn create(&mut self, model: Resource<ModelHandle>, params: ContextParams) -> Answer<Resource<ContextHandle>> {
         let model = self.table.get(&model)?.model.clone();
         let handle_model = model.clone();
-        if self.ctx.live_contexts >= self.ctx.limits.max_contexts {
-            let max = self.ctx.limits.max_contexts;
-            return Ok(Err(Error::LimitExceeded(format!("max-contexts: this plugin already has {max} contexts"))));
-        }
         let params = match self.resolve(params, &model) {
             Ok(p) => p,
             Err(e) => return Ok(Err(e)),
         };
+        let held = Held::Context { kv_cells: params.n_ctx as u64 * model.n_layer() as u64 };
+        if let Err(e) = self.ctx.admit(held) {
+            return Ok(Err(e));
+        }
         let worker = match Worker::start("llamabox-context", move || Context::new(model, params)).await {
             Ok(worker) => worker,
-            Err(e) => return Ok(Err(e.into())),
+            Err(e) => {
+                self.ctx.release(held);
+                return Ok(Err(e.into()));
+            }
         };
         let Some(params) = worker.call(|c, _| c.params()).await else {
+            self.ctx.release(held);
             return Ok(Err(Error::Backend("context worker stopped".into())));
         };
-        self.ctx.live_contexts += 1;
-        Ok(Ok(self.table.push(ContextHandle { worker, params, model: handle_model })?))
+        Ok(Ok(self.table.push(ContextHandle { worker, params, model: handle_model, held })?))
     }
 
     async fn decode(&mut self, ctx: Resource<ContextHandle>, batch: Batch, cancel: Resource<CancelToken>) -> Answer<()> {
@@ -193,6 +198,9 @@ impl HostContext for LlamaCtxView<'_> {
         batch: Batch,
         cancel: Resource<CancelToken>,
     ) -> Answer<Resource<PendingDecode>> {
+        if let Err(e) = self.ctx.admit(Held::PendingCall) {
+            return Ok(Err(e));
+        }
         let call = self.queue_decode(&ctx, batch, &cancel)?;
         Ok(Ok(self.table.push(Pending::new(call))?))
     }
@@ -241,7 +249,7 @@ impl HostContext for LlamaCtxView<'_> {
         // Dropping the worker stops its running call and joins its thread, which frees
         // the native context after the call has returned.
         let handle = self.table.delete(ctx)?;
-        self.ctx.live_contexts -= 1;
+        self.ctx.release(handle.held);
         tokio::task::spawn_blocking(move || drop(handle)).await?;
         Ok(())
     }
@@ -259,6 +267,7 @@ impl HostPendingDecode for LlamaCtxView<'_> {
     async fn drop(&mut self, pending: Resource<PendingDecode>) -> wasmtime::Result<()> {
         // Dropping an unfinished call sets its stop flag: the decode stops in flight.
         self.table.delete(pending)?;
+        self.ctx.release(Held::PendingCall);
         Ok(())
     }
 }

@@ -9,7 +9,7 @@ use wasmtime_wasi::p2::{subscribe, DynPollable};
 use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, HostMediaContext, HostPendingEncode, Input};
 use super::llm::{ContextHandle, ModelHandle};
 use super::pending::{finished, Pending};
-use super::{CancelToken, Error, LlamaCtxView};
+use super::{CancelToken, Error, Held, LlamaCtxView};
 use crate::native::{self, Batch, CancelFlag, Chunk, MediaContext, MediaInput, Model, Stop, Token};
 use crate::worker::{Call, Worker};
 
@@ -81,29 +81,28 @@ impl HostChunk for LlamaCtxView<'_> {
 impl HostMediaContext for LlamaCtxView<'_> {
     async fn open(&mut self, projector: String, model: Resource<ModelHandle>) -> Answer<Resource<MediaContextHandle>> {
         let model = self.table.get(&model)?.model.clone();
-        let limits = &self.ctx.limits;
-        if self.ctx.live_media_contexts >= limits.max_media_contexts {
-            let max = limits.max_media_contexts;
-            return Ok(Err(Error::LimitExceeded(format!("max-media-contexts: this plugin already has {max}"))));
-        }
         let Ok(path) = self.ctx.registry.projector_path(&projector).cloned() else {
             return Ok(Err(Error::ModelNotFound(projector)));
         };
-        let threads = limits.default_threads;
+        if let Err(e) = self.ctx.admit(Held::MediaContext) {
+            return Ok(Err(e));
+        }
+        let threads = self.ctx.limits.default_threads;
         let worker_model = model.clone();
         let started = Worker::start("llamabox-media", move || MediaContext::new(&path, worker_model, threads)).await;
         let worker = match started {
             Ok(worker) => worker,
             Err(e) => {
+                self.ctx.release(Held::MediaContext);
                 tracing::error!("opening projector {projector:?}: {e}");
                 return Ok(Err(Error::Backend(format!("projector {projector:?} could not be loaded for this model"))));
             }
         };
         let probe = worker.call(|m, _| (m.supports_vision(), m.supports_audio(), m.audio_sample_rate(), m.uses_mrope()));
         let Some((vision, audio, sample_rate, mrope)) = probe.await else {
+            self.ctx.release(Held::MediaContext);
             return Ok(Err(Error::Backend("media worker stopped".into())));
         };
-        self.ctx.live_media_contexts += 1;
         Ok(Ok(self.table.push(MediaContextHandle { worker, model, vision, audio, sample_rate, mrope })?))
     }
 
@@ -169,6 +168,9 @@ impl HostMediaContext for LlamaCtxView<'_> {
         chunk: Resource<ChunkHandle>,
         cancel: Resource<CancelToken>,
     ) -> Answer<Resource<PendingEncode>> {
+        if let Err(e) = self.ctx.admit(Held::PendingCall) {
+            return Ok(Err(e));
+        }
         let call = self.queue_encode(&media, &chunk, &cancel)?;
         Ok(Ok(self.table.push(Pending::new(call))?))
     }
@@ -196,7 +198,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
 
     async fn drop(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<()> {
         let handle = self.table.delete(media)?;
-        self.ctx.live_media_contexts -= 1;
+        self.ctx.release(Held::MediaContext);
         // Joining the worker stops its running encode first (see `Worker::drop`).
         tokio::task::spawn_blocking(move || drop(handle)).await?;
         Ok(())
@@ -271,6 +273,7 @@ impl HostPendingEncode for LlamaCtxView<'_> {
     async fn drop(&mut self, pending: Resource<PendingEncode>) -> wasmtime::Result<()> {
         // Dropping an unfinished encode sets its stop flag: it stops at the next boundary.
         self.table.delete(pending)?;
+        self.ctx.release(Held::PendingCall);
         Ok(())
     }
 }

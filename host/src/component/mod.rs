@@ -68,16 +68,74 @@ pub struct LlamaCtx {
     tokens: Arc<TokenRegistry>,
     group: String,
     limits: Limits,
-    /// Contexts this store has alive (checked against `limits.max_contexts`).
-    live_contexts: u32,
-    /// Media contexts alive (checked against `limits.max_media_contexts`).
-    live_media_contexts: u32,
+    usage: Usage,
+}
+
+/// What a store holds now, counted against its `Limits`.
+#[derive(Default, Debug)]
+struct Usage {
+    contexts: u32,
+    media_contexts: u32,
+    pending_calls: u32,
+    tokens: u32,
+    kv_cells: u64,
+}
+
+/// Something a plugin holds that counts against a limit.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Held {
+    /// A context with n-ctx × n-layer KV cells.
+    Context { kv_cells: u64 },
+    MediaContext,
+    PendingCall,
+    Token,
 }
 
 impl LlamaCtx {
     /// `group` scopes shared tokens: a plugin opens only capabilities shared in its group.
     pub fn new(registry: Arc<ModelRegistry>, tokens: Arc<TokenRegistry>, group: impl Into<String>, limits: Limits) -> Self {
-        Self { registry, tokens, group: group.into(), limits, live_contexts: 0, live_media_contexts: 0 }
+        Self { registry, tokens, group: group.into(), limits, usage: Usage::default() }
+    }
+
+    /// Count `held` against this store's limits, or name the limit it would exceed.
+    pub(crate) fn admit(&mut self, held: Held) -> Result<(), Error> {
+        let (u, l) = (&mut self.usage, &self.limits);
+        let over = |name: &str, max: String| Err(Error::LimitExceeded(format!("{name}: this plugin already holds {max}")));
+        match held {
+            Held::Context { .. } if u.contexts >= l.max_contexts => return over("max-contexts", l.max_contexts.to_string()),
+            Held::Context { kv_cells } if u.kv_cells + kv_cells > l.max_kv_cells => {
+                return over("max-kv-cells", format!("{} of {} KV cells (n-ctx x layers)", u.kv_cells, l.max_kv_cells))
+            }
+            Held::MediaContext if u.media_contexts >= l.max_media_contexts => {
+                return over("max-media-contexts", l.max_media_contexts.to_string())
+            }
+            Held::PendingCall if u.pending_calls >= l.max_pending_calls => {
+                return over("max-pending-calls", l.max_pending_calls.to_string())
+            }
+            Held::Token if u.tokens >= l.max_tokens => return over("max-tokens", l.max_tokens.to_string()),
+            _ => {}
+        }
+        self.count(held, true);
+        Ok(())
+    }
+
+    /// Stop counting `held` (its resource was dropped).
+    pub(crate) fn release(&mut self, held: Held) {
+        self.count(held, false);
+    }
+
+    fn count(&mut self, held: Held, add: bool) {
+        let u = &mut self.usage;
+        let step = |n: &mut u32| *n = if add { *n + 1 } else { n.saturating_sub(1) };
+        match held {
+            Held::Context { kv_cells } => {
+                step(&mut u.contexts);
+                u.kv_cells = if add { u.kv_cells + kv_cells } else { u.kv_cells.saturating_sub(kv_cells) };
+            }
+            Held::MediaContext => step(&mut u.media_contexts),
+            Held::PendingCall => step(&mut u.pending_calls),
+            Held::Token => step(&mut u.tokens),
+        }
     }
 }
 
@@ -121,6 +179,42 @@ impl From<crate::native::Error> for Error {
             N::InvalidArgument(m) => Error::InvalidArgument(m),
             N::ContextFull => Error::ContextFull,
             N::Backend(m) => Error::Backend(m),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx(limits: Limits) -> LlamaCtx {
+        LlamaCtx::new(Arc::new(ModelRegistry::new()), Arc::new(TokenRegistry::new()), "test", limits)
+    }
+
+    fn limit_named(result: Result<(), Error>) -> String {
+        match result {
+            Err(Error::LimitExceeded(m)) => m,
+            other => panic!("expected limit-exceeded, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn each_held_thing_counts_against_its_own_limit_until_released() {
+        let limits = Limits { max_contexts: 2, max_kv_cells: 1000, max_pending_calls: 1, max_tokens: 1, max_media_contexts: 1, ..Limits::default() };
+        let mut c = ctx(limits);
+        let small = Held::Context { kv_cells: 400 };
+        c.admit(small).unwrap();
+        assert!(limit_named(c.admit(Held::Context { kv_cells: 601 })).starts_with("max-kv-cells"));
+        c.admit(small).unwrap();
+        assert!(limit_named(c.admit(Held::Context { kv_cells: 1 })).starts_with("max-contexts"));
+        c.release(small);
+        c.admit(Held::Context { kv_cells: 200 }).unwrap();
+
+        for (held, name) in [(Held::PendingCall, "max-pending-calls"), (Held::Token, "max-tokens"), (Held::MediaContext, "max-media-contexts")] {
+            c.admit(held).unwrap();
+            assert!(limit_named(c.admit(held)).starts_with(name));
+            c.release(held);
+            c.admit(held).unwrap();
         }
     }
 }
