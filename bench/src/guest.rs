@@ -81,9 +81,9 @@ impl Guest {
         self.last_run(&self.args("decode", model, &extra), "logits")
     }
 
-    /// One timed greedy generation, after a warm-up one.
+    /// One timed greedy generation (the plugin warms up with a one-token one).
     pub fn generate(&self, model: &BenchModel) -> anyhow::Result<(Duration, u64)> {
-        let extra = [("--tokens", self.shape.gen_tokens.to_string()), ("--runs", "2".into())];
+        let extra = [("--tokens", self.shape.gen_tokens.to_string()), ("--runs", "1".into())];
         self.last_run(&self.args("generate", model, &extra), "tokens")
     }
 

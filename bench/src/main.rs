@@ -3,8 +3,9 @@
 //! llama-bench. Prints a Markdown report and writes it to bench/RESULTS.md, with the
 //! cancel-latency figure beside it.
 //!
-//! Decode columns are measured in rounds (one run of each way per round, the order
-//! rotating) so that load changing on a shared machine falls on every column alike.
+//! Everything compared is measured in rounds (one run of each way per round, the order
+//! rotating, llama-bench included) so that load changing on a shared machine falls on
+//! every way alike.
 
 mod guest;
 mod machine;
@@ -25,7 +26,8 @@ use llamabox::native::Model;
 
 use guest::Guest;
 use native::Native;
-use report::{ModelResults, Way};
+use reference::LlamaBench;
+use report::{ModelResults, Reference, Way};
 use stats::Runs;
 use workload::{BenchModel, Shape};
 
@@ -138,49 +140,73 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One step of a prompt-decode round: one of our ways, or llama-bench's pp test.
+#[derive(Clone, Copy)]
+enum DecodeStep {
+    Ours(Way),
+    LlamaBench,
+}
+
+/// One step of a generation round.
+#[derive(Clone, Copy)]
+enum GenStep {
+    Native,
+    Guest,
+    LlamaBench,
+}
+
 /// Every measurement on one model.
 fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> anyhow::Result<ModelResults> {
     let loaded = Model::load(&model.path).with_context(|| format!("loading {}", model.path.display()))?;
     let mut native = Native::new(Arc::new(loaded), shape)?;
+    let llama_bench = cli.llama_bench.as_ref().map(|bin| LlamaBench {
+        bin: bin.clone(),
+        model: model.path.clone(),
+        threads: shape.threads,
+    });
+    let no_digest = |time| (time, 0);
 
-    // Warm-ups, then rounds of the four decode ways.
-    native.prompt_decode(false)?;
+    let mut steps: Vec<DecodeStep> = Way::ALL.map(DecodeStep::Ours).into();
+    steps.extend(llama_bench.as_ref().map(|_| DecodeStep::LlamaBench));
+    native.prompt_decode(false)?; // warm-ups: the guest and llama-bench warm up per run
     native.prompt_decode(true)?;
-    let mut decode: [Runs; 4] = Default::default();
-    for round in 0..cli.runs {
-        progress(format_args!("{}: prompt decode, round {}/{}", model.label, round + 1, cli.runs));
-        for k in 0..Way::ALL.len() {
-            let way = Way::ALL[(round + k) % Way::ALL.len()];
-            let (time, digest) = match way {
-                Way::Plain => native.prompt_decode(false)?,
-                Way::Cancellable => native.prompt_decode(true)?,
-                Way::GuestBlocking => guest.prompt_decode(model, "blocking")?,
-                Way::GuestPending => guest.prompt_decode(model, "pending")?,
-            };
-            decode[way as usize].push(time, digest);
+    let mut decode = stats::in_rounds(cli.runs, &steps, |step, round| {
+        if matches!(step, DecodeStep::Ours(Way::Plain)) {
+            progress(format_args!("{}: prompt decode, round {}/{}", model.label, round + 1, cli.runs));
         }
-    }
+        match (step, &llama_bench) {
+            (DecodeStep::Ours(Way::Plain), _) => native.prompt_decode(false),
+            (DecodeStep::Ours(Way::Cancellable), _) => native.prompt_decode(true),
+            (DecodeStep::Ours(Way::GuestBlocking), _) => guest.prompt_decode(model, "blocking"),
+            (DecodeStep::Ours(Way::GuestPending), _) => guest.prompt_decode(model, "pending"),
+            (DecodeStep::LlamaBench, Some(lb)) => lb.prompt(shape.prompt_tokens).map(no_digest),
+            (DecodeStep::LlamaBench, None) => unreachable!("llama-bench steps only when it is given"),
+        }
+    })?;
+    let reference_prompt = llama_bench.as_ref().and_then(|_| decode.pop()).map(|runs| runs.times);
+    let decode: [Runs; 4] = decode.try_into().map_err(|_| anyhow::anyhow!("one result per decode way"))?;
     let nodes = native.prompt_nodes()?;
 
-    // llama-bench right after our own prompt decodes, under the same load.
-    let llama_bench = match &cli.llama_bench {
-        Some(bin) => {
-            progress(format_args!("{}: llama-bench", model.label));
-            reference::run_llama_bench(bin, &model.path, &shape, cli.runs).map_err(|e| format!("{e:#}"))
-        }
-        None => Err("no --llama-bench given".into()),
-    };
-
-    let (mut gen_native, mut gen_guest) = (Runs::default(), Runs::default());
+    let mut steps = vec![GenStep::Native, GenStep::Guest];
+    steps.extend(llama_bench.as_ref().map(|_| GenStep::LlamaBench));
     native.generate()?; // warm-up
-    for round in 0..cli.runs {
-        progress(format_args!("{}: generation, round {}/{}", model.label, round + 1, cli.runs));
-        let order = if round % 2 == 0 { [true, false] } else { [false, true] };
-        for in_guest in order {
-            let (time, digest) = if in_guest { guest.generate(model)? } else { native.generate()? };
-            if in_guest { &mut gen_guest } else { &mut gen_native }.push(time, digest);
+    let mut generation = stats::in_rounds(cli.runs, &steps, |step, round| {
+        if matches!(step, GenStep::Native) {
+            progress(format_args!("{}: generation, round {}/{}", model.label, round + 1, cli.runs));
         }
-    }
+        match (step, &llama_bench) {
+            (GenStep::Native, _) => native.generate(),
+            (GenStep::Guest, _) => guest.generate(model),
+            (GenStep::LlamaBench, Some(lb)) => lb.generation(shape.gen_tokens).map(no_digest),
+            (GenStep::LlamaBench, None) => unreachable!("llama-bench steps only when it is given"),
+        }
+    })?
+    .into_iter();
+    let (gen_native, gen_guest) = (generation.next().unwrap_or_default(), generation.next().unwrap_or_default());
+    let reference = match (reference_prompt, generation.next()) {
+        (Some(prompt), Some(gen)) => Some(Reference { prompt, generation: gen.times }),
+        _ => None,
+    };
 
     progress(format_args!("{}: {} cancels", model.label, cli.cancels));
     let plain = &decode[Way::Plain as usize];
@@ -188,7 +214,7 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
     let decode_time = Duration::from_secs_f64(plain.times.median());
     let cancel = native.cancel_latency(cli.cancels, decode_time, expected)?;
 
-    Ok(ModelResults { model: model.clone(), decode, nodes, gen_native, gen_guest, cancel, llama_bench })
+    Ok(ModelResults { model: model.clone(), decode, nodes, gen_native, gen_guest, llama_bench: reference, cancel })
 }
 
 fn progress(what: std::fmt::Arguments) {

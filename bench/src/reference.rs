@@ -4,53 +4,51 @@
 use std::ffi::CStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use serde_json::Value;
 
-use crate::stats::Samples;
-use crate::workload::Shape;
 
-/// llama-bench's pp and tg figures for one model.
+/// llama.cpp's llama-bench on one model and thread count, one repetition per call so
+/// that its runs can take turns with ours (each call repeats llama-bench's own
+/// warm-up: a whole prompt decode for pp, one token for tg).
 pub struct LlamaBench {
-    /// Seconds per prompt decode of `shape.prompt_tokens` tokens, one per repetition.
-    pub prompt: Samples,
-    /// Seconds per generation of `shape.gen_tokens` tokens.
-    pub generation: Samples,
+    pub bin: PathBuf,
+    pub model: PathBuf,
+    pub threads: u32,
 }
 
-/// Run `llama-bench -p P -n N -t T -r RUNS -o json` on `model`.
-pub fn run_llama_bench(bin: &Path, model: &Path, shape: &Shape, runs: usize) -> anyhow::Result<LlamaBench> {
-    let out = Command::new(bin)
-        .arg("-m")
-        .arg(model)
-        .args(["-p", &shape.prompt_tokens.to_string(), "-n", &shape.gen_tokens.to_string()])
-        .args(["-t", &shape.threads.to_string(), "-r", &runs.to_string(), "-o", "json"])
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
-    if !out.status.success() {
-        bail!("llama-bench failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+impl LlamaBench {
+    /// One `pp<tokens>` run: a prompt decode of `tokens` random tokens.
+    pub fn prompt(&self, tokens: u32) -> anyhow::Result<Duration> {
+        self.once(tokens, 0)
     }
-    let tests: Vec<Value> = serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON array")?;
-    let find = |prompt: u32, gen: u32| {
-        tests
+
+    /// One `tg<tokens>` run: `tokens` one-token decodes.
+    pub fn generation(&self, tokens: u32) -> anyhow::Result<Duration> {
+        self.once(0, tokens)
+    }
+
+    fn once(&self, prompt: u32, gen: u32) -> anyhow::Result<Duration> {
+        let out = Command::new(&self.bin)
+            .arg("-m")
+            .arg(&self.model)
+            .args(["-p", &prompt.to_string(), "-n", &gen.to_string(), "-t", &self.threads.to_string()])
+            .args(["-r", "1", "-o", "json"])
+            .output()
+            .with_context(|| format!("running {}", self.bin.display()))?;
+        if !out.status.success() {
+            bail!("llama-bench failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+        }
+        let tests: Vec<Value> = serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON array")?;
+        let ns = tests
             .iter()
             .find(|t| t["n_prompt"] == prompt && t["n_gen"] == gen)
-            .with_context(|| format!("llama-bench printed no test with n_prompt={prompt} n_gen={gen}"))
-    };
-    let samples = |t: &Value| -> anyhow::Result<Samples> {
-        let mut s = Samples::default();
-        for ns in t["samples_ns"].as_array().context("llama-bench test without samples_ns")? {
-            s.push_secs(ns.as_f64().context("samples_ns holds a non-number")? / 1e9);
-        }
-        Ok(s)
-    };
-    let pp = find(shape.prompt_tokens, 0)?;
-    let tg = find(0, shape.gen_tokens)?;
-    Ok(LlamaBench {
-        prompt: samples(pp)?,
-        generation: samples(tg)?,
-    })
+            .and_then(|t| t["samples_ns"].get(0)?.as_u64())
+            .with_context(|| format!("llama-bench printed no sample for n_prompt={prompt} n_gen={gen}"))?;
+        Ok(Duration::from_nanos(ns))
+    }
 }
 
 /// Where a llama.cpp build came from, for the report.

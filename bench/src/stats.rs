@@ -71,6 +71,12 @@ impl Samples {
     pub fn relative_spread(&self) -> f64 {
         (self.max() - self.min()) / self.median()
     }
+
+    /// Run by run ratios to `base` (run i of both came from the same round), as
+    /// samples: pairs taken moments apart share the machine's load of the moment.
+    pub fn ratios_to(&self, base: &Samples) -> Samples {
+        Samples(self.0.iter().zip(&base.0).map(|(a, b)| a / b).collect())
+    }
 }
 
 /// Timed runs of one way of doing some work, with a digest of each run's output.
@@ -90,6 +96,25 @@ impl Runs {
     pub fn all_equal(&self, digest: u64) -> bool {
         !self.digests.is_empty() && self.digests.iter().all(|&d| d == digest)
     }
+}
+
+/// Measure `ways` in `rounds` rounds: one run of each way per round, the order rotating
+/// from round to round, so that load changing on a shared machine falls on every way
+/// alike and run i of every way comes from round i. `run` does one timed run of a way.
+pub fn in_rounds<W: Copy>(
+    rounds: usize,
+    ways: &[W],
+    mut run: impl FnMut(W, usize) -> anyhow::Result<(Duration, u64)>,
+) -> anyhow::Result<Vec<Runs>> {
+    let mut out: Vec<Runs> = ways.iter().map(|_| Runs::default()).collect();
+    for round in 0..rounds {
+        for k in 0..ways.len() {
+            let i = (round + k) % ways.len();
+            let (time, digest) = run(ways[i], round)?;
+            out[i].push(time, digest);
+        }
+    }
+    Ok(out)
 }
 
 /// A median with its min–max range, printed as `12.3 (11.9–13.0)`.
@@ -121,11 +146,6 @@ pub fn num(x: f64) -> String {
     format!("{:.*}", decimals(x), x)
 }
 
-/// `a / b` as a signed percentage difference, e.g. `+0.4%`.
-pub fn percent_diff(a: f64, b: f64) -> String {
-    format!("{:+.1}%", (a / b - 1.0) * 100.0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,6 +164,20 @@ mod tests {
         assert_eq!(s.max(), 4.0);
         assert!((s.quantile(0.9) - 3.7).abs() < 1e-12);
         assert!(samples(&[]).median().is_nan());
+    }
+
+    #[test]
+    fn rounds_rotate_and_keep_runs_per_way() {
+        let mut order = Vec::new();
+        let runs = in_rounds(3, &['a', 'b'], |w, round| {
+            order.push(w);
+            Ok((Duration::from_millis(round as u64 + 1), w as u64))
+        })
+        .unwrap();
+        assert_eq!(order, ['a', 'b', 'b', 'a', 'a', 'b']);
+        assert_eq!(runs[1].times.max(), 0.003);
+        assert!(runs[1].all_equal('b' as u64));
+        assert_eq!(runs[0].times.ratios_to(&runs[1].times).median(), 1.0);
     }
 
     #[test]
