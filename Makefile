@@ -28,7 +28,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test bench clean-models
+.PHONY: deps build guest demo test bench fuzz clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -69,6 +69,14 @@ bench: deps guest
 	llama_bench=$$(bench/llama-bench.sh) || { llama_bench=; echo "llama-bench could not be built: leaving out that comparison"; }; \
 	$(CARGO) run $(PROFILE) -p llamabox-bench -- --threads $(THREADS) \
 	  $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} $(BENCH_ARGS)
+
+# Random and adversarial calls against the native layer (tests/adversarial.rs), many
+# more than `make test` makes: FUZZ_ITERS calls from FUZZ_SEED.
+FUZZ_ITERS ?= 50000
+FUZZ_SEED ?= $(shell date +%s)
+fuzz: deps
+	LLAMABOX_FUZZ_ITERS=$(FUZZ_ITERS) LLAMABOX_FUZZ_SEED=$(FUZZ_SEED) \
+	  $(CARGO) test $(PROFILE) -p llamabox --test adversarial -- --nocapture
 
 clean-models:
 	rm -rf target/test-models target/demo-synthetic.gguf

@@ -1,0 +1,130 @@
+//! Random and adversarial calls against the native layer, the one that talks to
+//! llama.cpp and mtmd: every call must return `Ok` or a named error (never abort the
+//! process), and a failed call must leave the context's memory as it was.
+//!
+//! Seeded and bounded: `LLAMABOX_FUZZ_ITERS` calls (default 400 here; `make fuzz` runs
+//! many more) from seed `LLAMABOX_FUZZ_SEED`.
+
+mod common;
+
+use std::sync::Arc;
+
+use llamabox::native::{
+    Batch, CancelFlag, Context, ContextParams, Error, MediaCaps, MediaContext, MediaInput, Model, Stop,
+};
+
+/// splitmix64: tiny and seeded, so a failing run can be replayed from its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// Mostly plausible values, sometimes the edges that break C code.
+    fn int(&mut self, plausible: i64) -> i64 {
+        match self.below(10) {
+            0 => [-1, 0, i32::MIN as i64, i32::MAX as i64, plausible, plausible + 1][self.below(6) as usize],
+            1 => self.next() as i32 as i64,
+            _ => self.below(plausible.max(1) as u64) as i64,
+        }
+    }
+}
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn random_batch(rng: &mut Rng, ctx: &Context, n_vocab: i64) -> Batch {
+    let n = match rng.below(8) {
+        0 => 0,
+        1 => ctx.params().n_batch as usize + 1 + rng.below(4) as usize,
+        _ => 1 + rng.below(ctx.params().n_batch as u64) as usize,
+    };
+    let seq = rng.int(ctx.params().n_seq_max as i64) as i32;
+    let start = match rng.below(4) {
+        0 => rng.int(64) as i32,
+        _ => ctx.seq_pos_max(seq.clamp(0, ctx.params().n_seq_max as i32 - 1)).unwrap_or(-1) + 1,
+    };
+    let mut batch = Batch::sequence(&(0..n).map(|_| rng.below(n_vocab as u64) as i32).collect::<Vec<_>>(), start, seq);
+    // At most one thing wrong per batch, so valid decodes are common too.
+    match rng.below(12) {
+        0 => batch.logits.pop().map(drop).unwrap_or(()),
+        1 => batch.positions.reverse(),
+        2 if n > 1 => batch.seq_ids[n / 2] = rng.int(4) as i32,
+        3 => batch.logits.iter_mut().for_each(|l| *l = true),
+        4 if n > 0 => batch.tokens[rng.below(n as u64) as usize] = rng.int(n_vocab) as i32,
+        5 if n > 0 => batch.positions[n - 1] = rng.int(1 << 20) as i32,
+        _ => {}
+    }
+    batch
+}
+
+fn memory(ctx: &Context) -> Vec<i32> {
+    (0..ctx.params().n_seq_max as i32).map(|s| ctx.seq_pos_max(s).unwrap()).collect()
+}
+
+#[test]
+fn random_decodes_memory_ops_and_media_inputs_never_crash_or_leak_state() {
+    let iters = env("LLAMABOX_FUZZ_ITERS", 400);
+    let seed = env("LLAMABOX_FUZZ_SEED", 7);
+    let mut rng = Rng(seed);
+    let model = Arc::new(Model::load(common::tiny_model()).unwrap());
+    let n_vocab = model.n_vocab() as i64;
+    let params = ContextParams { n_ctx: 256, n_batch: 32, n_ubatch: 8, n_seq_max: 3, n_threads: 1 };
+    let mut ctx = Context::new(model.clone(), params).unwrap();
+    let mut vision = MediaContext::new(common::tiny_vision(), model.clone(), 1).unwrap();
+    let caps = MediaCaps { max_image_side: 256, max_audio_samples: 16_000 };
+    let (mut ok, mut refused, mut cancelled) = (0u64, 0u64, 0u64);
+
+    for i in 0..iters {
+        let before = memory(&ctx);
+        let result: Result<(), Error> = match rng.below(10) {
+            0..=5 => {
+                let batch = random_batch(&mut rng, &ctx, n_vocab);
+                let token = CancelFlag::new();
+                if rng.below(3) == 0 {
+                    token.trip_after(1 + rng.below(200));
+                }
+                ctx.decode(&batch, Some(Stop::on(&token)))
+            }
+            6 => ctx.seq_rm(rng.int(3) as i32, rng.int(64) as i32, rng.int(64) as i32 - 1),
+            7 => ctx.logits_ith(rng.int(40) as u32).map(drop),
+            8 => {
+                let tokens: Vec<i32> = (0..rng.below(6)).map(|_| rng.int(n_vocab) as i32).collect();
+                model.detokenize(&tokens, rng.below(2) == 0, rng.below(2) == 0).map(drop)
+            }
+            _ => {
+                let (w, h) = (rng.int(300) as u32, rng.int(300) as u32);
+                let bytes = (w as usize).saturating_mul(h as usize).saturating_mul(3).min(300 * 300 * 3);
+                let rgb = vec![(i % 251) as u8; if rng.below(4) == 0 { bytes + 1 } else { bytes }];
+                let markers = rng.below(3) as usize;
+                let prompt = format!("x{}", MediaContext::marker().repeat(markers));
+                vision.tokenize(&prompt, &[MediaInput::Image { width: w, height: h, rgb }], caps).map(drop)
+            }
+        };
+        match &result {
+            Ok(()) => ok += 1,
+            Err(Error::Cancelled) => cancelled += 1,
+            Err(Error::InvalidArgument(_)) | Err(Error::ContextFull) => refused += 1,
+            Err(Error::Backend(m)) => panic!("call {i} (seed {seed}): unexpected backend error {m}"),
+        }
+        let after = memory(&ctx);
+        if result.is_err() {
+            assert_eq!(before, after, "call {i} (seed {seed}) failed ({result:?}) but changed memory");
+        }
+        if after.iter().any(|&p| p > 200) {
+            ctx.clear();
+        }
+    }
+    println!("fuzz: {iters} calls from seed {seed}: {ok} ok, {refused} refused, {cancelled} cancelled, 0 crashes");
+    assert!(ok > 0 && refused > 0, "the mix must exercise both paths");
+}
