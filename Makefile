@@ -28,7 +28,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test bench fuzz clean-models
+.PHONY: deps build guest demo test bench fuzz soak clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -77,6 +77,14 @@ FUZZ_SEED ?= $(shell date +%s)
 fuzz: deps
 	LLAMABOX_FUZZ_ITERS=$(FUZZ_ITERS) LLAMABOX_FUZZ_SEED=$(FUZZ_SEED) \
 	  $(CARGO) test $(PROFILE) -p llamabox --test adversarial -- --nocapture
+
+# Many plugin instances decoding with random cancels (tests/soak.rs), longer than in
+# `make test`: prints the outcome counts and resident memory after warm-up and at the end.
+SOAK_INSTANCES ?= 8
+SOAK_ITERS ?= 300
+soak: deps
+	LLAMABOX_SOAK_INSTANCES=$(SOAK_INSTANCES) LLAMABOX_SOAK_ITERS=$(SOAK_ITERS) \
+	  $(CARGO) test $(PROFILE) -p llamabox --test soak -- --nocapture
 
 clean-models:
 	rm -rf target/test-models target/demo-synthetic.gguf

@@ -35,6 +35,9 @@ struct Options {
     spin: bool,
     /// Misbehave: allocate until something gives.
     hog_memory: bool,
+    /// Soak: this many decodes, each raced against a random-length timer.
+    soak: Option<u64>,
+    seed: u64,
 }
 
 impl Options {
@@ -52,6 +55,8 @@ impl Options {
             cancel_shared: None,
             spin: false,
             hog_memory: false,
+            soak: None,
+            seed: 1,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -70,6 +75,8 @@ impl Options {
                 "--cancel-shared" => o.cancel_shared = Some(value()?),
                 "--spin" => o.spin = true,
                 "--hog-memory" => o.hog_memory = true,
+                "--soak" => o.soak = Some(number(value()?)?),
+                "--seed" => o.seed = number(value()?)?,
                 _ => return Err(format!("unknown argument {flag:?}")),
             }
         }
@@ -122,6 +129,9 @@ fn run(o: &Options) -> Result<(), Error> {
     }
     if let Some(projector) = &o.media {
         return media(o, projector, &model, &ctx);
+    }
+    if let Some(iterations) = o.soak {
+        return soak(o, iterations, &model, &ctx);
     }
     if let Some(capability) = &o.token {
         let token = CancelToken::open_shared(capability)?;
@@ -251,6 +261,42 @@ fn media(o: &Options, projector: &str, model: &Model, ctx: &Context) -> Result<(
     let n_past = media.eval_chunks(ctx, &refs, 0, &CancelToken::new())?;
     let next = argmax(&ctx.last_logits()?);
     println!("media-eval: n-past={n_past}, next-token={next}");
+    Ok(())
+}
+
+/// Decode the same batch again and again, each time cancelling it from this event loop
+/// after a random delay: every decode must either finish with the reference logits or
+/// be cancelled and leave memory empty.
+fn soak(o: &Options, iterations: u64, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let filler = model.tokenize(" the llama in the box", false, false)?;
+    let tokens: Vec<i32> = filler.iter().copied().cycle().take(o.long_tokens as usize).collect();
+    let batch = sequence(&tokens, 0);
+    let started = monotonic_clock::now();
+    ctx.clear()?;
+    ctx.decode(&batch, &CancelToken::new())?;
+    let reference = fnv1a64(&ctx.last_logits()?);
+    let full_us = ((monotonic_clock::now() - started) / 1000).max(1);
+    let mut rng = o.seed | 1;
+    let (mut finished, mut cancelled, mut wrong) = (0u64, 0u64, 0u64);
+    for _ in 0..iterations {
+        ctx.clear()?;
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let token = CancelToken::new();
+        let pending = ctx.start_decode(&batch, &token)?;
+        let done = pending.subscribe();
+        let timer = monotonic_clock::subscribe_duration(rng % (full_us * 3 / 2) * 1000);
+        if !poll::poll(&[&done, &timer]).contains(&0) {
+            token.cancel();
+        }
+        match pending.finish() {
+            Ok(()) if fnv1a64(&ctx.last_logits()?) == reference => finished += 1,
+            Err(Error::Cancelled) if ctx.seq_pos_max(0)? == -1 => cancelled += 1,
+            _ => wrong += 1,
+        }
+    }
+    println!("soak: {finished} finished, {cancelled} cancelled, {wrong} wrong");
     Ok(())
 }
 
