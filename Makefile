@@ -28,7 +28,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test bench fuzz soak clean-models
+.PHONY: deps build guest demo test bench fuzz soak memcheck clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -85,6 +85,12 @@ SOAK_ITERS ?= 300
 soak: deps
 	LLAMABOX_SOAK_INSTANCES=$(SOAK_INSTANCES) LLAMABOX_SOAK_ITERS=$(SOAK_ITERS) \
 	  $(CARGO) test $(PROFILE) -p llamabox --test soak -- --nocapture
+
+# The native layer's tests under valgrind memcheck (invalid reads/writes, use of freed
+# or uninitialised memory in llama.cpp, mtmd or our FFI). Exits non-zero on any error.
+memcheck: deps
+	CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="valgrind --error-exitcode=99 -q" \
+	  $(CARGO) test $(PROFILE) -p llamabox --lib --test native_decode --test media_encode --test adversarial -- --test-threads=1
 
 clean-models:
 	rm -rf target/test-models target/demo-synthetic.gguf
