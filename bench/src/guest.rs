@@ -18,19 +18,26 @@ pub struct Guest {
     shape: Shape,
 }
 
-/// Per-call costs measured inside the guest, in nanoseconds.
+/// Per-call costs measured inside the guest.
 pub struct Boundary {
-    /// `(name, ns per call)` in the order the guest printed them.
-    pub calls: Vec<(String, f64)>,
+    /// In the order the guest printed them.
+    pub calls: Vec<CallCost>,
     pub n_vocab: u32,
 }
 
+/// One call's cost in nanoseconds: the median batch and the fastest one.
+#[derive(Clone, Debug)]
+pub struct CallCost {
+    pub name: String,
+    pub median: f64,
+    pub min: f64,
+}
+
 impl Boundary {
-    pub fn ns(&self, name: &str) -> anyhow::Result<f64> {
-        match self.calls.iter().find(|(n, _)| n == name) {
-            Some((_, ns)) => Ok(*ns),
-            None => bail!("the guest printed no boundary figure {name:?}"),
-        }
+    /// The cost of `name`, NaN if the guest printed none (a NaN cell, rather than no
+    /// report after minutes of measuring).
+    pub fn cost(&self, name: &str) -> (f64, f64) {
+        self.calls.iter().find(|c| c.name == name).map_or((f64::NAN, f64::NAN), |c| (c.median, c.min))
     }
 }
 
@@ -100,15 +107,18 @@ impl Guest {
         Ok((Duration::from_nanos(ns), digest))
     }
 
-    /// The guest's per-call costs (`iters` calls of the cheap imports).
+    /// The guest's per-call costs (`iters` calls of the cheap imports, a tenth as many
+    /// of those that go to the context's thread).
     pub fn boundary(&self, model: &BenchModel, iters: u32) -> anyhow::Result<Boundary> {
         let extra = [("--tokens", self.shape.prompt_tokens.to_string()), ("--iters", iters.to_string())];
         let out = self.run(&self.args("boundary", model, &extra))?;
         let mut calls = Vec::new();
         for line in out.lines().filter_map(|l| l.strip_prefix("boundary: ")) {
             let (name, rest) = line.split_once(' ').with_context(|| format!("bad boundary line {line:?}"))?;
-            let ns: f64 = field(rest, "ns-per-call")?.parse().with_context(|| format!("bad number in {line:?}"))?;
-            calls.push((name.to_string(), ns));
+            let number = |key| -> anyhow::Result<f64> {
+                field(rest, key)?.parse().with_context(|| format!("bad {key} in {line:?}"))
+            };
+            calls.push(CallCost { name: name.to_string(), median: number("median-ns")?, min: number("min-ns")? });
         }
         let n_vocab = out
             .lines()

@@ -89,13 +89,13 @@ pub fn prompt_batch(shape: &Shape, n_vocab: u32) -> Batch {
 
 /// The first index of the largest logit, as the guest computes it.
 pub fn argmax(logits: &[f32]) -> Token {
-    let mut best = 0;
+    let mut best = (0, f32::NEG_INFINITY);
     for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+        if l > best.1 {
+            best = (i, l);
         }
     }
-    best as Token
+    best.0 as Token
 }
 
 /// FNV-1a over the values' bits (as the guest prints it): equal digests, equal output.
