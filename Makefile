@@ -28,7 +28,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test bench fuzz soak memcheck clean-models
+.PHONY: deps build guest demo test bench fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -91,6 +91,11 @@ soak: deps
 memcheck: deps
 	CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="valgrind --error-exitcode=99 -q" \
 	  $(CARGO) test $(PROFILE) -p llamabox --lib --test native_decode --test media_encode --test adversarial -- --test-threads=1
+
+# Hand-picked mutants of the cancel code (scripts/mutants.py): each must make a test
+# fail. About a minute per mutant.
+mutants: deps
+	python3 scripts/mutants.py
 
 clean-models:
 	rm -rf target/test-models target/demo-synthetic.gguf

@@ -182,7 +182,16 @@ impl<R> Drop for Call<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    /// Wait (at most a few seconds, so a broken stop fails instead of hanging) for `flag`.
+    fn wait_for(flag: &CancelFlag) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !flag.is_cancelled() && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        flag.is_cancelled()
+    }
 
     #[tokio::test]
     async fn runs_calls_in_order_on_its_own_state() {
@@ -205,22 +214,18 @@ mod tests {
     }
 
     #[test]
-    fn dropping_a_call_sets_its_flag_and_drop_joins() {
+    fn dropping_a_call_sets_its_flag_while_the_worker_lives_on() {
         let (started_tx, started_rx) = mpsc::channel();
-        let seen = Arc::new(AtomicUsize::new(0));
-        let seen2 = seen.clone();
+        let (seen_tx, seen_rx) = mpsc::channel();
         let worker = Worker::spawn("test", || Ok::<_, ()>(())).unwrap();
         let call = worker.call(move |_, abandoned| {
             started_tx.send(()).unwrap();
-            while !abandoned.is_cancelled() {
-                std::thread::yield_now();
-            }
-            seen2.fetch_add(1, Ordering::SeqCst);
+            seen_tx.send(wait_for(abandoned)).unwrap();
         });
         started_rx.recv().unwrap();
         drop(call);
-        drop(worker); // joins: the loop above must have seen the flag
-        assert_eq!(seen.load(Ordering::SeqCst), 1);
+        assert!(seen_rx.recv().unwrap(), "the running call must see its flag set");
+        drop(worker);
     }
 
     #[test]
@@ -229,10 +234,7 @@ mod tests {
         let worker = Worker::spawn("test", || Ok::<_, ()>(())).unwrap();
         let call = worker.call(move |_, abandoned| {
             started_tx.send(()).unwrap();
-            while !abandoned.is_cancelled() {
-                std::thread::yield_now();
-            }
-            "stopped"
+            if wait_for(abandoned) { "stopped" } else { "ran on" }
         });
         started_rx.recv().unwrap();
         drop(worker);
