@@ -44,3 +44,33 @@ pub fn load_average() -> String {
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|| "unknown".into())
 }
+
+/// How much of one core this process (with its finished children, llama-bench) got
+/// over a stretch of wall time. Every measured way runs on one thread at a time, so an
+/// undisturbed stretch gets about 1.0; less means other work took the CPU from us and
+/// the stretch's times are inflated.
+pub struct CpuShare {
+    wall: std::time::Instant,
+    cpu: Option<f64>,
+}
+
+impl CpuShare {
+    pub fn start() -> Self {
+        Self { wall: std::time::Instant::now(), cpu: process_cpu_secs() }
+    }
+
+    /// The share since `start`, if /proc could be read.
+    pub fn share(&self) -> Option<f64> {
+        Some((process_cpu_secs()? - self.cpu?) / self.wall.elapsed().as_secs_f64())
+    }
+}
+
+/// utime + stime + cutime + cstime of this process from /proc/self/stat, in seconds
+/// (clock ticks of 1/100 s, USER_HZ on Linux).
+fn process_cpu_secs() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may contain spaces) start at field 3.
+    let rest = stat.rsplit_once(')')?.1;
+    let ticks: Vec<f64> = rest.split_whitespace().skip(11).take(4).filter_map(|v| v.parse().ok()).collect();
+    (ticks.len() == 4).then(|| ticks.iter().sum::<f64>() / 100.0)
+}

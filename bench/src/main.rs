@@ -157,6 +157,7 @@ enum GenStep {
 
 /// Every measurement on one model.
 fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> anyhow::Result<ModelResults> {
+    let (cpu, load_before) = (machine::CpuShare::start(), machine::load_average());
     let loaded = Model::load(&model.path).with_context(|| format!("loading {}", model.path.display()))?;
     let mut native = Native::new(Arc::new(loaded), shape)?;
     let llama_bench = cli.llama_bench.as_ref().map(|bin| LlamaBench {
@@ -214,7 +215,17 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
     let decode_time = Duration::from_secs_f64(plain.times.median());
     let cancel = native.cancel_latency(cli.cancels, decode_time, expected)?;
 
-    Ok(ModelResults { model: model.clone(), decode, nodes, gen_native, gen_guest, llama_bench: reference, cancel })
+    Ok(ModelResults {
+        model: model.clone(),
+        decode,
+        nodes,
+        gen_native,
+        gen_guest,
+        llama_bench: reference,
+        cancel,
+        cpu_share: cpu.share(),
+        load: (load_before, machine::load_average()),
+    })
 }
 
 fn progress(what: std::fmt::Arguments) {

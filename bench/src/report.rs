@@ -53,6 +53,10 @@ pub struct ModelResults {
     pub gen_guest: Runs,
     pub llama_bench: Option<Reference>,
     pub cancel: CancelLatency,
+    /// Share of a core the process got while measuring this model, and the load
+    /// averages before and after.
+    pub cpu_share: Option<f64>,
+    pub load: (String, String),
 }
 
 impl ModelResults {
@@ -107,20 +111,24 @@ impl Comparison {
         format!("{} (fastest {})", pct(1.0 / self.ratio - 1.0), pct(1.0 / self.fastest - 1.0))
     }
 
-    /// Verdict on "at most `limit` slower", the slowdown measured by `slowdown`.
+    /// Verdict on "at most `limit` slower", the slowdown measured by `slowdown`: met or
+    /// missed when the paired median and the fastest runs agree, inconclusive when they
+    /// do not (the difference is then below what this machine's noise lets us see).
     fn verdict(&self, limit: f64, slowdown: fn(f64) -> f64) -> String {
         let (median, fastest) = (slowdown(self.ratio), slowdown(self.fastest));
-        if median <= limit {
-            "met".into()
-        } else if fastest <= limit && median <= self.noise {
-            format!(
-                "inconclusive: {} by the paired median, {} by the fastest runs, with runs spread over {:.0}%",
+        match (median <= limit, fastest <= limit) {
+            (true, true) => "met".into(),
+            (false, false) => format!(
+                "**missed** by {:.1} points (by {:.1} on the fastest runs)",
+                (median - limit) * 100.0,
+                (fastest - limit) * 100.0
+            ),
+            _ => format!(
+                "inconclusive: {} by the paired median, {} by the fastest runs; runs spread over {:.0}%",
                 pct(median),
                 pct(fastest),
                 self.noise * 100.0
-            )
-        } else {
-            format!("**missed** by {:.1} points", (median - limit) * 100.0)
+            ),
         }
     }
 }
@@ -204,6 +212,14 @@ pub fn render(cx: &RunInfo, models: &[ModelResults]) -> String {
     let _ = writeln!(out, "- llamabox's llama.cpp: ggml {}, {}", cx.linked.ggml_version, cx.linked.detail);
     if let Some(r) = cx.reference {
         let _ = writeln!(out, "- llama-bench's llama.cpp: ggml {}, {}", r.ggml_version, r.detail);
+    }
+    for r in models {
+        let share = r.cpu_share.map_or("unknown".into(), |c| format!("{c:.2}"));
+        let _ = writeln!(
+            out,
+            "- while measuring {}: this process got {share} of a core (about 1.0 when nothing else ran); load average {} → {}",
+            r.model.label, r.load.0, r.load.1
+        );
     }
     out.push('\n');
 
