@@ -128,6 +128,8 @@ async fn wasi_0_3_guest_tasks_cancel_in_flight_by_token_or_by_dropping_the_futur
     for scenario in ["spawn", "join", "drop"] {
         assert_eq!(common::field(&out, &format!("memory-after-{scenario}")), "seq-pos-max=-1", "{scenario} left a trace");
     }
+    assert_eq!(common::field(&out, "async-two-contexts"), "kept ok, stopped cancelled");
+    assert_eq!(common::field(&out, "memory-after-two"), "seq-pos-max=511 and -1");
     assert_eq!(common::field(&out, "async-complete"), "ok");
     assert_eq!(common::field(&out, "memory-after-complete"), "seq-pos-max=511");
     assert_eq!(llamabox::worker::live_workers(), 0);

@@ -48,7 +48,7 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
         n_seq_max: Some(1),
         n_threads: Some(1),
     };
-    let ctx = Context::create(&model, params)?;
+    let ctx = Context::create(&model, params.clone())?;
     let filler = model.tokenize(" the llama in the box", false, false)?;
     let tokens: Vec<i32> = filler.iter().copied().cycle().take(n).collect();
     let batch = Batch {
@@ -85,6 +85,21 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     let raced = first_of(async_calls::decode(&ctx, batch.clone(), &never), wait_for(5 * MS)).await;
     println!("async-drop: {}", if raced.is_none() { "dropped" } else { "finished first" });
     println!("memory-after-drop: seq-pos-max={}", ctx.seq_pos_max(0)?);
+
+    // (d) two decodes in flight at once on two contexts, each with its own token:
+    // cancelling one leaves the other to finish.
+    let other = Context::create(&model, params)?;
+    let (keep, stop) = (CancelToken::new(), CancelToken::new());
+    let (kept, stopped, ()) = join!(
+        async_calls::decode(&other, batch.clone(), &keep),
+        async_calls::decode(&ctx, batch.clone(), &stop),
+        async {
+            wait_for(5 * MS).await;
+            stop.cancel();
+        }
+    );
+    println!("async-two-contexts: kept {}, stopped {}", show(&kept), show(&stopped));
+    println!("memory-after-two: seq-pos-max={} and {}", other.seq_pos_max(0)?, ctx.seq_pos_max(0)?);
 
     // And an uncancelled async decode completes.
     let outcome = async_calls::decode(&ctx, batch, &CancelToken::new()).await;
