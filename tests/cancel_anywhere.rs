@@ -134,3 +134,41 @@ async fn wasi_0_3_guest_tasks_cancel_in_flight_by_token_or_by_dropping_the_futur
     assert_eq!(common::field(&out, "memory-after-complete"), "seq-pos-max=511");
     assert_eq!(llamabox::worker::live_workers(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() {
+    let mut registry = ModelRegistry::new();
+    registry.register("tiny", common::tiny_model());
+    registry.register_projector("eyes", common::tiny_vision());
+    let host = PluginHost::new(registry, Limits::default()).unwrap();
+    let plugin = host.load(common::demo_plugin()).unwrap();
+    let args = |cap: &str| {
+        ["--model", "tiny", "--media", "eyes", "--cancel-after-ms", "100000", "--token", cap].map(String::from)
+    };
+    let run_with = |flag: CancelFlag| {
+        let capability = host.tokens().share("tenant", &flag);
+        let plugin = &plugin;
+        async move {
+            let args = args(&capability);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run(plugin, "tenant", None, &args).await.1
+        }
+    };
+    // Count the polls of a whole evaluation: the text chunk's decode nodes, the image
+    // encode's boundaries, the embeddings' decode nodes, the last text chunk's nodes.
+    let counter = CancelFlag::new();
+    counter.trip_after(u64::MAX);
+    let out = run_with(counter.clone()).await;
+    assert_eq!(common::field(&out, "media-eval-shared"), "ok");
+    let total = counter.polls();
+    assert!(total > 20, "{total}");
+    // Stop it after the first text chunk was decoded, in the middle, and at the last node.
+    for k in [total / 3, total / 2, total - 1] {
+        let flag = CancelFlag::new();
+        flag.trip_after(k);
+        let out = run_with(flag.clone()).await;
+        assert_eq!(common::field(&out, "media-eval-shared"), "cancelled", "stopped at poll {k} of {total}");
+        assert_eq!(common::field(&out, "media-eval-shared-memory"), "seq-pos-max=-1", "poll {k}: earlier stages must be undone");
+        assert_eq!(flag.polls(), k);
+    }
+}

@@ -261,6 +261,14 @@ fn media(o: &Options, projector: &str, model: &Model, ctx: &Context) -> Result<(
     let n_past = media.eval_chunks(ctx, &refs, 0, &CancelToken::new())?;
     let next = argmax(&ctx.last_logits()?);
     println!("media-eval: n-past={n_past}, next-token={next}");
+
+    // Under a shared token (the embedder's, say), which may stop it at any stage.
+    if let Some(capability) = &o.token {
+        ctx.clear()?;
+        let token = CancelToken::open_shared(capability)?;
+        println!("media-eval-shared: {}", show(media.eval_chunks(ctx, &refs, 0, &token).map(|_| ())));
+        println!("media-eval-shared-memory: seq-pos-max={}", ctx.seq_pos_max(0)?);
+    }
     Ok(())
 }
 
