@@ -72,3 +72,12 @@ fn a_deadline_stops_the_plugin_with_status_124() {
     assert_eq!(out.status.code(), Some(124), "{}", stderr(&out));
     assert!(stderr(&out).contains("deadline of 200 ms passed"), "{}", stderr(&out));
 }
+
+#[test]
+fn limit_flags_reach_the_plugin() {
+    let plugin = common::demo_plugin().to_str().unwrap();
+    let model = format!("tiny={}", common::tiny_model().display());
+    let out = llamabox(&["run", plugin, "--model", &model, "--max-n-ctx", "100", "--", "--model", "tiny"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("n-ctx 1024 is above this host's limit 100"), "{}", stderr(&out));
+}

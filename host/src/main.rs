@@ -29,9 +29,8 @@ enum Command {
         /// Register a projector (mmproj) the plugin may open by NAME (repeatable).
         #[arg(long = "projector", value_name = "NAME=PATH", value_parser = parse_named)]
         projectors: Vec<(String, PathBuf)>,
-        /// Most threads a plugin's context may use (default: all cores).
-        #[arg(long)]
-        max_threads: Option<u32>,
+        #[command(flatten)]
+        limits: LimitFlags,
         /// Stop the plugin, native work included, after this many milliseconds.
         #[arg(long, value_name = "MS")]
         deadline_ms: Option<u64>,
@@ -64,6 +63,47 @@ enum ProjectorSize {
     /// An image encode takes a few hundred milliseconds on one core.
     SlowVision,
     TinyAudio,
+}
+
+/// Limits for the plugin (defaults: `llamabox::Limits::default()`, see SECURITY.md).
+#[derive(clap::Args)]
+struct LimitFlags {
+    /// Most threads a plugin's context may use (default: all cores).
+    #[arg(long)]
+    max_threads: Option<u32>,
+    /// Linear memory of the plugin, in MiB (default 256).
+    #[arg(long, value_name = "MIB")]
+    max_memory_mib: Option<usize>,
+    /// Contexts alive at once (default 4).
+    #[arg(long)]
+    max_contexts: Option<u32>,
+    /// Largest n-ctx of one context (default 8192).
+    #[arg(long)]
+    max_n_ctx: Option<u32>,
+    /// KV cells (n-ctx x layers) over all contexts (default 262144).
+    #[arg(long)]
+    max_kv_cells: Option<u64>,
+}
+
+impl LimitFlags {
+    fn apply(&self, limits: &mut Limits) {
+        if let Some(n) = self.max_threads {
+            limits.max_threads = n.max(1);
+            limits.default_threads = limits.default_threads.min(limits.max_threads);
+        }
+        if let Some(mib) = self.max_memory_mib {
+            limits.max_wasm_memory = mib << 20;
+        }
+        if let Some(n) = self.max_contexts {
+            limits.max_contexts = n;
+        }
+        if let Some(n) = self.max_n_ctx {
+            limits.max_n_ctx = n;
+        }
+        if let Some(n) = self.max_kv_cells {
+            limits.max_kv_cells = n;
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -119,7 +159,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("wrote {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run { plugin, models, projectors, max_threads, deadline_ms, args } => {
+        Command::Run { plugin, models, projectors, limits: limit_flags, deadline_ms, args } => {
             let mut registry = ModelRegistry::new();
             for (name, path) in models {
                 if !path.is_file() {
@@ -134,10 +174,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 registry.register_projector(name, path);
             }
             let mut limits = Limits::default();
-            if let Some(n) = max_threads {
-                limits.max_threads = n.max(1);
-                limits.default_threads = limits.default_threads.min(limits.max_threads);
-            }
+            limit_flags.apply(&mut limits);
             let host = PluginHost::new(registry, limits)?;
             let argv0 = plugin.file_name().map_or("plugin".into(), |n| n.to_string_lossy().into_owned());
             let plugin = host.load(&plugin)?;
