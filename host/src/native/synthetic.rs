@@ -278,11 +278,12 @@ impl Vocab {
     }
 }
 
-/// splitmix64: a tiny, fixed, seeded generator, so a spec always gives the same file.
-struct SplitMix64(u64);
+/// splitmix64: a tiny, fixed, seeded generator, so a spec always gives the same file
+/// (and a seeded test run can be replayed).
+pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
-    fn next(&mut self) -> u64 {
+    pub fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
