@@ -256,7 +256,7 @@ impl Context {
             return Err(Error::Cancelled);
         }
         let width = self.model.n_embd_inp() as usize;
-        if width == 0 || embd.is_empty() || embd.len() % width != 0 {
+        if width == 0 || embd.is_empty() || !embd.len().is_multiple_of(width) {
             return Err(Error::InvalidArgument(format!(
                 "{} floats are not a whole number of {width}-wide embeddings",
                 embd.len()

@@ -36,7 +36,7 @@ impl TextModelSpec {
     /// Write the model to `path` (overwriting it).
     pub fn write(&self, path: &Path) -> Result<()> {
         backend::init();
-        if self.n_head == 0 || self.n_head_kv == 0 || self.n_embd % self.n_head != 0 || self.n_head % self.n_head_kv != 0 {
+        if self.n_head == 0 || self.n_head_kv == 0 || !self.n_embd.is_multiple_of(self.n_head) || !self.n_head.is_multiple_of(self.n_head_kv) {
             return Err(Error::InvalidArgument(format!("inconsistent head counts in {self:?}")));
         }
         let vocab = Vocab::spm();
@@ -146,7 +146,7 @@ impl ProjectorSpec {
 
     pub fn write(&self, path: &Path) -> Result<()> {
         backend::init();
-        if self.n_head == 0 || self.n_embd % self.n_head != 0 || self.n_ff == self.n_embd || self.n_layer == 0 {
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) || self.n_ff == self.n_embd || self.n_layer == 0 {
             // n_ff == n_embd would make clip swap the FFN's up and down (a legacy fix).
             return Err(Error::InvalidArgument(format!("unusable projector shape {self:?}")));
         }
@@ -168,7 +168,7 @@ impl ProjectorSpec {
         let mut tensors: Vec<(String, Vec<usize>)> = Vec::new();
         match self.kind {
             ProjectorKind::Vision { image_size, patch_size } => {
-                if patch_size == 0 || image_size % patch_size != 0 {
+                if patch_size == 0 || !image_size.is_multiple_of(patch_size) {
                     return Err(Error::InvalidArgument(format!("image size {image_size} is not a multiple of patch size {patch_size}")));
                 }
                 let patches = ((image_size / patch_size) as usize).pow(2);
@@ -283,7 +283,7 @@ impl Vocab {
 pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -293,7 +293,7 @@ impl SplitMix64 {
 
     /// Uniform in [-bound, bound).
     fn uniform(&mut self, bound: f32) -> f32 {
-        let unit = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
         (unit * 2.0 - 1.0) * bound
     }
 }
