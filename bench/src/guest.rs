@@ -100,7 +100,7 @@ impl Guest {
         let line = out
             .lines()
             .filter_map(|l| l.strip_prefix("run: "))
-            .last()
+            .next_back()
             .with_context(|| format!("the bench plugin printed no runs:\n{out}"))?;
         let ns: u64 = field(line, "ns")?.parse().with_context(|| format!("bad ns in {line:?}"))?;
         let digest = u64::from_str_radix(field(line, digest_key)?, 16).with_context(|| format!("bad digest in {line:?}"))?;
