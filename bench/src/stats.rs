@@ -20,6 +20,10 @@ impl Samples {
         self.0.push(d.as_secs_f64());
     }
 
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
     pub fn push_secs(&mut self, secs: f64) {
         self.0.push(secs);
     }

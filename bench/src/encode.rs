@@ -1,0 +1,125 @@
+//! Media encode rows: the plain mtmd encode against the cancellable one with its byte
+//! clear, and store → return latency of encodes cancelled at random points, on a
+//! generated vision projector (`ProjectorSpec::slow_vision`) bound to the generated text
+//! model. Native calls only: the guest path adds the same boundary cost as a decode.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use llamabox::native::{CancelFlag, ChunkKind, Error, MediaCaps, MediaContext, MediaInput, Model, ProjectorSpec, Stop};
+
+use crate::stats::{num, timed, Samples};
+
+pub struct EncodeResults {
+    label: String,
+    embeddings: usize,
+    plain: Samples,
+    cancellable: Samples,
+    identical: bool,
+    boundaries: u64,
+    /// Store → return of cancelled encodes, seconds.
+    latency: Samples,
+}
+
+/// Measure `runs` rounds (plain and cancellable in alternating order) and `cancels`
+/// random cancels.
+pub fn measure(model_path: &Path, dir: &Path, threads: u32, runs: usize, cancels: usize) -> anyhow::Result<EncodeResults> {
+    let model = Arc::new(Model::load(model_path).context("loading the text model for the encode rows")?);
+    let spec = ProjectorSpec::slow_vision(model.n_embd_inp());
+    let path = dir.join(format!("vision-e{}-l{}-text{}.gguf", spec.n_embd, spec.n_layer, spec.n_embd_text));
+    if !path.is_file() {
+        spec.write(&path).with_context(|| format!("writing {}", path.display()))?;
+    }
+    let mut media = MediaContext::new(&path, model, threads)?;
+    let (w, h) = (320u32, 240u32);
+    let rgb = (0..h).flat_map(|y| (0..w).flat_map(move |x| [(x * 255 / w) as u8, (y * 255 / h) as u8, 96])).collect();
+    let caps = MediaCaps { max_image_side: 1024, max_audio_samples: 0 };
+    let chunks = media.tokenize(MediaContext::marker(), &[MediaInput::Image { width: w, height: h, rgb }], caps)?;
+    let chunk = chunks.into_iter().find(|c| c.kind() == ChunkKind::Image).context("no image chunk")?;
+
+    let reference = media.encode(&chunk, None)?; // also warms up
+    let (mut plain, mut cancellable, mut identical) = (Samples::default(), Samples::default(), true);
+    for round in 0..runs {
+        for cancellable_first in [round % 2 == 1, round % 2 == 0] {
+            if cancellable_first {
+                let flag = CancelFlag::new();
+                let (t, out) = timed(|| media.encode(&chunk, Some(Stop::on(&flag))));
+                cancellable.push(t);
+                identical &= bitwise_eq(&out?, &reference);
+            } else {
+                let (t, out) = timed(|| media.encode(&chunk, None));
+                plain.push(t);
+                identical &= bitwise_eq(&out?, &reference);
+            }
+        }
+    }
+    let counter = CancelFlag::new();
+    counter.trip_after(u64::MAX);
+    media.encode(&chunk, Some(Stop::on(&counter)))?;
+
+    let full = plain.median();
+    let mut rng = fastrand::Rng::with_seed(11);
+    let mut latency = Samples::default();
+    for _ in 0..cancels {
+        let flag = CancelFlag::new();
+        let (canceller, delay) = (flag.clone(), Duration::from_secs_f64(rng.f64() * 0.9 * full));
+        let (tx, rx) = mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            let stored = Instant::now();
+            canceller.cancel();
+            let _ = tx.send(stored);
+        });
+        let outcome = media.encode(&chunk, Some(Stop::on(&flag)));
+        let returned = Instant::now();
+        let _ = thread.join();
+        let stored = rx.recv().context("canceller thread")?;
+        if outcome == Err(Error::Cancelled) {
+            latency.push(returned.saturating_duration_since(stored));
+        }
+        // The next encode after a cancel must equal the reference too.
+        identical &= bitwise_eq(&media.encode(&chunk, None)?, &reference);
+    }
+    let label = format!(
+        "generated vision projector (LLaVA mlp, {} wide, {} blocks run, f32) on the generated text model",
+        spec.n_embd,
+        spec.n_layer - 1
+    );
+    Ok(EncodeResults { label, embeddings: chunk.n_tokens(), plain, cancellable, identical, boundaries: counter.polls(), latency })
+}
+
+/// The encode section of RESULTS.md.
+pub fn table(out: &mut String, r: &EncodeResults) {
+    let _ = writeln!(out, "## Media encode: one image, ms\n");
+    let _ = writeln!(out, "{}: a 320×240 image → {} embeddings; {} boundaries per encode.\n", r.label, r.embeddings, r.boundaries);
+    let _ = writeln!(out, "| plain encode | cancellable, byte 0 | vs plain | store → return, median (min–max) | p90 | as fraction of the encode | output vs plain |");
+    let _ = writeln!(out, "| --- | --- | --- | --- | --- | --- | --- |");
+    let ratio = r.cancellable.ratios_to(&r.plain).median() - 1.0;
+    let lat = r.latency.ms();
+    let _ = writeln!(
+        out,
+        "| {} | {} | {:+.1}% | {} ({} cancels) | {} | {:.1}% | {} |\n",
+        r.plain.ms(),
+        r.cancellable.ms(),
+        ratio * 100.0,
+        lat,
+        r.latency.len(),
+        num(r.latency.quantile(0.9) * 1e3),
+        lat.median / (r.plain.median() * 1e3) * 100.0,
+        if r.identical { "identical (also every encode after a cancel)" } else { "DIFFERENT" }
+    );
+    let _ = writeln!(
+        out,
+        "The encode polls the cancel byte only at boundaries: after an attention op, once per 2.5e8 work units or \
+         at the next attention op once the byte is set. The scheduler picks each range before computing it, so a \
+         cancel waits for the range in flight: at most max(2.5e8 units, one encoder layer). Store → return runs \
+         from just before the store on another thread to `encode` returning `Cancelled`.\n"
+    );
+}
+
+fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
