@@ -3,24 +3,9 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use llamabox::native::{Batch, Context, ContextParams, Model};
 use llamabox::RunOutcome;
 
 const PROMPT: &str = "The llama in the box";
-
-/// The guest decodes the prompt with these settings (see guest/demo: n-ctx from
-/// --long-tokens 512, n-batch 512, default n-ubatch, 1 thread).
-fn native_prompt_digest(path: &std::path::Path) -> String {
-    let model = Arc::new(Model::load(path).unwrap());
-    let params = ContextParams { n_ctx: 1024, n_batch: 512, n_ubatch: 512, n_seq_max: 1, n_threads: 1 };
-    let mut ctx = Context::new(model.clone(), params).unwrap();
-    let prompt = model.tokenize(PROMPT, true, true).unwrap();
-    ctx.decode(&Batch::sequence(&prompt, 0, 0), None).unwrap();
-    let logits = ctx.logits_ith(prompt.len() as u32 - 1).unwrap();
-    format!("fnv1a64={:016x}", common::fnv1a64(logits))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_generates_then_cancels_a_long_decode_in_flight() {
@@ -37,7 +22,7 @@ async fn guest_generates_then_cancels_a_long_decode_in_flight() {
     let long = common::field(&out, "long-decode");
     assert!(long.starts_with("cancelled after"), "{long}");
     assert_eq!(common::field(&out, "memory-after"), "seq-pos-max=-1", "a cancelled decode leaves memory empty");
-    assert_eq!(common::field(&out, "prompt-logits"), native_prompt_digest(model), "guest and native logits differ");
+    assert_eq!(common::field(&out, "prompt-logits"), common::native_prompt_digest(model, PROMPT, 512), "guest and native logits differ");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -63,13 +63,7 @@ async fn guest_on_the_real_model_matches_native_logits() {
     )
     .await;
     assert_eq!(outcome, RunOutcome::Success);
-    let model = model();
-    let params = ContextParams { n_ctx: 512, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
-    let mut ctx = Context::new(model.clone(), params).unwrap();
-    let prompt = model.tokenize(PROMPT, true, true).unwrap();
-    ctx.decode(&Batch::sequence(&prompt, 0, 0), None).unwrap();
-    let digest = common::fnv1a64(ctx.logits_ith(prompt.len() as u32 - 1).unwrap());
-    assert_eq!(common::field(&out, "prompt-logits"), format!("fnv1a64={digest:016x}"));
+    assert_eq!(common::field(&out, "prompt-logits"), common::native_prompt_digest(path, PROMPT, 256));
     assert_eq!(common::field(&out, "generated-tokens"), "8");
     assert!(common::field(&out, "generated").to_lowercase().contains("llama"), "{out}");
 }

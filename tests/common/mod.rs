@@ -168,6 +168,21 @@ pub fn field<'a>(output: &'a str, key: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {key:?} line in:\n{output}"))
 }
 
+/// The digest the demo plugin prints as `prompt-logits` for `prompt` run with
+/// `--long-tokens long_tokens`, computed natively with the context it creates
+/// (see guest/demo: n-ctx, n-batch from --long-tokens; default n-ubatch; 1 thread).
+pub fn native_prompt_digest(model: &Path, prompt: &str, long_tokens: u32) -> String {
+    use llamabox::native::{Batch, Context, ContextParams, Model};
+    let model = std::sync::Arc::new(Model::load(model).unwrap());
+    let n_batch = long_tokens.max(64);
+    let n_ctx = (n_batch + 64).next_power_of_two();
+    let params = ContextParams { n_ctx, n_batch, n_ubatch: n_batch.min(512), n_seq_max: 1, n_threads: 1 };
+    let mut ctx = Context::new(model.clone(), params).unwrap();
+    let tokens = model.tokenize(prompt, true, true).unwrap();
+    ctx.decode(&Batch::sequence(&tokens, 0, 0), None).unwrap();
+    format!("fnv1a64={:016x}", fnv1a64(ctx.logits_ith(tokens.len() as u32 - 1).unwrap()))
+}
+
 /// FNV-1a over f32 bits, as the demo plugin prints it: equal digests, equal logits.
 pub fn fnv1a64(values: &[f32]) -> u64 {
     values.iter().flat_map(|v| v.to_bits().to_le_bytes()).fold(0xcbf2_9ce4_8422_2325, |h, b| {

@@ -8,9 +8,7 @@ use wasmtime::component::{Accessor, Resource};
 use super::async_bindings::llamabox::inference::async_calls::{Host, HostWithStore};
 use super::bindings::llamabox::inference::llm::Batch;
 use super::pending::finished;
-use super::{CancelToken, ChunkHandle, ContextHandle, Error, HasLlama, LlamaCtxView, MediaContextHandle};
-
-type Answer<T> = wasmtime::Result<Result<T, Error>>;
+use super::{Answer, CancelToken, ChunkHandle, ContextHandle, HasLlama, LlamaCtxView, MediaContextHandle};
 
 impl Host for LlamaCtxView<'_> {}
 

@@ -9,11 +9,9 @@ use wasmtime_wasi::p2::{subscribe, DynPollable};
 
 use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
 use super::pending::{finished, Pending};
-use super::{CancelToken, Error, Held, LlamaCtxView};
+use super::{Answer, CancelToken, Error, Held, LlamaCtxView};
 use crate::native::{self, CancelFlag, Context, Model, Stop, Token};
 use crate::worker::{Call, Worker};
-
-type Answer<T> = wasmtime::Result<Result<T, Error>>;
 
 pub struct ModelHandle {
     pub(super) model: Arc<Model>,

@@ -9,11 +9,9 @@ use wasmtime_wasi::p2::{subscribe, DynPollable};
 use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, HostMediaContext, HostPendingEncode, Input};
 use super::llm::{ContextHandle, ModelHandle};
 use super::pending::{finished, Pending};
-use super::{CancelToken, Error, Held, LlamaCtxView};
+use super::{Answer, CancelToken, Error, Held, LlamaCtxView};
 use crate::native::{self, Batch, CancelFlag, Chunk, MediaContext, MediaInput, Model, Stop, Token};
 use crate::worker::{Call, Worker};
-
-type Answer<T> = wasmtime::Result<Result<T, Error>>;
 
 pub struct ChunkHandle {
     chunk: Arc<Chunk>,

@@ -61,6 +61,9 @@ pub mod async_bindings {
 
 pub use bindings::llamabox::inference::types::Error;
 
+/// What a host function returns: a trap (bad resource handle) or the WIT result.
+type Answer<T> = wasmtime::Result<Result<T, Error>>;
+
 /// Per-store llamabox state: which models this plugin may open, the tokens it may
 /// share and open (within its group), and its limits.
 pub struct LlamaCtx {

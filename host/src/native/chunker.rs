@@ -49,12 +49,6 @@ pub struct Chunker {
     spent: u64,
 }
 
-impl Default for Chunker {
-    fn default() -> Self {
-        Self::with_budget(CHUNK_WORK)
-    }
-}
-
 impl Chunker {
     pub fn with_budget(budget: u64) -> Self {
         Self { budget, spent: 0 }
