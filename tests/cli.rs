@@ -13,6 +13,20 @@ fn stderr(out: &Output) -> String {
 }
 
 #[test]
+fn info_names_the_cpu_features_ggml_was_built_for() {
+    let out = llamabox(&["info"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (features, build) = text
+        .strip_prefix("ggml CPU features: ")
+        .and_then(|rest| rest.split_once("\nbuild: "))
+        .unwrap_or_else(|| panic!("unexpected output: {text}"));
+    let avx2 = features.split_whitespace().any(|f| f == "AVX2");
+    let expected = if avx2 { "native (AVX2)" } else { "portable (no AVX2)" };
+    assert_eq!(build.trim(), expected, "{text}");
+}
+
+#[test]
 fn missing_plugin_file_is_named() {
     let out = llamabox(&["run", "/nonexistent/plugin.wasm"]);
     assert!(!out.status.success());

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand, ValueEnum};
-use llamabox::native::{ProjectorSpec, TextModelSpec};
+use llamabox::native::{self, ProjectorSpec, TextModelSpec};
 use llamabox::{Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
 use wasmtime_wasi::WasiCtxBuilder;
 
@@ -38,6 +38,8 @@ enum Command {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Print what llama.cpp was built for: the CPU features of the linked ggml.
+    Info,
     /// Write a seeded synthetic llama model (random weights) for tests and offline demos.
     SynthModel {
         out: PathBuf,
@@ -140,6 +142,12 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
+        Command::Info => {
+            let features = native::cpu_features();
+            let build = if features.iter().any(|f| f == "AVX2") { "native (AVX2)" } else { "portable (no AVX2)" };
+            println!("ggml CPU features: {}\nbuild: {build}", features.join(" "));
+            Ok(ExitCode::SUCCESS)
+        }
         Command::SynthModel { out, size, seed } => {
             let spec = match size {
                 Size::Tiny => TextModelSpec::tiny(),

@@ -46,3 +46,56 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
         _ => tracing::trace!(target: "llama_cpp", "{text}"),
     }
 }
+
+/// The CPU features the linked ggml was compiled for (`SSE3`, `AVX2`, `FMA`, ...), as
+/// ggml reports them. Which ones a build gets is a build-time choice (`make CPU=...`,
+/// .cargo/config.toml): without AVX2 every matrix product runs several times slower.
+pub fn cpu_features() -> Vec<String> {
+    init();
+    // SAFETY: returns a pointer to a static NUL-terminated string.
+    let info = unsafe { CStr::from_ptr(sys::llama_print_system_info()) }.to_string_lossy();
+    // "CPU : SSE3 = 1 | AVX2 = 1 | ... | REPACK = 1 |"
+    info.split('|')
+        .filter_map(|entry| entry.split_once('='))
+        .filter(|(_, on)| on.trim() == "1")
+        .map(|(name, _)| name.rsplit(':').next().unwrap_or(name).trim().to_string())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama-cpp-sys-2 configures CMake once per build folder, so a changed GGML_*
+    /// choice can silently leave the previous build linked: the Makefile cleans it then
+    /// (scripts/ggml-config.sh), and this test sees it when that did not happen.
+    #[test]
+    fn ggml_is_built_for_the_chosen_cpu_features() {
+        let features = cpu_features();
+        assert!(
+            features.iter().any(|f| f == "REPACK"),
+            "no features parsed: {features:?}"
+        );
+        let chosen = [
+            ("AVX", option_env!("GGML_AVX")),
+            ("AVX2", option_env!("GGML_AVX2")),
+            ("BMI2", option_env!("GGML_BMI2")),
+            ("FMA", option_env!("GGML_FMA")),
+            ("F16C", option_env!("GGML_F16C")),
+        ];
+        for (feature, choice) in chosen {
+            let built = features.iter().any(|f| f == feature);
+            match choice {
+                Some("ON") => assert!(
+                    built,
+                    "GGML_{feature}=ON but ggml was built without it: {features:?}"
+                ),
+                Some("OFF") => assert!(
+                    !built,
+                    "GGML_{feature}=OFF but ggml was built with it: {features:?}"
+                ),
+                _ => {}
+            }
+        }
+    }
+}

@@ -9,6 +9,7 @@ pub mod media;
 pub mod model;
 pub mod synthetic;
 
+pub use backend::cpu_features;
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use context::{Batch, Context, ContextParams};
 pub use media::{Chunk, ChunkKind, EncodeScope, MediaCaps, MediaContext, MediaInput};
