@@ -38,6 +38,22 @@ impl Drop for Alive {
     }
 }
 
+/// Why a worker did not start, other than its state's own error.
+#[derive(Debug, thiserror::Error)]
+pub enum StartFailed {
+    /// The OS gave no thread (thread or memory limits of the process).
+    #[error("could not start a worker thread: {0}")]
+    NoThread(std::io::Error),
+    #[error("a worker thread panicked while building its state")]
+    Panicked,
+}
+
+impl From<StartFailed> for crate::native::Error {
+    fn from(e: StartFailed) -> Self {
+        Self::Backend(e.to_string())
+    }
+}
+
 /// A thread that owns a `S` and runs calls on it in order.
 pub struct Worker<S: 'static> {
     jobs: Option<mpsc::Sender<(Job<S>, CancelFlag)>>,
@@ -54,7 +70,8 @@ struct Running {
 
 impl<S: 'static> Worker<S> {
     /// Start the thread and build its state on it. Blocks until `init` has returned.
-    pub fn spawn<E: Send + 'static>(
+    /// A thread the OS refuses, or an `init` that panics, is an error, not a panic.
+    pub fn spawn<E: From<StartFailed> + Send + 'static>(
         name: &str,
         init: impl FnOnce() -> Result<S, E> + Send + 'static,
     ) -> Result<Self, E> {
@@ -90,18 +107,19 @@ impl<S: 'static> Worker<S> {
                 }
                 // `state` (the native context) is dropped here, on its own thread.
             })
-            .expect("spawning a worker thread");
+            .map_err(StartFailed::NoThread)?;
         let worker = Self { jobs: Some(jobs_tx), thread: Some(thread), running };
         match init_rx.recv() {
             Ok(Ok(())) => Ok(worker),
             Ok(Err(e)) => Err(e),
-            Err(_) => panic!("worker thread panicked while starting"),
+            // The thread ended without a word: `init` panicked (dropping `worker` joins it).
+            Err(_) => Err(StartFailed::Panicked.into()),
         }
     }
 
     /// `spawn` from async code: the state is built off the executor (creating a llama
     /// context allocates its memory; loading a projector reads its weights).
-    pub async fn start<E: Send + 'static>(
+    pub async fn start<E: From<StartFailed> + Send + 'static>(
         name: &'static str,
         init: impl FnOnce() -> Result<S, E> + Send + 'static,
     ) -> Result<Self, E>
@@ -110,7 +128,7 @@ impl<S: 'static> Worker<S> {
     {
         match tokio::task::spawn_blocking(move || Self::spawn(name, init)).await {
             Ok(result) => result,
-            Err(join) => std::panic::resume_unwind(join.into_panic()),
+            Err(_) => Err(StartFailed::Panicked.into()),
         }
     }
 
@@ -182,6 +200,7 @@ impl<R> Drop for Call<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::native::Error;
     use std::time::{Duration, Instant};
 
     /// Wait (at most a few seconds, so a broken stop fails instead of hanging) for `flag`.
@@ -195,7 +214,7 @@ mod tests {
 
     #[tokio::test]
     async fn runs_calls_in_order_on_its_own_state() {
-        let worker = Worker::spawn("test", || Ok::<_, ()>(Vec::<u32>::new())).unwrap();
+        let worker = Worker::spawn("test", || Ok::<_, Error>(Vec::<u32>::new())).unwrap();
         let a = worker.call(|v, _| {
             v.push(1);
             v.len()
@@ -210,14 +229,22 @@ mod tests {
 
     #[test]
     fn init_error_is_returned() {
-        assert_eq!(Worker::<()>::spawn("test", || Err("no")).err(), Some("no"));
+        let refused = Error::InvalidArgument("no".into());
+        let returned = refused.clone();
+        assert_eq!(Worker::<()>::spawn("test", move || Err(returned)).err(), Some(refused));
+    }
+
+    #[test]
+    fn a_panicking_init_is_an_error_not_a_panic() {
+        let started = Worker::<()>::spawn("test", || -> Result<(), Error> { panic!("init failed") });
+        assert!(matches!(started, Err(Error::Backend(m)) if m.contains("panicked")));
     }
 
     #[test]
     fn dropping_a_call_sets_its_flag_while_the_worker_lives_on() {
         let (started_tx, started_rx) = mpsc::channel();
         let (seen_tx, seen_rx) = mpsc::channel();
-        let worker = Worker::spawn("test", || Ok::<_, ()>(())).unwrap();
+        let worker = Worker::spawn("test", || Ok::<_, Error>(())).unwrap();
         let call = worker.call(move |_, abandoned| {
             started_tx.send(()).unwrap();
             seen_tx.send(wait_for(abandoned)).unwrap();
@@ -231,7 +258,7 @@ mod tests {
     #[test]
     fn dropping_the_worker_stops_the_running_call() {
         let (started_tx, started_rx) = mpsc::channel();
-        let worker = Worker::spawn("test", || Ok::<_, ()>(())).unwrap();
+        let worker = Worker::spawn("test", || Ok::<_, Error>(())).unwrap();
         let call = worker.call(move |_, abandoned| {
             started_tx.send(()).unwrap();
             if wait_for(abandoned) { "stopped" } else { "ran on" }
