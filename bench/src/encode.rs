@@ -16,12 +16,12 @@ use crate::stats::{num, timed, Samples};
 pub struct EncodeResults {
     label: String,
     embeddings: usize,
-    plain: Samples,
+    pub plain: Samples,
     cancellable: Samples,
     identical: bool,
     boundaries: u64,
     /// Store → return of cancelled encodes, seconds.
-    latency: Samples,
+    pub latency: Samples,
 }
 
 /// Measure `runs` rounds (plain and cancellable in alternating order) and `cancels`

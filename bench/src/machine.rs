@@ -1,12 +1,10 @@
 //! The machine line: which CPU, which CPU features ggml was built with, how loaded the
 //! machine was. Figures from a shared 2-core box mean little without it.
 
-use std::ffi::CStr;
-
 pub struct Machine {
     pub cpu: String,
     pub cores: usize,
-    /// Features the linked ggml CPU backend was compiled for (`llama_print_system_info`).
+    /// Features the linked ggml CPU backend was compiled for.
     pub ggml_features: Vec<String>,
     /// How the build chose them: the GGML_* variables cargo passed to the build
     /// (.cargo/config.toml, or `make CPU=portable`).
@@ -20,15 +18,8 @@ impl Machine {
             .and_then(|info| info.lines().find_map(|l| l.strip_prefix("model name")?.split_once(':').map(|(_, v)| v.trim().to_string())))
             .unwrap_or_else(|| "unknown CPU".into());
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // SAFETY: returns a pointer to a static NUL-terminated string.
-        let info = unsafe { CStr::from_ptr(llama_cpp_sys_2::llama_print_system_info()) }.to_string_lossy().into_owned();
-        let ggml_features = info
-            .split('|')
-            .filter_map(|kv| kv.split_once('='))
-            .filter(|(_, v)| v.trim() == "1")
-            .map(|(k, _)| k.rsplit(':').next().unwrap_or(k).trim().to_string())
-            .collect();
-        let build_config = ["GGML_AVX2", "GGML_FMA", "GGML_F16C"]
+        let ggml_features = llamabox::native::cpu_features();
+        let build_config = ["GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2", "GGML_FMA", "GGML_F16C"]
             .iter()
             .map(|k| format!("{k}={}", std::env::var(k).unwrap_or_else(|_| "unset".into())))
             .collect::<Vec<_>>()

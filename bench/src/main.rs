@@ -7,6 +7,7 @@
 //! rotating, llama-bench included) so that load changing on a shared machine falls on
 //! every way alike.
 
+mod builds;
 mod encode;
 mod guest;
 mod machine;
@@ -123,18 +124,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         eprintln!("no DejaVu Sans font found: {} has no text", cli.png.display());
     }
 
+    let date = today();
+    let build = builds::build_name(&machine.ggml_features);
+    let headline = builds::Headline::of(build, &machine.ggml_features, &date, shape, &results, &encode);
+    let builds = builds::save_and_collect(&cli.out, &headline)?;
     let cx = report::RunInfo {
         machine: &machine,
         shape,
         runs: cli.runs,
         load_start,
         load_end: machine::load_average(),
-        date: today(),
+        date,
         linked: &linked,
         reference: reference.as_ref(),
         boundary: &boundary,
         instantiation: &instantiation,
         png: relative_to(&cli.png, &cli.out),
+        builds: &builds,
     };
     let report = report::render(&cx, &results, &encode);
     print!("{report}");

@@ -7,6 +7,7 @@
 
 use std::fmt::Write as _;
 
+use crate::builds::Headline;
 use crate::guest::Boundary;
 use crate::machine::Machine;
 use crate::native::CancelLatency;
@@ -74,14 +75,14 @@ impl ModelResults {
         reference.is_some_and(|d| self.runs(way).all_equal(d))
     }
 
-    fn latencies(&self) -> Samples {
+    pub fn latencies(&self) -> Samples {
         let mut lat = Samples::default();
         self.cancel.samples.iter().for_each(|c| lat.push(c.latency));
         lat
     }
 
     /// The plain decode's median divided by its computing nodes.
-    fn mean_node_secs(&self) -> f64 {
+    pub fn mean_node_secs(&self) -> f64 {
         self.plain().median() / self.nodes.max(1) as f64
     }
 }
@@ -161,6 +162,8 @@ pub struct RunInfo<'a> {
     pub instantiation: &'a Samples,
     /// The figure, as the report links to it.
     pub png: String,
+    /// Headline figures of every CPU build measured so far, this run's included.
+    pub builds: &'a [Headline],
 }
 
 /// A Markdown table.
@@ -229,6 +232,7 @@ pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::Enc
     cancel_table(&mut out, s, models, &cx.png);
     boundary_table(&mut out, s, cx.boundary, cx.instantiation);
     crate::encode::table(&mut out, encode);
+    builds_table(&mut out, cx.builds);
     targets(&mut out, s, models);
     out
 }
@@ -397,6 +401,141 @@ fn boundary_table(out: &mut String, s: &Shape, b: &Boundary, instantiation: &Sam
          the context's thread costs what waking that thread costs, which on this VM depends on whether the other \
          vCPU is idle: it moves by an order of magnitude between runs. Differences are of the figures above them.\n"
     );
+}
+
+/// How a headline figure prints, and which way is better.
+#[derive(Clone, Copy)]
+enum Unit {
+    /// Tokens/s: higher is better.
+    Rate,
+    /// Milliseconds: lower is better.
+    Millis,
+    /// A slowdown against another way: compared within each build, not across.
+    Slowdown,
+    /// A plain number, compared within each build.
+    Count,
+}
+
+fn builds_table(out: &mut String, builds: &[Headline]) {
+    let _ = writeln!(
+        out,
+        "## CPU builds side by side
+"
+    );
+    let mut head = vec!["figure".to_string(), "model".to_string()];
+    head.extend(
+        builds
+            .iter()
+            .map(|b| format!("{} build ({}), {}", b.build, b.features, b.date)),
+    );
+    let both = builds.len() == 2;
+    if both {
+        head.push(format!("{} vs {}", builds[1].build, builds[0].build));
+    }
+    let mut t = Table {
+        head,
+        rows: Vec::new(),
+    };
+    let mut row =
+        |figure: &str, model: &str, unit: Unit, value: &dyn Fn(&Headline) -> Option<f64>| {
+            let values: Vec<Option<f64>> = builds.iter().map(value).collect();
+            if values.iter().all(Option::is_none) {
+                return;
+            }
+            let mut cells = vec![figure.to_string(), model.to_string()];
+            cells.extend(values.iter().map(|v| match (v, unit) {
+                (None, _) => "—".into(),
+                (Some(x), Unit::Slowdown) => pct(*x),
+                (Some(x), Unit::Count) => format!("{x:.1}"),
+                (Some(x), _) => num(*x),
+            }));
+            if both {
+                cells.push(match (values[0], values[1], unit) {
+                    (Some(a), Some(b), Unit::Rate) => format!("×{:.2} speed", b / a),
+                    (Some(a), Some(b), Unit::Millis) => format!("×{:.2} speed", a / b),
+                    _ => "—".into(),
+                });
+            }
+            t.row(cells);
+        };
+    let first = &builds[0];
+    let (p, g) = (first.prompt_tokens, first.gen_tokens);
+    for (i, m) in first.models.iter().enumerate() {
+        let model = |b: &Headline| {
+            b.models
+                .get(i)
+                .filter(|other| other.label == m.label)
+                .cloned()
+        };
+        let label = &m.label;
+        row(&format!("llamabox pp{p}, t/s"), label, Unit::Rate, &|b| {
+            model(b).map(|m| m.prompt_tps)
+        });
+        row(
+            &format!("llama-bench pp{p}, t/s"),
+            label,
+            Unit::Rate,
+            &|b| model(b)?.llama_bench_prompt_tps,
+        );
+        row(&format!("llamabox tg{g}, t/s"), label, Unit::Rate, &|b| {
+            model(b).map(|m| m.gen_tps)
+        });
+        row(&format!("guest tg{g}, t/s"), label, Unit::Rate, &|b| {
+            model(b).map(|m| m.guest_gen_tps)
+        });
+        row(
+            &format!("llama-bench tg{g}, t/s"),
+            label,
+            Unit::Rate,
+            &|b| model(b)?.llama_bench_gen_tps,
+        );
+        row("cancellable vs plain, time", label, Unit::Slowdown, &|b| {
+            model(b).map(|m| m.cancellable_vs_plain)
+        });
+        row(
+            "guest `decode` vs native, time",
+            label,
+            Unit::Slowdown,
+            &|b| model(b).map(|m| m.guest_vs_native),
+        );
+        row(
+            "decode cancel store → return, median ms",
+            label,
+            Unit::Millis,
+            &|b| model(b).map(|m| m.cancel_median_ms),
+        );
+        row("decode cancel, median in mean graph nodes", label, Unit::Count, &|b| {
+            model(b).map(|m| m.cancel_median_nodes)
+        });
+    }
+    row(
+        "image encode, ms",
+        "generated vision projector",
+        Unit::Millis,
+        &|b| Some(b.encode_ms),
+    );
+    row(
+        "encode cancel store → return, median ms",
+        "generated vision projector",
+        Unit::Millis,
+        &|b| Some(b.encode_cancel_ms),
+    );
+    t.render(out);
+    let _ = writeln!(
+        out,
+        "One process links one ggml build, so each build is measured by its own run (`make bench CPU=portable`, \
+         `make bench CPU=native`) at the date in its column; each run saves its figures as bench/build-<name>.json \
+         and this table shows every build saved with the same threads and token counts. Across builds, compare \
+         speeds (the last column, from medians of runs minutes or hours apart on a shared machine); the \
+         slowdown rows compare ways within one build.\n"
+    );
+    if !both {
+        let _ = writeln!(
+            out,
+            "Only the {} build has been measured so far.\n",
+            first.build
+        );
+    }
 }
 
 /// The design's targets, each with met / missed / inconclusive and by how much. Why a
