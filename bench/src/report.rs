@@ -451,8 +451,8 @@ fn builds_table(out: &mut String, builds: &[Headline]) {
             }));
             if both {
                 cells.push(match (values[0], values[1], unit) {
-                    (Some(a), Some(b), Unit::Rate) => format!("×{:.2} speed", b / a),
-                    (Some(a), Some(b), Unit::Millis) => format!("×{:.2} speed", a / b),
+                    (Some(a), Some(b), Unit::Rate) => format!("{:.1}× faster", b / a),
+                    (Some(a), Some(b), Unit::Millis) => format!("{:.1}× shorter", a / b),
                     _ => "—".into(),
                 });
             }
