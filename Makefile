@@ -59,9 +59,10 @@ demo: build guest
 	$(HOST) run $(GUEST) --model $$name=$$model --projector eyes=$$projector -- --model $$name --media eyes \
 	  --threads $$threads --cancel-after-ms 30
 
-# Only the host package: the bench crate (bench/) is built by `make bench` alone.
+# The host package, and the bench crate's own unit tests (its statistics and report; the
+# benchmarks themselves run only in `make bench`).
 test: deps
-	$(CARGO) test $(PROFILE) -p llamabox -- --test-threads=1
+	$(CARGO) test $(PROFILE) -p llamabox -p llamabox-bench -- --test-threads=1
 
 # Benchmarks (never part of `make test`): prints a report and writes bench/RESULTS.md and
 # bench/cancel-latency.png (CPU=portable: bench/RESULTS-portable.md and

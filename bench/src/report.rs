@@ -416,110 +416,57 @@ enum Unit {
     Count,
 }
 
+/// Every saved build's headline figures in one table, with the second build's speed
+/// against the first's when there are two.
 fn builds_table(out: &mut String, builds: &[Headline]) {
-    let _ = writeln!(
-        out,
-        "## CPU builds side by side
-"
-    );
+    let Some(first) = builds.first() else { return };
+    let _ = writeln!(out, "## CPU builds side by side\n");
     let mut head = vec!["figure".to_string(), "model".to_string()];
-    head.extend(
-        builds
-            .iter()
-            .map(|b| format!("{} build ({}), {}", b.build, b.features, b.date)),
-    );
+    head.extend(builds.iter().map(|b| format!("{} build ({}), {}", b.build, b.features, b.date)));
     let both = builds.len() == 2;
     if both {
         head.push(format!("{} vs {}", builds[1].build, builds[0].build));
     }
-    let mut t = Table {
-        head,
-        rows: Vec::new(),
+    let mut t = Table { head, rows: Vec::new() };
+    let mut row = |figure: &str, model: &str, unit: Unit, value: &dyn Fn(&Headline) -> Option<f64>| {
+        let values: Vec<Option<f64>> = builds.iter().map(value).collect();
+        if values.iter().all(Option::is_none) {
+            return;
+        }
+        let mut cells = vec![figure.to_string(), model.to_string()];
+        cells.extend(values.iter().map(|v| match (v, unit) {
+            (None, _) => "—".into(),
+            (Some(x), Unit::Slowdown) => pct(*x),
+            (Some(x), Unit::Count) => format!("{x:.1}"),
+            (Some(x), _) => num(*x),
+        }));
+        if both {
+            cells.push(match (values[0], values[1], unit) {
+                (Some(a), Some(b), Unit::Rate) => format!("{:.1}× faster", b / a),
+                (Some(a), Some(b), Unit::Millis) => format!("{:.1}× shorter", a / b),
+                _ => "—".into(),
+            });
+        }
+        t.row(cells);
     };
-    let mut row =
-        |figure: &str, model: &str, unit: Unit, value: &dyn Fn(&Headline) -> Option<f64>| {
-            let values: Vec<Option<f64>> = builds.iter().map(value).collect();
-            if values.iter().all(Option::is_none) {
-                return;
-            }
-            let mut cells = vec![figure.to_string(), model.to_string()];
-            cells.extend(values.iter().map(|v| match (v, unit) {
-                (None, _) => "—".into(),
-                (Some(x), Unit::Slowdown) => pct(*x),
-                (Some(x), Unit::Count) => format!("{x:.1}"),
-                (Some(x), _) => num(*x),
-            }));
-            if both {
-                cells.push(match (values[0], values[1], unit) {
-                    (Some(a), Some(b), Unit::Rate) => format!("{:.1}× faster", b / a),
-                    (Some(a), Some(b), Unit::Millis) => format!("{:.1}× shorter", a / b),
-                    _ => "—".into(),
-                });
-            }
-            t.row(cells);
-        };
-    let first = &builds[0];
     let (p, g) = (first.prompt_tokens, first.gen_tokens);
     for (i, m) in first.models.iter().enumerate() {
-        let model = |b: &Headline| {
-            b.models
-                .get(i)
-                .filter(|other| other.label == m.label)
-                .cloned()
-        };
+        // The same model in another build's figures (models are measured in one order).
+        let model = |b: &Headline| b.models.get(i).filter(|other| other.label == m.label).cloned();
         let label = &m.label;
-        row(&format!("llamabox pp{p}, t/s"), label, Unit::Rate, &|b| {
-            model(b).map(|m| m.prompt_tps)
-        });
-        row(
-            &format!("llama-bench pp{p}, t/s"),
-            label,
-            Unit::Rate,
-            &|b| model(b)?.llama_bench_prompt_tps,
-        );
-        row(&format!("llamabox tg{g}, t/s"), label, Unit::Rate, &|b| {
-            model(b).map(|m| m.gen_tps)
-        });
-        row(&format!("guest tg{g}, t/s"), label, Unit::Rate, &|b| {
-            model(b).map(|m| m.guest_gen_tps)
-        });
-        row(
-            &format!("llama-bench tg{g}, t/s"),
-            label,
-            Unit::Rate,
-            &|b| model(b)?.llama_bench_gen_tps,
-        );
-        row("cancellable vs plain, time", label, Unit::Slowdown, &|b| {
-            model(b).map(|m| m.cancellable_vs_plain)
-        });
-        row(
-            "guest `decode` vs native, time",
-            label,
-            Unit::Slowdown,
-            &|b| model(b).map(|m| m.guest_vs_native),
-        );
-        row(
-            "decode cancel store → return, median ms",
-            label,
-            Unit::Millis,
-            &|b| model(b).map(|m| m.cancel_median_ms),
-        );
-        row("decode cancel, median in mean graph nodes", label, Unit::Count, &|b| {
-            model(b).map(|m| m.cancel_median_nodes)
-        });
+        row(&format!("llamabox pp{p}, t/s"), label, Unit::Rate, &|b| model(b).map(|m| m.prompt_tps));
+        row(&format!("llama-bench pp{p}, t/s"), label, Unit::Rate, &|b| model(b)?.llama_bench_prompt_tps);
+        row(&format!("llamabox tg{g}, t/s"), label, Unit::Rate, &|b| model(b).map(|m| m.gen_tps));
+        row(&format!("guest tg{g}, t/s"), label, Unit::Rate, &|b| model(b).map(|m| m.guest_gen_tps));
+        row(&format!("llama-bench tg{g}, t/s"), label, Unit::Rate, &|b| model(b)?.llama_bench_gen_tps);
+        row("cancellable vs plain, time", label, Unit::Slowdown, &|b| model(b).map(|m| m.cancellable_vs_plain));
+        row("guest `decode` vs native, time", label, Unit::Slowdown, &|b| model(b).map(|m| m.guest_vs_native));
+        row("decode cancel store → return, median ms", label, Unit::Millis, &|b| model(b).map(|m| m.cancel_median_ms));
+        row("decode cancel, median in mean graph nodes", label, Unit::Count, &|b| model(b).map(|m| m.cancel_median_nodes));
     }
-    row(
-        "image encode, ms",
-        "generated vision projector",
-        Unit::Millis,
-        &|b| Some(b.encode_ms),
-    );
-    row(
-        "encode cancel store → return, median ms",
-        "generated vision projector",
-        Unit::Millis,
-        &|b| Some(b.encode_cancel_ms),
-    );
+    let projector = "generated vision projector";
+    row("image encode, ms", projector, Unit::Millis, &|b| Some(b.encode_ms));
+    row("encode cancel store → return, median ms", projector, Unit::Millis, &|b| Some(b.encode_cancel_ms));
     t.render(out);
     let _ = writeln!(
         out,
@@ -530,11 +477,7 @@ fn builds_table(out: &mut String, builds: &[Headline]) {
          slowdown rows compare ways within one build.\n"
     );
     if !both {
-        let _ = writeln!(
-            out,
-            "Only the {} build has been measured so far.\n",
-            first.build
-        );
+        let _ = writeln!(out, "Only the {} build has been measured so far.\n", first.build);
     }
 }
 
@@ -588,4 +531,52 @@ fn targets(out: &mut String, s: &Shape, models: &[ModelResults]) {
         );
     }
     out.push('\n');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::builds::ModelHeadline;
+
+    fn headline(build: &str, prompt_tps: f64, encode_ms: f64) -> Headline {
+        let model = ModelHeadline {
+            label: "m".into(),
+            prompt_tps,
+            llama_bench_prompt_tps: None,
+            gen_tps: 10.0,
+            guest_gen_tps: 10.0,
+            llama_bench_gen_tps: None,
+            cancellable_vs_plain: 0.01,
+            guest_vs_native: -0.02,
+            cancel_median_ms: 5.0,
+            cancel_median_nodes: 1.2,
+        };
+        Headline {
+            build: build.into(),
+            features: "F".into(),
+            date: "d".into(),
+            threads: 1,
+            prompt_tokens: 512,
+            gen_tokens: 128,
+            models: vec![model],
+            encode_ms,
+            encode_cancel_ms: 1.0,
+        }
+    }
+
+    #[test]
+    fn builds_table_compares_speeds_across_builds_and_slowdowns_within() {
+        let mut out = String::new();
+        builds_table(&mut out, &[headline("portable", 50.0, 2000.0), headline("native", 900.0, 160.0)]);
+        assert!(out.contains("| llamabox pp512, t/s | m | 50.0 | 900.0 | 18.0× faster |"), "{out}");
+        assert!(out.contains("| image encode, ms | generated vision projector | 2000.0 | 160.0 | 12.5× shorter |"), "{out}");
+        assert!(out.contains("| cancellable vs plain, time | m | +1.0% | +1.0% | — |"), "{out}");
+        assert!(!out.contains("llama-bench"), "rows nobody measured are left out: {out}");
+        assert!(!out.contains("so far"), "{out}");
+
+        let mut alone = String::new();
+        builds_table(&mut alone, &[headline("native", 900.0, 160.0)]);
+        assert!(alone.contains("Only the native build has been measured so far."), "{alone}");
+        assert!(!alone.contains("faster"), "{alone}");
+    }
 }
