@@ -35,7 +35,7 @@ async fn run(plugin: &Plugin, group: &str, deadline: Option<Duration>, args: &[&
 async fn the_embedder_cancels_a_plugins_decode_with_its_own_token() {
     let (host, plugin) = host();
     let flag = CancelFlag::new();
-    let capability = host.tokens().share("tenant", &flag);
+    let capability = host.tokens().share("tenant", &flag).expect("a capability");
     // Deterministic: the embedder's token trips after the decode's 20th graph node.
     flag.trip_after(20);
     let (outcome, out) = run(&plugin, "tenant", None, &["--model", "slow", "--token", &capability]).await;
@@ -49,7 +49,7 @@ async fn the_embedder_cancels_a_plugins_decode_with_its_own_token() {
 async fn another_instance_cancels_a_blocking_decode_through_a_shared_capability() {
     let (host, plugin) = host();
     let flag = CancelFlag::new();
-    let capability = host.tokens().share("tenant", &flag);
+    let capability = host.tokens().share("tenant", &flag).expect("a capability");
     let (a_args, b_args) = (["--model", "slow", "--token", &capability], ["--cancel-shared", &capability]);
     let decoding = run(&plugin, "tenant", None, &a_args);
     let cancelling = async {
@@ -68,7 +68,7 @@ async fn another_instance_cancels_a_blocking_decode_through_a_shared_capability(
 async fn forged_and_other_group_capabilities_are_refused() {
     let (host, plugin) = host();
     let flag = CancelFlag::new();
-    let capability = host.tokens().share("tenant-a", &flag);
+    let capability = host.tokens().share("tenant-a", &flag).expect("a capability");
     let (_, other_group) = run(&plugin, "tenant-b", None, &["--cancel-shared", &capability]).await;
     let (_, forged) = run(&plugin, "tenant-a", None, &["--cancel-shared", "0123456789abcdef0123456789abcdef"]).await;
     for out in [other_group, forged] {
@@ -81,7 +81,7 @@ async fn forged_and_other_group_capabilities_are_refused() {
 async fn a_deadline_stops_native_work_and_joins_every_worker() {
     let (host, plugin) = host();
     let flag = CancelFlag::new(); // never cancelled: only the deadline stops the decode
-    let capability = host.tokens().share("tenant", &flag);
+    let capability = host.tokens().share("tenant", &flag).expect("a capability");
     let args = ["--model", "slow", "--token", &capability, "--long-tokens", "2048"];
     let (outcome, _) = run(&plugin, "tenant", Some(Duration::from_millis(300)), &args).await;
     assert_eq!(outcome, RunOutcome::DeadlineExceeded);
@@ -146,7 +146,7 @@ async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() 
         ["--model", "tiny", "--media", "eyes", "--cancel-after-ms", "100000", "--token", cap].map(String::from)
     };
     let run_with = |flag: CancelFlag| {
-        let capability = host.tokens().share("tenant", &flag);
+        let capability = host.tokens().share("tenant", &flag).expect("a capability");
         let plugin = &plugin;
         async move {
             let args = args(&capability);

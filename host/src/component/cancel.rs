@@ -1,6 +1,7 @@
 //! `llamabox:inference/cancel`: the cancel-token resource over a native `CancelFlag`.
 
 use wasmtime::component::Resource;
+use wasmtime::error::Context as _;
 
 use super::bindings::llamabox::inference::cancel::{Host, HostCancelToken};
 use super::{Error, Held, LlamaCtxView};
@@ -42,7 +43,8 @@ impl HostCancelToken for LlamaCtxView<'_> {
 
     async fn share(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<String> {
         let flag = &self.table.get(&token)?.flag;
-        Ok(self.ctx.tokens.share(&self.ctx.group, flag))
+        // No random capability without the OS random source: trap rather than panic.
+        self.ctx.tokens.share(&self.ctx.group, flag).context("drawing a capability from the OS random source")
     }
 
     async fn open_shared(&mut self, capability: String) -> wasmtime::Result<Result<Resource<CancelToken>, Error>> {

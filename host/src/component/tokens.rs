@@ -24,16 +24,17 @@ impl TokenRegistry {
         Self::default()
     }
 
-    /// Name `flag` by a fresh capability that opens it within `group`.
-    pub fn share(&self, group: &str, flag: &CancelFlag) -> String {
+    /// Name `flag` by a fresh capability that opens it within `group`. Fails only if the
+    /// OS random source does.
+    pub fn share(&self, group: &str, flag: &CancelFlag) -> Result<String, getrandom::Error> {
         let mut bits = [0u8; 16];
-        getrandom::fill(&mut bits).expect("the OS random source");
+        getrandom::fill(&mut bits)?;
         let capability: String = bits.iter().map(|b| format!("{b:02x}")).collect();
         let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
         // Forget tokens nobody holds any more, so sharing never grows without bound.
         shared.retain(|_, s| s.flag.upgrade().is_some());
         shared.insert(capability.clone(), Shared { group: group.to_string(), flag: flag.downgrade() });
-        capability
+        Ok(capability)
     }
 
     /// The token `capability` names, if it was shared in `group` and is still held.
@@ -51,9 +52,9 @@ mod tests {
     fn capabilities_open_only_in_their_group_and_only_while_held() {
         let registry = TokenRegistry::new();
         let flag = CancelFlag::new();
-        let cap = registry.share("tenant-a", &flag);
+        let cap = registry.share("tenant-a", &flag).unwrap();
         assert_eq!(cap.len(), 32, "128 bits in hex");
-        assert_ne!(cap, registry.share("tenant-a", &flag), "every share is a fresh capability");
+        assert_ne!(cap, registry.share("tenant-a", &flag).unwrap(), "every share is a fresh capability");
         assert!(registry.open("tenant-a", &cap).unwrap().same_as(&flag));
         assert!(registry.open("tenant-b", &cap).is_none(), "another group cannot open it");
         assert!(registry.open("tenant-a", "00000000000000000000000000000000").is_none());
