@@ -8,6 +8,7 @@ use llama_cpp_sys_2 as sys;
 
 use super::cancel::{abort_callback, Stop};
 use super::model::{Model, Token};
+use super::threads::ThreadPool;
 use super::{backend, Error, Result};
 
 /// Settings of a new context, already resolved (no defaults left to pick).
@@ -56,6 +57,8 @@ pub struct Context {
     params: ContextParams,
     /// Which rows of the last successful decode have logits; empty after a failed one.
     logit_rows: Vec<bool>,
+    /// The threads every graph of this context runs on; freed after the context.
+    _team: ThreadPool,
     /// Declared last: the model must outlive the context.
     model: Arc<Model>,
 }
@@ -66,6 +69,10 @@ unsafe impl Send for Context {}
 
 /// Largest n_seq_max llama.cpp accepts (LLAMA_MAX_SEQ).
 pub const MAX_SEQ: u32 = 256;
+
+/// Most threads one ggml thread team may have (GGML_MAX_N_THREADS in ggml.h; a
+/// #define the bindings do not carry).
+pub const MAX_THREADS: u32 = 512;
 
 impl Context {
     pub fn new(model: Arc<Model>, params: ContextParams) -> Result<Self> {
@@ -81,7 +88,11 @@ impl Context {
         if !(1..=MAX_SEQ).contains(&n_seq_max) {
             return invalid(format!("n-seq-max {n_seq_max} is outside [1, {MAX_SEQ}]"));
         }
-        let threads = i32::try_from(n_threads).map_err(|_| Error::InvalidArgument("n-threads too large".into()))?;
+        if n_threads > MAX_THREADS {
+            return invalid(format!("n-threads {n_threads} is above ggml's limit {MAX_THREADS}"));
+        }
+        let threads = n_threads as i32;
+        let team = ThreadPool::new(threads)?;
         // SAFETY: start from llama.cpp's defaults (the struct gains fields between versions).
         let ptr = unsafe {
             let mut p = sys::llama_context_default_params();
@@ -95,6 +106,9 @@ impl Context {
         };
         let ptr = NonNull::new(ptr)
             .ok_or_else(|| Error::Backend("llama.cpp could not create the context (see its log)".into()))?;
+        // SAFETY: the team outlives the context (dropped after it, see `Drop`); one team
+        // serves both generation and prompt batches, as llama-bench does.
+        unsafe { sys::llama_attach_threadpool(ptr.as_ptr(), team.as_ptr(), team.as_ptr()) };
         // llama.cpp may round n_ctx up (padding) or clamp n_batch; report what it chose.
         let actual = unsafe {
             ContextParams {
@@ -105,7 +119,7 @@ impl Context {
                 n_threads,
             }
         };
-        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), model })
+        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), _team: team, model })
     }
 
     pub fn params(&self) -> ContextParams {
@@ -370,7 +384,8 @@ impl Drop for AbortCallback {
 
 impl Drop for Context {
     fn drop(&mut self) {
-        // SAFETY: `&mut self` proves no call is running on this context.
+        // SAFETY: `&mut self` proves no call is running on this context. Its thread team
+        // (a field) is freed after this, once nothing can compute on it.
         unsafe { sys::llama_free(self.ptr.as_ptr()) }
     }
 }

@@ -1,0 +1,71 @@
+//! The ggml thread team a context computes with, kept for the context's whole life.
+//!
+//! Without one attached, ggml-cpu (built without OpenMP, as llama-cpp-sys-2 builds it)
+//! makes a *disposable* team for every graph it computes: it starts and joins
+//! `n_threads - 1` OS threads per token. At threads = cores that hand-off dominated
+//! generation (FIELD-NOTES: 63 t/s where llama-bench, which attaches a persistent team,
+//! made 470). llama-bench and llama.cpp's server attach one team per context, as here.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+
+use llama_cpp_sys_2 as sys;
+
+use super::{Error, Result};
+
+/// The default of [`set_idle_poll`]: idle threads sleep at once.
+pub const DEFAULT_IDLE_POLL: u32 = 0;
+
+static IDLE_POLL: AtomicU32 = AtomicU32::new(DEFAULT_IDLE_POLL);
+
+/// How long the idle threads of contexts created from now on spin for the next graph
+/// before they sleep, in ggml's units (0–100; each unit is 131072 `pause` rounds, a few
+/// ms; llama.cpp's tools default to 50).
+///
+/// Spinning saves a wake-up (tens of µs) per graph, and costs a core for as long as it
+/// spins, whether or not another graph comes. A plugin host runs many contexts that sit
+/// idle between a guest's calls, and every spinning thread takes a core from the others,
+/// so the default is 0: generation pays one wake-up per token (bench/RESULTS.md has what
+/// that costs). A host that runs one busy context per core may spin.
+pub fn set_idle_poll(level: u32) {
+    IDLE_POLL.store(level.min(100), Relaxed);
+}
+
+pub fn idle_poll() -> u32 {
+    IDLE_POLL.load(Relaxed)
+}
+
+/// A persistent ggml thread team (`ggml_threadpool`). The calling thread is thread 0
+/// of every graph; the team owns the other `n_threads - 1`.
+pub(crate) struct ThreadPool(NonNull<sys::ggml_threadpool>);
+
+// SAFETY: a ggml_threadpool is driven by one thread at a time (the context's, through
+// `&mut Context`) and may be freed from any thread once no graph runs on it.
+unsafe impl Send for ThreadPool {}
+
+impl ThreadPool {
+    pub(crate) fn new(n_threads: i32) -> Result<Self> {
+        // SAFETY: start from ggml's defaults (the struct gains fields between versions);
+        // ggml_threadpool_new copies the params.
+        let ptr = unsafe {
+            let mut params = sys::ggml_threadpool_params_default(n_threads);
+            params.poll = idle_poll();
+            sys::ggml_threadpool_new(&mut params)
+        };
+        NonNull::new(ptr)
+            .map(Self)
+            .ok_or_else(|| Error::Backend(format!("ggml could not start a team of {n_threads} threads")))
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut sys::ggml_threadpool {
+        self.0.as_ptr()
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        // SAFETY: the owner detaches (frees) its context before dropping the team, so
+        // no graph runs on it; ggml stops and joins the team's threads.
+        unsafe { sys::ggml_threadpool_free(self.0.as_ptr()) }
+    }
+}
