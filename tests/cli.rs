@@ -21,8 +21,9 @@ fn info_names_the_cpu_features_ggml_was_built_for() {
         .strip_prefix("ggml CPU features: ")
         .and_then(|rest| rest.split_once("\nbuild: "))
         .unwrap_or_else(|| panic!("unexpected output: {text}"));
-    let avx2 = features.split_whitespace().any(|f| f == "AVX2");
-    let expected = if avx2 { "native (AVX2)" } else { "portable (no AVX2)" };
+    let features: Vec<String> = features.split_whitespace().map(String::from).collect();
+    assert_eq!(features, llamabox::native::cpu_features(), "{text}");
+    let expected = llamabox::native::InstructionLevel::of(&features).to_string();
     assert_eq!(build.trim(), expected, "{text}");
 }
 

@@ -96,3 +96,37 @@ async fn guest_encodes_audio_through_the_same_path() {
     assert!(common::field(&out, "media-full-encode").starts_with(&format!("{} floats", 750 * 64)));
     assert!(common::field(&out, "media-eval").starts_with("n-past="));
 }
+
+/// A plugin compiled by one host is loaded from the compile cache by the next host with
+/// the same engine settings, and runs the same; a changed component is compiled afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compiled_plugin_is_reused_from_the_compile_cache() {
+    use llamabox::{CompileCacheStats, HostOptions, Limits, ModelRegistry, PluginHost};
+    let dir = std::env::temp_dir().join(format!("llamabox-compile-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let options = HostOptions { compile_cache: Some(dir.clone()) };
+    let host = |registry| PluginHost::with_options(registry, Limits::default(), options.clone()).unwrap();
+    let bytes = std::fs::read(common::demo_plugin()).unwrap();
+
+    let first = host(ModelRegistry::new());
+    first.load_bytes(&bytes).unwrap();
+    assert_eq!(first.compile_cache_stats(), Some(CompileCacheStats { hits: 0, misses: 1 }));
+
+    let mut registry = ModelRegistry::new();
+    registry.register("tiny", common::tiny_model());
+    let second = host(registry);
+    let plugin = second.load_bytes(&bytes).unwrap();
+    assert_eq!(second.compile_cache_stats(), Some(CompileCacheStats { hits: 1, misses: 0 }), "loaded, not compiled");
+    let mut wasi = wasmtime_wasi::WasiCtxBuilder::new();
+    wasi.args(&["demo", "--model", "tiny", "--prompt", PROMPT, "--generate", "4"]);
+    assert_eq!(plugin.run(wasi).await.unwrap(), RunOutcome::Success, "the cached compile runs");
+
+    // Another component (a custom section changes its bytes, not its code) is not served
+    // the first one's compile.
+    let mut changed = bytes.clone();
+    changed.extend_from_slice(&[0, 6, 1, b'x', 1, 2, 3, 4]);
+    second.load_bytes(&changed).unwrap();
+    assert_eq!(second.compile_cache_stats().unwrap().misses, 1);
+    assert!(PluginHost::new(ModelRegistry::new(), Limits::default()).unwrap().compile_cache_stats().is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,6 +1,6 @@
 //! The CPU builds side by side. One process links one ggml build, so the portable build
-//! (baseline x86-64: SSE2) and the one for this CPU's features (AVX2/FMA/F16C) are
-//! measured by two runs, `make bench CPU=portable` and `make bench CPU=native`. Each run
+//! (baseline x86-64: SSE2), the AVX2 one and the one for this CPU's features (AVX-512
+//! where present) are measured by separate runs (`make bench CPU=portable|avx2|native`). Each run
 //! saves its headline figures as `build-<name>.json` beside its report, and every report
 //! shows the builds saved so far in one table, the run's own included.
 
@@ -16,7 +16,7 @@ use crate::workload::Shape;
 /// What one run of the suite says about its build, in the units the table prints.
 #[derive(Serialize, Deserialize, Clone, Debug)]
 pub struct Headline {
-    /// `native` or `portable`, from the features the linked ggml was compiled for.
+    /// `portable`, `avx2` or `avx512`: the linked ggml's `InstructionLevel`.
     pub build: String,
     /// Those features, as ggml prints them.
     pub features: String,
@@ -45,15 +45,6 @@ pub struct ModelHeadline {
     pub cancel_median_ms: f64,
     /// The cancel latency's median in mean graph nodes.
     pub cancel_median_nodes: f64,
-}
-
-/// The build a run measured, named as the Makefile's `CPU` choice names it.
-pub fn build_name(ggml_features: &[String]) -> &'static str {
-    if ggml_features.iter().any(|f| f == "AVX2") {
-        "native"
-    } else {
-        "portable"
-    }
 }
 
 impl Headline {
@@ -121,7 +112,7 @@ pub fn save_and_collect(report: &Path, this: &Headline) -> anyhow::Result<Vec<He
     std::fs::write(&own, serde_json::to_string_pretty(this)? + "\n")
         .with_context(|| format!("writing {}", own.display()))?;
     let mut all = Vec::new();
-    for build in ["portable", "native"] {
+    for build in ["portable", "avx2", "avx512"] {
         if build == this.build {
             all.push(this.clone());
             continue;
@@ -144,17 +135,6 @@ pub fn save_and_collect(report: &Path, this: &Headline) -> anyhow::Result<Vec<He
 mod tests {
     use super::*;
 
-    #[test]
-    fn names_the_build_by_avx2() {
-        let features = |f: &[&str]| f.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(
-            build_name(&features(&["SSE3", "AVX", "AVX2", "FMA"])),
-            "native"
-        );
-        assert_eq!(build_name(&features(&["SSE3", "AVX"])), "portable");
-        assert_eq!(build_name(&[]), "portable");
-    }
-
     fn headline(build: &str, threads: u32) -> Headline {
         Headline {
             build: build.into(),
@@ -175,15 +155,15 @@ mod tests {
             std::env::temp_dir().join(format!("llamabox-bench-builds-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let report = dir.join("RESULTS.md");
-        let native = save_and_collect(&report, &headline("native", 1)).unwrap();
+        let native = save_and_collect(&report, &headline("avx2", 1)).unwrap();
         assert_eq!(
             native.iter().map(|h| h.build.as_str()).collect::<Vec<_>>(),
-            ["native"]
+            ["avx2"]
         );
         let both = save_and_collect(&report, &headline("portable", 1)).unwrap();
         assert_eq!(
             both.iter().map(|h| h.build.as_str()).collect::<Vec<_>>(),
-            ["portable", "native"]
+            ["portable", "avx2"]
         );
         // Another thread count does not compare with the saved native figures.
         let alone = save_and_collect(&report, &headline("portable", 2)).unwrap();

@@ -50,6 +50,10 @@ struct Cli {
     /// Threads of every llama.cpp context (ggml's threads spin: keep to free cores).
     #[arg(long, default_value_t = 1)]
     threads: u32,
+    /// How long idle llama.cpp threads spin before sleeping (`native::set_idle_poll`;
+    /// llamabox's default 0, llama-bench's default 50, which it keeps here).
+    #[arg(long, default_value_t = llamabox::native::DEFAULT_IDLE_POLL)]
+    idle_poll: u32,
     /// Timed runs per column (after a warm-up).
     #[arg(long, default_value_t = 5)]
     runs: usize,
@@ -86,6 +90,7 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     ensure!(cli.runs >= 1 && cli.threads >= 1, "--runs and --threads must be at least 1");
+    llamabox::native::set_idle_poll(cli.idle_poll);
     ensure!((2..=2048).contains(&cli.prompt_tokens), "--prompt-tokens must be in [2, 2048]");
     let load_start = machine::load_average();
     let machine = machine::Machine::read();
@@ -125,7 +130,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 
     let date = today();
-    let build = builds::build_name(&machine.ggml_features);
+    let build = llamabox::native::InstructionLevel::of(&machine.ggml_features).name();
     let headline = builds::Headline::of(build, &machine.ggml_features, &date, shape, &results, &encode);
     let builds = builds::save_and_collect(&cli.out, &headline)?;
     let cx = report::RunInfo {

@@ -14,4 +14,4 @@ pub mod worker;
 
 pub use component::{Limits, ModelRegistry, TokenRegistry};
 pub use native::CancelFlag;
-pub use plugin::{Plugin, PluginHost, RunOptions, RunOutcome};
+pub use plugin::{CompileCacheStats, HostOptions, Plugin, PluginHost, RunOptions, RunOutcome};

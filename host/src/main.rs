@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand, ValueEnum};
 use llamabox::native::{self, ProjectorSpec, TextModelSpec};
-use llamabox::{Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
+use llamabox::{HostOptions, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
 use wasmtime_wasi::WasiCtxBuilder;
 
 #[derive(Parser)]
@@ -34,6 +34,13 @@ enum Command {
         /// Stop the plugin, native work included, after this many milliseconds.
         #[arg(long, value_name = "MS")]
         deadline_ms: Option<u64>,
+        #[command(flatten)]
+        cache: CacheFlags,
+        /// How long idle llama.cpp threads spin for the next graph before sleeping
+        /// (0-100, llama.cpp's tools use 50). 0 (the default) frees the cores between
+        /// calls; more saves a wake-up per token when one context owns the cores.
+        #[arg(long, value_name = "LEVEL", default_value_t = native::DEFAULT_IDLE_POLL, value_parser = clap::value_parser!(u32).range(0..=100))]
+        idle_poll: u32,
         /// Arguments passed to the plugin, after `--`.
         #[arg(last = true)]
         args: Vec<String>,
@@ -108,6 +115,31 @@ impl LimitFlags {
     }
 }
 
+/// Where compiled plugins are kept between runs (a plugin is compiled once per change of
+/// its bytes, the host's wasmtime or its engine settings).
+#[derive(clap::Args)]
+struct CacheFlags {
+    /// The compile cache folder (default: $XDG_CACHE_HOME or ~/.cache, then
+    /// llamabox/compiled). Must be writable by this user only: its entries are loaded as
+    /// native code.
+    #[arg(long, value_name = "DIR", conflicts_with = "no_compile_cache")]
+    compile_cache: Option<PathBuf>,
+    /// Compile the plugin on every run.
+    #[arg(long)]
+    no_compile_cache: bool,
+}
+
+impl CacheFlags {
+    fn options(&self) -> HostOptions {
+        let compile_cache = match (&self.compile_cache, self.no_compile_cache) {
+            (_, true) => None,
+            (Some(dir), false) => Some(dir.clone()),
+            (None, false) => HostOptions::default_compile_cache(),
+        };
+        HostOptions { compile_cache }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum Size {
     /// Decodes in microseconds.
@@ -144,8 +176,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Info => {
             let features = native::cpu_features();
-            let build = if features.iter().any(|f| f == "AVX2") { "native (AVX2)" } else { "portable (no AVX2)" };
-            println!("ggml CPU features: {}\nbuild: {build}", features.join(" "));
+            let level = native::InstructionLevel::of(&features);
+            println!("ggml CPU features: {}\nbuild: {level}", features.join(" "));
             Ok(ExitCode::SUCCESS)
         }
         Command::SynthModel { out, size, seed } => {
@@ -167,7 +199,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("wrote {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run { plugin, models, projectors, limits: limit_flags, deadline_ms, args } => {
+        Command::Run { plugin, models, projectors, limits: limit_flags, deadline_ms, cache, idle_poll, args } => {
+            native::set_idle_poll(idle_poll);
             let mut registry = ModelRegistry::new();
             for (name, path) in models {
                 if !path.is_file() {
@@ -183,7 +216,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             let mut limits = Limits::default();
             limit_flags.apply(&mut limits);
-            let host = PluginHost::new(registry, limits)?;
+            let host = PluginHost::with_options(registry, limits, cache.options())?;
             let argv0 = plugin.file_name().map_or("plugin".into(), |n| n.to_string_lossy().into_owned());
             let plugin = host.load(&plugin)?;
             let mut wasi = WasiCtxBuilder::new();

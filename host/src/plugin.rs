@@ -1,7 +1,7 @@
 //! Running plugin components: an engine, a linker with WASI 0.2 and llamabox, and one
 //! fresh store per run.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,6 +47,17 @@ pub struct PluginHost {
     registry: Arc<ModelRegistry>,
     tokens: Arc<TokenRegistry>,
     limits: Limits,
+    /// The engine's compile cache (shared counters), if any.
+    cache: Option<wasmtime::Cache>,
+}
+
+/// What the compile cache did for a host's `load`s since it started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompileCacheStats {
+    /// Components loaded from the cache, not compiled.
+    pub hits: usize,
+    /// Components compiled (and written to the cache).
+    pub misses: usize,
 }
 
 /// How a plugin's `wasi:cli/run` ended (a trap is an `Err` of [`Plugin::run`] instead).
@@ -75,12 +86,45 @@ impl Default for RunOptions {
     }
 }
 
+/// Settings of a host's engine.
+#[derive(Clone, Debug, Default)]
+pub struct HostOptions {
+    /// A folder for compiled plugins (wasmtime's compile cache), or `None` to compile a
+    /// plugin on every `load`. Entries are keyed by the component's bytes, the wasmtime
+    /// version and the engine settings, so a changed plugin or host is compiled afresh.
+    /// Compiling an 18 MB plugin (CPython inside) takes seconds; loading its entry takes
+    /// milliseconds.
+    ///
+    /// What is in this folder is loaded as native code without verification: it must be
+    /// writable by the host's user only (as wasmtime's own cache folder is).
+    pub compile_cache: Option<PathBuf>,
+}
+
+impl HostOptions {
+    /// The per-user default folder for compiled plugins: `$XDG_CACHE_HOME/llamabox/compiled`,
+    /// else `$HOME/.cache/llamabox/compiled`; `None` where neither is set.
+    pub fn default_compile_cache() -> Option<PathBuf> {
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
+            .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))?;
+        Some(base.join("llamabox").join("compiled"))
+    }
+}
+
 impl PluginHost {
+    /// A host that compiles every plugin it loads (no compile cache).
     pub fn new(registry: ModelRegistry, limits: Limits) -> anyhow::Result<Self> {
+        Self::with_options(registry, limits, HostOptions::default())
+    }
+
+    pub fn with_options(registry: ModelRegistry, limits: Limits, options: HostOptions) -> anyhow::Result<Self> {
         let mut config = wasmtime::Config::new();
         config.epoch_interruption(true);
         // WASI 0.3 guests: `async func` imports (`llamabox:inference/async-calls`).
         config.wasm_component_model_async(true);
+        let cache = options.compile_cache.as_deref().map(compile_cache).transpose()?;
+        config.cache(cache.clone());
         let engine = Engine::new(&config)?;
         let ticker = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (stop, ticking) = (ticker.clone(), engine.clone());
@@ -95,11 +139,24 @@ impl PluginHost {
         // WASI 0.3's clock (async `wait-for`), for async guests' timers.
         wasmtime_wasi::p3::clocks::add_to_linker(&mut linker)?;
         component::add_to_linker(&mut linker)?;
-        Ok(Self { engine, ticker, linker, registry: Arc::new(registry), tokens: Arc::new(TokenRegistry::new()), limits })
+        Ok(Self {
+            engine,
+            ticker,
+            linker,
+            registry: Arc::new(registry),
+            tokens: Arc::new(TokenRegistry::new()),
+            limits,
+            cache,
+        })
     }
 
     pub fn engine(&self) -> &Engine {
         &self.engine
+    }
+
+    /// Hits and misses of the compile cache, if this host has one.
+    pub fn compile_cache_stats(&self) -> Option<CompileCacheStats> {
+        self.cache.as_ref().map(|c| CompileCacheStats { hits: c.cache_hits(), misses: c.cache_misses() })
     }
 
     /// Shared cancel tokens. The embedder shares its own [`crate::CancelFlag`] here,
@@ -138,6 +195,15 @@ impl PluginHost {
         };
         Ok(Plugin { entry, registry: self.registry.clone(), tokens: self.tokens.clone(), limits: self.limits.clone() })
     }
+}
+
+/// wasmtime's compile cache in `dir` (made if missing; wasmtime wants an absolute path).
+fn compile_cache(dir: &Path) -> anyhow::Result<wasmtime::Cache> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating the compile cache folder {}", dir.display()))?;
+    let dir = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
+    let mut config = wasmtime::CacheConfig::new();
+    config.with_directory(dir);
+    Ok(wasmtime::Cache::new(config)?)
 }
 
 impl Drop for PluginHost {

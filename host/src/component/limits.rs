@@ -42,6 +42,11 @@ pub struct Limits {
     pub max_text_bytes: usize,
     /// Most tokens `detokenize` takes.
     pub max_detokenize_tokens: usize,
+    /// How long a cancelled media encode may run on (store → return), about: each media
+    /// context paces its stop points to this from its own measured speed. Shorter stops
+    /// sooner and synchronises more often (each stop point costs tens of µs); it cannot
+    /// go below one encoder layer.
+    pub encode_cancel_latency: std::time::Duration,
 }
 
 impl Default for Limits {
@@ -65,6 +70,7 @@ impl Default for Limits {
             max_audio_samples: 60 * 16_000,
             max_text_bytes: 1 << 20,
             max_detokenize_tokens: 1 << 18,
+            encode_cancel_latency: crate::native::chunker::DEFAULT_LATENCY_TARGET,
         }
     }
 }

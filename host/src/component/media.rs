@@ -86,8 +86,14 @@ impl HostMediaContext for LlamaCtxView<'_> {
             return Ok(Err(e));
         }
         let threads = self.ctx.limits.default_threads;
+        let latency = self.ctx.limits.encode_cancel_latency;
         let worker_model = model.clone();
-        let started = Worker::start("llamabox-media", move || MediaContext::new(&path, worker_model, threads)).await;
+        let started = Worker::start("llamabox-media", move || {
+            let mut media = MediaContext::new(&path, worker_model, threads)?;
+            media.set_latency_target(latency);
+            Ok::<_, native::Error>(media)
+        })
+        .await;
         let worker = match started {
             Ok(worker) => worker,
             Err(e) => {

@@ -62,6 +62,51 @@ pub fn cpu_features() -> Vec<String> {
         .collect()
 }
 
+/// The widest vector instructions a ggml build uses: what its speed mostly depends on,
+/// and what the Makefile's `CPU` choices differ in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum InstructionLevel {
+    /// Baseline x86-64 (SSE2 to SSSE3): `CPU=portable`, runs on any x86-64 CPU.
+    Baseline,
+    /// AVX2 with FMA and F16C (x86-64-v3): `CPU=avx2`, and `CPU=native` on such CPUs.
+    Avx2,
+    /// AVX-512: `CPU=native` on CPUs that have it.
+    Avx512,
+}
+
+impl InstructionLevel {
+    /// The level of a build with these `cpu_features()`.
+    pub fn of(features: &[String]) -> Self {
+        let has = |name: &str| features.iter().any(|f| f == name);
+        if has("AVX512") {
+            Self::Avx512
+        } else if has("AVX2") {
+            Self::Avx2
+        } else {
+            Self::Baseline
+        }
+    }
+
+    /// A short name for files and tables: `avx512`, `avx2`, `portable`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Baseline => "portable",
+            Self::Avx2 => "avx2",
+            Self::Avx512 => "avx512",
+        }
+    }
+}
+
+impl std::fmt::Display for InstructionLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Baseline => "portable (baseline x86-64, no AVX2)",
+            Self::Avx2 => "AVX2 (x86-64-v3)",
+            Self::Avx512 => "AVX-512",
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,6 +127,11 @@ mod tests {
             ("BMI2", option_env!("GGML_BMI2")),
             ("FMA", option_env!("GGML_FMA")),
             ("F16C", option_env!("GGML_F16C")),
+            ("AVX512", option_env!("GGML_AVX512")),
+            ("AVX512_VBMI", option_env!("GGML_AVX512_VBMI")),
+            ("AVX512_VNNI", option_env!("GGML_AVX512_VNNI")),
+            ("AVX512_BF16", option_env!("GGML_AVX512_BF16")),
+            ("AVX_VNNI", option_env!("GGML_AVX_VNNI")),
         ];
         for (feature, choice) in chosen {
             let built = features.iter().any(|f| f == feature);
@@ -97,5 +147,14 @@ mod tests {
                 _ => {}
             }
         }
+    }
+
+    #[test]
+    fn instruction_level_is_the_widest_vector_set() {
+        let of = |names: &[&str]| InstructionLevel::of(&names.iter().map(|n| n.to_string()).collect::<Vec<_>>());
+        assert_eq!(of(&["SSE3", "AVX", "AVX2", "FMA", "AVX512", "AVX512_VNNI"]), InstructionLevel::Avx512);
+        assert_eq!(of(&["SSE3", "AVX", "AVX2", "FMA"]), InstructionLevel::Avx2);
+        assert_eq!(of(&["SSE3", "AVX"]), InstructionLevel::Baseline);
+        assert_eq!(of(&[]).name(), "portable");
     }
 }

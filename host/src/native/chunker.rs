@@ -7,19 +7,76 @@
 //! where an encode can stop, and every yes costs a synchronisation. We say yes only:
 //! - after attention (FLASH_ATTN_EXT or SOFT_MAX): never inside a run of ops the CPU
 //!   backend might fuse, so chunked output stays bitwise identical to unchunked;
-//! - once per `CHUNK_WORK` units of work, so boundaries cost nothing measurable;
+//! - once per budget of work units, set by [`Pace`] from how fast this media context
+//!   computes, so that a cancel waits about one latency target and boundaries cost
+//!   nothing measurable;
 //! - or at the next attention op once a cancel is seen, so a cancel never waits for
 //!   the work budget to fill.
 
+use std::time::Duration;
+
 use llama_cpp_sys_2 as sys;
 
-/// Work units between two boundaries. clip's F32 matmuls run at ~4 G units/s on two
-/// cores of this project's CI machine, so 2.5e8 units is ~60 ms. (DESIGN.md started
-/// from 2.5e9: ~600 ms of cancel latency there.) Boundaries also need an attention op,
-/// so a chunk is never less than one encoder layer, which bounds the latency when a
-/// layer is bigger than the budget. A boundary costs a synchronisation and, on clip's
-/// CPU backend, a fresh thread pool: tens of microseconds.
+/// Work units between two boundaries before a media context has measured its own
+/// speed (its first encode). clip's F32 matmuls run at ~4 G units/s on two cores of
+/// this project's CI machine, so 2.5e8 units is ~60 ms. Boundaries also need an
+/// attention op, so a chunk is never less than one encoder layer, which bounds the
+/// latency when a layer is bigger than the budget. A boundary costs a synchronisation
+/// and, on clip's CPU backend, a fresh thread pool: tens of microseconds.
 pub const CHUNK_WORK: u64 = 250_000_000;
+
+/// The default wait a cancel may see before an encode returns (store → return).
+pub const DEFAULT_LATENCY_TARGET: Duration = Duration::from_millis(10);
+
+/// The fewest work units a budget may have: below this a boundary (tens of µs) would
+/// cost more than 1% of the compute between two boundaries even on a slow core.
+const MIN_BUDGET: u64 = 1_000_000;
+
+/// How fast one media context computes, learned from its own encodes, and the work
+/// budget between boundaries that meets a latency target at that speed.
+///
+/// The scheduler decides each range before it computes it, so a cancel waits for the
+/// rest of the range in flight: a budget of `speed × target` units makes that wait at
+/// most about the target (half of it on average). The speed is measured, not assumed,
+/// because it moves by 20× between builds (SSE2 vs AVX-512) and with the thread count.
+#[derive(Clone, Copy, Debug)]
+pub struct Pace {
+    target: Duration,
+    /// Work units per second, from the last encodes; `None` before the first.
+    units_per_sec: Option<f64>,
+}
+
+impl Pace {
+    pub fn new(target: Duration) -> Self {
+        Self { target, units_per_sec: None }
+    }
+
+    pub fn target(&self) -> Duration {
+        self.target
+    }
+
+    /// Units between boundaries for the next encode.
+    pub fn budget(&self) -> u64 {
+        match self.units_per_sec {
+            None => CHUNK_WORK,
+            Some(rate) => ((rate * self.target.as_secs_f64()) as u64).max(MIN_BUDGET),
+        }
+    }
+
+    /// An encode computed `units` in `elapsed` (stopped or not). Encodes too short to
+    /// time are ignored; otherwise the estimate moves halfway to the new speed, so one
+    /// encode disturbed by a busy machine does not swing the budget.
+    pub fn observe(&mut self, units: u64, elapsed: Duration) {
+        if units == 0 || elapsed < Duration::from_micros(500) {
+            return;
+        }
+        let rate = units as f64 / elapsed.as_secs_f64();
+        self.units_per_sec = Some(match self.units_per_sec {
+            None => rate,
+            Some(old) => (old + rate) / 2.0,
+        });
+    }
+}
 
 /// What a graph node costs and whether a boundary may follow it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,17 +104,25 @@ impl NodeWork {
 pub struct Chunker {
     budget: u64,
     spent: u64,
+    /// Units of every node asked about so far (all of them computed once the encode
+    /// returns): what [`Pace::observe`] learns from.
+    total: u64,
 }
 
 impl Chunker {
     pub fn with_budget(budget: u64) -> Self {
-        Self { budget, spent: 0 }
+        Self { budget, spent: 0, total: 0 }
     }
 
     /// `ask == true`: should the scheduler stop after this node and call back?
     pub fn ask(&mut self, node: NodeWork, cancelled: bool) -> bool {
         self.spent = self.spent.saturating_add(node.units);
+        self.total = self.total.saturating_add(node.units);
         node.boundary_allowed && (cancelled || self.spent >= self.budget)
+    }
+
+    pub fn total(&self) -> u64 {
+        self.total
     }
 
     /// `ask == false`, at a boundary: go on (true) or stop the encode (false).
@@ -105,6 +170,26 @@ mod tests {
         assert!(c.ask(ATTN, false));
         assert!(c.at_boundary(false));
         assert!(!c.ask(ATTN, false), "10 spent since the boundary");
+    }
+
+    #[test]
+    fn pace_sets_the_budget_from_the_measured_speed_and_target() {
+        let mut pace = Pace::new(Duration::from_millis(10));
+        assert_eq!(pace.budget(), CHUNK_WORK, "before any encode");
+        pace.observe(4_000_000_000, Duration::from_secs(1));
+        assert_eq!(pace.budget(), 40_000_000, "4e9 units/s x 10 ms");
+        pace.observe(2_000_000_000, Duration::from_secs(1));
+        assert_eq!(pace.budget(), 30_000_000, "halfway to the new speed");
+        pace.observe(5, Duration::from_micros(10));
+        assert_eq!(pace.budget(), 30_000_000, "too short to time: ignored");
+        for _ in 0..20 {
+            pace.observe(1, Duration::from_secs(100));
+        }
+        assert_eq!(pace.budget(), MIN_BUDGET, "never below the floor");
+        let mut c = Chunker::with_budget(100);
+        c.ask(MATMUL, false);
+        c.ask(ATTN, false);
+        assert_eq!(c.total(), 70, "every node's units count toward the speed");
     }
 
     #[test]

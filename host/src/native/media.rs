@@ -11,11 +11,12 @@ use std::ffi::{c_void, CStr, CString};
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use llama_cpp_sys_2 as sys;
 
 use super::cancel::Stop;
-use super::chunker::{Chunker, NodeWork, CHUNK_WORK};
+use super::chunker::{Chunker, NodeWork, Pace, DEFAULT_LATENCY_TARGET};
 use super::model::{Model, Token};
 use super::{backend, Error, Result};
 
@@ -94,8 +95,10 @@ impl Drop for Chunk {
 pub struct MediaContext {
     ptr: NonNull<sys::mtmd_context>,
     n_embd: usize,
-    /// Work units between encode boundaries (see `chunker`).
-    chunk_work: u64,
+    /// This context's speed and the work budget between encode boundaries it gives.
+    pace: Pace,
+    /// A fixed budget instead of the paced one (`set_chunk_work`).
+    fixed_chunk_work: Option<u64>,
     /// Declared last: the text model must outlive the media context.
     model: Arc<Model>,
 }
@@ -127,17 +130,31 @@ impl MediaContext {
             Error::Backend(format!("mtmd could not load projector {} for this model (see its log)", path.display()))
         })?;
         let n_embd = model.n_embd_inp() as usize;
-        Ok(Self { ptr, n_embd, chunk_work: CHUNK_WORK, model })
+        Ok(Self { ptr, n_embd, pace: Pace::new(DEFAULT_LATENCY_TARGET), fixed_chunk_work: None, model })
     }
 
     pub fn model(&self) -> &Arc<Model> {
         &self.model
     }
 
-    /// Work units between boundaries where an encode can stop (default `CHUNK_WORK`):
-    /// smaller stops sooner after a cancel and synchronises more often.
+    /// Fixed work units between boundaries where an encode can stop, instead of the
+    /// budget paced to the latency target: smaller stops sooner after a cancel and
+    /// synchronises more often. For tests that need a boundary at every attention op.
     pub fn set_chunk_work(&mut self, units: u64) {
-        self.chunk_work = units.max(1);
+        self.fixed_chunk_work = Some(units.max(1));
+    }
+
+    /// How long a cancelled encode may run on after the cancel (store → return), about
+    /// (default 10 ms). The context measures its own speed on every encode and places
+    /// boundaries that far apart; it cannot go below one encoder layer.
+    pub fn set_latency_target(&mut self, target: Duration) {
+        self.pace = Pace::new(target.max(Duration::from_micros(100)));
+        self.fixed_chunk_work = None;
+    }
+
+    /// The work units the next cancellable encode will put between boundaries.
+    pub fn chunk_work(&self) -> u64 {
+        self.fixed_chunk_work.unwrap_or_else(|| self.pace.budget())
     }
 
     pub fn supports_vision(&self) -> bool {
@@ -239,8 +256,10 @@ impl MediaContext {
         }
         let ret = match stop {
             Some(stop) => {
-                let scope = EncodeScope::with_chunker(stop, Chunker::with_budget(self.chunk_work));
+                let scope = EncodeScope::with_chunker(stop, Chunker::with_budget(self.chunk_work()));
+                let started = Instant::now();
                 let ret = unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) };
+                self.pace.observe(scope.units(), started.elapsed());
                 // mtmd returns 0 for a stopped encode: the scope knows it stopped.
                 if scope.stopped() {
                     return Err(Error::Cancelled);
@@ -347,6 +366,11 @@ impl<'a> EncodeScope<'a> {
     /// Boundaries the computation reached (each one a point where it could stop).
     pub fn boundaries(&self) -> u64 {
         self.state.boundaries.get()
+    }
+
+    /// Work units of the nodes computed so far.
+    pub fn units(&self) -> u64 {
+        self.state.chunker.borrow().total()
     }
 }
 

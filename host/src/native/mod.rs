@@ -8,13 +8,15 @@ pub mod context;
 pub mod media;
 pub mod model;
 pub mod synthetic;
+mod threads;
 
-pub use backend::cpu_features;
+pub use backend::{cpu_features, InstructionLevel};
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use context::{Batch, Context, ContextParams};
 pub use media::{Chunk, ChunkKind, EncodeScope, MediaCaps, MediaContext, MediaInput};
 pub use model::{Model, Token};
 pub use synthetic::{ProjectorKind, ProjectorSpec, TextModelSpec};
+pub use threads::{idle_poll, set_idle_poll, DEFAULT_IDLE_POLL};
 
 /// Why a native call failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

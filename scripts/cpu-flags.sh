@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The ggml x86 extensions for a CPU choice, one `GGML_X=ON|OFF` line each; the Makefile
+# exports them (llama-cpp-sys-2 passes GGML_* variables to llama.cpp's CMake) and
+# scripts/ggml-config.sh checks the configured build against them.
+#   native    every extension this machine's CPU has (from /proc/cpuinfo): AVX-512 and
+#             its VBMI/VNNI/BF16 parts, AVX-VNNI and AMX where present. The build runs
+#             here and on CPUs with the same extensions. ggml's own GGML_NATIVE=ON
+#             (-march=native) would pick the same instructions; llama-cpp-sys-2 sets
+#             GGML_NATIVE itself (ON only under RUSTFLAGS=-C target-cpu=native, which
+#             would rebuild all Rust code too), so the extensions are named here instead.
+#   avx2      x86-64-v3: SSE4.2 AVX AVX2 BMI2 FMA F16C (Intel Haswell, AMD Excavator and
+#             later). What .cargo/config.toml sets for a plain `cargo build`.
+#   portable  baseline x86-64 (SSE2): runs on any x86-64 CPU.
+# Usage: scripts/cpu-flags.sh native|avx2|portable
+set -euo pipefail
+base="SSE42 AVX AVX2 BMI2 FMA F16C"
+extra="AVX512 AVX512_VBMI AVX512_VNNI AVX512_BF16 AVX_VNNI AMX_TILE AMX_INT8 AMX_BF16"
+flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2 || true)
+has() { for f in "$@"; do [[ " $flags " == *" $f "* ]] || return 1; done; }
+# The /proc/cpuinfo flags each ggml option compiles for (AVX512 is ggml's F+CD+VL+DQ+BW).
+cpu_has() {
+  case "$1" in
+    SSE42) has sse4_2 ;; AVX) has avx ;; AVX2) has avx2 ;; BMI2) has bmi2 ;; FMA) has fma ;; F16C) has f16c ;;
+    AVX512) has avx512f avx512cd avx512vl avx512dq avx512bw ;;
+    AVX512_VBMI) has avx512f avx512vbmi ;; AVX512_VNNI) has avx512f avx512_vnni ;;
+    AVX512_BF16) has avx512f avx512_bf16 ;; AVX_VNNI) has avx_vnni ;;
+    AMX_TILE) has amx_tile ;; AMX_INT8) has amx_tile amx_int8 ;; AMX_BF16) has amx_tile amx_bf16 ;;
+    *) return 1 ;;
+  esac
+}
+case "${1:-}" in
+  native) for x in $base $extra; do if cpu_has "$x"; then echo "GGML_$x=ON"; else echo "GGML_$x=OFF"; fi; done ;;
+  avx2) for x in $base; do echo "GGML_$x=ON"; done; for x in $extra; do echo "GGML_$x=OFF"; done ;;
+  portable) for x in $base $extra; do echo "GGML_$x=OFF"; done ;;
+  *) echo "usage: $0 native|avx2|portable" >&2; exit 2 ;;
+esac
