@@ -61,22 +61,26 @@ demo: build guest
 test: deps
 	$(CARGO) test $(PROFILE) -p llamabox -p llamabox-bench -- --test-threads=1
 
-# Benchmarks (never part of `make test`): prints a report and writes bench/RESULTS.md and
-# bench/cancel-latency.png (CPU=portable: bench/RESULTS-portable.md and
-# cancel-latency-portable.png; each report also shows both builds' headline figures).
-# THREADS=n for llama.cpp threads (default 1: ggml's threads spin, so more than the free
-# cores slows everything); BENCH_ARGS for more flags (`cargo run -p llamabox-bench --
+# Benchmarks (never part of `make test`): at 1 llama.cpp thread and at every core
+# (THREADS, default "1 $(nproc)"), each writing a report: bench/RESULTS.md (1 thread) and
+# bench/RESULTS-t<N>.md, with their cancel-latency figures; CPU=avx2|portable add the
+# choice to the names. Each report also shows the other CPU builds measured on this CPU
+# model at its thread count. BENCH_ARGS for more flags (`cargo run -p llamabox-bench --
 # --help`). Builds llama.cpp's llama-bench once per CPU choice into ~/.cache/llamabox for
-# the comparison. About 7 minutes on a quiet 2-core machine (portable: about 12).
-THREADS ?= 1
+# the comparison (CPU=native: GGML_NATIVE=ON, as llama.cpp's users build it). About 8
+# minutes per thread count on a quiet 2-core machine.
+THREADS ?= 1 $(shell nproc)
 BENCH_ARGS ?=
-BENCH_SUFFIX := $(if $(filter portable,$(CPU)),-portable)
+BENCH_SUFFIX := $(if $(filter native,$(CPU)),,-$(CPU))
 bench: deps guest
 	@model=$$(scripts/fetch-model.sh) || { model=; echo "the real model could not be fetched: benchmarking the generated model only"; }; \
 	llama_bench=$$(CPU=$(CPU) bench/llama-bench.sh) || { llama_bench=; echo "llama-bench could not be built: leaving out that comparison"; }; \
-	$(CARGO) run $(PROFILE) -p llamabox-bench -- --threads $(THREADS) \
-	  --out bench/RESULTS$(BENCH_SUFFIX).md --png bench/cancel-latency$(BENCH_SUFFIX).png \
-	  $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} $(BENCH_ARGS)
+	for t in $(THREADS); do \
+	  suffix="$(BENCH_SUFFIX)$$([ $$t = 1 ] || echo -t$$t)"; \
+	  $(CARGO) run $(PROFILE) -p llamabox-bench -- --threads $$t \
+	    --out bench/RESULTS$$suffix.md --png bench/cancel-latency$$suffix.png \
+	    $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} $(BENCH_ARGS) || exit 1; \
+	done
 
 # Random and adversarial calls against the native layer (tests/adversarial.rs), many
 # more than `make test` makes: FUZZ_ITERS calls from FUZZ_SEED.

@@ -2,10 +2,11 @@
 # llama.cpp's own `llama-bench`, the reference the benchmark compares prompt and
 # generation speed against. Built from the llama.cpp tree vendored in the PyPI sdist
 # llama-cpp-python==0.3.36 (the crate llama-cpp-sys-2 ships llama.cpp without
-# tools/llama-bench), with the CPU features and threading our crate build uses:
-# GGML_NATIVE=OFF, no OpenMP, static libraries, and the ISA of the Makefile's CPU
-# choice: CPU=native (default) SSE4.2/AVX/AVX2/BMI2/FMA/F16C, CPU=portable baseline
-# x86-64 (SSE2), as llama-cpp-sys-2 builds with GGML_AVX2/FMA/F16C=OFF.
+# tools/llama-bench), with no OpenMP and static libraries, as our crate build, and:
+#   CPU=native (default): GGML_NATIVE=ON (-march=native), the way llama.cpp's users
+#     build it for their machine;
+#   CPU=avx2 / CPU=portable: GGML_NATIVE=OFF with the same GGML_* extensions as our
+#     build of that choice (scripts/cpu-flags.sh).
 # Cached in ~/.cache/llamabox: the sdist, its unpacked tree and each build are reused.
 # Prints the binary's path; exits non-zero (with a reason on stderr) if it can't be had.
 set -euo pipefail
@@ -18,10 +19,11 @@ cache="${LLAMABOX_CACHE:-$HOME/.cache/llamabox}"
 build_type="${LLAMA_BENCH_BUILD_TYPE:-Release}"
 build="$cache/llama-bench-build"
 [ "$build_type" = Release ] || build="$build-$build_type"
-case "${CPU:-native}" in
-  native) isa=ON ;;
-  portable) isa=OFF; build="$build-portable" ;;
-  *) echo "CPU must be native or portable, not '$CPU'" >&2; exit 2 ;;
+cpu="${CPU:-native}"
+case "$cpu" in
+  native) isa=(-DGGML_NATIVE=ON); build="$build-native" ;;
+  avx2|portable) isa=(-DGGML_NATIVE=OFF); while read -r flag; do isa+=("-D$flag"); done < <("$(dirname "$0")/../scripts/cpu-flags.sh" "$cpu"); build="$build-$cpu" ;;
+  *) echo "CPU must be native, avx2 or portable, not '$cpu'" >&2; exit 2 ;;
 esac
 bin="$build/bin/llama-bench"
 
@@ -35,11 +37,10 @@ if [ ! -x "$bin" ]; then
   if [ ! -d "$src/vendor/llama.cpp/tools/llama-bench" ]; then
     tar -xzf "$sdist" -C "$cache"
   fi
-  echo "building llama-bench ($build_type, CPU=${CPU:-native}) into $build (a few minutes, once)" >&2
+  echo "building llama-bench ($build_type, CPU=$cpu) into $build (a few minutes, once)" >&2
   cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE="$build_type" \
     -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
-    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF \
-    -DGGML_SSE42=$isa -DGGML_AVX=$isa -DGGML_AVX2=$isa -DGGML_BMI2=$isa -DGGML_FMA=$isa -DGGML_F16C=$isa \
+    -DBUILD_SHARED_LIBS=OFF -DGGML_OPENMP=OFF "${isa[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >&2
   cmake --build "$build" --target llama-bench -j "$(nproc)" >&2

@@ -100,6 +100,24 @@ async fn a_guest_that_loops_forever_is_stopped_by_its_deadline() {
     assert!(out.contains("spinning"));
 }
 
+/// The epoch ticker lives as long as any plugin: a plugin kept after its host is dropped
+/// still has its deadlines (a looping guest only yields at epoch ticks).
+#[test]
+fn a_plugin_that_outlives_its_host_still_meets_its_deadline() {
+    let (host, plugin) = host();
+    drop(host);
+    // On a thread of its own: without ticks the guest never yields, and the run (and its
+    // runtime) would never end; the test then fails after a minute instead of hanging.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let _ = tx.send(runtime.block_on(run(&plugin, "tenant", Some(Duration::from_millis(200)), &["--spin"])));
+    });
+    let (outcome, out) = rx.recv_timeout(Duration::from_secs(60)).expect("the deadline never fired");
+    assert_eq!(outcome, RunOutcome::DeadlineExceeded);
+    assert!(out.contains("spinning"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_cannot_take_more_memory_than_its_limit() {
     let (_host, plugin) = host();
@@ -140,7 +158,9 @@ async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() 
     let mut registry = ModelRegistry::new();
     registry.register("tiny", common::tiny_model());
     registry.register_projector("eyes", common::tiny_vision());
-    let host = PluginHost::new(registry, Limits::default()).unwrap();
+    // Stop points at fixed work, not paced by measured speed: the same polls every run.
+    let limits = Limits { encode_fixed_chunk_work: Some(llamabox::native::chunker::CHUNK_WORK), ..Limits::default() };
+    let host = PluginHost::new(registry, limits).unwrap();
     let plugin = host.load(common::demo_plugin()).unwrap();
     let args = |cap: &str| {
         ["--model", "tiny", "--media", "eyes", "--cancel-after-ms", "100000", "--token", cap].map(String::from)

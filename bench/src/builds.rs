@@ -18,6 +18,9 @@ use crate::workload::Shape;
 pub struct Headline {
     /// `portable`, `avx2` or `avx512`: the linked ggml's `InstructionLevel`.
     pub build: String,
+    /// The CPU model the run measured on: builds compare only on the same one.
+    #[serde(default)]
+    pub cpu: String,
     /// Those features, as ggml prints them.
     pub features: String,
     pub date: String,
@@ -48,8 +51,10 @@ pub struct ModelHeadline {
 }
 
 impl Headline {
+    #[allow(clippy::too_many_arguments)]
     pub fn of(
         build: &str,
+        cpu: &str,
         features: &[String],
         date: &str,
         shape: Shape,
@@ -87,6 +92,7 @@ impl Headline {
             .collect();
         Self {
             build: build.into(),
+            cpu: cpu.into(),
             features: features.join(" "),
             date: date.into(),
             threads: shape.threads,
@@ -99,16 +105,16 @@ impl Headline {
     }
 }
 
-/// Where a build's headline is kept: beside the report.
-fn path(report: &Path, build: &str) -> PathBuf {
-    report.with_file_name(format!("build-{build}.json"))
+/// Where a build's headline at a thread count is kept: beside the report.
+fn path(report: &Path, build: &str, threads: u32) -> PathBuf {
+    report.with_file_name(format!("build-{build}-t{threads}.json"))
 }
 
 /// Save `this` and return every build's headline found beside `report`, `this` in place
 /// of the file it replaced, portable first. A build saved with another shape (threads,
-/// token counts) is left out: its figures would not compare.
+/// token counts) or on another CPU model is left out: its figures would not compare.
 pub fn save_and_collect(report: &Path, this: &Headline) -> anyhow::Result<Vec<Headline>> {
-    let own = path(report, &this.build);
+    let own = path(report, &this.build, this.threads);
     std::fs::write(&own, serde_json::to_string_pretty(this)? + "\n")
         .with_context(|| format!("writing {}", own.display()))?;
     let mut all = Vec::new();
@@ -117,13 +123,13 @@ pub fn save_and_collect(report: &Path, this: &Headline) -> anyhow::Result<Vec<He
             all.push(this.clone());
             continue;
         }
-        let Ok(text) = std::fs::read_to_string(path(report, build)) else {
+        let file = path(report, build, this.threads);
+        let Ok(text) = std::fs::read_to_string(&file) else {
             continue;
         };
-        let other: Headline = serde_json::from_str(&text)
-            .with_context(|| format!("reading {}", path(report, build).display()))?;
-        if (other.threads, other.prompt_tokens, other.gen_tokens)
-            == (this.threads, this.prompt_tokens, this.gen_tokens)
+        let other: Headline = serde_json::from_str(&text).with_context(|| format!("reading {}", file.display()))?;
+        if (other.threads, other.prompt_tokens, other.gen_tokens, other.cpu.as_str())
+            == (this.threads, this.prompt_tokens, this.gen_tokens, this.cpu.as_str())
         {
             all.push(other);
         }
@@ -138,6 +144,7 @@ mod tests {
     fn headline(build: &str, threads: u32) -> Headline {
         Headline {
             build: build.into(),
+            cpu: "AMD EPYC".into(),
             features: String::new(),
             date: "today".into(),
             threads,
@@ -165,6 +172,9 @@ mod tests {
             both.iter().map(|h| h.build.as_str()).collect::<Vec<_>>(),
             ["portable", "avx2"]
         );
+        // Another CPU model does not compare either.
+        let elsewhere = save_and_collect(&report, &Headline { cpu: "Intel Xeon".into(), ..headline("avx2", 1) }).unwrap();
+        assert_eq!(elsewhere.iter().map(|h| h.build.as_str()).collect::<Vec<_>>(), ["avx2"]);
         // Another thread count does not compare with the saved native figures.
         let alone = save_and_collect(&report, &headline("portable", 2)).unwrap();
         assert_eq!(alone.len(), 1);

@@ -9,7 +9,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use llamabox::native::{CancelFlag, ChunkKind, Error, MediaCaps, MediaContext, MediaInput, Model, ProjectorSpec, Stop};
+use llamabox::native::{CancelFlag, Chunk, ChunkKind, Error, MediaCaps, MediaContext, MediaInput, Model, ProjectorSpec, Stop};
 
 use crate::stats::{num, timed, Samples};
 
@@ -22,11 +22,30 @@ pub struct EncodeResults {
     boundaries: u64,
     /// Store → return of cancelled encodes, seconds.
     pub latency: Samples,
+    /// The same at other latency targets.
+    pub targets: Vec<TargetRow>,
+}
+
+/// Encodes paced to one latency target (`MediaContext::set_latency_target`).
+pub struct TargetRow {
+    pub target: Duration,
+    /// Boundaries per encode once the context has learned its speed.
+    boundaries: u64,
+    /// Cancellable encode (byte clear) time over the plain encode's, median of pairs.
+    overhead: f64,
+    pub latency: Samples,
 }
 
 /// Measure `runs` rounds (plain and cancellable in alternating order) and `cancels`
 /// random cancels.
-pub fn measure(model_path: &Path, dir: &Path, threads: u32, runs: usize, cancels: usize) -> anyhow::Result<EncodeResults> {
+pub fn measure(
+    model_path: &Path,
+    dir: &Path,
+    threads: u32,
+    runs: usize,
+    cancels: usize,
+    targets: &[Duration],
+) -> anyhow::Result<EncodeResults> {
     let model = Arc::new(Model::load(model_path).context("loading the text model for the encode rows")?);
     let spec = ProjectorSpec::slow_vision(model.n_embd_inp());
     let path = dir.join(format!("vision-e{}-l{}-text{}.gguf", spec.n_embd, spec.n_layer, spec.n_embd_text));
@@ -62,6 +81,56 @@ pub fn measure(model_path: &Path, dir: &Path, threads: u32, runs: usize, cancels
 
     let full = plain.median();
     let mut rng = fastrand::Rng::with_seed(11);
+    let latency = cancel_latency(&mut media, &chunk, full, cancels, &mut rng, &reference, &mut identical)?;
+
+    let mut rows = Vec::new();
+    for &target in targets {
+        media.set_latency_target(target);
+        media.encode(&chunk, Some(Stop::on(&CancelFlag::new())))?; // learns its speed
+        let mut ratios = Vec::new();
+        for _ in 0..runs {
+            let (p, out) = timed(|| media.encode(&chunk, None));
+            identical &= bitwise_eq(&out?, &reference);
+            let (c, out) = timed(|| media.encode(&chunk, Some(Stop::on(&CancelFlag::new()))));
+            identical &= bitwise_eq(&out?, &reference);
+            ratios.push(c.as_secs_f64() / p.as_secs_f64());
+        }
+        ratios.sort_by(f64::total_cmp);
+        let counter = CancelFlag::new();
+        counter.trip_after(u64::MAX);
+        media.encode(&chunk, Some(Stop::on(&counter)))?;
+        let latency = cancel_latency(&mut media, &chunk, full, cancels, &mut rng, &reference, &mut identical)?;
+        rows.push(TargetRow { target, boundaries: counter.polls(), overhead: ratios[ratios.len() / 2] - 1.0, latency });
+    }
+    let label = format!(
+        "generated vision projector (LLaVA mlp, {} wide, {} blocks run, f32) on the generated text model",
+        spec.n_embd,
+        spec.n_layer - 1
+    );
+    Ok(EncodeResults {
+        label,
+        embeddings: chunk.n_tokens(),
+        plain,
+        cancellable,
+        identical,
+        boundaries: counter.polls(),
+        latency,
+        targets: rows,
+    })
+}
+
+/// `cancels` encodes cancelled from another thread at random points in [0, 0.9 × `full`)
+/// seconds: store → return of those that were cancelled. Every encode after a cancel
+/// must equal `reference`.
+fn cancel_latency(
+    media: &mut MediaContext,
+    chunk: &Chunk,
+    full: f64,
+    cancels: usize,
+    rng: &mut fastrand::Rng,
+    reference: &[f32],
+    identical: &mut bool,
+) -> anyhow::Result<Samples> {
     let mut latency = Samples::default();
     for _ in 0..cancels {
         let flag = CancelFlag::new();
@@ -73,22 +142,16 @@ pub fn measure(model_path: &Path, dir: &Path, threads: u32, runs: usize, cancels
             canceller.cancel();
             let _ = tx.send(stored);
         });
-        let outcome = media.encode(&chunk, Some(Stop::on(&flag)));
+        let outcome = media.encode(chunk, Some(Stop::on(&flag)));
         let returned = Instant::now();
         let _ = thread.join();
         let stored = rx.recv().context("canceller thread")?;
         if outcome == Err(Error::Cancelled) {
             latency.push(returned.saturating_duration_since(stored));
         }
-        // The next encode after a cancel must equal the reference too.
-        identical &= bitwise_eq(&media.encode(&chunk, None)?, &reference);
+        *identical &= bitwise_eq(&media.encode(chunk, None)?, reference);
     }
-    let label = format!(
-        "generated vision projector (LLaVA mlp, {} wide, {} blocks run, f32) on the generated text model",
-        spec.n_embd,
-        spec.n_layer - 1
-    );
-    Ok(EncodeResults { label, embeddings: chunk.n_tokens(), plain, cancellable, identical, boundaries: counter.polls(), latency })
+    Ok(latency)
 }
 
 /// The encode section of RESULTS.md.
@@ -113,11 +176,34 @@ pub fn table(out: &mut String, r: &EncodeResults) {
     );
     let _ = writeln!(
         out,
-        "The encode polls the cancel byte only at boundaries: after an attention op, once per 2.5e8 work units or \
-         at the next attention op once the byte is set. The scheduler picks each range before computing it, so a \
-         cancel waits for the range in flight: at most max(2.5e8 units, one encoder layer). Store → return runs \
-         from just before the store on another thread to `encode` returning `Cancelled`.\n"
+        "The encode polls the cancel byte only at boundaries: after an attention op, once the context's work budget \
+         is spent or at the next attention op once the byte is set. Each media context measures its own speed on \
+         its encodes and sets the budget to speed × latency target (default 10 ms, the row above). The scheduler \
+         picks each range before computing it, so a cancel waits for the range in flight: at most about \
+         max(target, one encoder layer). Store → return runs from just before the store on another thread to \
+         `encode` returning `Cancelled`.\n"
     );
+    if r.targets.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "### Encode cancel latency by target\n");
+    let _ = writeln!(out, "| target | boundaries per encode | cancellable vs plain (byte clear) | store → return, median (min–max) | p90 | median within target |");
+    let _ = writeln!(out, "| --- | --- | --- | --- | --- | --- |");
+    for t in &r.targets {
+        let target_ms = t.target.as_secs_f64() * 1e3;
+        let median_ms = t.latency.median() * 1e3;
+        let _ = writeln!(
+            out,
+            "| {target_ms:.0} ms | {} | {:+.1}% | {} ({} cancels) | {} | {} |",
+            t.boundaries,
+            t.overhead * 100.0,
+            t.latency.ms(),
+            t.latency.len(),
+            num(t.latency.quantile(0.9) * 1e3),
+            if median_ms <= target_ms { "met" } else { "**missed**" },
+        );
+    }
+    out.push('\n');
 }
 
 fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {

@@ -15,6 +15,7 @@ mod native;
 mod plot;
 mod reference;
 mod report;
+mod startup;
 mod stats;
 mod workload;
 
@@ -113,8 +114,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     progress(format_args!("boundary cost on {}", boundary_model.label));
     let boundary = guest.boundary(boundary_model, cli.boundary_iters)?;
     let instantiation = guest.instantiation(30)?;
+    progress(format_args!("plugin start-up, compiled and cached"));
+    let startup = vec![startup::measure(&cli.plugin, "guest/bench-plugin (Rust)", &cli.model_dir, cli.runs)?];
     progress(format_args!("media encode on a generated projector"));
-    let encode = encode::measure(&models[0].path, &cli.model_dir, cli.threads, cli.runs, 20)?;
+    let targets = [5, 10, 25].map(Duration::from_millis);
+    let encode = encode::measure(&models[0].path, &cli.model_dir, cli.threads, cli.runs, 20, &targets)?;
 
     let series: Vec<plot::Series> = results
         .iter()
@@ -131,7 +135,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
     let date = today();
     let build = llamabox::native::InstructionLevel::of(&machine.ggml_features).name();
-    let headline = builds::Headline::of(build, &machine.ggml_features, &date, shape, &results, &encode);
+    let headline = builds::Headline::of(build, &machine.cpu, &machine.ggml_features, &date, shape, &results, &encode);
     let builds = builds::save_and_collect(&cli.out, &headline)?;
     let cx = report::RunInfo {
         machine: &machine,
@@ -144,6 +148,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         reference: reference.as_ref(),
         boundary: &boundary,
         instantiation: &instantiation,
+        startup: &startup,
         png: relative_to(&cli.png, &cli.out),
         builds: &builds,
     };

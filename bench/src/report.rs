@@ -160,6 +160,7 @@ pub struct RunInfo<'a> {
     pub reference: Option<&'a Provenance>,
     pub boundary: &'a Boundary,
     pub instantiation: &'a Samples,
+    pub startup: &'a [crate::startup::Startup],
     /// The figure, as the report links to it.
     pub png: String,
     /// Headline figures of every CPU build measured so far, this run's included.
@@ -231,6 +232,7 @@ pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::Enc
     generation_table(&mut out, s, models);
     cancel_table(&mut out, s, models, &cx.png);
     boundary_table(&mut out, s, cx.boundary, cx.instantiation);
+    crate::startup::table(&mut out, cx.startup, cx.instantiation);
     crate::encode::table(&mut out, encode);
     builds_table(&mut out, cx.builds);
     targets(&mut out, s, models);
@@ -423,9 +425,9 @@ fn builds_table(out: &mut String, builds: &[Headline]) {
     let _ = writeln!(out, "## CPU builds side by side\n");
     let mut head = vec!["figure".to_string(), "model".to_string()];
     head.extend(builds.iter().map(|b| format!("{} build ({}), {}", b.build, b.features, b.date)));
-    let both = builds.len() == 2;
-    if both {
-        head.push(format!("{} vs {}", builds[1].build, builds[0].build));
+    // Each later build against the first (portable, then avx2, then avx512).
+    for later in &builds[1..] {
+        head.push(format!("{} vs {}", later.build, first.build));
     }
     let mut t = Table { head, rows: Vec::new() };
     let mut row = |figure: &str, model: &str, unit: Unit, value: &dyn Fn(&Headline) -> Option<f64>| {
@@ -440,8 +442,8 @@ fn builds_table(out: &mut String, builds: &[Headline]) {
             (Some(x), Unit::Count) => format!("{x:.1}"),
             (Some(x), _) => num(*x),
         }));
-        if both {
-            cells.push(match (values[0], values[1], unit) {
+        for &later in &values[1..] {
+            cells.push(match (values[0], later, unit) {
                 (Some(a), Some(b), Unit::Rate) => format!("{:.1}× faster", b / a),
                 (Some(a), Some(b), Unit::Millis) => format!("{:.1}× shorter", a / b),
                 _ => "—".into(),
@@ -471,12 +473,13 @@ fn builds_table(out: &mut String, builds: &[Headline]) {
     let _ = writeln!(
         out,
         "One process links one ggml build, so each build is measured by its own run (`make bench CPU=portable`, \
-         `make bench CPU=native`) at the date in its column; each run saves its figures as bench/build-<name>.json \
-         and this table shows every build saved with the same threads and token counts. Across builds, compare \
+         `CPU=avx2`, `CPU=native`) at the date in its column; each run saves its figures as \
+         bench/build-<name>-t<threads>.json and this table shows every build saved on the same CPU model with the \
+         same threads and token counts. Across builds, compare \
          speeds (the last column, from medians of runs minutes or hours apart on a shared machine); the \
          slowdown rows compare ways within one build.\n"
     );
-    if !both {
+    if builds.len() == 1 {
         let _ = writeln!(out, "Only the {} build has been measured so far.\n", first.build);
     }
 }
@@ -517,6 +520,15 @@ fn targets(out: &mut String, s: &Shape, models: &[ModelResults]) {
                 c.speed_cell(),
                 c.verdict(0.03, speed_slowdown)
             );
+            let c = Comparison::of(&r.gen_native.times, &lb.generation);
+            let _ = writeln!(
+                out,
+                "- {name}: tg{} tokens/s within 3% of llama-bench (native generation, {} threads): {}: {}",
+                s.gen_tokens,
+                s.threads,
+                c.speed_cell(),
+                c.verdict(0.03, speed_slowdown)
+            );
         }
         let lat = r.latencies();
         let node = r.mean_node_secs();
@@ -553,6 +565,7 @@ mod tests {
         };
         Headline {
             build: build.into(),
+            cpu: "AMD EPYC".into(),
             features: "F".into(),
             date: "d".into(),
             threads: 1,
@@ -567,7 +580,7 @@ mod tests {
     #[test]
     fn builds_table_compares_speeds_across_builds_and_slowdowns_within() {
         let mut out = String::new();
-        builds_table(&mut out, &[headline("portable", 50.0, 2000.0), headline("native", 900.0, 160.0)]);
+        builds_table(&mut out, &[headline("portable", 50.0, 2000.0), headline("avx2", 900.0, 160.0)]);
         assert!(out.contains("| llamabox pp512, t/s | m | 50.0 | 900.0 | 18.0× faster |"), "{out}");
         assert!(out.contains("| image encode, ms | generated vision projector | 2000.0 | 160.0 | 12.5× shorter |"), "{out}");
         assert!(out.contains("| cancellable vs plain, time | m | +1.0% | +1.0% | — |"), "{out}");
@@ -575,8 +588,8 @@ mod tests {
         assert!(!out.contains("so far"), "{out}");
 
         let mut alone = String::new();
-        builds_table(&mut alone, &[headline("native", 900.0, 160.0)]);
-        assert!(alone.contains("Only the native build has been measured so far."), "{alone}");
+        builds_table(&mut alone, &[headline("avx2", 900.0, 160.0)]);
+        assert!(alone.contains("Only the avx2 build has been measured so far."), "{alone}");
         assert!(!alone.contains("faster"), "{alone}");
     }
 }

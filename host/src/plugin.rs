@@ -41,8 +41,8 @@ impl LlamaView for PluginState {
 /// Hosts plugins: compiles components and runs them against a model registry.
 pub struct PluginHost {
     engine: Engine,
-    /// Stops the epoch ticker thread when the host is dropped.
-    ticker: Arc<std::sync::atomic::AtomicBool>,
+    /// Advances the engine's epoch while this host or any plugin it loaded lives.
+    ticker: Arc<EpochTicker>,
     linker: Linker<PluginState>,
     registry: Arc<ModelRegistry>,
     tokens: Arc<TokenRegistry>,
@@ -126,14 +126,7 @@ impl PluginHost {
         let cache = options.compile_cache.as_deref().map(compile_cache).transpose()?;
         config.cache(cache.clone());
         let engine = Engine::new(&config)?;
-        let ticker = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (stop, ticking) = (ticker.clone(), engine.clone());
-        std::thread::Builder::new().name("llamabox-epoch".into()).spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                std::thread::sleep(EPOCH_TICK);
-                ticking.increment_epoch();
-            }
-        })?;
+        let ticker = Arc::new(EpochTicker::start(&engine)?);
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         // WASI 0.3's clock (async `wait-for`), for async guests' timers.
@@ -193,7 +186,13 @@ impl PluginHost {
                 return Err(e.into());
             }
         };
-        Ok(Plugin { entry, registry: self.registry.clone(), tokens: self.tokens.clone(), limits: self.limits.clone() })
+        Ok(Plugin {
+            entry,
+            registry: self.registry.clone(),
+            tokens: self.tokens.clone(),
+            limits: self.limits.clone(),
+            _ticker: self.ticker.clone(),
+        })
     }
 }
 
@@ -206,9 +205,30 @@ fn compile_cache(dir: &Path) -> anyhow::Result<wasmtime::Cache> {
     Ok(wasmtime::Cache::new(config)?)
 }
 
-impl Drop for PluginHost {
+/// The thread that advances an engine's epoch every `EPOCH_TICK`, so running wasm yields
+/// and deadlines fire. Shared by the host and every plugin it loaded: a plugin that
+/// outlives its host still has its deadlines. Stops when the last holder is dropped.
+struct EpochTicker {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl EpochTicker {
+    fn start(engine: &Engine) -> std::io::Result<Self> {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (stopped, engine) = (stop.clone(), engine.clone());
+        std::thread::Builder::new().name("llamabox-epoch".into()).spawn(move || {
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(EPOCH_TICK);
+                engine.increment_epoch();
+            }
+        })?;
+        Ok(Self { stop })
+    }
+}
+
+impl Drop for EpochTicker {
     fn drop(&mut self) {
-        self.ticker.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -227,6 +247,8 @@ pub struct Plugin {
     registry: Arc<ModelRegistry>,
     tokens: Arc<TokenRegistry>,
     limits: Limits,
+    /// Keeps the epoch advancing for this plugin's runs after its host is gone.
+    _ticker: Arc<EpochTicker>,
 }
 
 impl Plugin {

@@ -47,6 +47,10 @@ pub struct Limits {
     /// sooner and synchronises more often (each stop point costs tens of µs); it cannot
     /// go below one encoder layer.
     pub encode_cancel_latency: std::time::Duration,
+    /// Fixed work units between encode stop points instead of pacing them to
+    /// `encode_cancel_latency`: stop points then fall on the same graph nodes in every
+    /// run, whatever the machine's speed (reproducible cancels, as tests need).
+    pub encode_fixed_chunk_work: Option<u64>,
 }
 
 impl Default for Limits {
@@ -71,6 +75,7 @@ impl Default for Limits {
             max_text_bytes: 1 << 20,
             max_detokenize_tokens: 1 << 18,
             encode_cancel_latency: crate::native::chunker::DEFAULT_LATENCY_TARGET,
+            encode_fixed_chunk_work: None,
         }
     }
 }

@@ -86,11 +86,14 @@ impl HostMediaContext for LlamaCtxView<'_> {
             return Ok(Err(e));
         }
         let threads = self.ctx.limits.default_threads;
-        let latency = self.ctx.limits.encode_cancel_latency;
+        let (latency, fixed) = (self.ctx.limits.encode_cancel_latency, self.ctx.limits.encode_fixed_chunk_work);
         let worker_model = model.clone();
         let started = Worker::start("llamabox-media", move || {
             let mut media = MediaContext::new(&path, worker_model, threads)?;
-            media.set_latency_target(latency);
+            match fixed {
+                Some(units) => media.set_chunk_work(units),
+                None => media.set_latency_target(latency),
+            }
             Ok::<_, native::Error>(media)
         })
         .await;
