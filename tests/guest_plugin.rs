@@ -40,6 +40,10 @@ async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
         ("unknown-model", "model-not-found: no-such-model"),
         ("huge-n-ctx", "limit-exceeded: n-ctx 16777216 is above this host's limit"),
         ("too-many-threads", "limit-exceeded: n-threads 1048576 is above this host's limit"),
+        ("n-seq-max-above-n-ctx", "invalid-argument: n-seq-max 16 needs an n-batch of at least 16 (one output row per sequence), but n-batch is 8 (n-batch 512 is cut to n-ctx 8)"),
+        ("n-seq-max-above-n-batch", "invalid-argument: n-seq-max 2 needs an n-batch of at least 2 (one output row per sequence), but n-batch is 1"),
+        ("n-ubatch-above-n-batch", "invalid-argument: n-ubatch 128 is larger than n-batch 64"),
+        ("zero-n-ctx", "invalid-argument: n-ctx must be at least 1"),
         ("too-many-contexts", "limit-exceeded: max-contexts"),
         ("logits-of-unrequested-row", "invalid-argument: row 0 has no logits"),
     ];

@@ -102,6 +102,11 @@ pub fn async_demo_plugin() -> &'static Path {
     CELL.get_or_init(|| guests_dir().join("llamabox_async_demo.wasm"))
 }
 
+/// A guest plugin component by file name (built on first use).
+pub fn guest_plugin(file: &str) -> PathBuf {
+    guests_dir().join(file)
+}
+
 /// Build every guest plugin once per test process; the folder of their components.
 fn guests_dir() -> &'static Path {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
@@ -156,6 +161,7 @@ pub async fn run_plugin(plugin: &Path, models: &[(&str, &Path)], projectors: &[(
     let outcome = plugin.run(wasi).await;
     let text = String::from_utf8([stdout.contents(), stderr.contents()].concat()).unwrap();
     print!("{text}");
+    assert_eq!(host.live_workers(), 0, "a run returned with native threads still alive");
     (outcome.unwrap(), text)
 }
 

@@ -33,6 +33,8 @@ struct Options {
     cancel_shared: Option<String>,
     /// Misbehave: loop forever in wasm.
     spin: bool,
+    /// Misbehave: decode long batches (under `token` if given) until stopped from outside.
+    decode_until_stopped: bool,
     /// Misbehave: allocate until something gives.
     hog_memory: bool,
     /// Soak: this many decodes, each raced against a random-length timer.
@@ -54,6 +56,7 @@ impl Options {
             token: None,
             cancel_shared: None,
             spin: false,
+            decode_until_stopped: false,
             hog_memory: false,
             soak: None,
             seed: 1,
@@ -74,6 +77,7 @@ impl Options {
                 "--token" => o.token = Some(value()?),
                 "--cancel-shared" => o.cancel_shared = Some(value()?),
                 "--spin" => o.spin = true,
+                "--decode-until-stopped" => o.decode_until_stopped = true,
                 "--hog-memory" => o.hog_memory = true,
                 "--soak" => o.soak = Some(number(value()?)?),
                 "--seed" => o.seed = number(value()?)?,
@@ -132,6 +136,19 @@ fn run(o: &Options) -> Result<(), Error> {
     }
     if let Some(iterations) = o.soak {
         return soak(o, iterations, &model, &ctx);
+    }
+    if o.decode_until_stopped {
+        let token = match &o.token {
+            Some(capability) => CancelToken::open_shared(capability)?,
+            None => CancelToken::new(),
+        };
+        let filler = model.tokenize(" the llama in the box", false, false)?;
+        let tokens: Vec<i32> = filler.iter().copied().cycle().take(o.long_tokens as usize).collect();
+        println!("decoding until stopped");
+        loop {
+            ctx.decode(&sequence(&tokens, 0), &token)?;
+            ctx.clear()?;
+        }
     }
     if let Some(capability) = &o.token {
         let token = CancelToken::open_shared(capability)?;
@@ -335,6 +352,22 @@ fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
     };
     println!("bad-input huge-n-ctx: {}", show(Context::create(model, params(1 << 24, 1)).map(|_| ())));
     println!("bad-input too-many-threads: {}", show(Context::create(model, params(256, 1 << 20)).map(|_| ())));
+    let shaped = |n_ctx: u32, n_batch: u32, n_ubatch: Option<u32>, n_seq_max: u32| ContextParams {
+        n_ctx: Some(n_ctx),
+        n_batch: Some(n_batch),
+        n_ubatch,
+        n_seq_max: Some(n_seq_max),
+        n_threads: Some(1),
+    };
+    let shapes = [
+        ("n-seq-max-above-n-ctx", shaped(8, 512, None, 16)),
+        ("n-seq-max-above-n-batch", shaped(256, 1, None, 2)),
+        ("n-ubatch-above-n-batch", shaped(256, 64, Some(128), 1)),
+        ("zero-n-ctx", shaped(0, 64, None, 1)),
+    ];
+    for (name, shape) in shapes {
+        println!("bad-input {name}: {}", show(Context::create(model, shape).map(|_| ())));
+    }
     let extra: Vec<_> = (0..4).map(|_| Context::create(model, params(256, 1))).collect();
     println!("bad-input too-many-contexts: {}", show(extra.into_iter().last().unwrap().map(|_| ())));
     println!("bad-input logits-of-unrequested-row: {}", show(ctx.logits_ith(0).map(|_| ())));

@@ -25,8 +25,15 @@ pub struct Limits {
     pub max_pending_calls: u32,
     /// Cancel tokens alive at once per store (the resource table has no cap of its own).
     pub max_tokens: u32,
+    /// Capabilities shared from a store's tokens and not yet dropped with them: each is
+    /// an entry in the host-wide registry (which also caps each group).
+    pub max_shares: u32,
     /// Media contexts alive at once per store: each owns a thread and a projector's weights.
     pub max_media_contexts: u32,
+    /// Native bytes held by a store's media chunks (estimated per chunk: see
+    /// `native::Chunk::native_bytes`): a tiny image still holds its preprocessed
+    /// pixels and the embeddings it encodes to, so chunk counts alone bound nothing.
+    pub max_chunk_bytes: u64,
     /// Largest image side in pixels: preprocessing allocates per pixel.
     pub max_image_side: u32,
     /// Longest audio input in samples (60 s at 16 kHz by default).
@@ -40,6 +47,11 @@ pub struct Limits {
     pub max_wasm_table_elements: usize,
     /// Longest text `tokenize` takes, in bytes (it allocates a token per byte).
     pub max_text_bytes: usize,
+    /// Longest text `tokenize` takes with parse-special, and longest media prompt (mtmd
+    /// always parses special tokens): llama.cpp's special-token partition is quadratic
+    /// in the number of special tokens in the text and cannot be stopped midway, so
+    /// this bounds how long a deadline or cancel can wait for it.
+    pub max_special_text_bytes: usize,
     /// Most tokens `detokenize` takes.
     pub max_detokenize_tokens: usize,
 }
@@ -60,10 +72,13 @@ impl Default for Limits {
             max_kv_cells: 8192 * 32,
             max_pending_calls: 16,
             max_tokens: 1024,
+            max_shares: 256,
             max_media_contexts: 2,
+            max_chunk_bytes: 256 << 20,
             max_image_side: 4096,
             max_audio_samples: 60 * 16_000,
             max_text_bytes: 1 << 20,
+            max_special_text_bytes: 64 << 10,
             max_detokenize_tokens: 1 << 18,
         }
     }

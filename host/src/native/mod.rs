@@ -7,13 +7,15 @@ pub mod chunker;
 pub mod context;
 pub mod media;
 pub mod model;
+#[cfg(feature = "synthetic")]
 pub mod synthetic;
 
 pub use backend::cpu_features;
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use context::{Batch, Context, ContextParams};
-pub use media::{Chunk, ChunkKind, EncodeScope, MediaCaps, MediaContext, MediaInput};
+pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};
 pub use model::{Model, Token};
+#[cfg(feature = "synthetic")]
 pub use synthetic::{ProjectorKind, ProjectorSpec, TextModelSpec};
 
 /// Why a native call failed.
