@@ -93,6 +93,26 @@ async fn a_deadline_stops_native_work_and_joins_every_worker() {
     assert_eq!((again, common::field(&out, "cancel-shared")), (RunOutcome::Success, "ok"));
 }
 
+/// Tokenizing cannot be stopped midway: the caps on its input bound it, the executor
+/// stays free, and the run still returns only once the tokenizer thread is done. On
+/// the generated model and on SmolLM2 (BPE, whose special tokens are slow to split).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_ends_a_run_that_is_tokenizing_the_slowest_text_it_may() {
+    for (name, path) in [("tiny", common::tiny_model()), ("smollm2", common::real_model())] {
+        let mut registry = ModelRegistry::new();
+        registry.register(name, path);
+        let host = PluginHost::new(registry, Limits::default()).unwrap();
+        let plugin = host.load(common::demo_plugin()).unwrap();
+        let deadline = Duration::from_millis(300);
+        let started = std::time::Instant::now();
+        let (outcome, out) = run(&plugin, "tenant", Some(deadline), &["--model", name, "--tokenize-until-stopped"]).await;
+        let overshoot = started.elapsed().saturating_sub(deadline);
+        assert_eq!(outcome, RunOutcome::DeadlineExceeded, "{out}");
+        assert_eq!(host.live_workers(), 0, "the tokenizer thread ended before the run returned");
+        println!("{name}: deadline overshoot while tokenizing: {overshoot:?} (a figure, not a gate)");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_that_loops_forever_is_stopped_by_its_deadline() {
     let (_host, plugin) = host();

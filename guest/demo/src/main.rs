@@ -35,6 +35,9 @@ struct Options {
     spin: bool,
     /// Misbehave: decode long batches (under `token` if given) until stopped from outside.
     decode_until_stopped: bool,
+    /// Misbehave: tokenize the slowest text the host takes (special tokens packed as
+    /// tightly as its max-special-text-bytes allows), until stopped from outside.
+    tokenize_until_stopped: bool,
     /// Misbehave: allocate until something gives.
     hog_memory: bool,
     /// Soak: this many decodes, each raced against a random-length timer.
@@ -57,6 +60,7 @@ impl Options {
             cancel_shared: None,
             spin: false,
             decode_until_stopped: false,
+            tokenize_until_stopped: false,
             hog_memory: false,
             soak: None,
             seed: 1,
@@ -78,6 +82,7 @@ impl Options {
                 "--cancel-shared" => o.cancel_shared = Some(value()?),
                 "--spin" => o.spin = true,
                 "--decode-until-stopped" => o.decode_until_stopped = true,
+                "--tokenize-until-stopped" => o.tokenize_until_stopped = true,
                 "--hog-memory" => o.hog_memory = true,
                 "--soak" => o.soak = Some(number(value()?)?),
                 "--seed" => o.seed = number(value()?)?,
@@ -136,6 +141,19 @@ fn run(o: &Options) -> Result<(), Error> {
     }
     if let Some(iterations) = o.soak {
         return soak(o, iterations, &model, &ctx);
+    }
+    if o.tokenize_until_stopped {
+        // llama.cpp's special-token partition is quadratic in the number of special
+        // tokens: the most of them that fit under the host's cap is the slowest input.
+        let special = match model.eos() {
+            Some(eos) => String::from_utf8_lossy(&model.token_to_piece(eos, true)?).into_owned(),
+            None => "<|im_end|>".into(),
+        };
+        let slow = format!("{special}x").repeat(16 * 1024 / (special.len() + 1));
+        println!("tokenizing until stopped");
+        loop {
+            model.tokenize(&slow, true, true)?;
+        }
     }
     if o.decode_until_stopped {
         let token = match &o.token {

@@ -34,9 +34,11 @@ pub struct Limits {
     /// `native::Chunk::native_bytes`): a tiny image still holds its preprocessed
     /// pixels and the embeddings it encodes to, so chunk counts alone bound nothing.
     pub max_chunk_bytes: u64,
-    /// Largest image side in pixels: preprocessing allocates per pixel.
+    /// Largest image side in pixels: preprocessing allocates per pixel, and cannot be
+    /// stopped midway (a 4096² image takes ~260 ms on this project's CI machine).
     pub max_image_side: u32,
-    /// Longest audio input in samples (60 s at 16 kHz by default).
+    /// Longest audio input in samples (30 s at 16 kHz by default, one whisper window;
+    /// 60 s took ~270 ms to preprocess, unstoppable).
     pub max_audio_samples: usize,
     /// Linear memory of one plugin instance, in bytes: a guest that grows past it gets a
     /// failed `memory.grow` (and usually a trap), never the host's memory.
@@ -45,7 +47,9 @@ pub struct Limits {
     pub max_wasm_instances: usize,
     /// Elements per wasm table.
     pub max_wasm_table_elements: usize,
-    /// Longest text `tokenize` takes, in bytes (it allocates a token per byte).
+    /// Longest text `tokenize` takes, in bytes: it allocates a token per byte and cannot
+    /// be stopped midway (1 MiB took ~680 ms with SmolLM2's BPE; the default 128 KiB
+    /// is more text than the default max-n-ctx holds).
     pub max_text_bytes: usize,
     /// Longest text `tokenize` takes with parse-special, and longest media prompt (mtmd
     /// always parses special tokens): llama.cpp's special-token partition is quadratic
@@ -75,10 +79,10 @@ impl Default for Limits {
             max_shares: 256,
             max_media_contexts: 2,
             max_chunk_bytes: 256 << 20,
-            max_image_side: 4096,
-            max_audio_samples: 60 * 16_000,
-            max_text_bytes: 1 << 20,
-            max_special_text_bytes: 64 << 10,
+            max_image_side: 2048,
+            max_audio_samples: 30 * 16_000,
+            max_text_bytes: 128 << 10,
+            max_special_text_bytes: 16 << 10,
             max_detokenize_tokens: 1 << 18,
         }
     }

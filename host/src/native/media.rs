@@ -83,8 +83,9 @@ impl Chunk {
     }
 
     /// Native bytes the chunk holds, estimated (mtmd does not report its sizes): its
-    /// text tokens, or for media its input as floats plus the embeddings it encodes to,
-    /// the same order as the preprocessed image or spectrogram it keeps.
+    /// text tokens, or for media, per token, the embedding it encodes to plus a 16×16
+    /// RGB patch of preprocessed floats (what one token stands for in common
+    /// projectors; spectrogram frames are smaller).
     pub fn native_bytes(&self) -> usize {
         self.bytes
     }
@@ -106,6 +107,14 @@ impl Drop for Chunk {
         unsafe { sys::mtmd_input_chunk_free(self.ptr.as_ptr()) }
     }
 }
+
+/// Bookkeeping per chunk, here, in mtmd and in a resource table: charged even to an
+/// empty chunk so that counts of chunks are bounded too.
+const CHUNK_OVERHEAD: usize = 256;
+
+/// Preprocessed floats one media token stands for, at most, in common projectors (a
+/// 16×16 RGB patch).
+const PIXELS_PER_TOKEN: usize = 16 * 16 * 3;
 
 /// Names one media context for the life of the process (never reused).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -219,15 +228,8 @@ impl MediaContext {
         let (ret, reason) = backend::with_errors(|| unsafe {
             sys::mtmd_tokenize(self.ptr.as_ptr(), list.0.as_ptr(), &input, raw.as_ptr(), raw.len())
         });
-        let input_floats: usize = inputs
-            .iter()
-            .map(|input| match input {
-                MediaInput::Image { rgb, .. } => rgb.len(),
-                MediaInput::Audio { samples } => samples.len(),
-            })
-            .sum();
         match ret {
-            0 => list.into_chunks(self.id, self.n_embd, input_floats),
+            0 => list.into_chunks(self.id, self.n_embd),
             1 => invalid(format!("media markers and inputs do not match: {reason}")),
             2 => invalid(format!("a media input could not be preprocessed: {reason}")),
             other => Err(Error::Backend(format!("mtmd_tokenize failed ({other}): {reason}"))),
@@ -346,9 +348,8 @@ impl ChunkList {
             .ok_or_else(|| Error::Backend("could not allocate a chunk list".into()))
     }
 
-    /// Copy each chunk out, so each can be owned (and freed) on its own. The media
-    /// inputs' floats are charged to the media chunks in proportion to their tokens.
-    fn into_chunks(self, owner: MediaContextId, n_embd: usize, input_floats: usize) -> Result<Vec<Arc<Chunk>>> {
+    /// Copy each chunk out, so each can be owned (and freed) on its own.
+    fn into_chunks(self, owner: MediaContextId, n_embd: usize) -> Result<Vec<Arc<Chunk>>> {
         let n = unsafe { sys::mtmd_input_chunks_size(self.0.as_ptr()) };
         let chunks = (0..n)
             .map(|i| {
@@ -358,16 +359,15 @@ impl ChunkList {
                     .ok_or_else(|| Error::Backend("could not copy a chunk".into()))
             })
             .collect::<Result<Vec<_>>>()?;
-        let media_tokens: usize = chunks.iter().filter(|c| c.kind() != ChunkKind::Text).map(Chunk::n_tokens).sum();
         let f32s = std::mem::size_of::<f32>();
         Ok(chunks
             .into_iter()
             .map(|mut chunk| {
                 let tokens = chunk.n_tokens();
-                chunk.bytes = std::mem::size_of::<Chunk>()
+                chunk.bytes = CHUNK_OVERHEAD
                     + match chunk.kind() {
                         ChunkKind::Text => tokens * std::mem::size_of::<Token>(),
-                        _ => f32s * (tokens * n_embd + input_floats * tokens / media_tokens.max(1)),
+                        _ => f32s * tokens * (n_embd + PIXELS_PER_TOKEN),
                     };
                 Arc::new(chunk)
             })
