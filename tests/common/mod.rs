@@ -145,6 +145,17 @@ pub async fn run_demo_with(models: &[(&str, &Path)], projectors: &[(&str, &Path)
 
 /// Run `plugin` with `args`; returns its stdout followed by its stderr.
 pub async fn run_plugin(plugin: &Path, models: &[(&str, &Path)], projectors: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, String) {
+    run_plugin_with_limits(plugin, models, projectors, Limits::default(), args).await
+}
+
+/// `run_plugin` under `limits`.
+pub async fn run_plugin_with_limits(
+    plugin: &Path,
+    models: &[(&str, &Path)],
+    projectors: &[(&str, &Path)],
+    limits: Limits,
+    args: &[&str],
+) -> (RunOutcome, String) {
     let mut registry = ModelRegistry::new();
     for (name, path) in models {
         registry.register(*name, *path);
@@ -152,7 +163,7 @@ pub async fn run_plugin(plugin: &Path, models: &[(&str, &Path)], projectors: &[(
     for (name, path) in projectors {
         registry.register_projector(*name, *path);
     }
-    let host = PluginHost::new(registry, Limits::default()).unwrap();
+    let host = PluginHost::new(registry, limits).unwrap();
     let plugin = host.load(plugin).unwrap();
     let (stdout, stderr) = (MemoryOutputPipe::new(1 << 20), MemoryOutputPipe::new(1 << 20));
     let mut wasi = WasiCtxBuilder::new();

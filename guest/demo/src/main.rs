@@ -134,7 +134,11 @@ fn run(o: &Options) -> Result<(), Error> {
     println!("model: {} (vocab {}, embd {})", o.model, model.n_vocab(), model.n_embd());
 
     if o.bad_inputs {
-        return bad_inputs(&model, &ctx);
+        bad_inputs(&model, &ctx)?;
+        if let Some(projector) = &o.media {
+            bad_media_inputs(projector, &model, &ctx)?;
+        }
+        return Ok(());
     }
     if let Some(projector) = &o.media {
         return media(o, projector, &model, &ctx);
@@ -393,6 +397,36 @@ fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
     let after = ctx.decode(&sequence(&good, 0), &never);
     println!("good-after-bad: {}", show(after));
     println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
+    Ok(())
+}
+
+/// Media and budget cases: a chunk passed to a media context that did not make it, a
+/// context whose padded memory is over the KV budget, more tokens than allowed.
+fn bad_media_inputs(projector: &str, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let never = CancelToken::new();
+    let maker = MediaContext::open(projector, model)?;
+    let other = MediaContext::open(projector, model)?;
+    let image = Input::Image(Image { width: 8, height: 8, rgb: vec![100; 8 * 8 * 3] });
+    let chunks = maker.tokenize(&format!("look {}", maker.marker()), &[image]);
+    println!("bad-input chunk-budget: {}", show(chunks.as_ref().map(|_| ()).map_err(Clone::clone)));
+    if let Ok(chunks) = chunks {
+        let refs: Vec<&_> = chunks.iter().collect();
+        let media_chunk = chunks.iter().find(|c| c.kind() != ChunkKind::Text).ok_or(Error::Backend("no media chunk".into()))?;
+        println!("bad-input foreign-chunk-encode: {}", show(other.encode_chunk(media_chunk, &never).map(|_| ())));
+        println!("bad-input foreign-chunk-start-encode: {}", show(other.start_encode_chunk(media_chunk, &never).map(|_| ())));
+        println!("bad-input foreign-chunk-eval: {}", show(other.eval_chunks(ctx, &refs, 0, &never).map(|_| ())));
+        println!("good-own-chunk-eval: {}", show(maker.eval_chunks(ctx, &refs, 0, &never).map(|_| ())));
+    }
+    let padded = ContextParams { n_ctx: Some(480), n_batch: Some(64), n_ubatch: None, n_seq_max: Some(16), n_threads: Some(1) };
+    println!("bad-input kv-cells-padded: {}", show(Context::create(model, padded).map(|_| ())));
+    let mut tokens = Vec::new();
+    let over = loop {
+        match CancelToken::create() {
+            Ok(token) => tokens.push(token),
+            Err(e) => break e,
+        }
+    };
+    println!("bad-input too-many-tokens: {} (after {})", show(Err(over)), tokens.len());
     Ok(())
 }
 
