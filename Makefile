@@ -82,13 +82,18 @@ bench: deps guest
 	    $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} $(BENCH_ARGS) || exit 1; \
 	done
 
-# Random and adversarial calls against the native layer (tests/adversarial.rs), many
-# more than `make test` makes: FUZZ_ITERS calls from FUZZ_SEED.
+# Random and adversarial calls, many more than `make test` makes: against the native
+# layer (tests/adversarial.rs, FUZZ_ITERS calls from FUZZ_SEED), then through a real
+# guest (tests/guest_fuzz.rs, the fuzz plugin: FUZZ_SEEDS runs of FUZZ_CALLS calls).
 FUZZ_ITERS ?= 50000
 FUZZ_SEED ?= $(shell date +%s)
-fuzz: deps
+FUZZ_SEEDS ?= 200
+FUZZ_CALLS ?= 400
+fuzz: deps guest
 	LLAMABOX_FUZZ_ITERS=$(FUZZ_ITERS) LLAMABOX_FUZZ_SEED=$(FUZZ_SEED) \
 	  $(CARGO) test $(PROFILE) -p llamabox --test adversarial -- --nocapture
+	LLAMABOX_FUZZ_SEEDS=$(FUZZ_SEEDS) LLAMABOX_FUZZ_CALLS=$(FUZZ_CALLS) LLAMABOX_FUZZ_SEED=$(FUZZ_SEED) \
+	  $(CARGO) test $(PROFILE) -p llamabox --test guest_fuzz -- --nocapture
 
 # Many plugin instances decoding with random cancels (tests/soak.rs), longer than in
 # `make test`: prints the outcome counts and resident memory after warm-up and at the end.

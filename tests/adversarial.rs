@@ -125,3 +125,75 @@ fn random_decodes_memory_ops_and_media_inputs_never_crash_or_leak_state() {
     println!("fuzz: {iters} calls from seed {seed}: {ok} ok, {refused} refused, {cancelled} cancelled, 0 crashes");
     assert!(ok > 0 && refused > 0, "the mix must exercise both paths");
 }
+
+/// A context-params value biased to the edges: 0, 1, powers of two and their
+/// neighbours (256 is llama.cpp's n-ctx padding), u32::MAX, or anything.
+fn param(rng: &mut Rng) -> u32 {
+    match rng.below(8) {
+        0 => [0, 1, 2, u32::MAX, u32::MAX - 255, i32::MAX as u32, 256, 257][rng.below(8) as usize],
+        1 => rng.next() as u32,
+        n => {
+            let p = 1u32 << rng.below(if n < 5 { 10 } else { 17 });
+            [p - 1, p, p.saturating_add(1)][rng.below(3) as usize].max(1)
+        }
+    }
+}
+
+/// Create the context only when it is small enough for a test machine; otherwise only
+/// the up-front check runs (which is all that stands between a guest and llama.cpp).
+fn check_params(model: &Arc<Model>, params: ContextParams) -> Result<bool, Error> {
+    let allocated = params.allocated_n_ctx()?;
+    if allocated > 1 << 16 || params.n_threads > 2 || params.n_batch > 4096 {
+        return Ok(false);
+    }
+    let mut ctx = Context::new(model.clone(), params)?;
+    assert_eq!(ctx.params().n_ctx, allocated, "{params:?}: llama.cpp allocated another n-ctx than predicted");
+    // One token in every sequence, each with an output row: the shape llama.cpp's
+    // output buffer asserts on.
+    let n_seq = params.n_seq_max.min(ctx.params().n_batch) as i32;
+    let batch = Batch { tokens: vec![1; n_seq as usize], positions: vec![0; n_seq as usize], seq_ids: (0..n_seq).collect(), logits: vec![true; n_seq as usize] };
+    ctx.decode(&batch, None).unwrap_or_else(|e| panic!("{params:?}: decode failed: {e}"));
+    Ok(true)
+}
+
+#[test]
+fn every_context_params_combination_gives_a_context_or_a_named_error() {
+    let model = Arc::new(Model::load(common::tiny_model()).unwrap());
+    let p = |n_ctx, n_batch, n_ubatch, n_seq_max| ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads: 1 };
+    // The shapes that aborted the host: n-seq-max above the n-batch llama.cpp settles on.
+    for (params, message) in [
+        (p(8, 512, 8, 16), "n-seq-max 16 needs an n-batch of at least 16 (one output row per sequence), but n-batch is 8 (n-batch 512 is cut to n-ctx 8)"),
+        (p(256, 1, 1, 2), "n-seq-max 2 needs an n-batch of at least 2 (one output row per sequence), but n-batch is 1"),
+        (p(256, 64, 128, 1), "n-ubatch 128 is larger than n-batch 64"),
+        (p(0, 64, 64, 1), "n-ctx must be at least 1"),
+        (p(u32::MAX, 64, 64, 1), "n-ctx 4294967295 padded for 1 sequences (4294967296 cells each) is above 2^32 cells"),
+    ] {
+        assert_eq!(check_params(&model, params), Err(Error::InvalidArgument(message.into())), "{params:?}");
+    }
+    // Exactly at the edges: the smallest shapes that work.
+    assert_eq!(check_params(&model, p(16, 16, 1, 16)), Ok(true));
+    assert_eq!(check_params(&model, p(1, 1, 1, 1)), Ok(true));
+    assert_eq!(p(8, 8, 8, 1).allocated_n_ctx(), Ok(256), "n-ctx is padded to 256");
+    assert_eq!(p(300, 64, 64, 3).allocated_n_ctx(), Ok(3 * 256), "each sequence's share is padded again");
+    assert_eq!(p(4096, 64, 64, 16).allocated_n_ctx(), Ok(4096));
+    assert_eq!(p(480, 64, 64, 16).allocated_n_ctx(), Ok(4096), "16 sequences take 16 x 256 cells whatever n-ctx asks");
+
+    let seed = env("LLAMABOX_FUZZ_SEED", 11);
+    let iters = env("LLAMABOX_FUZZ_ITERS", 400);
+    let mut rng = Rng(SplitMix64(seed));
+    let (mut created, mut refused, mut checked) = (0, 0, 0);
+    for i in 0..iters {
+        let params = ContextParams { n_ctx: param(&mut rng), n_batch: param(&mut rng), n_ubatch: param(&mut rng), n_seq_max: param(&mut rng), n_threads: param(&mut rng).min(if rng.below(2) == 0 { 1 } else { u32::MAX }) };
+        match check_params(&model, params) {
+            Ok(true) => created += 1,
+            Ok(false) => checked += 1,
+            Err(Error::InvalidArgument(m)) => {
+                assert!(!m.contains('{') && !m.contains("ContextParams"), "call {i}: a Debug struct in {m:?}");
+                refused += 1
+            }
+            Err(e) => panic!("call {i} (seed {seed}) {params:?}: {e:?}"),
+        }
+    }
+    println!("context params: {iters} from seed {seed}: {created} created, {checked} valid but too large to create here, {refused} refused");
+    assert!(created > 0 && refused > 0);
+}

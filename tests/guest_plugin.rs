@@ -40,6 +40,10 @@ async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
         ("unknown-model", "model-not-found: no-such-model"),
         ("huge-n-ctx", "limit-exceeded: n-ctx 16777216 is above this host's limit"),
         ("too-many-threads", "limit-exceeded: n-threads 1048576 is above this host's limit"),
+        ("n-seq-max-above-n-ctx", "invalid-argument: n-seq-max 16 needs an n-batch of at least 16 (one output row per sequence), but n-batch is 8 (n-batch 512 is cut to n-ctx 8)"),
+        ("n-seq-max-above-n-batch", "invalid-argument: n-seq-max 2 needs an n-batch of at least 2 (one output row per sequence), but n-batch is 1"),
+        ("n-ubatch-above-n-batch", "invalid-argument: n-ubatch 128 is larger than n-batch 64"),
+        ("zero-n-ctx", "invalid-argument: n-ctx must be at least 1"),
         ("too-many-contexts", "limit-exceeded: max-contexts"),
         ("logits-of-unrequested-row", "invalid-argument: row 0 has no logits"),
     ];
@@ -50,6 +54,34 @@ async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
     assert_eq!(common::field(&out, "good-after-bad"), "ok");
     let good: i32 = common::field(&out, "good-tokens").parse().unwrap();
     assert_eq!(common::field(&out, "memory-after"), format!("seq-pos-max={}", good - 1), "only the good batch is in memory");
+}
+
+/// Regressions (issue 10): a foreign chunk made clip assert; a context charged 480 KV
+/// cells held 4096; going over the token cap trapped the plugin; chunks were free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_stay_with_their_media_context_and_every_budget_is_charged_as_allocated() {
+    let models = [("tiny", common::tiny_model())];
+    let projectors = [("eyes", common::tiny_vision())];
+    let args = ["--model", "tiny", "--bad-inputs", "--media", "eyes"];
+    // The demo's own context: n-ctx 1024 (padded as asked) x 2 layers. The padded
+    // 16-sequence context needs 16 x 256 cells x 2 layers more: one cell too many.
+    let limits = llamabox::Limits { max_kv_cells: 1024 * 2 + 4096 * 2 - 1, ..llamabox::Limits::default() };
+    let (outcome, out) = common::run_plugin_with_limits(common::demo_plugin(), &models, &projectors, limits, &args).await;
+    assert_eq!(outcome, RunOutcome::Success);
+    assert_eq!(common::field(&out, "bad-input chunk-budget"), "ok");
+    for case in ["foreign-chunk-encode", "foreign-chunk-start-encode", "foreign-chunk-eval"] {
+        let got = common::field(&out, &format!("bad-input {case}"));
+        assert!(got.starts_with("invalid-argument: this chunk was made by another media context"), "{case}: {got}");
+    }
+    assert_eq!(common::field(&out, "good-own-chunk-eval"), "ok");
+    assert!(common::field(&out, "bad-input kv-cells-padded").starts_with("limit-exceeded: max-kv-cells"), "{out}");
+    assert_eq!(common::field(&out, "bad-input too-many-tokens"), "limit-exceeded: max-tokens: this plugin already holds 1024 (after 1023)");
+
+    // A chunk budget smaller than one tokenized image: refused by name, nothing kept.
+    let limits = llamabox::Limits { max_chunk_bytes: 4096, ..llamabox::Limits::default() };
+    let (outcome, out) = common::run_plugin_with_limits(common::demo_plugin(), &models, &projectors, limits, &args).await;
+    assert_eq!(outcome, RunOutcome::Success);
+    assert!(common::field(&out, "bad-input chunk-budget").starts_with("limit-exceeded: max-chunk-bytes"), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -144,3 +144,24 @@ fn bad_media_inputs_are_refused_with_a_reason() {
 fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
+
+/// Regression (issue 10): a chunk tokenized by one media context and encoded by
+/// another with a different projector made clip assert ("Output buffer size
+/// mismatch", `GGML_ASSERT(i01 >= 0 && i01 < ne01)`). A chunk is bound to its maker.
+#[test]
+fn a_chunk_is_encoded_only_by_the_media_context_that_made_it() {
+    let model = model();
+    let mut vision = media(common::tiny_vision(), &model);
+    let mut other_vision = media(common::tiny_vision(), &model);
+    let mut audio = media(common::tiny_audio(), &model);
+    let picture = media_chunk(&mut vision, image(16, 16));
+    let sound = media_chunk(&mut audio, MediaInput::Audio { samples: common::tone(800) });
+    for (m, chunk) in [(&mut other_vision, &picture), (&mut audio, &picture), (&mut vision, &sound)] {
+        match m.encode(chunk, None) {
+            Err(Error::InvalidArgument(msg)) => assert!(msg.contains("made by another media context"), "{msg}"),
+            other => panic!("a foreign chunk must be refused, got {:?}", other.map(|e| e.len())),
+        }
+    }
+    assert_eq!(vision.encode(&picture, None).unwrap().len(), picture.n_tokens() * model.n_embd_inp() as usize);
+    assert!(picture.native_bytes() >= picture.n_tokens() * model.n_embd_inp() as usize * 4, "charged at least its embeddings");
+}

@@ -80,6 +80,6 @@ async fn instances_decode_and_cancel_at_random_without_wrong_results_or_growth()
     );
     assert_eq!(finished + cancelled, total);
     assert!(finished > 0 && cancelled > 0, "random delays must produce both outcomes");
-    assert_eq!(llamabox::worker::live_workers(), 0);
+    assert_eq!(host.live_workers(), 0);
     assert!(rss_end < rss_warm + 24 * 1024, "RSS grew from {rss_warm} KiB to {rss_end} KiB");
 }

@@ -12,6 +12,7 @@ use wasmtime_wasi::p2::bindings::CommandPre;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::component::{self, LlamaCtx, LlamaCtxView, LlamaView, Limits, ModelRegistry, TokenRegistry};
+use crate::worker::Tracker;
 
 /// Store data of one plugin run.
 pub struct PluginState {
@@ -47,6 +48,8 @@ pub struct PluginHost {
     registry: Arc<ModelRegistry>,
     tokens: Arc<TokenRegistry>,
     limits: Limits,
+    /// Every native thread of every store this host runs.
+    workers: Tracker,
     /// The engine's compile cache (shared counters), if any.
     cache: Option<wasmtime::Cache>,
 }
@@ -139,8 +142,15 @@ impl PluginHost {
             registry: Arc::new(registry),
             tokens: Arc::new(TokenRegistry::new()),
             limits,
+            workers: Tracker::new(),
             cache,
         })
+    }
+
+    /// Native threads (context and media workers, blocking tokenizer calls) that this
+    /// host's plugin runs have alive now: 0 whenever no run is in progress.
+    pub fn live_workers(&self) -> usize {
+        self.workers.live()
     }
 
     pub fn engine(&self) -> &Engine {
@@ -192,6 +202,7 @@ impl PluginHost {
             tokens: self.tokens.clone(),
             limits: self.limits.clone(),
             _ticker: self.ticker.clone(),
+            workers: self.workers.clone(),
         })
     }
 }
@@ -249,6 +260,7 @@ pub struct Plugin {
     limits: Limits,
     /// Keeps the epoch advancing for this plugin's runs after its host is gone.
     _ticker: Arc<EpochTicker>,
+    workers: Tracker,
 }
 
 impl Plugin {
@@ -259,20 +271,27 @@ impl Plugin {
     }
 
     /// `run` with a group for shared tokens and an optional deadline.
+    ///
+    /// Returns only once every native call the run started has stopped and its memory
+    /// is freed: dropping the store (at the end, on a trap, or at the deadline) stops
+    /// every worker's call without blocking the executor, and the run then awaits its
+    /// threads.
     pub async fn run_with(&self, options: &RunOptions, wasi: WasiCtxBuilder) -> anyhow::Result<RunOutcome> {
-        let run = self.run_in_store(&options.group, wasi);
-        match options.deadline {
+        let workers = self.workers.child();
+        let run = self.run_in_store(&options.group, wasi, workers.clone());
+        let outcome = match options.deadline {
             None => run.await,
-            // Dropping the run drops its store: every context's worker stops its call
-            // and is joined (see `Worker::drop`) before `timeout` returns.
             Some(deadline) => tokio::time::timeout(deadline, run).await.unwrap_or(Ok(RunOutcome::DeadlineExceeded)),
-        }
+        };
+        workers.all_stopped().await;
+        outcome
     }
 
-    async fn run_in_store(&self, group: &str, mut wasi: WasiCtxBuilder) -> anyhow::Result<RunOutcome> {
+    async fn run_in_store(&self, group: &str, mut wasi: WasiCtxBuilder, workers: Tracker) -> anyhow::Result<RunOutcome> {
+        let llama = LlamaCtx::new(self.registry.clone(), self.tokens.clone(), group, self.limits.clone());
         let state = PluginState {
             wasi: wasi.build(),
-            llama: LlamaCtx::new(self.registry.clone(), self.tokens.clone(), group, self.limits.clone()),
+            llama: llama.tracked_by(workers),
             table: ResourceTable::new(),
             limits: self.limits.store_limits(),
         };

@@ -1,40 +1,103 @@
 //! One OS thread per native context. The thread owns the context, runs one call at a
-//! time, and is stopped and joined when its `Worker` is dropped: native objects are only
-//! ever freed on their own thread, after the call using them has returned.
+//! time, and is stopped when its `Worker` is dropped: native objects are only ever
+//! freed on their own thread, after the call using them has returned.
+//!
+//! Dropping a `Worker` never blocks (it is dropped on async executor threads, e.g.
+//! when a deadline drops a whole store): it stops the running call and lets the thread
+//! wind down on its own. Whoever must know that the native work has ended awaits
+//! [`Worker::stop`] for one worker or [`Tracker::all_stopped`] for a group of them.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{mpsc, Arc, Mutex};
 use std::task::{ready, Context as TaskContext, Poll};
-use std::thread::JoinHandle;
 
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 use crate::native::CancelFlag;
 
 type Job<S> = Box<dyn FnOnce(&mut S) + Send>;
 
-/// Worker threads alive in this process: an embedder (or a test) can check that
-/// tearing down a store left no native work running.
-static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-pub fn live_workers() -> usize {
-    LIVE.load(std::sync::atomic::Ordering::SeqCst)
+/// Counts threads (workers, and blocking calls run with [`Tracker::blocking`]) from
+/// their start to the end of their native state's drop. A store has one (its run
+/// returns only once it reads zero) and a host has one over all its stores.
+#[derive(Clone, Default)]
+pub struct Tracker {
+    counts: Vec<Arc<Count>>,
 }
 
-/// Counts a worker thread from its start to the end of its state's drop.
-struct Alive;
+#[derive(Default)]
+struct Count {
+    live: AtomicUsize,
+    zero: Notify,
+}
 
-impl Alive {
-    fn new() -> Self {
-        LIVE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Alive
+impl Tracker {
+    pub fn new() -> Self {
+        Self { counts: vec![Arc::default()] }
+    }
+
+    /// A tracker of its own whose threads also count in `self`.
+    pub fn child(&self) -> Self {
+        let mut counts = vec![Arc::default()];
+        counts.extend(self.counts.iter().cloned());
+        Self { counts }
+    }
+
+    /// Threads alive now that count in this tracker.
+    pub fn live(&self) -> usize {
+        self.counts.first().map_or(0, |c| c.live.load(SeqCst))
+    }
+
+    /// Resolves once no thread counted here is alive.
+    pub async fn all_stopped(&self) {
+        let Some(count) = self.counts.first() else { return };
+        loop {
+            let notified = count.zero.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if count.live.load(SeqCst) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    fn alive(&self) -> Alive {
+        for count in &self.counts {
+            count.live.fetch_add(1, SeqCst);
+        }
+        Alive(self.counts.clone())
+    }
+
+    /// Run `f` on a blocking thread, counted here until it returns. For native calls
+    /// that cannot be stopped midway (tokenizing): they leave the executor free, and
+    /// a run still waits for them before it returns.
+    pub async fn blocking<R: Send + 'static>(&self, f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
+        let alive = self.alive();
+        tokio::task::spawn_blocking(move || {
+            let out = f();
+            drop(alive);
+            out
+        })
+        .await
+        .ok()
     }
 }
 
+/// One counted thread; dropped last on that thread.
+struct Alive(Vec<Arc<Count>>);
+
 impl Drop for Alive {
+    /// Outermost tracker first: whoever sees a store's count reach zero must also see
+    /// the thread gone from the host's count.
     fn drop(&mut self) {
-        LIVE.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        for count in self.0.iter().rev() {
+            if count.live.fetch_sub(1, SeqCst) == 1 {
+                count.zero.notify_waiters();
+            }
+        }
     }
 }
 
@@ -57,7 +120,8 @@ impl From<StartFailed> for crate::native::Error {
 /// A thread that owns a `S` and runs calls on it in order.
 pub struct Worker<S: 'static> {
     jobs: Option<mpsc::Sender<(Job<S>, CancelFlag)>>,
-    thread: Option<JoinHandle<()>>,
+    /// Resolves when the thread has dropped its state and is about to end.
+    exited: Option<oneshot::Receiver<()>>,
     running: Arc<Mutex<Running>>,
 }
 
@@ -73,17 +137,21 @@ impl<S: 'static> Worker<S> {
     /// A thread the OS refuses, or an `init` that panics, is an error, not a panic.
     pub fn spawn<E: From<StartFailed> + Send + 'static>(
         name: &str,
+        tracker: &Tracker,
         init: impl FnOnce() -> Result<S, E> + Send + 'static,
     ) -> Result<Self, E> {
         let (jobs_tx, jobs_rx) = mpsc::channel::<(Job<S>, CancelFlag)>();
         let (init_tx, init_rx) = mpsc::sync_channel::<Result<(), E>>(1);
+        let (exit_tx, exit_rx) = oneshot::channel();
         let running = Arc::new(Mutex::new(Running::default()));
         let thread_running = running.clone();
-        let alive = Alive::new();
-        let thread = std::thread::Builder::new()
+        let alive = tracker.alive();
+        // Detached: nobody joins it; `exited` and the tracker say when it is done.
+        std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
                 let _alive = alive; // dropped last, after `state`
+                let _exit = ExitSignal(Some(exit_tx));
                 let mut state = match init() {
                     Ok(state) => {
                         let _ = init_tx.send(Ok(()));
@@ -108,12 +176,22 @@ impl<S: 'static> Worker<S> {
                 // `state` (the native context) is dropped here, on its own thread.
             })
             .map_err(StartFailed::NoThread)?;
-        let worker = Self { jobs: Some(jobs_tx), thread: Some(thread), running };
+        let worker = Self { jobs: Some(jobs_tx), exited: Some(exit_rx), running };
         match init_rx.recv() {
             Ok(Ok(())) => Ok(worker),
             Ok(Err(e)) => Err(e),
-            // The thread ended without a word: `init` panicked (dropping `worker` joins it).
+            // The thread ended without a word: `init` panicked.
             Err(_) => Err(StartFailed::Panicked.into()),
+        }
+    }
+
+    /// Stop the running call, close the queue, and wait (without blocking the
+    /// executor) until the thread has dropped its state.
+    pub async fn stop(mut self) {
+        let exited = self.exited.take();
+        drop(self);
+        if let Some(exited) = exited {
+            let _ = exited.await;
         }
     }
 
@@ -121,12 +199,14 @@ impl<S: 'static> Worker<S> {
     /// context allocates its memory; loading a projector reads its weights).
     pub async fn start<E: From<StartFailed> + Send + 'static>(
         name: &'static str,
+        tracker: &Tracker,
         init: impl FnOnce() -> Result<S, E> + Send + 'static,
     ) -> Result<Self, E>
     where
         S: Send,
     {
-        match tokio::task::spawn_blocking(move || Self::spawn(name, init)).await {
+        let tracker = tracker.clone();
+        match tokio::task::spawn_blocking(move || Self::spawn(name, &tracker, init)).await {
             Ok(result) => result,
             Err(_) => Err(StartFailed::Panicked.into()),
         }
@@ -155,19 +235,28 @@ fn lock(m: &Mutex<Running>) -> std::sync::MutexGuard<'_, Running> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-impl<S: 'static> Drop for Worker<S> {
+/// Sends on the worker's `exited` channel when the thread ends (after its state).
+struct ExitSignal(Option<oneshot::Sender<()>>);
+
+impl Drop for ExitSignal {
     fn drop(&mut self) {
-        {
-            let mut running = lock(&self.running);
-            running.shutting_down = true;
-            if let Some(call) = &running.call {
-                call.cancel();
-            }
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
         }
+    }
+}
+
+impl<S: 'static> Drop for Worker<S> {
+    /// Never blocks: stops the running call and closes the queue; the thread drops its
+    /// state and ends on its own (see [`Worker::stop`], [`Tracker::all_stopped`]).
+    fn drop(&mut self) {
+        let mut running = lock(&self.running);
+        running.shutting_down = true;
+        if let Some(call) = &running.call {
+            call.cancel();
+        }
+        drop(running);
         self.jobs = None; // closes the queue: the thread leaves its loop
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
     }
 }
 
@@ -214,7 +303,7 @@ mod tests {
 
     #[tokio::test]
     async fn runs_calls_in_order_on_its_own_state() {
-        let worker = Worker::spawn("test", || Ok::<_, Error>(Vec::<u32>::new())).unwrap();
+        let worker = Worker::spawn("test", &Tracker::new(), || Ok::<_, Error>(Vec::<u32>::new())).unwrap();
         let a = worker.call(|v, _| {
             v.push(1);
             v.len()
@@ -231,12 +320,12 @@ mod tests {
     fn init_error_is_returned() {
         let refused = Error::InvalidArgument("no".into());
         let returned = refused.clone();
-        assert_eq!(Worker::<()>::spawn("test", move || Err(returned)).err(), Some(refused));
+        assert_eq!(Worker::<()>::spawn("test", &Tracker::new(), move || Err(returned)).err(), Some(refused));
     }
 
     #[test]
     fn a_panicking_init_is_an_error_not_a_panic() {
-        let started = Worker::<()>::spawn("test", || -> Result<(), Error> { panic!("init failed") });
+        let started = Worker::<()>::spawn("test", &Tracker::new(), || -> Result<(), Error> { panic!("init failed") });
         assert!(matches!(started, Err(Error::Backend(m)) if m.contains("panicked")));
     }
 
@@ -244,7 +333,7 @@ mod tests {
     fn dropping_a_call_sets_its_flag_while_the_worker_lives_on() {
         let (started_tx, started_rx) = mpsc::channel();
         let (seen_tx, seen_rx) = mpsc::channel();
-        let worker = Worker::spawn("test", || Ok::<_, Error>(())).unwrap();
+        let worker = Worker::spawn("test", &Tracker::new(), || Ok::<_, Error>(())).unwrap();
         let call = worker.call(move |_, abandoned| {
             started_tx.send(()).unwrap();
             seen_tx.send(wait_for(abandoned)).unwrap();
@@ -258,7 +347,7 @@ mod tests {
     #[test]
     fn dropping_the_worker_stops_the_running_call() {
         let (started_tx, started_rx) = mpsc::channel();
-        let worker = Worker::spawn("test", || Ok::<_, Error>(())).unwrap();
+        let worker = Worker::spawn("test", &Tracker::new(), || Ok::<_, Error>(())).unwrap();
         let call = worker.call(move |_, abandoned| {
             started_tx.send(()).unwrap();
             if wait_for(abandoned) { "stopped" } else { "ran on" }
@@ -267,5 +356,81 @@ mod tests {
         drop(worker);
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         assert_eq!(rt.block_on(call), Some("stopped"));
+    }
+
+    /// A state whose drop says when it happened.
+    struct Reports(mpsc::Sender<&'static str>);
+
+    impl Drop for Reports {
+        fn drop(&mut self) {
+            let _ = self.0.send("state dropped");
+        }
+    }
+
+    /// Teardown on the executor's only thread: the worker's call is stuck in native
+    /// work that ignores its stop (one long graph node, say). Dropping the worker must
+    /// not wait for it: another task's timer keeps ticking, and only once the call is
+    /// let go do the state drop and the tracker reach zero.
+    #[test]
+    fn dropping_a_worker_with_a_call_in_flight_never_blocks_the_executor() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        rt.block_on(async {
+            let tracker = Tracker::new();
+            let (events_tx, events) = mpsc::channel();
+            let state_events = events_tx.clone();
+            let worker = Worker::spawn("test", &tracker, move || Ok::<_, Error>(Reports(state_events))).unwrap();
+            let (started_tx, started_rx) = mpsc::channel();
+            let (release_tx, release_rx) = mpsc::channel::<()>();
+            let call = worker.call(move |_, _| {
+                started_tx.send(()).unwrap();
+                release_rx.recv().unwrap();
+            });
+            started_rx.recv().unwrap();
+            let ticks = Arc::new(AtomicUsize::new(0));
+            let ticking = ticks.clone();
+            let ticker = tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    ticking.fetch_add(1, SeqCst);
+                }
+            });
+            drop(call);
+            drop(worker); // on the executor thread, with the call still running
+            while ticks.load(SeqCst) < 3 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            events_tx.send("timer ticked with the call in flight").unwrap();
+            assert_eq!(tracker.live(), 1, "the thread is still winding down");
+            release_tx.send(()).unwrap();
+            tracker.all_stopped().await;
+            ticker.abort();
+            let order: Vec<_> = events.try_iter().collect();
+            assert_eq!(order, ["timer ticked with the call in flight", "state dropped"]);
+        });
+    }
+
+    #[tokio::test]
+    async fn stop_waits_for_the_state_to_be_dropped() {
+        let (events_tx, events) = mpsc::channel();
+        let worker = Worker::spawn("test", &Tracker::new(), move || Ok::<_, Error>(Reports(events_tx))).unwrap();
+        worker.stop().await;
+        assert_eq!(events.try_iter().collect::<Vec<_>>(), ["state dropped"]);
+    }
+
+    #[tokio::test]
+    async fn a_child_tracker_counts_in_its_parent_too() {
+        let host = Tracker::new();
+        let (store_a, store_b) = (host.child(), host.child());
+        let a = Worker::spawn("test", &store_a, || Ok::<_, Error>(())).unwrap();
+        let b = Worker::spawn("test", &store_b, || Ok::<_, Error>(())).unwrap();
+        assert_eq!((host.live(), store_a.live(), store_b.live()), (2, 1, 1));
+        a.stop().await;
+        store_a.all_stopped().await;
+        assert_eq!((host.live(), store_a.live(), store_b.live()), (1, 0, 1));
+        let blocked = store_b.blocking(|| 7).await;
+        assert_eq!(blocked, Some(7));
+        drop(b);
+        host.all_stopped().await;
+        assert_eq!(host.live(), 0);
     }
 }

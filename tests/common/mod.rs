@@ -102,6 +102,11 @@ pub fn async_demo_plugin() -> &'static Path {
     CELL.get_or_init(|| guests_dir().join("llamabox_async_demo.wasm"))
 }
 
+/// A guest plugin component by file name (built on first use).
+pub fn guest_plugin(file: &str) -> PathBuf {
+    guests_dir().join(file)
+}
+
 /// Build every guest plugin once per test process; the folder of their components.
 fn guests_dir() -> &'static Path {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
@@ -140,6 +145,17 @@ pub async fn run_demo_with(models: &[(&str, &Path)], projectors: &[(&str, &Path)
 
 /// Run `plugin` with `args`; returns its stdout followed by its stderr.
 pub async fn run_plugin(plugin: &Path, models: &[(&str, &Path)], projectors: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, String) {
+    run_plugin_with_limits(plugin, models, projectors, Limits::default(), args).await
+}
+
+/// `run_plugin` under `limits`.
+pub async fn run_plugin_with_limits(
+    plugin: &Path,
+    models: &[(&str, &Path)],
+    projectors: &[(&str, &Path)],
+    limits: Limits,
+    args: &[&str],
+) -> (RunOutcome, String) {
     let mut registry = ModelRegistry::new();
     for (name, path) in models {
         registry.register(*name, *path);
@@ -147,7 +163,7 @@ pub async fn run_plugin(plugin: &Path, models: &[(&str, &Path)], projectors: &[(
     for (name, path) in projectors {
         registry.register_projector(*name, *path);
     }
-    let host = PluginHost::new(registry, Limits::default()).unwrap();
+    let host = PluginHost::new(registry, limits).unwrap();
     let plugin = host.load(plugin).unwrap();
     let (stdout, stderr) = (MemoryOutputPipe::new(1 << 20), MemoryOutputPipe::new(1 << 20));
     let mut wasi = WasiCtxBuilder::new();
@@ -156,6 +172,7 @@ pub async fn run_plugin(plugin: &Path, models: &[(&str, &Path)], projectors: &[(
     let outcome = plugin.run(wasi).await;
     let text = String::from_utf8([stdout.contents(), stderr.contents()].concat()).unwrap();
     print!("{text}");
+    assert_eq!(host.live_workers(), 0, "a run returned with native threads still alive");
     (outcome.unwrap(), text)
 }
 

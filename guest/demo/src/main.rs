@@ -33,6 +33,11 @@ struct Options {
     cancel_shared: Option<String>,
     /// Misbehave: loop forever in wasm.
     spin: bool,
+    /// Misbehave: decode long batches (under `token` if given) until stopped from outside.
+    decode_until_stopped: bool,
+    /// Misbehave: tokenize the slowest text the host takes (special tokens packed as
+    /// tightly as its max-special-text-bytes allows), until stopped from outside.
+    tokenize_until_stopped: bool,
     /// Misbehave: allocate until something gives.
     hog_memory: bool,
     /// Soak: this many decodes, each raced against a random-length timer.
@@ -54,6 +59,8 @@ impl Options {
             token: None,
             cancel_shared: None,
             spin: false,
+            decode_until_stopped: false,
+            tokenize_until_stopped: false,
             hog_memory: false,
             soak: None,
             seed: 1,
@@ -74,6 +81,8 @@ impl Options {
                 "--token" => o.token = Some(value()?),
                 "--cancel-shared" => o.cancel_shared = Some(value()?),
                 "--spin" => o.spin = true,
+                "--decode-until-stopped" => o.decode_until_stopped = true,
+                "--tokenize-until-stopped" => o.tokenize_until_stopped = true,
                 "--hog-memory" => o.hog_memory = true,
                 "--soak" => o.soak = Some(number(value()?)?),
                 "--seed" => o.seed = number(value()?)?,
@@ -125,13 +134,43 @@ fn run(o: &Options) -> Result<(), Error> {
     println!("model: {} (vocab {}, embd {})", o.model, model.n_vocab(), model.n_embd());
 
     if o.bad_inputs {
-        return bad_inputs(&model, &ctx);
+        bad_inputs(&model, &ctx)?;
+        if let Some(projector) = &o.media {
+            bad_media_inputs(projector, &model, &ctx)?;
+        }
+        return Ok(());
     }
     if let Some(projector) = &o.media {
         return media(o, projector, &model, &ctx);
     }
     if let Some(iterations) = o.soak {
         return soak(o, iterations, &model, &ctx);
+    }
+    if o.tokenize_until_stopped {
+        // llama.cpp's special-token partition is quadratic in the number of special
+        // tokens: the most of them that fit under the host's cap is the slowest input.
+        let special = match model.eos() {
+            Some(eos) => String::from_utf8_lossy(&model.token_to_piece(eos, true)?).into_owned(),
+            None => "<|im_end|>".into(),
+        };
+        let slow = format!("{special}x").repeat(16 * 1024 / (special.len() + 1));
+        println!("tokenizing until stopped");
+        loop {
+            model.tokenize(&slow, true, true)?;
+        }
+    }
+    if o.decode_until_stopped {
+        let token = match &o.token {
+            Some(capability) => CancelToken::open_shared(capability)?,
+            None => CancelToken::new(),
+        };
+        let filler = model.tokenize(" the llama in the box", false, false)?;
+        let tokens: Vec<i32> = filler.iter().copied().cycle().take(o.long_tokens as usize).collect();
+        println!("decoding until stopped");
+        loop {
+            ctx.decode(&sequence(&tokens, 0), &token)?;
+            ctx.clear()?;
+        }
     }
     if let Some(capability) = &o.token {
         let token = CancelToken::open_shared(capability)?;
@@ -335,6 +374,22 @@ fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
     };
     println!("bad-input huge-n-ctx: {}", show(Context::create(model, params(1 << 24, 1)).map(|_| ())));
     println!("bad-input too-many-threads: {}", show(Context::create(model, params(256, 1 << 20)).map(|_| ())));
+    let shaped = |n_ctx: u32, n_batch: u32, n_ubatch: Option<u32>, n_seq_max: u32| ContextParams {
+        n_ctx: Some(n_ctx),
+        n_batch: Some(n_batch),
+        n_ubatch,
+        n_seq_max: Some(n_seq_max),
+        n_threads: Some(1),
+    };
+    let shapes = [
+        ("n-seq-max-above-n-ctx", shaped(8, 512, None, 16)),
+        ("n-seq-max-above-n-batch", shaped(256, 1, None, 2)),
+        ("n-ubatch-above-n-batch", shaped(256, 64, Some(128), 1)),
+        ("zero-n-ctx", shaped(0, 64, None, 1)),
+    ];
+    for (name, shape) in shapes {
+        println!("bad-input {name}: {}", show(Context::create(model, shape).map(|_| ())));
+    }
     let extra: Vec<_> = (0..4).map(|_| Context::create(model, params(256, 1))).collect();
     println!("bad-input too-many-contexts: {}", show(extra.into_iter().last().unwrap().map(|_| ())));
     println!("bad-input logits-of-unrequested-row: {}", show(ctx.logits_ith(0).map(|_| ())));
@@ -342,6 +397,36 @@ fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
     let after = ctx.decode(&sequence(&good, 0), &never);
     println!("good-after-bad: {}", show(after));
     println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
+    Ok(())
+}
+
+/// Media and budget cases: a chunk passed to a media context that did not make it, a
+/// context whose padded memory is over the KV budget, more tokens than allowed.
+fn bad_media_inputs(projector: &str, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let never = CancelToken::new();
+    let maker = MediaContext::open(projector, model)?;
+    let other = MediaContext::open(projector, model)?;
+    let image = Input::Image(Image { width: 8, height: 8, rgb: vec![100; 8 * 8 * 3] });
+    let chunks = maker.tokenize(&format!("look {}", maker.marker()), &[image]);
+    println!("bad-input chunk-budget: {}", show(chunks.as_ref().map(|_| ()).map_err(Clone::clone)));
+    if let Ok(chunks) = chunks {
+        let refs: Vec<&_> = chunks.iter().collect();
+        let media_chunk = chunks.iter().find(|c| c.kind() != ChunkKind::Text).ok_or(Error::Backend("no media chunk".into()))?;
+        println!("bad-input foreign-chunk-encode: {}", show(other.encode_chunk(media_chunk, &never).map(|_| ())));
+        println!("bad-input foreign-chunk-start-encode: {}", show(other.start_encode_chunk(media_chunk, &never).map(|_| ())));
+        println!("bad-input foreign-chunk-eval: {}", show(other.eval_chunks(ctx, &refs, 0, &never).map(|_| ())));
+        println!("good-own-chunk-eval: {}", show(maker.eval_chunks(ctx, &refs, 0, &never).map(|_| ())));
+    }
+    let padded = ContextParams { n_ctx: Some(480), n_batch: Some(64), n_ubatch: None, n_seq_max: Some(16), n_threads: Some(1) };
+    println!("bad-input kv-cells-padded: {}", show(Context::create(model, padded).map(|_| ())));
+    let mut tokens = Vec::new();
+    let over = loop {
+        match CancelToken::create() {
+            Ok(token) => tokens.push(token),
+            Err(e) => break e,
+        }
+    };
+    println!("bad-input too-many-tokens: {} (after {})", show(Err(over)), tokens.len());
     Ok(())
 }
 

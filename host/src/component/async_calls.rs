@@ -1,14 +1,15 @@
 //! `llamabox:inference/async-calls`: decode and encode as `async func`s (WASI 0.3).
 //! The store is touched only inside `accessor.with`, never across an await; the call
 //! itself is the same worker call as the blocking form, so dropping the host future
-//! (wasmtime does when the guest drops the subtask) stops the native work.
+//! (wasmtime does when the guest drops the subtask) stops the native work. Each call
+//! holds one of the store's max-pending-calls places while it runs.
 
 use wasmtime::component::{Accessor, Resource};
 
 use super::async_bindings::llamabox::inference::async_calls::{Host, HostWithStore};
 use super::bindings::llamabox::inference::llm::Batch;
 use super::pending::finished;
-use super::{Answer, CancelToken, ChunkHandle, ContextHandle, HasLlama, LlamaCtxView, MediaContextHandle};
+use super::{Answer, CancelToken, Error, ChunkHandle, ContextHandle, HasLlama, LlamaCtxView, MediaContextHandle};
 
 impl Host for LlamaCtxView<'_> {}
 
@@ -19,8 +20,19 @@ impl<T> HostWithStore<T> for HasLlama {
         batch: Batch,
         cancel: Resource<CancelToken>,
     ) -> Answer<()> {
-        let call = accessor.with(|mut access| access.get().queue_decode(&ctx, batch, &cancel))?;
-        Ok(finished(call.await))
+        let queued = accessor.with(|mut access| -> wasmtime::Result<Result<_, Error>> {
+            let mut view = access.get();
+            let slot = match view.ctx.pending_slot() {
+                Ok(slot) => slot,
+                Err(e) => return Ok(Err(e)),
+            };
+            Ok(Ok((slot, view.queue_decode(&ctx, batch, &cancel)?)))
+        });
+        match queued? {
+            // The slot is held until the call ends or its future is dropped.
+            Ok((_slot, call)) => Ok(finished(call.await)),
+            Err(e) => Ok(Err(e)),
+        }
     }
 
     async fn encode_chunk(
@@ -29,7 +41,17 @@ impl<T> HostWithStore<T> for HasLlama {
         chunk: Resource<ChunkHandle>,
         cancel: Resource<CancelToken>,
     ) -> Answer<Vec<f32>> {
-        let call = accessor.with(|mut access| access.get().queue_encode(&media, &chunk, &cancel))?;
-        Ok(finished(call.await))
+        let queued = accessor.with(|mut access| -> wasmtime::Result<Result<_, Error>> {
+            let mut view = access.get();
+            let slot = match view.ctx.pending_slot() {
+                Ok(slot) => slot,
+                Err(e) => return Ok(Err(e)),
+            };
+            Ok(view.queue_encode(&media, &chunk, &cancel)?.map(|call| (slot, call)))
+        });
+        match queued? {
+            Ok((_slot, call)) => Ok(finished(call.await)),
+            Err(e) => Ok(Err(e)),
+        }
     }
 }

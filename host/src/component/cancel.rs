@@ -1,21 +1,26 @@
 //! `llamabox:inference/cancel`: the cancel-token resource over a native `CancelFlag`.
 
+use std::sync::Arc;
+
 use wasmtime::component::Resource;
-use wasmtime::error::Context as _;
 
 use super::bindings::llamabox::inference::cancel::{Host, HostCancelToken};
-use super::{Error, Held, LlamaCtxView};
+use super::tokens::ShareError;
+use super::{Error, Held, LlamaCtxView, TokenRegistry};
 use crate::native::CancelFlag;
 
 /// A guest's cancel token. The embedder can make one from its own `CancelFlag` (to
 /// cancel a plugin's calls from outside) with [`CancelToken::from_flag`].
 pub struct CancelToken {
     pub(crate) flag: CancelFlag,
+    /// Capabilities made from this handle: unshared when it is dropped (by the guest or
+    /// with its store), so the registry never keeps what no plugin holds.
+    shares: Vec<(Arc<TokenRegistry>, String)>,
 }
 
 impl CancelToken {
     pub fn from_flag(flag: CancelFlag) -> Self {
-        Self { flag }
+        Self { flag, shares: Vec::new() }
     }
 
     pub fn flag(&self) -> &CancelFlag {
@@ -25,11 +30,27 @@ impl CancelToken {
 
 impl Host for LlamaCtxView<'_> {}
 
+impl Drop for CancelToken {
+    fn drop(&mut self) {
+        for (registry, capability) in &self.shares {
+            registry.unshare(capability);
+        }
+    }
+}
+
 impl HostCancelToken for LlamaCtxView<'_> {
     async fn new(&mut self) -> wasmtime::Result<Resource<CancelToken>> {
-        // A constructor cannot return an error: too many tokens traps the guest.
+        // A constructor cannot return an error: too many tokens traps the guest
+        // (`create` returns `limit-exceeded` instead).
         self.ctx.admit(Held::Token)?;
-        Ok(self.table.push(CancelToken { flag: CancelFlag::new() })?)
+        Ok(self.table.push(CancelToken::from_flag(CancelFlag::new()))?)
+    }
+
+    async fn create(&mut self) -> wasmtime::Result<Result<Resource<CancelToken>, Error>> {
+        if let Err(e) = self.ctx.admit(Held::Token) {
+            return Ok(Err(e));
+        }
+        Ok(Ok(self.table.push(CancelToken::from_flag(CancelFlag::new()))?))
     }
 
     async fn cancel(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<()> {
@@ -41,16 +62,32 @@ impl HostCancelToken for LlamaCtxView<'_> {
         Ok(self.table.get(&token)?.flag.is_cancelled())
     }
 
-    async fn share(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<String> {
-        let flag = &self.table.get(&token)?.flag;
-        // No random capability without the OS random source: trap rather than panic.
-        self.ctx.tokens.share(&self.ctx.group, flag).context("drawing a capability from the OS random source")
+    async fn share(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<Result<String, Error>> {
+        if let Err(e) = self.ctx.admit(Held::Share) {
+            return Ok(Err(e));
+        }
+        let registry = self.ctx.tokens.clone();
+        let handle = self.table.get_mut(&token)?;
+        match registry.share(&self.ctx.group, &handle.flag) {
+            Ok(capability) => {
+                handle.shares.push((registry, capability.clone()));
+                Ok(Ok(capability))
+            }
+            Err(e) => {
+                self.ctx.release(Held::Share);
+                match e {
+                    ShareError::GroupFull(_) => Ok(Err(Error::LimitExceeded(e.to_string()))),
+                    // No random capability without the OS random source: trap rather than panic.
+                    ShareError::Random(_) => Err(wasmtime::Error::msg(e.to_string())),
+                }
+            }
+        }
     }
 
     async fn open_shared(&mut self, capability: String) -> wasmtime::Result<Result<Resource<CancelToken>, Error>> {
         match self.ctx.tokens.open(&self.ctx.group, &capability) {
             Some(flag) => match self.ctx.admit(Held::Token) {
-                Ok(()) => Ok(Ok(self.table.push(CancelToken { flag })?)),
+                Ok(()) => Ok(Ok(self.table.push(CancelToken::from_flag(flag))?)),
                 Err(e) => Ok(Err(e)),
             },
             None => Ok(Err(Error::InvalidArgument("no token is shared under this capability in this group".into()))),
@@ -58,8 +95,11 @@ impl HostCancelToken for LlamaCtxView<'_> {
     }
 
     async fn drop(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<()> {
-        self.table.delete(token)?;
+        let handle = self.table.delete(token)?;
         self.ctx.release(Held::Token);
+        for _ in &handle.shares {
+            self.ctx.release(Held::Share);
+        }
         Ok(())
     }
 }

@@ -25,11 +25,20 @@ pub struct Limits {
     pub max_pending_calls: u32,
     /// Cancel tokens alive at once per store (the resource table has no cap of its own).
     pub max_tokens: u32,
+    /// Capabilities shared from a store's tokens and not yet dropped with them: each is
+    /// an entry in the host-wide registry (which also caps each group).
+    pub max_shares: u32,
     /// Media contexts alive at once per store: each owns a thread and a projector's weights.
     pub max_media_contexts: u32,
-    /// Largest image side in pixels: preprocessing allocates per pixel.
+    /// Native bytes held by a store's media chunks (estimated per chunk: see
+    /// `native::Chunk::native_bytes`): a tiny image still holds its preprocessed
+    /// pixels and the embeddings it encodes to, so chunk counts alone bound nothing.
+    pub max_chunk_bytes: u64,
+    /// Largest image side in pixels: preprocessing allocates per pixel, and cannot be
+    /// stopped midway (a 4096² image takes ~260 ms on this project's CI machine).
     pub max_image_side: u32,
-    /// Longest audio input in samples (60 s at 16 kHz by default).
+    /// Longest audio input in samples (30 s at 16 kHz by default, one whisper window;
+    /// 60 s took ~270 ms to preprocess, unstoppable).
     pub max_audio_samples: usize,
     /// Linear memory of one plugin instance, in bytes: a guest that grows past it gets a
     /// failed `memory.grow` (and usually a trap), never the host's memory.
@@ -38,8 +47,15 @@ pub struct Limits {
     pub max_wasm_instances: usize,
     /// Elements per wasm table.
     pub max_wasm_table_elements: usize,
-    /// Longest text `tokenize` takes, in bytes (it allocates a token per byte).
+    /// Longest text `tokenize` takes, in bytes: it allocates a token per byte and cannot
+    /// be stopped midway (1 MiB took ~680 ms with SmolLM2's BPE; the default 128 KiB
+    /// is more text than the default max-n-ctx holds).
     pub max_text_bytes: usize,
+    /// Longest text `tokenize` takes with parse-special, and longest media prompt (mtmd
+    /// always parses special tokens): llama.cpp's special-token partition is quadratic
+    /// in the number of special tokens in the text and cannot be stopped midway, so
+    /// this bounds how long a deadline or cancel can wait for it.
+    pub max_special_text_bytes: usize,
     /// Most tokens `detokenize` takes.
     pub max_detokenize_tokens: usize,
     /// How long a cancelled media encode may run on (store → return), about: each media
@@ -69,10 +85,13 @@ impl Default for Limits {
             max_kv_cells: 8192 * 32,
             max_pending_calls: 16,
             max_tokens: 1024,
+            max_shares: 256,
             max_media_contexts: 2,
-            max_image_side: 4096,
-            max_audio_samples: 60 * 16_000,
-            max_text_bytes: 1 << 20,
+            max_chunk_bytes: 256 << 20,
+            max_image_side: 2048,
+            max_audio_samples: 30 * 16_000,
+            max_text_bytes: 128 << 10,
+            max_special_text_bytes: 16 << 10,
             max_detokenize_tokens: 1 << 18,
             encode_cancel_latency: crate::native::chunker::DEFAULT_LATENCY_TARGET,
             encode_fixed_chunk_work: None,

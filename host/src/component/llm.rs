@@ -43,6 +43,19 @@ impl LlamaCtxView<'_> {
         Ok(finished(call.await))
     }
 
+    /// Run `f` (native work that cannot stop midway, bounded by the limits on its
+    /// input) on a blocking thread counted in the store's tracker: the executor stays
+    /// free, and a run that ends (at its deadline, say) still waits for it.
+    pub(super) async fn off_executor<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce() -> native::Result<T> + Send + 'static,
+    ) -> Answer<T> {
+        match self.ctx.workers.blocking(f).await {
+            Some(result) => Ok(result.map_err(Error::from)),
+            None => Ok(Err(Error::Backend("the native call panicked".into()))),
+        }
+    }
+
     /// Queue a decode; the returned call stops in flight when `token` is cancelled or
     /// the call is dropped.
     pub(super) fn queue_decode(
@@ -64,22 +77,24 @@ impl LlamaCtxView<'_> {
             .call(move |c, abandoned| c.decode(&batch, Some(Stop::on_either(&token, abandoned)))))
     }
 
-    /// Resolve `params` against the host's defaults and caps.
+    /// Resolve `params` against the host's defaults and caps. Only host limits are
+    /// checked here (`limit-exceeded`); whether the params make sense together is
+    /// `native`'s to say (`invalid-argument`).
     fn resolve(&self, params: ContextParams, model: &Model) -> Result<native::ContextParams, Error> {
         let limits = &self.ctx.limits;
-        let cap = |name: &str, value: u32, max: u32| {
+        let cap = |name: &str, value: u32, limit: &str, max: u32| {
             if value > max {
-                Err(Error::LimitExceeded(format!("{name} {value} is above this host's limit {max}")))
+                Err(Error::LimitExceeded(format!("{name} {value} is above this host's limit {max} ({limit})")))
             } else {
                 Ok(value)
             }
         };
         let n_ctx_default = model.n_ctx_train().clamp(1, 4096).min(limits.max_n_ctx);
-        let n_ctx = cap("n-ctx", params.n_ctx.unwrap_or(n_ctx_default), limits.max_n_ctx)?;
-        let n_batch = cap("n-batch", params.n_batch.unwrap_or(n_ctx.min(512)), limits.max_n_batch)?;
-        let n_ubatch = cap("n-ubatch", params.n_ubatch.unwrap_or(n_batch.min(512)), n_batch)?;
-        let n_seq_max = cap("n-seq-max", params.n_seq_max.unwrap_or(1), limits.max_n_seq)?;
-        let n_threads = cap("n-threads", params.n_threads.unwrap_or(limits.default_threads), limits.max_threads)?;
+        let n_ctx = cap("n-ctx", params.n_ctx.unwrap_or(n_ctx_default), "max-n-ctx", limits.max_n_ctx)?;
+        let n_batch = cap("n-batch", params.n_batch.unwrap_or(n_ctx.min(512)), "max-n-batch", limits.max_n_batch)?;
+        let n_ubatch = cap("n-ubatch", params.n_ubatch.unwrap_or(n_batch.min(512)), "max-n-batch", limits.max_n_batch)?;
+        let n_seq_max = cap("n-seq-max", params.n_seq_max.unwrap_or(1), "max-n-seq", limits.max_n_seq)?;
+        let n_threads = cap("n-threads", params.n_threads.unwrap_or(limits.default_threads), "max-threads", limits.max_threads)?;
         Ok(native::ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads })
     }
 }
@@ -103,11 +118,17 @@ impl HostModel for LlamaCtxView<'_> {
         add_special: bool,
         parse_special: bool,
     ) -> Answer<Vec<Token>> {
-        let max = self.ctx.limits.max_text_bytes;
+        let limits = &self.ctx.limits;
+        let (max, limit) = if parse_special {
+            (limits.max_special_text_bytes, "max-special-text-bytes")
+        } else {
+            (limits.max_text_bytes, "max-text-bytes")
+        };
         if text.len() > max {
-            return Ok(Err(Error::LimitExceeded(format!("text of {} bytes is above max-text-bytes {max}", text.len()))));
+            return Ok(Err(Error::LimitExceeded(format!("text of {} bytes is above {limit} {max}", text.len()))));
         }
-        Ok(self.table.get(&model)?.model.tokenize(&text, add_special, parse_special).map_err(Error::from))
+        let model = self.table.get(&model)?.model.clone();
+        self.off_executor(move || model.tokenize(&text, add_special, parse_special)).await
     }
 
     async fn token_to_piece(&mut self, model: Resource<ModelHandle>, token: Token, special: bool) -> Answer<Vec<u8>> {
@@ -125,8 +146,8 @@ impl HostModel for LlamaCtxView<'_> {
         if tokens.len() > max {
             return Ok(Err(Error::LimitExceeded(format!("{} tokens is above max-detokenize-tokens {max}", tokens.len()))));
         }
-        let model = &self.table.get(&model)?.model;
-        Ok(model.detokenize(&tokens, remove_special, unparse_special).map_err(Error::from))
+        let model = self.table.get(&model)?.model.clone();
+        self.off_executor(move || model.detokenize(&tokens, remove_special, unparse_special)).await
     }
 
     async fn n_vocab(&mut self, model: Resource<ModelHandle>) -> wasmtime::Result<u32> {
@@ -167,11 +188,16 @@ impl HostContext for LlamaCtxView<'_> {
             Ok(p) => p,
             Err(e) => return Ok(Err(e)),
         };
-        let held = Held::Context { kv_cells: params.n_ctx as u64 * model.n_layer() as u64 };
+        // Charged as llama.cpp allocates: n-ctx after its padding, every layer.
+        let allocated = match params.allocated_n_ctx() {
+            Ok(n) => n,
+            Err(e) => return Ok(Err(e.into())),
+        };
+        let held = Held::Context { kv_cells: allocated as u64 * model.n_layer() as u64 };
         if let Err(e) = self.ctx.admit(held) {
             return Ok(Err(e));
         }
-        let worker = match Worker::start("llamabox-context", move || Context::new(model, params)).await {
+        let worker = match Worker::start("llamabox-context", &self.ctx.workers, move || Context::new(model, params)).await {
             Ok(worker) => worker,
             Err(e) => {
                 self.ctx.release(held);
@@ -196,11 +222,12 @@ impl HostContext for LlamaCtxView<'_> {
         batch: Batch,
         cancel: Resource<CancelToken>,
     ) -> Answer<Resource<PendingDecode>> {
-        if let Err(e) = self.ctx.admit(Held::PendingCall) {
-            return Ok(Err(e));
-        }
+        let slot = match self.ctx.pending_slot() {
+            Ok(slot) => slot,
+            Err(e) => return Ok(Err(e)),
+        };
         let call = self.queue_decode(&ctx, batch, &cancel)?;
-        Ok(Ok(self.table.push(Pending::new(call))?))
+        Ok(Ok(self.table.push(Pending::new(call, slot))?))
     }
 
     async fn logits_ith(&mut self, ctx: Resource<ContextHandle>, row: u32) -> Answer<Vec<f32>> {
@@ -244,11 +271,12 @@ impl HostContext for LlamaCtxView<'_> {
     }
 
     async fn drop(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<()> {
-        // Dropping the worker stops its running call and joins its thread, which frees
-        // the native context after the call has returned.
+        // Stopping the worker stops its running call; its thread frees the native
+        // context after the call has returned, and this waits (off the executor's
+        // threads) until it has, so its memory is back before the budget is.
         let handle = self.table.delete(ctx)?;
+        handle.worker.stop().await;
         self.ctx.release(handle.held);
-        tokio::task::spawn_blocking(move || drop(handle)).await?;
         Ok(())
     }
 }
@@ -265,7 +293,6 @@ impl HostPendingDecode for LlamaCtxView<'_> {
     async fn drop(&mut self, pending: Resource<PendingDecode>) -> wasmtime::Result<()> {
         // Dropping an unfinished call sets its stop flag: the decode stops in flight.
         self.table.delete(pending)?;
-        self.ctx.release(Held::PendingCall);
         Ok(())
     }
 }

@@ -10,15 +10,23 @@ use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, Ho
 use super::llm::{ContextHandle, ModelHandle};
 use super::pending::{finished, Pending};
 use super::{Answer, CancelToken, Error, Held, LlamaCtxView};
-use crate::native::{self, Batch, CancelFlag, Chunk, MediaContext, MediaInput, Model, Stop, Token};
+use crate::native::{self, Batch, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token};
 use crate::worker::{Call, Worker};
 
 pub struct ChunkHandle {
     chunk: Arc<Chunk>,
 }
 
+impl ChunkHandle {
+    /// What it counts against `max-chunk-bytes`.
+    fn held(&self) -> Held {
+        Held::Chunks { bytes: self.chunk.native_bytes() as u64 }
+    }
+}
+
 pub struct MediaContextHandle {
     worker: Worker<MediaContext>,
+    id: MediaContextId,
     model: Arc<Model>,
     vision: bool,
     audio: bool,
@@ -34,15 +42,20 @@ impl LlamaCtxView<'_> {
         Ok(self.table.get(media)?)
     }
 
+    /// Queue an encode of `chunk`, which must come from `media` (else `invalid-argument`).
     pub(super) fn queue_encode(
         &mut self,
         media: &Resource<MediaContextHandle>,
         chunk: &Resource<ChunkHandle>,
         token: &Resource<CancelToken>,
-    ) -> wasmtime::Result<Call<native::Result<Vec<f32>>>> {
+    ) -> wasmtime::Result<Result<Call<native::Result<Vec<f32>>>, Error>> {
         let token = self.table.get(token)?.flag.clone();
         let chunk = self.table.get(chunk)?.chunk.clone();
-        Ok(self.media(media)?.worker.call(move |m, abandoned| m.encode(&chunk, Some(Stop::on_either(&token, abandoned)))))
+        let media = self.media(media)?;
+        if let Err(e) = native::check_owner(media.id, &chunk) {
+            return Ok(Err(e.into()));
+        }
+        Ok(Ok(media.worker.call(move |m, abandoned| m.encode(&chunk, Some(Stop::on_either(&token, abandoned))))))
     }
 }
 
@@ -71,7 +84,8 @@ impl HostChunk for LlamaCtxView<'_> {
 
     async fn drop(&mut self, chunk: Resource<ChunkHandle>) -> wasmtime::Result<()> {
         // A running encode holds its own reference: the chunk outlives it.
-        self.table.delete(chunk)?;
+        let handle = self.table.delete(chunk)?;
+        self.ctx.release(handle.held());
         Ok(())
     }
 }
@@ -88,7 +102,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
         let threads = self.ctx.limits.default_threads;
         let (latency, fixed) = (self.ctx.limits.encode_cancel_latency, self.ctx.limits.encode_fixed_chunk_work);
         let worker_model = model.clone();
-        let started = Worker::start("llamabox-media", move || {
+        let started = Worker::start("llamabox-media", &self.ctx.workers, move || {
             let mut media = MediaContext::new(&path, worker_model, threads)?;
             match fixed {
                 Some(units) => media.set_chunk_work(units),
@@ -105,12 +119,12 @@ impl HostMediaContext for LlamaCtxView<'_> {
                 return Ok(Err(Error::Backend(format!("projector {projector:?} could not be loaded for this model"))));
             }
         };
-        let probe = worker.call(|m, _| (m.supports_vision(), m.supports_audio(), m.audio_sample_rate(), m.uses_mrope()));
-        let Some((vision, audio, sample_rate, mrope)) = probe.await else {
+        let probe = worker.call(|m, _| (m.id(), m.supports_vision(), m.supports_audio(), m.audio_sample_rate(), m.uses_mrope()));
+        let Some((id, vision, audio, sample_rate, mrope)) = probe.await else {
             self.ctx.release(Held::MediaContext);
             return Ok(Err(Error::Backend("media worker stopped".into())));
         };
-        Ok(Ok(self.table.push(MediaContextHandle { worker, model, vision, audio, sample_rate, mrope })?))
+        Ok(Ok(self.table.push(MediaContextHandle { worker, id, model, vision, audio, sample_rate, mrope })?))
     }
 
     async fn supports_vision(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<bool> {
@@ -135,9 +149,10 @@ impl HostMediaContext for LlamaCtxView<'_> {
         prompt: String,
         inputs: Vec<Input>,
     ) -> Answer<Vec<Resource<ChunkHandle>>> {
-        let max = self.ctx.limits.max_text_bytes;
+        // mtmd parses special tokens in every prompt.
+        let max = self.ctx.limits.max_special_text_bytes;
         if prompt.len() > max {
-            return Ok(Err(Error::LimitExceeded(format!("prompt of {} bytes is above max-text-bytes {max}", prompt.len()))));
+            return Ok(Err(Error::LimitExceeded(format!("prompt of {} bytes is above max-special-text-bytes {max}", prompt.len()))));
         }
         let caps = self.ctx.limits.media_caps();
         let inputs: Vec<MediaInput> = inputs
@@ -152,6 +167,10 @@ impl HostMediaContext for LlamaCtxView<'_> {
             Ok(chunks) => chunks,
             Err(e) => return Ok(Err(e)),
         };
+        let bytes = chunks.iter().map(|c| c.native_bytes() as u64).sum();
+        if let Err(e) = self.ctx.admit(Held::Chunks { bytes }) {
+            return Ok(Err(e));
+        }
         let handles = chunks
             .into_iter()
             .map(|chunk| self.table.push(ChunkHandle { chunk }))
@@ -165,8 +184,10 @@ impl HostMediaContext for LlamaCtxView<'_> {
         chunk: Resource<ChunkHandle>,
         cancel: Resource<CancelToken>,
     ) -> Answer<Vec<f32>> {
-        let call = self.queue_encode(&media, &chunk, &cancel)?;
-        Ok(finished(call.await))
+        match self.queue_encode(&media, &chunk, &cancel)? {
+            Ok(call) => Ok(finished(call.await)),
+            Err(e) => Ok(Err(e)),
+        }
     }
 
     async fn start_encode_chunk(
@@ -175,11 +196,15 @@ impl HostMediaContext for LlamaCtxView<'_> {
         chunk: Resource<ChunkHandle>,
         cancel: Resource<CancelToken>,
     ) -> Answer<Resource<PendingEncode>> {
-        if let Err(e) = self.ctx.admit(Held::PendingCall) {
-            return Ok(Err(e));
-        }
-        let call = self.queue_encode(&media, &chunk, &cancel)?;
-        Ok(Ok(self.table.push(Pending::new(call))?))
+        let call = match self.queue_encode(&media, &chunk, &cancel)? {
+            Ok(call) => call,
+            Err(e) => return Ok(Err(e)),
+        };
+        let slot = match self.ctx.pending_slot() {
+            Ok(slot) => slot,
+            Err(e) => return Ok(Err(e)), // dropping the call abandons it
+        };
+        Ok(Ok(self.table.push(Pending::new(call, slot))?))
     }
 
     async fn eval_chunks(
@@ -197,6 +222,9 @@ impl HostMediaContext for LlamaCtxView<'_> {
         if !Arc::ptr_eq(&media.model, &context.model) {
             return Ok(Err(Error::InvalidArgument("the media context was opened for another model".into())));
         }
+        if let Some(Err(e)) = chunks.iter().map(|c| native::check_owner(media.id, c)).find(Result::is_err) {
+            return Ok(Err(e.into()));
+        }
         if media.mrope && chunks.iter().any(|c| c.kind() != native::ChunkKind::Text) {
             return Ok(Err(Error::InvalidArgument("projectors with multi-dimensional positions (M-RoPE) are not supported yet".into())));
         }
@@ -204,10 +232,10 @@ impl HostMediaContext for LlamaCtxView<'_> {
     }
 
     async fn drop(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<()> {
+        // Stops its running encode, then waits for the projector to be freed.
         let handle = self.table.delete(media)?;
+        handle.worker.stop().await;
         self.ctx.release(Held::MediaContext);
-        // Joining the worker stops its running encode first (see `Worker::drop`).
-        tokio::task::spawn_blocking(move || drop(handle)).await?;
         Ok(())
     }
 }
@@ -280,7 +308,6 @@ impl HostPendingEncode for LlamaCtxView<'_> {
     async fn drop(&mut self, pending: Resource<PendingEncode>) -> wasmtime::Result<()> {
         // Dropping an unfinished encode sets its stop flag: it stops at the next boundary.
         self.table.delete(pending)?;
-        self.ctx.release(Held::PendingCall);
         Ok(())
     }
 }

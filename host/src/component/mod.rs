@@ -11,9 +11,12 @@ mod pending;
 mod registry;
 mod tokens;
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use wasmtime::component::{HasData, Linker, ResourceTable};
+
+use crate::worker::Tracker;
 
 pub use cancel::CancelToken;
 pub use limits::Limits;
@@ -72,6 +75,22 @@ pub struct LlamaCtx {
     group: String,
     limits: Limits,
     usage: Usage,
+    /// Calls in flight that the guest does not wait on in the same host call
+    /// (`start-*`, WASI 0.3 `async func`s): counted by slots that free themselves
+    /// when dropped, since an async call's future can be dropped outside any host call.
+    pending_calls: Arc<AtomicU32>,
+    /// The store's worker threads and blocking calls.
+    workers: Tracker,
+}
+
+/// One of a store's `max-pending-calls` places, held by a pending call (a `pending-*`
+/// resource or a WASI 0.3 call's future) and given back when that is dropped.
+pub(crate) struct PendingSlot(Arc<AtomicU32>);
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// What a store holds now, counted against its `Limits`.
@@ -79,9 +98,10 @@ pub struct LlamaCtx {
 struct Usage {
     contexts: u32,
     media_contexts: u32,
-    pending_calls: u32,
     tokens: u32,
+    shares: u32,
     kv_cells: u64,
+    chunk_bytes: u64,
 }
 
 /// Something a plugin holds that counts against a limit.
@@ -90,14 +110,40 @@ pub(crate) enum Held {
     /// A context with n-ctx × n-layer KV cells.
     Context { kv_cells: u64 },
     MediaContext,
-    PendingCall,
     Token,
+    /// A capability shared from one of this store's tokens.
+    Share,
+    /// Media chunks holding this many native bytes.
+    Chunks { bytes: u64 },
 }
 
 impl LlamaCtx {
     /// `group` scopes shared tokens: a plugin opens only capabilities shared in its group.
     pub fn new(registry: Arc<ModelRegistry>, tokens: Arc<TokenRegistry>, group: impl Into<String>, limits: Limits) -> Self {
-        Self { registry, tokens, group: group.into(), limits, usage: Usage::default() }
+        let workers = Tracker::new();
+        Self { registry, tokens, group: group.into(), limits, usage: Usage::default(), pending_calls: Arc::default(), workers }
+    }
+
+    /// Count this store's threads in `workers` (a child of the host's tracker, say)
+    /// instead of a tracker of its own.
+    pub fn tracked_by(mut self, workers: Tracker) -> Self {
+        self.workers = workers;
+        self
+    }
+
+    /// The store's native threads: await `all_stopped` after dropping the store to know
+    /// that no native work it started is still running.
+    pub fn workers(&self) -> &Tracker {
+        &self.workers
+    }
+
+    /// A place for one more pending call, or `limit-exceeded` naming max-pending-calls.
+    pub(crate) fn pending_slot(&self) -> Result<PendingSlot, Error> {
+        let max = self.limits.max_pending_calls;
+        self.pending_calls
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < max).then_some(n + 1))
+            .map(|_| PendingSlot(self.pending_calls.clone()))
+            .map_err(|_| Error::LimitExceeded(format!("max-pending-calls: this plugin already holds {max}")))
     }
 
     /// Count `held` against this store's limits, or name the limit it would exceed.
@@ -112,10 +158,11 @@ impl LlamaCtx {
             Held::MediaContext if u.media_contexts >= l.max_media_contexts => {
                 return over("max-media-contexts", l.max_media_contexts.to_string())
             }
-            Held::PendingCall if u.pending_calls >= l.max_pending_calls => {
-                return over("max-pending-calls", l.max_pending_calls.to_string())
-            }
             Held::Token if u.tokens >= l.max_tokens => return over("max-tokens", l.max_tokens.to_string()),
+            Held::Share if u.shares >= l.max_shares => return over("max-shares", l.max_shares.to_string()),
+            Held::Chunks { bytes } if u.chunk_bytes.saturating_add(bytes) > l.max_chunk_bytes => {
+                return over("max-chunk-bytes", format!("{} of {} bytes in media chunks (this needs {bytes} more)", u.chunk_bytes, l.max_chunk_bytes))
+            }
             _ => {}
         }
         self.count(held, true);
@@ -136,8 +183,11 @@ impl LlamaCtx {
                 u.kv_cells = if add { u.kv_cells + kv_cells } else { u.kv_cells.saturating_sub(kv_cells) };
             }
             Held::MediaContext => step(&mut u.media_contexts),
-            Held::PendingCall => step(&mut u.pending_calls),
             Held::Token => step(&mut u.tokens),
+            Held::Share => step(&mut u.shares),
+            Held::Chunks { bytes } => {
+                u.chunk_bytes = if add { u.chunk_bytes + bytes } else { u.chunk_bytes.saturating_sub(bytes) };
+            }
         }
     }
 }
@@ -213,11 +263,25 @@ mod tests {
         c.release(small);
         c.admit(Held::Context { kv_cells: 200 }).unwrap();
 
-        for (held, name) in [(Held::PendingCall, "max-pending-calls"), (Held::Token, "max-tokens"), (Held::MediaContext, "max-media-contexts")] {
+        let limits = Limits { max_chunk_bytes: 100, ..Limits::default() };
+        let mut c = ctx(limits);
+        c.admit(Held::Chunks { bytes: 60 }).unwrap();
+        assert!(limit_named(c.admit(Held::Chunks { bytes: 41 })).starts_with("max-chunk-bytes"));
+        c.release(Held::Chunks { bytes: 60 });
+        c.admit(Held::Chunks { bytes: 100 }).unwrap();
+
+        let limits = Limits { max_pending_calls: 2, max_tokens: 1, max_shares: 1, max_media_contexts: 1, ..Limits::default() };
+        let mut c = ctx(limits);
+        for (held, name) in [(Held::Token, "max-tokens"), (Held::Share, "max-shares"), (Held::MediaContext, "max-media-contexts")] {
             c.admit(held).unwrap();
             assert!(limit_named(c.admit(held)).starts_with(name));
             c.release(held);
             c.admit(held).unwrap();
         }
+
+        let slots = (c.pending_slot().unwrap(), c.pending_slot().unwrap());
+        assert!(matches!(c.pending_slot(), Err(Error::LimitExceeded(m)) if m.starts_with("max-pending-calls")));
+        drop(slots.0);
+        c.pending_slot().expect("a dropped slot frees its place");
     }
 }

@@ -3,12 +3,14 @@
 
 use wasmtime_wasi::p2::Pollable;
 
-use super::Error;
+use super::{Error, PendingSlot};
 use crate::native;
 use crate::worker::Call;
 
 pub struct Pending<T> {
     state: State<T>,
+    /// Counts against max-pending-calls until the resource is dropped.
+    _slot: PendingSlot,
 }
 
 enum State<T> {
@@ -18,8 +20,8 @@ enum State<T> {
 }
 
 impl<T: Send + 'static> Pending<T> {
-    pub(crate) fn new(call: Call<native::Result<T>>) -> Self {
-        Self { state: State::Running(call) }
+    pub(crate) fn new(call: Call<native::Result<T>>, slot: PendingSlot) -> Self {
+        Self { state: State::Running(call), _slot: slot }
     }
 
     /// The call's result, waiting for it if needed; an error if already taken.

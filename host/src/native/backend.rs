@@ -20,6 +20,18 @@ std::thread_local! {
     /// `GGML_LOG_LEVEL_CONT` continues the previous line at its level.
     static LAST_LEVEL: std::cell::Cell<sys::ggml_log_level> =
         const { std::cell::Cell::new(sys::GGML_LOG_LEVEL_INFO) };
+    /// The last error llama.cpp or mtmd logged on this thread inside [`with_errors`].
+    static LAST_ERROR: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` (a llama.cpp or mtmd call) and return, with its result, the last error it
+/// logged: those libraries say why they failed only in their log, which the CLI hides
+/// by default, so a failure's message carries the reason itself.
+pub(crate) fn with_errors<T>(f: impl FnOnce() -> T) -> (T, String) {
+    LAST_ERROR.with(|e| e.borrow_mut().take());
+    let out = f();
+    let reason = LAST_ERROR.with(|e| e.borrow_mut().take());
+    (out, reason.unwrap_or_else(|| "no reason logged".into()))
 }
 
 unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
@@ -37,6 +49,9 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
     let text = text.trim_end();
     if text.is_empty() {
         return;
+    }
+    if level == sys::GGML_LOG_LEVEL_ERROR {
+        LAST_ERROR.with(|e| *e.borrow_mut() = Some(text.to_string()));
     }
     // llama.cpp is chatty at INFO (every tensor on load): keep that at DEBUG.
     match level {

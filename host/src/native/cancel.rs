@@ -37,12 +37,14 @@ impl CancelFlag {
     /// Test hook for deterministic cancels: the `n`-th poll from native code (1-based;
     /// a decode polls once after every graph node) sets the flag, as if `cancel()` had
     /// been called right after that node. `n == 0` disarms.
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn trip_after(&self, n: u64) {
         self.0.polls.store(0, Relaxed);
         self.0.trip_at.store(n, Relaxed);
     }
 
     /// How many times native code has polled this flag since the last `trip_after`.
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn polls(&self) -> u64 {
         self.0.polls.load(Relaxed)
     }

@@ -70,31 +70,70 @@ unsafe impl Send for Context {}
 /// Largest n_seq_max llama.cpp accepts (LLAMA_MAX_SEQ).
 pub const MAX_SEQ: u32 = 256;
 
-/// Most threads one ggml thread team may have (GGML_MAX_N_THREADS in ggml.h; a
-/// #define the bindings do not carry).
+/// Most threads ggml's CPU backend takes (GGML_MAX_N_THREADS).
 pub const MAX_THREADS: u32 = 512;
+
+/// llama.cpp pads n-ctx, and each sequence's share of it, to a multiple of this.
+const N_CTX_PAD: u64 = 256;
+
+impl ContextParams {
+    /// The n-ctx llama.cpp will allocate KV cells for, or why it would refuse these
+    /// params (or assert on them). Mirrors `llama_context`'s constructor: n-ctx is padded
+    /// to 256, split evenly over the sequences, each share padded to 256 again; n-batch
+    /// is cut to n-ctx; every sequence needs an output row, so n-seq-max must fit in
+    /// that n-batch (else `GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max)`).
+    pub fn allocated_n_ctx(&self) -> Result<u32> {
+        let Self { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads } = *self;
+        let invalid = |what: String| Err(Error::InvalidArgument(what));
+        for (name, value) in [("n-ctx", n_ctx), ("n-batch", n_batch), ("n-ubatch", n_ubatch), ("n-seq-max", n_seq_max), ("n-threads", n_threads)] {
+            if value == 0 {
+                return invalid(format!("{name} must be at least 1"));
+            }
+        }
+        if n_ubatch > n_batch {
+            return invalid(format!("n-ubatch {n_ubatch} is larger than n-batch {n_batch}"));
+        }
+        if n_seq_max > MAX_SEQ {
+            return invalid(format!("n-seq-max {n_seq_max} is above llama.cpp's maximum {MAX_SEQ}"));
+        }
+        if n_threads > MAX_THREADS {
+            return invalid(format!("n-threads {n_threads} is above ggml's maximum {MAX_THREADS}"));
+        }
+        let usable_batch = n_batch.min(n_ctx);
+        if n_seq_max > usable_batch {
+            let cut = if n_ctx < n_batch { format!(" (n-batch {n_batch} is cut to n-ctx {n_ctx})") } else { String::new() };
+            return invalid(format!(
+                "n-seq-max {n_seq_max} needs an n-batch of at least {n_seq_max} (one output row per sequence), but n-batch is {usable_batch}{cut}"
+            ));
+        }
+        let pad = |n: u64| n.div_ceil(N_CTX_PAD) * N_CTX_PAD;
+        let per_seq = pad(pad(n_ctx as u64) / n_seq_max as u64);
+        let total = per_seq * n_seq_max as u64;
+        u32::try_from(total).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "n-ctx {n_ctx} padded for {n_seq_max} sequences ({per_seq} cells each) is above 2^32 cells"
+            ))
+        })
+    }
+}
 
 impl Context {
     pub fn new(model: Arc<Model>, params: ContextParams) -> Result<Self> {
         backend::init();
         let ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads } = params;
-        let invalid = |what: String| Err(Error::InvalidArgument(what));
-        if n_ctx == 0 || n_batch == 0 || n_ubatch == 0 || n_threads == 0 {
-            return invalid(format!("n-ctx, n-batch, n-ubatch and n-threads must be > 0 (got {params:?})"));
+        params.allocated_n_ctx()?;
+        // A failed decode is undone by cutting each sequence back (`all_or_nothing`);
+        // recurrent state cannot be cut back to an earlier position.
+        // SAFETY: a live model.
+        if unsafe { sys::llama_model_is_recurrent(model.as_ptr()) || sys::llama_model_is_hybrid(model.as_ptr()) } {
+            return Err(Error::InvalidArgument(
+                "this model keeps recurrent state, which cannot be rolled back after a failed or cancelled decode: llamabox does not run it".into(),
+            ));
         }
-        if n_ubatch > n_batch {
-            return invalid(format!("n-ubatch {n_ubatch} is larger than n-batch {n_batch}"));
-        }
-        if !(1..=MAX_SEQ).contains(&n_seq_max) {
-            return invalid(format!("n-seq-max {n_seq_max} is outside [1, {MAX_SEQ}]"));
-        }
-        if n_threads > MAX_THREADS {
-            return invalid(format!("n-threads {n_threads} is above ggml's limit {MAX_THREADS}"));
-        }
-        let threads = n_threads as i32;
+        let threads = n_threads as i32; // at most MAX_THREADS
         let team = ThreadPool::new(threads)?;
         // SAFETY: start from llama.cpp's defaults (the struct gains fields between versions).
-        let ptr = unsafe {
+        let (ptr, reason) = backend::with_errors(|| unsafe {
             let mut p = sys::llama_context_default_params();
             p.n_ctx = n_ctx;
             p.n_batch = n_batch;
@@ -103,9 +142,10 @@ impl Context {
             p.n_threads = threads;
             p.n_threads_batch = threads;
             sys::llama_init_from_model(model.as_ptr(), p)
-        };
-        let ptr = NonNull::new(ptr)
-            .ok_or_else(|| Error::Backend("llama.cpp could not create the context (see its log)".into()))?;
+        });
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            Error::Backend(format!("llama.cpp could not create the context: {reason}"))
+        })?;
         // SAFETY: the team outlives the context (dropped after it, see `Drop`); one team
         // serves both generation and prompt batches, as llama-bench does.
         unsafe { sys::llama_attach_threadpool(ptr.as_ptr(), team.as_ptr(), team.as_ptr()) };
@@ -335,8 +375,16 @@ impl Context {
         let result = f(self);
         if result.is_err() {
             self.logit_rows.clear();
-            for (seq, end) in ends {
-                unsafe { sys::llama_memory_seq_rm(self.memory(), seq, end + 1, -1) };
+            // SAFETY: a live memory; any sequence id is accepted by seq_rm.
+            let undone = ends.iter().all(|&(seq, end)| unsafe { sys::llama_memory_seq_rm(self.memory(), seq, end + 1, -1) });
+            if !undone {
+                // Cannot happen for the memories `new` accepts (a KV cache removes any
+                // tail); if it ever does, say so rather than leave a half-applied call.
+                unsafe { sys::llama_memory_clear(self.memory(), true) };
+                return Err(Error::Backend(format!(
+                    "a failed call ({}) could not be rolled back: the context's memory was cleared",
+                    result.err().map_or_else(String::new, |e| e.to_string())
+                )));
             }
         }
         result
@@ -344,22 +392,22 @@ impl Context {
 
     /// One `llama_decode`, with the abort callback installed for it when there is a stop.
     fn decode_raw(&mut self, raw: sys::llama_batch, logit_rows: &[bool], stop: Option<Stop<'_>>) -> Result<()> {
-        let ret = match &stop {
+        let (ret, reason) = backend::with_errors(|| match &stop {
             Some(stop) => {
                 let _installed = AbortCallback::install(self.ptr, stop);
                 unsafe { sys::llama_decode(self.ptr.as_ptr(), raw) }
             }
             None => unsafe { sys::llama_decode(self.ptr.as_ptr(), raw) },
-        };
+        });
         match ret {
             0 => {
                 self.logit_rows = logit_rows.to_vec();
                 Ok(())
             }
             1 => Err(Error::ContextFull),
-            -1 => Err(Error::InvalidArgument("llama.cpp rejected the batch (see its log)".into())),
+            -1 => Err(Error::InvalidArgument(format!("llama.cpp rejected the batch: {reason}"))),
             2 => Err(Error::Cancelled),
-            _ => Err(Error::Backend(format!("llama_decode failed ({ret})"))),
+            _ => Err(Error::Backend(format!("llama_decode failed ({ret}): {reason}"))),
         }
     }
 }

@@ -3,8 +3,8 @@
 //!
 //! clip has no abort callback, so the stop goes through the scheduler's eval callback
 //! (see `chunker`). The callback is installed once per media context; a thread-local
-//! [`EncodeScope`] ties it to one call's `Stop` for that call only, so a long-lived
-//! media context never holds a pointer to a finished call's state.
+//! scope ([`in_encode_scope`]) ties it to one call's `Stop` for that call only, so a
+//! long-lived media context never holds a pointer to a finished call's state.
 
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_void, CStr, CString};
@@ -47,6 +47,11 @@ pub enum ChunkKind {
 /// guest's handle and any call running on it.
 pub struct Chunk {
     ptr: NonNull<sys::mtmd_input_chunk>,
+    /// The media context that made it: mtmd asserts when one projector encodes
+    /// another's preprocessed data, so a chunk is encoded only by its maker.
+    owner: MediaContextId,
+    /// Estimated native bytes it holds (see [`Chunk::native_bytes`]).
+    bytes: usize,
 }
 
 // SAFETY: an mtmd_input_chunk is plain data, never mutated after tokenize; mtmd only
@@ -73,6 +78,19 @@ impl Chunk {
         unsafe { sys::mtmd_input_chunk_get_n_pos(self.ptr.as_ptr()) }
     }
 
+    /// The media context that made this chunk.
+    pub fn owner(&self) -> MediaContextId {
+        self.owner
+    }
+
+    /// Native bytes the chunk holds, estimated (mtmd does not report its sizes): its
+    /// text tokens, or for media, per token, the embedding it encodes to plus a 16×16
+    /// RGB patch of preprocessed floats (what one token stands for in common
+    /// projectors; spectrogram frames are smaller).
+    pub fn native_bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// The token ids of a text chunk (empty for media).
     pub fn text_tokens(&self) -> &[Token] {
         let mut n = 0usize;
@@ -91,9 +109,22 @@ impl Drop for Chunk {
     }
 }
 
+/// Bookkeeping per chunk, here, in mtmd and in a resource table: charged even to an
+/// empty chunk so that counts of chunks are bounded too.
+const CHUNK_OVERHEAD: usize = 256;
+
+/// Preprocessed floats one media token stands for, at most, in common projectors (a
+/// 16×16 RGB patch).
+const PIXELS_PER_TOKEN: usize = 16 * 16 * 3;
+
+/// Names one media context for the life of the process (never reused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MediaContextId(u64);
+
 /// A projector (mmproj) bound to a text model. One call at a time (`&mut self`).
 pub struct MediaContext {
     ptr: NonNull<sys::mtmd_context>,
+    id: MediaContextId,
     n_embd: usize,
     /// This context's speed and the work budget between encode boundaries it gives.
     pace: Pace,
@@ -130,11 +161,22 @@ impl MediaContext {
             Error::Backend(format!("mtmd could not load projector {} for this model (see its log)", path.display()))
         })?;
         let n_embd = model.n_embd_inp() as usize;
-        Ok(Self { ptr, n_embd, pace: Pace::new(DEFAULT_LATENCY_TARGET), fixed_chunk_work: None, model })
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = MediaContextId(NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        Ok(Self { ptr, id, n_embd, pace: Pace::new(DEFAULT_LATENCY_TARGET), fixed_chunk_work: None, model })
+    }
+
+    pub fn id(&self) -> MediaContextId {
+        self.id
     }
 
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+
+    /// `Ok` if this media context made `chunk` (and so may encode or evaluate it).
+    pub fn check_owns(&self, chunk: &Chunk) -> Result<()> {
+        check_owner(self.id, chunk)
     }
 
     /// Fixed work units between boundaries where an encode can stop, instead of the
@@ -200,12 +242,14 @@ impl MediaContext {
         let raw: Vec<*const sys::mtmd_bitmap> = bitmaps.iter().map(|b| b.0.as_ptr().cast_const()).collect();
         let input = sys::mtmd_input_text { text: text.as_ptr(), text_len: prompt.len(), add_special: true, parse_special: true };
         let list = ChunkList::new()?;
-        let ret = unsafe { sys::mtmd_tokenize(self.ptr.as_ptr(), list.0.as_ptr(), &input, raw.as_ptr(), raw.len()) };
+        let (ret, reason) = backend::with_errors(|| unsafe {
+            sys::mtmd_tokenize(self.ptr.as_ptr(), list.0.as_ptr(), &input, raw.as_ptr(), raw.len())
+        });
         match ret {
-            0 => list.into_chunks(),
-            1 => invalid("media markers and inputs do not match".into()),
-            2 => invalid("a media input could not be preprocessed (see the log)".into()),
-            other => Err(Error::Backend(format!("mtmd_tokenize failed ({other})"))),
+            0 => list.into_chunks(self.id, self.n_embd),
+            1 => invalid(format!("media markers and inputs do not match: {reason}")),
+            2 => invalid(format!("a media input could not be preprocessed: {reason}")),
+            other => Err(Error::Backend(format!("mtmd_tokenize failed ({other}): {reason}"))),
         }
     }
 
@@ -248,28 +292,38 @@ impl MediaContext {
     /// encode stops at the next chunk boundary once it is set, and returns `Cancelled`
     /// (the partial output is discarded); without one this is the plain mtmd call.
     pub fn encode(&mut self, chunk: &Chunk, stop: Option<Stop<'_>>) -> Result<Vec<f32>> {
-        if chunk.kind() == ChunkKind::Text {
-            return Err(Error::InvalidArgument("a text chunk has nothing to encode".into()));
+        self.check_owns(chunk)?;
+        match chunk.kind() {
+            ChunkKind::Text => return Err(Error::InvalidArgument("a text chunk has nothing to encode".into())),
+            ChunkKind::Image if !self.supports_vision() => {
+                return Err(Error::InvalidArgument("this projector takes no images".into()))
+            }
+            ChunkKind::Audio if !self.supports_audio() => {
+                return Err(Error::InvalidArgument("this projector takes no audio".into()))
+            }
+            _ => {}
         }
         if stop.is_some_and(|s| s.is_set()) {
             return Err(Error::Cancelled);
         }
-        let ret = match stop {
+        let (ret, reason) = match stop {
             Some(stop) => {
-                let scope = EncodeScope::with_chunker(stop, Chunker::with_budget(self.chunk_work()));
+                let chunker = Chunker::with_budget(self.chunk_work());
                 let started = Instant::now();
-                let ret = unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) };
-                self.pace.observe(scope.units(), started.elapsed());
+                let ((ret, reason), scope) = in_encode_scope(stop, chunker, || {
+                    backend::with_errors(|| unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) })
+                });
+                self.pace.observe(scope.units, started.elapsed());
                 // mtmd returns 0 for a stopped encode: the scope knows it stopped.
-                if scope.stopped() {
+                if scope.stopped {
                     return Err(Error::Cancelled);
                 }
-                ret
+                (ret, reason)
             }
-            None => unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) },
+            None => backend::with_errors(|| unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) }),
         };
         if ret != 0 {
-            return Err(Error::Backend(format!("mtmd_encode_chunk failed ({ret})")));
+            return Err(Error::Backend(format!("mtmd_encode_chunk failed ({ret}): {reason}")));
         }
         let len = chunk.n_tokens() * self.n_embd;
         let out = unsafe { sys::mtmd_get_output_embd(self.ptr.as_ptr()) };
@@ -278,6 +332,15 @@ impl MediaContext {
         }
         // SAFETY: mtmd documents n_tokens × n_embd_inp floats after a successful encode.
         Ok(unsafe { std::slice::from_raw_parts(out, len) }.to_vec())
+    }
+}
+
+/// `Ok` if the media context `id` made `chunk`.
+pub fn check_owner(id: MediaContextId, chunk: &Chunk) -> Result<()> {
+    if chunk.owner == id {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument("this chunk was made by another media context: only the media context that tokenized it may encode it".into()))
     }
 }
 
@@ -305,16 +368,29 @@ impl ChunkList {
     }
 
     /// Copy each chunk out, so each can be owned (and freed) on its own.
-    fn into_chunks(self) -> Result<Vec<Arc<Chunk>>> {
+    fn into_chunks(self, owner: MediaContextId, n_embd: usize) -> Result<Vec<Arc<Chunk>>> {
         let n = unsafe { sys::mtmd_input_chunks_size(self.0.as_ptr()) };
-        (0..n)
+        let chunks = (0..n)
             .map(|i| {
                 let copy = unsafe { sys::mtmd_input_chunk_copy(sys::mtmd_input_chunks_get(self.0.as_ptr(), i)) };
                 NonNull::new(copy)
-                    .map(|ptr| Arc::new(Chunk { ptr }))
+                    .map(|ptr| Chunk { ptr, owner, bytes: 0 })
                     .ok_or_else(|| Error::Backend("could not copy a chunk".into()))
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        let f32s = std::mem::size_of::<f32>();
+        Ok(chunks
+            .into_iter()
+            .map(|mut chunk| {
+                let tokens = chunk.n_tokens();
+                chunk.bytes = CHUNK_OVERHEAD
+                    + match chunk.kind() {
+                        ChunkKind::Text => tokens * std::mem::size_of::<Token>(),
+                        _ => f32s * tokens * (n_embd + PIXELS_PER_TOKEN),
+                    };
+                Arc::new(chunk)
+            })
+            .collect())
     }
 }
 
@@ -333,57 +409,48 @@ struct ScopeState<'a> {
 }
 
 std::thread_local! {
-    /// The encode running on this thread, if any (null outside an `EncodeScope`).
+    /// The encode running on this thread, if any (null outside `in_encode_scope`).
     static SCOPE: Cell<*const ScopeState<'static>> = const { Cell::new(std::ptr::null()) };
 }
 
-/// Ties this thread's eval callbacks to one call's `Stop` until dropped.
-pub struct EncodeScope<'a> {
-    state: Box<ScopeState<'a>>,
-    outer: *const ScopeState<'static>,
-}
-
-impl<'a> EncodeScope<'a> {
-    pub fn with_chunker(stop: Stop<'a>, chunker: Chunker) -> Self {
-        let state = Box::new(ScopeState {
-            stop,
-            chunker: RefCell::new(chunker),
-            boundaries: Cell::new(0),
-            stopped: Cell::new(false),
-        });
-        // The pointer is erased to 'static only while this scope (which owns the state
-        // and borrows the stop for 'a) is alive: `drop` restores the outer scope.
-        let ptr = (&*state as *const ScopeState<'a>).cast::<ScopeState<'static>>();
-        let outer = SCOPE.with(|s| s.replace(ptr));
-        Self { state, outer }
-    }
-
+/// What the eval callback saw during one [`in_encode_scope`] call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ScopeReport {
     /// Whether the callback stopped the computation at a boundary.
-    pub fn stopped(&self) -> bool {
-        self.state.stopped.get()
-    }
-
+    pub stopped: bool,
     /// Boundaries the computation reached (each one a point where it could stop).
-    pub fn boundaries(&self) -> u64 {
-        self.state.boundaries.get()
-    }
-
-    /// Work units of the nodes computed so far.
-    pub fn units(&self) -> u64 {
-        self.state.chunker.borrow().total()
-    }
+    pub boundaries: u64,
+    /// Work units of the nodes computed (what the pace learns from).
+    pub units: u64,
 }
 
-impl Drop for EncodeScope<'_> {
-    fn drop(&mut self) {
-        SCOPE.with(|s| s.set(self.outer));
+/// Run `f` with this thread's eval callbacks tied to `stop` and `chunker`, and only for
+/// the duration of `f`. The state lives on this function's stack and the thread-local
+/// points at it only between entry and exit (restored on unwind too), so no order of
+/// drops or `mem::forget` can leave the callback holding freed state.
+pub(crate) fn in_encode_scope<R>(stop: Stop<'_>, chunker: Chunker, f: impl FnOnce() -> R) -> (R, ScopeReport) {
+    let state = ScopeState { stop, chunker: RefCell::new(chunker), boundaries: Cell::new(0), stopped: Cell::new(false) };
+    /// Restores the outer scope when `in_encode_scope` returns or unwinds.
+    struct Restore(*const ScopeState<'static>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SCOPE.with(|s| s.set(self.0));
+        }
     }
+    // The lifetime is erased only while `state` is alive: `_restore` (declared after
+    // it, so dropped before it) takes the pointer out of the thread-local first.
+    let ptr = (&state as *const ScopeState<'_>).cast::<ScopeState<'static>>();
+    let _restore = Restore(SCOPE.with(|s| s.replace(ptr)));
+    let out = f();
+    let units = state.chunker.borrow().total();
+    (out, ScopeReport { stopped: state.stopped.get(), boundaries: state.boundaries.get(), units })
 }
 
 /// `ggml_backend_sched_eval_callback`, installed on every media context.
 pub(crate) unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, _: *mut c_void) -> bool {
     SCOPE.with(|scope| {
-        // SAFETY: non-null only while an EncodeScope on this thread owns the state.
+        // SAFETY: non-null only inside `in_encode_scope` on this thread, whose stack
+        // frame owns the state.
         let Some(state) = (unsafe { scope.get().as_ref() }) else {
             return !ask; // outside a scope: want nothing, stop nothing
         };
@@ -434,24 +501,38 @@ mod tests {
     }
 
     #[test]
-    fn a_scope_routes_this_threads_callbacks_to_its_stop_until_dropped() {
+    fn a_scope_routes_this_threads_callbacks_to_its_stop_until_it_ends() {
         let token = CancelFlag::new();
         token.cancel();
         let mut attn = node(sys::GGML_OP_SOFT_MAX);
         let mut matmul = node(sys::GGML_OP_MUL_MAT);
-        {
-            let scope = EncodeScope::with_chunker(Stop::on(&token), Chunker::with_budget(u64::MAX));
+        let ((), report) = in_encode_scope(Stop::on(&token), Chunker::with_budget(u64::MAX), || {
             assert!(!call(&mut matmul, true), "never a boundary after MUL_MAT");
             assert!(call(&mut attn, true), "a cancel asks at the next attention op");
             assert!(!call(&mut attn, false), "and stops there");
-            assert!(scope.stopped());
-            assert_eq!(scope.boundaries(), 1);
             // Another thread has no scope: its callbacks are idle.
             std::thread::scope(|s| {
                 s.spawn(|| assert!(!call(&mut node(sys::GGML_OP_SOFT_MAX), true)));
             });
-        }
+        });
+        assert_eq!(report, ScopeReport { stopped: true, boundaries: 1, units: 16 }, "units: SOFT_MAX 4x4 (the MUL_MAT has no source here)");
         assert!(!call(&mut attn, true), "the scope is gone with its call");
+    }
+
+    #[test]
+    fn nested_scopes_restore_the_outer_one_even_on_unwind() {
+        let (outer_token, inner_token) = (CancelFlag::new(), CancelFlag::new());
+        inner_token.cancel();
+        let mut attn = node(sys::GGML_OP_SOFT_MAX);
+        let ((), outer) = in_encode_scope(Stop::on(&outer_token), Chunker::with_budget(u64::MAX), || {
+            let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                in_encode_scope(Stop::on(&inner_token), Chunker::with_budget(u64::MAX), || panic!("inside the inner scope"))
+            }));
+            assert!(unwound.is_err());
+            assert!(!call(&mut attn, true), "the outer scope is back: not cancelled, budget not spent");
+        });
+        assert_eq!(outer, ScopeReport { stopped: false, boundaries: 0, units: 16 });
+        assert!(!call(&mut attn, true) && call(&mut attn, false), "and no scope after it");
     }
 
     #[test]
@@ -459,9 +540,10 @@ mod tests {
         let token = CancelFlag::new();
         token.trip_after(2);
         let mut attn = node(sys::GGML_OP_SOFT_MAX);
-        let scope = EncodeScope::with_chunker(Stop::on(&token), Chunker::with_budget(1));
-        assert!(call(&mut attn, true) && call(&mut attn, false), "boundary 1 goes on");
-        assert!(call(&mut attn, true) && !call(&mut attn, false), "boundary 2 stops");
-        assert!(scope.stopped() && token.is_cancelled());
+        let ((), report) = in_encode_scope(Stop::on(&token), Chunker::with_budget(1), || {
+            assert!(call(&mut attn, true) && call(&mut attn, false), "boundary 1 goes on");
+            assert!(call(&mut attn, true) && !call(&mut attn, false), "boundary 2 stops");
+        });
+        assert!(report.stopped && token.is_cancelled());
     }
 }

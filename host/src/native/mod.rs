@@ -7,14 +7,16 @@ pub mod chunker;
 pub mod context;
 pub mod media;
 pub mod model;
+#[cfg(feature = "synthetic")]
 pub mod synthetic;
 mod threads;
 
 pub use backend::{cpu_features, InstructionLevel};
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use context::{Batch, Context, ContextParams};
-pub use media::{Chunk, ChunkKind, EncodeScope, MediaCaps, MediaContext, MediaInput};
+pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};
 pub use model::{Model, Token};
+#[cfg(feature = "synthetic")]
 pub use synthetic::{ProjectorKind, ProjectorSpec, TextModelSpec};
 pub use threads::{idle_poll, set_idle_poll, DEFAULT_IDLE_POLL};
 

@@ -136,7 +136,9 @@ impl Model {
 
     /// One token's bytes (which may be part of a UTF-8 character).
     pub fn token_to_piece(&self, token: Token, special: bool) -> Result<Vec<u8>> {
-        self.check_tokens(&[token])?;
+        if !self.is_valid(token) {
+            return Err(Error::InvalidArgument(format!("token {token} is outside the vocabulary [0, {})", self.n_vocab)));
+        }
         let mut buf = vec![0u8; 64];
         loop {
             let n = unsafe {

@@ -1,0 +1,61 @@
+//! The fuzz plugin (guest/fuzz) under the host, in-process: random sequences of WIT
+//! calls from each seed, biased to boundary values, with handles of other contexts,
+//! media contexts and models, and drops in unusual orders. Every run must end with the
+//! plugin's own summary (no trap), no native thread left, and the host still serving.
+//!
+//! `make test` runs a short seeded pass; `make fuzz` runs many seeds with more calls
+//! (`LLAMABOX_FUZZ_SEEDS`, `LLAMABOX_FUZZ_CALLS`, `LLAMABOX_FUZZ_SEED` for the first).
+
+mod common;
+
+use std::time::Duration;
+
+use llamabox::{Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::WasiCtxBuilder;
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Run the fuzz plugin once; its output.
+async fn fuzz_run(host: &PluginHost, plugin: &llamabox::Plugin, seed: u64, calls: u64) -> (RunOutcome, String) {
+    let out = MemoryOutputPipe::new(1 << 20);
+    let mut wasi = WasiCtxBuilder::new();
+    wasi.stdout(out.clone()).stderr(out.clone());
+    let (seed, calls) = (seed.to_string(), calls.to_string());
+    wasi.args(&["fuzz", "--seed", &seed, "--calls", &calls, "--models", "tiny,tiny-again", "--projectors", "eyes,ears"]);
+    // Generous: a run that hangs is a finding too, and fails here instead of hanging.
+    let options = RunOptions { deadline: Some(Duration::from_secs(120)), ..RunOptions::default() };
+    let outcome = plugin.run_with(&options, wasi).await.unwrap_or_else(|e| panic!("seed {seed}: the plugin trapped: {e:?}"));
+    assert_eq!(host.live_workers(), 0, "seed {seed}: native threads outlived the run");
+    (outcome, String::from_utf8_lossy(&out.contents()).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_wit_call_sequences_through_a_real_guest_never_crash_the_host() {
+    let mut registry = ModelRegistry::new();
+    // The same file under two names: two loaded models, so handles of "another
+    // model" are real.
+    registry.register("tiny", common::tiny_model()).register("tiny-again", common::tiny_model());
+    registry.register_projector("eyes", common::tiny_vision()).register_projector("ears", common::tiny_audio());
+    let limits = Limits { max_threads: 1, default_threads: 1, ..Limits::default() };
+    let host = PluginHost::new(registry, limits).unwrap();
+    let plugin = host.load(&common::guest_plugin("llamabox-fuzz.wasm")).unwrap();
+    let first = env("LLAMABOX_FUZZ_SEED", 1);
+    let seeds = env("LLAMABOX_FUZZ_SEEDS", 6);
+    let calls = env("LLAMABOX_FUZZ_CALLS", 150);
+    let mut total_calls = 0;
+    for seed in first..first + seeds {
+        let (outcome, out) = fuzz_run(&host, &plugin, seed, calls).await;
+        assert_eq!(outcome, RunOutcome::Success, "seed {seed}:\n{out}");
+        let executed: u64 = common::field(&out, "fuzz-calls").parse().unwrap();
+        println!("seed {seed}: {executed} calls: {}", common::field(&out, "fuzz-outcomes"));
+        for line in out.lines().filter(|l| l.starts_with("fuzz-backend")) {
+            println!("seed {seed}: {line}");
+        }
+        total_calls += executed;
+    }
+    println!("guest fuzz: {seeds} seeds from {first}, {total_calls} calls, 0 crashes");
+    assert!(total_calls >= seeds * calls / 2, "most steps make a call");
+}
