@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use llamabox::{CancelFlag, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome};
+use llamabox::{CancelFlag, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome, RunStop};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
 
@@ -24,7 +24,7 @@ async fn run(plugin: &Plugin, group: &str, deadline: Option<Duration>, args: &[&
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(out.clone()).stderr(out.clone());
     wasi.args(&std::iter::once("demo").chain(args.iter().copied()).collect::<Vec<_>>());
-    let options = RunOptions { group: group.into(), deadline };
+    let options = RunOptions { group: group.into(), deadline, ..RunOptions::default() };
     let outcome = plugin.run_with(&options, wasi).await.unwrap();
     let text = String::from_utf8(out.contents().to_vec()).unwrap();
     print!("{text}");
@@ -211,4 +211,50 @@ async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() 
         assert_eq!(common::field(&out, "media-eval-shared-memory"), "seq-pos-max=-1", "poll {k}: earlier stages must be undone");
         assert_eq!(flag.polls(), k);
     }
+}
+
+/// The embedder's stop handle ends a run whatever the guest does (here it loops in wasm
+/// and never calls the host), with the deadline's teardown; a stop made before the run
+/// starts ends it at once. No thread of the run is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedders_stop_handle_ends_a_run_now() {
+    let (host, plugin) = host();
+    let stop = RunStop::new();
+    let options = RunOptions { group: "tenant".into(), stop: Some(stop.clone()), ..RunOptions::default() };
+    let out = MemoryOutputPipe::new(1 << 16);
+    let mut wasi = WasiCtxBuilder::new();
+    wasi.stdout(out.clone()).args(&["demo", "--spin"]);
+    let run = plugin.run_with(&options, wasi);
+    let stopper = async {
+        // Stop once the guest has started looping.
+        while !String::from_utf8_lossy(&out.contents()).contains("spinning") {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        stop.stop();
+    };
+    let (outcome, ()) = tokio::join!(run, stopper);
+    assert_eq!(outcome.unwrap(), RunOutcome::Stopped);
+    assert_eq!(host.live_workers(), 0);
+
+    let mut wasi = WasiCtxBuilder::new();
+    wasi.args(&["demo", "--spin"]);
+    assert!(stop.is_stopped());
+    assert_eq!(plugin.run_with(&options, wasi).await.unwrap(), RunOutcome::Stopped, "already stopped: ends at once");
+}
+
+/// Limits per run: one plugin, compiled once, runs for two tenants with different caps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_run_can_have_its_own_limits() {
+    let (_host, plugin) = host();
+    let args = ["--model", "slow", "--prompt", "per-run limits", "--generate", "2"];
+    let tight = RunOptions { limits: Some(Limits { max_contexts: 0, ..Limits::default() }), ..RunOptions::default() };
+    let out = MemoryOutputPipe::new(1 << 16);
+    let mut wasi = WasiCtxBuilder::new();
+    wasi.stdout(out.clone()).stderr(out.clone());
+    wasi.args(&std::iter::once("demo").chain(args).collect::<Vec<_>>());
+    assert_eq!(plugin.run_with(&tight, wasi).await.unwrap(), RunOutcome::Failed(1));
+    let text = String::from_utf8_lossy(&out.contents()).into_owned();
+    assert!(text.contains("max-contexts"), "{text}");
+    let (outcome, out) = run(&plugin, "tenant", None, &args).await;
+    assert_eq!((outcome, common::field(&out, "generated-tokens")), (RunOutcome::Success, "2"), "the host's own limits for the next run");
 }

@@ -14,7 +14,7 @@ pub mod worker;
 
 pub use component::{Limits, ModelRegistry, TokenRegistry};
 pub use native::CancelFlag;
-pub use plugin::{CompileCacheStats, HostOptions, Plugin, PluginHost, RunOptions, RunOutcome};
+pub use plugin::{CompileCacheStats, HostOptions, Plugin, PluginHost, RunOptions, RunOutcome, RunStop};
 
 /// The wasmtime and wasmtime-wasi this API is built on (`WasiCtxBuilder`, traps, the
 /// engine): use these rather than pinning the same versions by hand.

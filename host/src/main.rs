@@ -231,6 +231,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     eprintln!("llamabox: the plugin's deadline of {} ms passed; it was stopped", deadline_ms.unwrap_or(0));
                     Ok(ExitCode::from(124))
                 }
+                // The CLI passes no stop handle.
+                RunOutcome::Stopped => Ok(ExitCode::from(130)),
             }
         }
     }

@@ -72,6 +72,42 @@ pub enum RunOutcome {
     /// The run's deadline passed: its store was torn down, every native call it had
     /// running was stopped and its worker joined before this was returned.
     DeadlineExceeded,
+    /// The embedder's [`RunStop`] stopped it, with the same teardown as a deadline.
+    Stopped,
+}
+
+/// Stops a run now, native work in flight included, whatever the plugin passed its
+/// calls (a client gone, an operator's kill). Clone it into `RunOptions::stop` before
+/// the run and keep a clone to call [`RunStop::stop`] from anywhere; a stop before the
+/// run starts ends it at once.
+#[derive(Clone, Debug)]
+pub struct RunStop(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Default for RunStop {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::watch::Sender::new(false)))
+    }
+}
+
+impl RunStop {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn stop(&self) {
+        self.0.send_replace(true);
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Resolves once `stop` was called.
+    async fn stopped(&self) {
+        let mut seen = self.0.subscribe();
+        // The sender lives in `self`, so this only ends by a stop.
+        let _ = seen.wait_for(|stopped| *stopped).await;
+    }
 }
 
 /// How to run a plugin.
@@ -81,11 +117,15 @@ pub struct RunOptions {
     pub group: String,
     /// Stop the whole run, native work included, after this long.
     pub deadline: Option<Duration>,
+    /// This run's limits (a tenant's, say) instead of the host's.
+    pub limits: Option<Limits>,
+    /// A handle that stops the run now (`RunOutcome::Stopped`).
+    pub stop: Option<RunStop>,
 }
 
 impl Default for RunOptions {
     fn default() -> Self {
-        Self { group: "default".into(), deadline: None }
+        Self { group: "default".into(), deadline: None, limits: None, stop: None }
     }
 }
 
@@ -176,14 +216,22 @@ impl PluginHost {
         }
         let component = Component::from_file(&self.engine, path)
             .with_context(|| format!("{} is not a valid WebAssembly component", path.display()))?;
-        self.prepare(component)
+        self.load_component(component)
     }
 
     pub fn load_bytes(&self, bytes: &[u8]) -> anyhow::Result<Plugin> {
-        self.prepare(Component::new(&self.engine, bytes).context("not a valid WebAssembly component")?)
+        self.load_component(Component::new(&self.engine, bytes).context("not a valid WebAssembly component")?)
     }
 
-    fn prepare(&self, component: Component) -> anyhow::Result<Plugin> {
+    /// `load` off the async executor: compiling takes CPU-seconds for a large plugin.
+    pub async fn load_async(self: &Arc<Self>, path: &Path) -> anyhow::Result<Plugin> {
+        let (host, path) = (self.clone(), path.to_path_buf());
+        tokio::task::spawn_blocking(move || host.load(&path)).await.context("the compile thread panicked")?
+    }
+
+    /// A component the embedder compiled (or deserialized) itself with this host's
+    /// [`PluginHost::engine`].
+    pub fn load_component(&self, component: Component) -> anyhow::Result<Plugin> {
         let pre = self
             .linker
             .instantiate_pre(&component)
@@ -270,7 +318,8 @@ impl Plugin {
         self.run_with(&RunOptions::default(), wasi).await
     }
 
-    /// `run` with a group for shared tokens and an optional deadline.
+    /// `run` with a group for shared tokens, this run's limits, a deadline and a stop
+    /// handle.
     ///
     /// Returns only once every native call the run started has stopped and its memory
     /// is freed: dropping the store (at the end, on a trap, or at the deadline) stops
@@ -278,22 +327,39 @@ impl Plugin {
     /// threads.
     pub async fn run_with(&self, options: &RunOptions, wasi: WasiCtxBuilder) -> anyhow::Result<RunOutcome> {
         let workers = self.workers.child();
-        let run = self.run_in_store(&options.group, wasi, workers.clone());
-        let outcome = match options.deadline {
-            None => run.await,
-            Some(deadline) => tokio::time::timeout(deadline, run).await.unwrap_or(Ok(RunOutcome::DeadlineExceeded)),
+        let limits = options.limits.as_ref().unwrap_or(&self.limits);
+        let run = self.run_in_store(&options.group, limits, wasi, workers.clone());
+        let deadline = async {
+            match options.deadline {
+                Some(after) => tokio::time::sleep(after).await,
+                None => std::future::pending().await,
+            }
+        };
+        let stop = async {
+            match &options.stop {
+                Some(stop) => stop.stopped().await,
+                None => std::future::pending().await,
+            }
+        };
+        // Whichever ends first; the others are dropped, and dropping the run drops its
+        // store: every worker's call is stopped (see `Worker::drop`).
+        let outcome = tokio::select! {
+            biased;
+            () = stop => Ok(RunOutcome::Stopped),
+            () = deadline => Ok(RunOutcome::DeadlineExceeded),
+            outcome = run => outcome,
         };
         workers.all_stopped().await;
         outcome
     }
 
-    async fn run_in_store(&self, group: &str, mut wasi: WasiCtxBuilder, workers: Tracker) -> anyhow::Result<RunOutcome> {
-        let llama = LlamaCtx::new(self.registry.clone(), self.tokens.clone(), group, self.limits.clone());
+    async fn run_in_store(&self, group: &str, limits: &Limits, mut wasi: WasiCtxBuilder, workers: Tracker) -> anyhow::Result<RunOutcome> {
+        let llama = LlamaCtx::new(self.registry.clone(), self.tokens.clone(), group, limits.clone());
         let state = PluginState {
             wasi: wasi.build(),
             llama: llama.tracked_by(workers),
             table: ResourceTable::new(),
-            limits: self.limits.store_limits(),
+            limits: limits.store_limits(),
         };
         let engine = match &self.entry {
             Entry::Command(pre) => pre.engine(),
