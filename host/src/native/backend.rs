@@ -20,6 +20,15 @@ std::thread_local! {
     /// `GGML_LOG_LEVEL_CONT` continues the previous line at its level.
     static LAST_LEVEL: std::cell::Cell<sys::ggml_log_level> =
         const { std::cell::Cell::new(sys::GGML_LOG_LEVEL_INFO) };
+    /// The last error line llama.cpp logged on this thread (see [`take_last_error`]).
+    static LAST_ERROR: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The last error line llama.cpp logged on the calling thread since the previous call,
+/// for calls that fail with only a null result (a grammar that does not parse, say):
+/// call it once before such a call to clear, and once after to read the reason.
+pub(crate) fn take_last_error() -> Option<String> {
+    LAST_ERROR.with(|e| e.borrow_mut().take())
 }
 
 unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
@@ -39,6 +48,9 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
         return;
     }
     // llama.cpp is chatty at INFO (every tensor on load): keep that at DEBUG.
+    if level == sys::GGML_LOG_LEVEL_ERROR {
+        LAST_ERROR.with(|e| *e.borrow_mut() = Some(text.to_string()));
+    }
     match level {
         sys::GGML_LOG_LEVEL_ERROR => tracing::error!(target: "llama_cpp", "{text}"),
         sys::GGML_LOG_LEVEL_WARN => tracing::warn!(target: "llama_cpp", "{text}"),

@@ -10,6 +10,9 @@ use super::cancel::{abort_callback, Stop};
 use super::model::{Model, Token};
 use super::{backend, Error, Result};
 
+mod embed;
+pub use embed::Pooling;
+
 /// Settings of a new context, already resolved (no defaults left to pick).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ContextParams {

@@ -3,17 +3,23 @@
 
 mod backend;
 pub mod cancel;
+pub mod chat;
 pub mod chunker;
 pub mod context;
+pub mod generate;
 pub mod media;
 pub mod model;
+pub mod sampler;
 pub mod synthetic;
 
 pub use backend::cpu_features;
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
-pub use context::{Batch, Context, ContextParams};
+pub use chat::{ChatMessage, ChatTemplate};
+pub use context::{Batch, Context, ContextParams, Pooling};
+pub use generate::{generate, FinishReason, GenerateRequest, Outcome, Piece, Usage};
 pub use media::{Chunk, ChunkKind, EncodeScope, MediaCaps, MediaContext, MediaInput};
 pub use model::{Model, Token};
+pub use sampler::{Grammar, Penalties, Sampler, SamplerCaps, SamplerParams};
 pub use synthetic::{ProjectorKind, ProjectorSpec, TextModelSpec};
 
 /// Why a native call failed.
