@@ -8,7 +8,8 @@ use wasmtime::component::{Accessor, Resource};
 use super::async_bindings::llamabox::inference::async_calls::{Host, HostWithStore};
 use super::bindings::llamabox::inference::llm::Batch;
 use super::pending::finished;
-use super::{Answer, CancelToken, ChunkHandle, ContextHandle, HasLlama, LlamaCtxView, MediaContextHandle};
+use super::bindings::llamabox::inference::generate::Piece;
+use super::{Answer, CancelToken, ChunkHandle, ContextHandle, Error, GenerationHandle, HasLlama, LlamaCtxView, MediaContextHandle};
 
 impl Host for LlamaCtxView<'_> {}
 
@@ -31,5 +32,17 @@ impl<T> HostWithStore<T> for HasLlama {
     ) -> Answer<Vec<f32>> {
         let call = accessor.with(|mut access| access.get().queue_encode(&media, &chunk, &cancel))?;
         Ok(finished(call.await))
+    }
+
+    async fn generation_next(accessor: &Accessor<T, Self>, generation: Resource<GenerationHandle>) -> Answer<Option<Piece>> {
+        // The stream leaves the table while this call waits (the store is never held
+        // across an await). If the guest drops this call's future, the stream drops
+        // with it, and with the stream the generation: it is cancelled.
+        let Some(mut stream) = accessor.with(|mut access| access.get().table.get_mut(&generation).map(GenerationHandle::take))? else {
+            return Ok(Err(Error::Cancelled));
+        };
+        let piece = stream.next().await;
+        accessor.with(|mut access| access.get().table.get_mut(&generation).map(|g| g.put_back(stream)))?;
+        Ok(piece)
     }
 }

@@ -4,6 +4,8 @@
 
 mod async_calls;
 mod cancel;
+mod embeddings;
+mod generate;
 mod limits;
 mod llm;
 mod media;
@@ -18,6 +20,7 @@ use wasmtime::component::{HasData, Linker, ResourceTable};
 pub use cancel::CancelToken;
 pub use limits::Limits;
 pub use llm::{ContextHandle, ModelHandle, PendingDecode};
+pub use generate::{GenerationHandle, SamplerHandle};
 pub use media::{ChunkHandle, MediaContextHandle, PendingEncode};
 pub use registry::ModelRegistry;
 pub use tokens::TokenRegistry;
@@ -40,6 +43,8 @@ pub mod bindings {
             "llamabox:inference/media.chunk": super::ChunkHandle,
             "llamabox:inference/media.media-context": super::MediaContextHandle,
             "llamabox:inference/media.pending-encode": super::PendingEncode,
+            "llamabox:inference/generate.sampler": super::SamplerHandle,
+            "llamabox:inference/generate.generation": super::GenerationHandle,
         },
     });
 }
@@ -55,6 +60,7 @@ pub mod async_bindings {
             "llamabox:inference/cancel": super::bindings::llamabox::inference::cancel,
             "llamabox:inference/llm": super::bindings::llamabox::inference::llm,
             "llamabox:inference/media": super::bindings::llamabox::inference::media,
+            "llamabox:inference/generate": super::bindings::llamabox::inference::generate,
         },
     });
 }
@@ -82,6 +88,7 @@ struct Usage {
     pending_calls: u32,
     tokens: u32,
     kv_cells: u64,
+    samplers: u32,
 }
 
 /// Something a plugin holds that counts against a limit.
@@ -92,6 +99,8 @@ pub(crate) enum Held {
     MediaContext,
     PendingCall,
     Token,
+    /// A `generate.sampler` (n-vocab candidates, maybe a grammar).
+    Sampler,
 }
 
 impl LlamaCtx {
@@ -116,6 +125,7 @@ impl LlamaCtx {
                 return over("max-pending-calls", l.max_pending_calls.to_string())
             }
             Held::Token if u.tokens >= l.max_tokens => return over("max-tokens", l.max_tokens.to_string()),
+            Held::Sampler if u.samplers >= l.max_samplers => return over("max-samplers", l.max_samplers.to_string()),
             _ => {}
         }
         self.count(held, true);
@@ -138,6 +148,7 @@ impl LlamaCtx {
             Held::MediaContext => step(&mut u.media_contexts),
             Held::PendingCall => step(&mut u.pending_calls),
             Held::Token => step(&mut u.tokens),
+            Held::Sampler => step(&mut u.samplers),
         }
     }
 }
@@ -168,6 +179,8 @@ pub fn add_to_linker<T: LlamaView + 'static>(linker: &mut Linker<T>) -> wasmtime
     wit::cancel::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     wit::llm::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     wit::media::add_to_linker::<T, HasLlama>(linker, T::llama)?;
+    wit::generate::add_to_linker::<T, HasLlama>(linker, T::llama)?;
+    wit::embeddings::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     async_bindings::llamabox::inference::async_calls::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     Ok(())
 }
@@ -213,6 +226,9 @@ mod tests {
         c.release(small);
         c.admit(Held::Context { kv_cells: 200 }).unwrap();
 
+        let mut c2 = ctx(Limits { max_samplers: 1, ..Limits::default() });
+        c2.admit(Held::Sampler).unwrap();
+        assert!(limit_named(c2.admit(Held::Sampler)).starts_with("max-samplers"));
         for (held, name) in [(Held::PendingCall, "max-pending-calls"), (Held::Token, "max-tokens"), (Held::MediaContext, "max-media-contexts")] {
             c.admit(held).unwrap();
             assert!(limit_named(c.admit(held)).starts_with(name));
