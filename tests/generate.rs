@@ -9,8 +9,8 @@ mod common;
 use std::sync::Arc;
 
 use llamabox::native::{
-    generate, Batch, CancelFlag, ChatMessage, ChatTemplate, Context, ContextParams, Error, FinishReason, GenerateRequest, Grammar,
-    Model, Outcome, Piece, Pooling, Sampler, SamplerCaps, SamplerParams, Stop, Token,
+    generate, Batch, CancelFlag, ChatMessage, ChatTemplate, ChunkKind, Context, ContextParams, Error, FinishReason, GenerateRequest,
+    Grammar, MediaCaps, MediaContext, MediaInput, Model, Outcome, Piece, Pooling, Sampler, SamplerCaps, SamplerParams, Stop, Token,
 };
 use llamabox::RunOutcome;
 
@@ -360,17 +360,17 @@ fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
         if pooling != Pooling::Cls {
             assert_ne!(bits(&first[0]), bits(&first[1]), "different inputs, different vectors ({pooling:?})");
         }
-        let normalised = ctx.embed(&[a.clone()], pooling, true, None).unwrap();
+        let normalised = ctx.embed(std::slice::from_ref(&a), pooling, true, None).unwrap();
         let norm = normalised[0].iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
         assert!((norm - 1.0).abs() < 1e-5, "norm {norm}");
     }
     assert_eq!(ctx.seq_pos_max(0).unwrap(), -1, "embedding leaves memory empty");
     let rows = ctx.embed_rows(&a, false, None).unwrap();
     assert_eq!((rows.len(), rows[0].len()), (a.len(), n_embd));
-    let mean = ctx.embed(&[a.clone()], Pooling::Mean, false, None).unwrap();
+    let mean = ctx.embed(std::slice::from_ref(&a), Pooling::Mean, false, None).unwrap();
     let by_hand: Vec<f32> = (0..n_embd).map(|j| rows.iter().map(|r| r[j]).sum::<f32>() / rows.len() as f32).collect();
     assert_eq!(mean[0], by_hand, "mean pooling is the mean of the rows");
-    assert_eq!(ctx.embed(&[a.clone()], Pooling::Last, false, None).unwrap()[0], rows[a.len() - 1]);
+    assert_eq!(ctx.embed(std::slice::from_ref(&a), Pooling::Last, false, None).unwrap()[0], rows[a.len() - 1]);
 
     // Generation still works on the same context afterwards (embedding output is off).
     let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request(prompt(&model), 6), &CancelFlag::new());
@@ -380,12 +380,62 @@ fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
     // Cancelled in flight: cancelled, memory empty, the next call as before.
     let token = CancelFlag::new();
     token.trip_after(7);
-    assert_eq!(ctx.embed(&[a.clone()], Pooling::Mean, false, Some(Stop::on(&token))), Err(Error::Cancelled));
+    assert_eq!(ctx.embed(std::slice::from_ref(&a), Pooling::Mean, false, Some(Stop::on(&token))), Err(Error::Cancelled));
     assert_eq!(ctx.seq_pos_max(0).unwrap(), -1);
-    assert_eq!(ctx.embed(&[a.clone()], Pooling::Mean, false, None).unwrap(), mean);
+    assert_eq!(ctx.embed(std::slice::from_ref(&a), Pooling::Mean, false, None).unwrap(), mean);
     let too_many = vec![a.clone(); params().n_seq_max as usize + 1];
     assert!(matches!(ctx.embed(&too_many, Pooling::Mean, false, None), Err(Error::InvalidArgument(_))));
     assert!(matches!(ctx.embed(&[vec![]], Pooling::Mean, false, None), Err(Error::InvalidArgument(_))));
+}
+
+/// A context holding "Describe this: <image>" evaluated the way `media.eval-chunks`
+/// does it (text decoded, the image encoded then decoded), logits for its last row.
+fn context_after_an_image(model: &Arc<Model>) -> Context {
+    let mut media = MediaContext::new(common::tiny_vision(), model.clone(), 1).unwrap();
+    let caps = MediaCaps { max_image_side: 4096, max_audio_samples: 1 << 20 };
+    let image = MediaInput::Image { width: 64, height: 64, rgb: common::gradient(64, 64) };
+    let chunks = media.tokenize(&format!("Describe this: {}", MediaContext::marker()), &[image], caps).unwrap();
+    assert!(chunks.iter().any(|c| c.kind() == ChunkKind::Image));
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    for (i, chunk) in chunks.iter().enumerate() {
+        let last = i + 1 == chunks.len();
+        if chunk.kind() == ChunkKind::Text {
+            let start = ctx.seq_pos_max(0).unwrap() + 1;
+            ctx.decode(&Batch::sequence(chunk.text_tokens(), start, 0), None).unwrap();
+        } else {
+            let embd = media.encode(chunk, None).unwrap();
+            ctx.decode_embeddings(&embd, 0, media.needs_non_causal(chunk), last, None).unwrap();
+        }
+    }
+    ctx
+}
+
+#[test]
+fn an_empty_prompt_continues_after_a_media_prompt() {
+    let model = load(common::tiny_model());
+    let mut plain = context_after_an_image(&model);
+    let n_past = plain.seq_pos_max(0).unwrap() + 1;
+    let eos = model.eos().unwrap() as usize;
+    let mut expected = Vec::new();
+    for pos in n_past..n_past + 8 {
+        // Greedy with end-of-generation banned, as the sampler below is told.
+        let logits = plain.last_logits().unwrap();
+        let next = (0..logits.len()).filter(|&i| i != eos).fold(0, |best, i| if logits[i] > logits[best] { i } else { best }) as Token;
+        expected.push(next);
+        plain.decode(&Batch::sequence(&[next], pos, 0), None).unwrap();
+    }
+
+    let mut ctx = context_after_an_image(&model);
+    let eos_banned = SamplerParams { logit_bias: vec![(model.eos().unwrap(), f32::NEG_INFINITY)], ..SamplerParams::default() };
+    let (outcome, pieces) = run(&mut ctx, &eos_banned, &request(Vec::new(), 8), &CancelFlag::new());
+    let outcome = outcome.unwrap();
+    assert_eq!(tokens_of(&pieces), expected);
+    assert_eq!(outcome.usage.prompt_tokens, 0);
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), n_past + outcome.usage.generated_tokens as i32 - 1);
+
+    let mut empty = Context::new(model.clone(), params()).unwrap();
+    let (outcome, _) = run(&mut empty, &SamplerParams::greedy(), &request(Vec::new(), 8), &CancelFlag::new());
+    assert!(matches!(outcome, Err(Error::InvalidArgument(m)) if m.contains("no logits")));
 }
 
 // ---- Through the demo plugin ----
@@ -405,6 +455,16 @@ async fn guest_host_side_greedy_equals_its_own_greedy_loop_and_the_native_one() 
     assert!(common::field(&out, "host-usage").starts_with(&format!("prompt {} generated 16", prompt.len())));
     // The plugin-driven sampler (greedy through `sampler.sample`) agrees too.
     assert_eq!(common::field(&out, "sampler-ids"), guest);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn guest_generates_on_the_host_after_an_image_prompt() {
+    let (outcome, out) =
+        common::run_demo_with(&[("tiny", common::tiny_model())], &[("vision", common::tiny_vision())], &["--model", "tiny", "--media", "vision"]).await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    let next = common::field(&out, "media-eval").rsplit("next-token=").next().unwrap().to_string();
+    let generated = common::field(&out, "media-host-generation");
+    assert!(generated == next || generated.starts_with(&format!("{next},")), "greedy continues with the argmax {next}: {generated}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

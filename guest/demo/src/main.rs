@@ -447,6 +447,13 @@ fn media(o: &Options, projector: &str, model: &Model, ctx: &Context) -> Result<(
     let n_past = media.eval_chunks(ctx, &refs, 0, &CancelToken::new())?;
     let next = argmax(&ctx.last_logits()?);
     println!("media-eval: n-past={n_past}, next-token={next}");
+    // Generate on the host from there: an empty prompt continues from the last logits.
+    let generation = generate::start(ctx, &params(Vec::new(), 4, Vec::new(), greedy()), &CancelToken::new())?;
+    let mut ids = Vec::new();
+    while let Some(piece) = generation.next()? {
+        ids.extend(piece.tokens);
+    }
+    println!("media-host-generation: {}", join(&ids));
 
     // Under a shared token (the embedder's, say), which may stop it at any stage.
     if let Some(capability) = &o.token {

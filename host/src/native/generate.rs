@@ -25,8 +25,10 @@ use super::{Error, Result};
 /// What to generate.
 #[derive(Clone, Debug)]
 pub struct GenerateRequest {
-    /// Decoded after the sequence's current end. At least one token (its logits pick
-    /// the first generated token).
+    /// Decoded after the sequence's current end; its last token's logits pick the
+    /// first generated token. Empty: continue from the logits of the context's last
+    /// decode (a chunk list evaluated through the media path, say), which must have
+    /// been the end of `seq`.
     pub prompt: Vec<Token>,
     pub seq: i32,
     /// Most tokens to generate (0: prefill only).
@@ -100,8 +102,10 @@ pub fn generate(
 ) -> Result<Outcome> {
     let GenerateRequest { prompt, seq, max_tokens, stop: stops } = request;
     let seq = *seq;
-    if prompt.is_empty() {
-        return Err(Error::InvalidArgument("the prompt is empty (its last token's logits pick the first token)".into()));
+    if prompt.is_empty() && ctx.last_logits().is_err() {
+        return Err(Error::InvalidArgument(
+            "the prompt is empty and the context's last decode left no logits to continue from".into(),
+        ));
     }
     if let Some(i) = stops.iter().position(String::is_empty) {
         return Err(Error::InvalidArgument(format!("stop string {i} is empty")));
@@ -165,6 +169,9 @@ pub fn generate(
 /// token; all or nothing across the pieces.
 fn prefill(ctx: &mut Context, prompt: &[Token], seq: i32, stop: Stop<'_>) -> Result<()> {
     let end = ctx.seq_pos_max(seq)?;
+    if prompt.is_empty() {
+        return Ok(());
+    }
     let n_batch = ctx.params().n_batch as usize;
     let result = prompt.chunks(n_batch).try_fold(end + 1, |pos, piece| {
         ctx.decode(&Batch::sequence(piece, pos, seq), Some(stop))?;

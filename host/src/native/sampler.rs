@@ -109,7 +109,7 @@ impl SamplerParams {
     /// Everything llama.cpp would assert on or misread, checked against `caps`.
     pub fn check(&self, model: &Model, caps: &SamplerCaps) -> Result<()> {
         let unit = |name: &str, v: Option<f32>, zero_ok: bool| match v {
-            Some(p) if !p.is_finite() || p > 1.0 || p < 0.0 || (p == 0.0 && !zero_ok) => {
+            Some(p) if !(0.0..=1.0).contains(&p) || (p == 0.0 && !zero_ok) => {
                 let range = if zero_ok { "[0, 1]" } else { "(0, 1]" };
                 invalid(format!("{name} {p} is outside {range}"))
             }
