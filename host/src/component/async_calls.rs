@@ -9,7 +9,7 @@ use super::async_bindings::llamabox::inference::async_calls::{Host, HostWithStor
 use super::bindings::llamabox::inference::llm::Batch;
 use super::pending::finished;
 use super::bindings::llamabox::inference::generate::Piece;
-use super::{Answer, CancelToken, ChunkHandle, ContextHandle, Error, GenerationHandle, HasLlama, LlamaCtxView, MediaContextHandle};
+use super::{Answer, CancelToken, ChunkHandle, ContextHandle, GenerationHandle, HasLlama, LlamaCtxView, MediaContextHandle};
 
 impl Host for LlamaCtxView<'_> {}
 
@@ -35,14 +35,15 @@ impl<T> HostWithStore<T> for HasLlama {
     }
 
     async fn generation_next(accessor: &Accessor<T, Self>, generation: Resource<GenerationHandle>) -> Answer<Option<Piece>> {
-        // The stream leaves the table while this call waits (the store is never held
-        // across an await). If the guest drops this call's future, the stream drops
-        // with it, and with the stream the generation: it is cancelled.
-        let Some(mut stream) = accessor.with(|mut access| access.get().table.get_mut(&generation).map(GenerationHandle::take))? else {
-            return Ok(Err(Error::Cancelled));
+        // The stream is lent out of the table while this call waits (the store is
+        // never held across an await). If the guest drops this call's future, the
+        // stream drops with it, and with the stream the generation: it is cancelled.
+        let mut lent = match accessor.with(|mut access| access.get().table.get_mut(&generation).map(GenerationHandle::lend))? {
+            Ok(lent) => lent,
+            Err(e) => return Ok(Err(e)),
         };
-        let piece = stream.next().await;
-        accessor.with(|mut access| access.get().table.get_mut(&generation).map(|g| g.put_back(stream)))?;
+        let piece = lent.next().await;
+        accessor.with(|mut access| access.get().table.get_mut(&generation).map(|g| g.give_back(lent)))?;
         Ok(piece)
     }
 }

@@ -3,6 +3,7 @@
 //! this module checks host policy, builds the sampler (so a bad grammar fails `start`
 //! itself) and carries pieces to the guest through a bounded channel.
 
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,9 +33,15 @@ pub struct SamplerHandle {
 
 /// A generation started with `generate.start`.
 pub struct GenerationHandle {
-    /// `None` once the guest dropped an async `generation-next` mid-wait (the
-    /// generation was cancelled with it).
-    stream: Option<Stream>,
+    slot: Slot,
+}
+
+/// Where a generation's stream is: here, or lent to an async `generation-next` that
+/// is waiting on it (the store is not held across that wait). The flag says whether
+/// the borrower was dropped without returning it, which cancelled the generation.
+enum Slot {
+    Here(Stream),
+    Lent(Arc<AtomicBool>),
 }
 
 struct Stream {
@@ -89,36 +96,76 @@ impl Stream {
 
 impl GenerationHandle {
     pub(super) async fn next(&mut self) -> Result<Option<Piece>, Error> {
+        match &mut self.slot {
+            Slot::Here(stream) => stream.next().await,
+            Slot::Lent(lost) => Err(Self::lent_error(lost)),
+        }
+    }
+
+    /// Lend the stream to an async call, unless it is already lent (or was lost).
+    pub(super) fn lend(&mut self) -> Result<LentStream, Error> {
+        if let Slot::Lent(lost) = &self.slot {
+            return Err(Self::lent_error(lost));
+        }
+        let lost = Arc::new(AtomicBool::new(false));
+        match std::mem::replace(&mut self.slot, Slot::Lent(lost.clone())) {
+            Slot::Here(stream) => Ok(LentStream { stream: Some(stream), lost }),
+            Slot::Lent(_) => unreachable!("checked above"),
+        }
+    }
+
+    fn lent_error(lost: &AtomicBool) -> Error {
+        if lost.load(Relaxed) {
+            Error::Cancelled
+        } else {
+            Error::InvalidArgument("an async generation-next is already waiting on this generation".into())
+        }
+    }
+
+    pub(super) fn give_back(&mut self, mut lent: LentStream) {
+        if let Some(stream) = lent.stream.take() {
+            self.slot = Slot::Here(stream);
+        }
+    }
+
+    fn outcome(&self) -> Option<Result<&native::Outcome, ()>> {
+        match &self.slot {
+            Slot::Here(stream) => stream.outcome().map(Ok),
+            Slot::Lent(lost) if lost.load(Relaxed) => Some(Err(())),
+            Slot::Lent(_) => None,
+        }
+    }
+}
+
+/// A generation's stream while an async `generation-next` waits on it. Dropped
+/// without being given back (the guest dropped that call's future), it drops the
+/// stream, which cancels the generation, and marks the generation cancelled.
+pub(super) struct LentStream {
+    stream: Option<Stream>,
+    lost: Arc<AtomicBool>,
+}
+
+impl LentStream {
+    pub(super) async fn next(&mut self) -> Result<Option<Piece>, Error> {
         match &mut self.stream {
             Some(stream) => stream.next().await,
             None => Err(Error::Cancelled),
         }
     }
-
-    /// Take the stream out (for an async call that must not hold the store across an
-    /// await); `put_back` returns it.
-    pub(super) fn take(&mut self) -> Option<StreamBox> {
-        self.stream.take().map(StreamBox)
-    }
-
-    pub(super) fn put_back(&mut self, stream: StreamBox) {
-        self.stream = Some(stream.0);
-    }
 }
 
-/// A generation's stream while an async `generation-next` has it.
-pub(super) struct StreamBox(Stream);
-
-impl StreamBox {
-    pub(super) async fn next(&mut self) -> Result<Option<Piece>, Error> {
-        self.0.next().await
+impl Drop for LentStream {
+    fn drop(&mut self) {
+        if self.stream.is_some() {
+            self.lost.store(true, Relaxed);
+        }
     }
 }
 
 #[wasmtime_wasi::async_trait]
 impl Pollable for GenerationHandle {
     async fn ready(&mut self) {
-        if let Some(stream) = &mut self.stream {
+        if let Slot::Here(stream) = &mut self.slot {
             stream.ready().await;
         }
     }
@@ -235,7 +282,7 @@ impl Host for LlamaCtxView<'_> {
             // `tx` drops here: the reader sees the end of the pieces.
         });
         let stream = Stream { pieces: rx, peeked: None, state: StreamState::Running(call) };
-        Ok(Ok(self.table.push(GenerationHandle { stream: Some(stream) })?))
+        Ok(Ok(self.table.push(GenerationHandle { slot: Slot::Here(stream) })?))
     }
 
     async fn apply_chat_template(
@@ -320,16 +367,18 @@ impl HostGeneration for LlamaCtxView<'_> {
     }
 
     async fn finish_reason(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Option<FinishReason>> {
-        let handle = self.table.get(&generation)?;
-        Ok(match &handle.stream {
-            Some(stream) => stream.outcome().map(|o| finish_reason(o.finish)),
-            None => Some(FinishReason::Cancelled),
+        Ok(match self.table.get(&generation)?.outcome() {
+            Some(Ok(outcome)) => Some(finish_reason(outcome.finish)),
+            Some(Err(())) => Some(FinishReason::Cancelled),
+            None => None,
         })
     }
 
     async fn usage(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Option<Usage>> {
-        let handle = self.table.get(&generation)?;
-        Ok(handle.stream.as_ref().and_then(Stream::outcome).map(|o| usage(&o.usage)))
+        Ok(match self.table.get(&generation)?.outcome() {
+            Some(Ok(outcome)) => Some(usage(&outcome.usage)),
+            _ => None,
+        })
     }
 
     async fn drop(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<()> {
