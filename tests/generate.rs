@@ -458,6 +458,21 @@ async fn guest_host_side_greedy_equals_its_own_greedy_loop_and_the_native_one() 
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_guest_that_stops_reading_pauses_the_generation_and_a_cancel_ends_it() {
+    let (outcome, out) = common::run_demo(
+        &[("tiny", common::tiny_model())],
+        &["--model", "tiny", "--stall-generation", "--cancel-after-ms", "200"],
+    )
+    .await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    let report = common::field(&out, "stalled-generation");
+    let delivered: u32 = report.split(' ').next().unwrap().parse().unwrap();
+    // 256 tokens asked for; the host stops at its 32-piece buffer until the cancel.
+    assert!(delivered <= 32 && report.ends_with("delivered, cancelled"), "{report}");
+    assert_eq!(common::field(&out, "stalled-generation-memory"), "consistent");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn guest_generates_on_the_host_after_an_image_prompt() {
     let (outcome, out) =
         common::run_demo_with(&[("tiny", common::tiny_model())], &[("vision", common::tiny_vision())], &["--model", "tiny", "--media", "vision"]).await;

@@ -50,6 +50,8 @@ struct Options {
     chat: Option<String>,
     /// Cancel a host-side generation from a timer after `cancel-after-ms`.
     cancel_generation: bool,
+    /// Start a generation, stop reading it, cancel it while the host waits for room.
+    stall_generation: bool,
 }
 
 impl Options {
@@ -72,6 +74,7 @@ impl Options {
             host_generate: false,
             chat: None,
             cancel_generation: false,
+            stall_generation: false,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -95,6 +98,7 @@ impl Options {
                 "--host-generate" => o.host_generate = true,
                 "--chat" => o.chat = Some(value()?),
                 "--cancel-generation" => o.cancel_generation = true,
+                "--stall-generation" => o.stall_generation = true,
                 _ => return Err(format!("unknown argument {flag:?}")),
             }
         }
@@ -165,6 +169,9 @@ fn run(o: &Options) -> Result<(), Error> {
     }
     if o.cancel_generation {
         return cancel_generation(o, &model, &ctx);
+    }
+    if o.stall_generation {
+        return stall_generation(o, &model, &ctx);
     }
     generate(o, &model, &ctx)?;
     if o.host_generate {
@@ -355,6 +362,25 @@ fn cancel_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Er
     let again = generate::start(ctx, &params(filler, 4, Vec::new(), greedy()), &CancelToken::new())?;
     while again.next()?.is_some() {}
     println!("after-cancel: {}", if again.finish_reason().is_some() { "ok" } else { "no finish reason" });
+    Ok(())
+}
+
+/// A reader that stops reading: the host buffers a bounded number of pieces and then
+/// waits; a cancel ends the wait, and the piece it could not deliver is not kept.
+fn stall_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let prompt = model.tokenize(&o.prompt, true, true)?;
+    let no_end = SamplerParams { logit_bias: vec![generate::LogitBias { token: model.eos().unwrap_or(0), bias: f32::NEG_INFINITY }], ..greedy() };
+    let token = CancelToken::new();
+    let generation = generate::start(ctx, &params(prompt.clone(), 256, Vec::new(), no_end), &token)?;
+    monotonic_clock::subscribe_duration(o.cancel_after_ms * 1_000_000).block();
+    token.cancel();
+    let mut delivered = 0;
+    while let Some(piece) = generation.next()? {
+        delivered += piece.tokens.len();
+    }
+    println!("stalled-generation: {delivered} delivered, {}", finish_name(&generation));
+    let consistent = ctx.seq_pos_max(0)? == prompt.len() as i32 + delivered as i32 - 1;
+    println!("stalled-generation-memory: {}", if consistent { "consistent" } else { "inconsistent" });
     Ok(())
 }
 

@@ -179,11 +179,13 @@ fn deliver(pieces: &mpsc::Sender<native::Piece>, mut piece: native::Piece, stop:
             Ok(()) => return true,
             Err(mpsc::error::TrySendError::Closed(_)) => return false,
             Err(mpsc::error::TrySendError::Full(back)) => {
+                piece = back;
+                std::thread::sleep(FULL_BUFFER_POLL);
+                // Checked before retrying: a cancel while waiting ends the generation
+                // even if the reader has made room since.
                 if stop.is_set() {
                     return false;
                 }
-                piece = back;
-                std::thread::sleep(FULL_BUFFER_POLL);
             }
         }
     }
