@@ -283,6 +283,12 @@ fn bad_sampler_parameters_and_grammars_are_named_errors() {
     assert!(bad(grammar("digits ::= [0-9]+", None)).contains("root"), "a grammar without its start rule");
     assert!(bad(grammar("root ::= root \"a\"", None)).contains("left recursion"));
     assert!(bad(grammar("root ::= undefined-rule", None)).starts_with("grammar: "));
+    // llama.cpp would generate 2^64 - 3 rules for this one: refused up front.
+    assert!(bad(grammar("root ::= \"a\"{5,2}", None)).contains("maximum below its minimum"));
+    assert!(bad(grammar("root ::= \"a\"{99999999999999999999999}", None)).starts_with("grammar: "));
+    assert!(bad(grammar("root ::= \"a\"{3000}", None)).starts_with("grammar: "));
+    assert!(bad(grammar("root ::= \"\\", None)).starts_with("grammar: "));
+    assert!(bad(grammar("root ::= <[]>", None)).starts_with("grammar: "));
     let deep = format!("root ::= {}\"a\"{}", "(".repeat(100), ")".repeat(100));
     assert!(bad(grammar(&deep, None)).contains("nests"));
     // The largest grammar the caps allow (a chain of rules, each one recursion level

@@ -201,11 +201,29 @@ fn check_grammar(g: &Grammar, caps: &SamplerCaps) -> Result<()> {
                 deepest = deepest.max(depth);
             }
             ')' => depth = depth.saturating_sub(1),
+            '{' => {
+                let body: String = chars.by_ref().take_while(|&d| d != '}').collect();
+                check_repetition(&body)?;
+            }
             _ => {}
         }
     }
     if deepest > caps.max_grammar_nesting {
         return invalid(format!("grammar nests groups {deepest} deep, above the limit {}", caps.max_grammar_nesting));
+    }
+    Ok(())
+}
+
+/// `{m,n}` with n < m makes llama.cpp's parser generate n - m (wrapped to 2^64 - k)
+/// rules: it would allocate until the host runs out of memory. Anything else
+/// malformed, llama.cpp refuses by itself.
+fn check_repetition(body: &str) -> Result<()> {
+    if let Some((min, max)) = body.split_once(',') {
+        if let (Ok(min), Ok(max)) = (min.trim().parse::<u64>(), max.trim().parse::<u64>()) {
+            if max < min {
+                return invalid(format!("grammar repetition {{{}}} has a maximum below its minimum", body.trim()));
+            }
+        }
     }
     Ok(())
 }
@@ -384,6 +402,9 @@ mod tests {
         let big = format!("root ::= \"{}\"", "a".repeat(16 << 10));
         assert!(check_grammar(&grammar(&big), &caps()).unwrap_err().to_string().contains("above the limit"));
         assert!(check_grammar(&grammar("  "), &caps()).is_err());
+        let backwards = check_grammar(&grammar("root ::= \"a\"{ 5 , 2 }"), &caps()).unwrap_err();
+        assert!(backwards.to_string().contains("maximum below its minimum"), "{backwards}");
+        check_grammar(&grammar("root ::= \"a\"{2,5} \"{9,1}\" [{] \"b\"{3} \"c\"{1,}"), &caps()).unwrap();
         assert!(check_grammar(&grammar("root ::= \"\0\""), &caps()).is_err());
     }
 }
