@@ -175,7 +175,7 @@ fn check_grammar(g: &Grammar, caps: &SamplerCaps) -> Result<()> {
     }
     // Group nesting outside literals, comments and character classes: each `(` is one
     // level of recursion in llama.cpp's parser (parse_sequence -> parse_alternates).
-    let (mut depth, mut deepest) = (0usize, 0usize);
+    let (mut depth, mut deepest, mut repeated) = (0usize, 0usize, 0u64);
     let mut chars = g.text.chars();
     while let Some(c) = chars.next() {
         match c {
@@ -203,7 +203,7 @@ fn check_grammar(g: &Grammar, caps: &SamplerCaps) -> Result<()> {
             ')' => depth = depth.saturating_sub(1),
             '{' => {
                 let body: String = chars.by_ref().take_while(|&d| d != '}').collect();
-                check_repetition(&body)?;
+                repeated = repeated.saturating_add(check_repetition(&body)?);
             }
             _ => {}
         }
@@ -211,21 +211,34 @@ fn check_grammar(g: &Grammar, caps: &SamplerCaps) -> Result<()> {
     if deepest > caps.max_grammar_nesting {
         return invalid(format!("grammar nests groups {deepest} deep, above the limit {}", caps.max_grammar_nesting));
     }
+    if repeated > MAX_GRAMMAR_REPETITIONS {
+        return invalid(format!(
+            "grammar repetitions {{m,n}} add up to {repeated} copies, above the limit {MAX_GRAMMAR_REPETITIONS}"
+        ));
+    }
     Ok(())
 }
 
-/// `{m,n}` with n < m makes llama.cpp's parser generate n - m (wrapped to 2^64 - k)
-/// rules: it would allocate until the host runs out of memory. Anything else
-/// malformed, llama.cpp refuses by itself.
-fn check_repetition(body: &str) -> Result<()> {
-    if let Some((min, max)) = body.split_once(',') {
-        if let (Ok(min), Ok(max)) = (min.trim().parse::<u64>(), max.trim().parse::<u64>()) {
-            if max < min {
-                return invalid(format!("grammar repetition {{{}}} has a maximum below its minimum", body.trim()));
+/// Copies of a symbol all `{m,n}` of a grammar may ask for together. llama.cpp expands
+/// each into up to max(m, n) rules or symbols (it caps one at 2000, not their sum), so
+/// 16 KiB of `"a"{0,2000}` would become millions of rules: hundreds of MB.
+const MAX_GRAMMAR_REPETITIONS: u64 = 4096;
+
+/// The copies one `{m,n}` / `{m}` / `{m,}` asks for. `{m,n}` with n < m is refused:
+/// llama.cpp's parser computes n - m in unsigned 64 bits and would generate rules until
+/// the host runs out of memory. Anything malformed llama.cpp refuses by itself.
+fn check_repetition(body: &str) -> Result<u64> {
+    let count = |s: &str| s.trim().parse::<u64>().ok();
+    Ok(match body.split_once(',') {
+        Some((min, max)) if max.trim().is_empty() => count(min).map_or(0, |m| m.saturating_add(1)),
+        Some((min, max)) => match (count(min), count(max)) {
+            (Some(min), Some(max)) if max < min => {
+                return invalid(format!("grammar repetition {{{}}} has a maximum below its minimum", body.trim()))
             }
-        }
-    }
-    Ok(())
+            (min, max) => min.max(max).unwrap_or(0),
+        },
+        None => count(body).unwrap_or(0),
+    })
 }
 
 impl Sampler {
@@ -405,6 +418,9 @@ mod tests {
         let backwards = check_grammar(&grammar("root ::= \"a\"{ 5 , 2 }"), &caps()).unwrap_err();
         assert!(backwards.to_string().contains("maximum below its minimum"), "{backwards}");
         check_grammar(&grammar("root ::= \"a\"{2,5} \"{9,1}\" [{] \"b\"{3} \"c\"{1,}"), &caps()).unwrap();
+        let many = "root ::= x\n".to_string() + &"x ::= \"a\"{0,2000}\n".repeat(3);
+        assert!(check_grammar(&grammar(&many), &caps()).unwrap_err().to_string().contains("add up to 6000"));
+        check_grammar(&grammar(&("root ::= x\n".to_string() + &"x ::= \"a\"{0,2000}\n".repeat(2))), &caps()).unwrap();
         assert!(check_grammar(&grammar("root ::= \"\0\""), &caps()).is_err());
     }
 }
