@@ -335,13 +335,13 @@ fn cancel_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Er
     let token = CancelToken::new();
     let generation = generate::start(ctx, &params(prompt, 64, Vec::new(), greedy()), &token)?;
     let timer = monotonic_clock::subscribe_duration(o.cancel_after_ms * 1_000_000);
-    let (mut delivered, mut cancelled) = (0usize, false);
+    let (mut delivered, mut cancelled_at) = (0usize, None);
     loop {
-        if !cancelled {
+        if cancelled_at.is_none() {
             let ready = generation.subscribe();
             if !poll::poll(&[&ready, &timer]).contains(&0) {
                 token.cancel();
-                cancelled = true;
+                cancelled_at = Some(monotonic_clock::now());
                 continue;
             }
         }
@@ -349,6 +349,9 @@ fn cancel_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Er
             Some(piece) => delivered += piece.tokens.len(),
             None => break,
         }
+    }
+    if let Some(at) = cancelled_at {
+        println!("cancel-generation-latency: cancel -> end {:.2} ms", (monotonic_clock::now() - at) as f64 / 1e6);
     }
     let usage = generation.usage().ok_or(Error::Backend("no usage after the end".into()))?;
     println!("cancel-generation-finish: {}", finish_name(&generation));
