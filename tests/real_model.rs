@@ -109,6 +109,46 @@ fn host_generation_on_the_real_model_equals_the_greedy_loop() {
     assert!(matches!(outcome.finish, FinishReason::MaxTokens | FinishReason::EndOfGeneration));
 }
 
+#[test]
+fn a_cancel_in_generation_on_the_real_model_keeps_exactly_the_delivered_tokens() {
+    let model = model();
+    let params = ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 128, n_seq_max: 1, n_threads: 1 };
+    let prompt = model.tokenize(PROMPT, true, true).unwrap();
+    let greedy = SamplerParams::greedy;
+    let run = |ctx: &mut Context, prompt: &[i32], max_tokens: u32, token: &CancelFlag| {
+        let mut sampler = Sampler::new(model.clone(), &greedy(), &SamplerCaps::default()).unwrap();
+        let mut tokens = Vec::new();
+        let mut sink = |p: Piece| {
+            tokens.extend(p.tokens);
+            true
+        };
+        let request = GenerateRequest { prompt: prompt.to_vec(), seq: 0, max_tokens, stop: Vec::new() };
+        let outcome = generate(ctx, &mut sampler, &request, Stop::on(token), &mut sink).unwrap();
+        (outcome, tokens)
+    };
+    let counter = CancelFlag::new();
+    counter.trip_after(u64::MAX);
+    let (_, reference) = run(&mut Context::new(model.clone(), params).unwrap(), &prompt, 12, &counter);
+    let all_polls = counter.polls();
+    let counter = CancelFlag::new();
+    counter.trip_after(u64::MAX);
+    run(&mut Context::new(model.clone(), params).unwrap(), &prompt, 0, &counter);
+    let prefill = counter.polls();
+    let per_token = (all_polls - prefill) / reference.len() as u64;
+    assert_eq!(reference.len(), 12);
+
+    let k = 4;
+    let mut ctx = Context::new(model.clone(), params).unwrap();
+    let token = CancelFlag::new();
+    token.trip_after(prefill + k as u64 * per_token + per_token / 2);
+    let (outcome, delivered) = run(&mut ctx, &prompt, 12, &token);
+    assert_eq!(outcome.finish, FinishReason::Cancelled);
+    assert_eq!(delivered, reference[..k]);
+    assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt.len() + k - 1, "memory: prompt + delivered tokens");
+    let (_, rest) = run(&mut ctx, &reference[k..k + 1], 4, &CancelFlag::new());
+    assert_eq!(rest, reference[k + 1..k + 5], "continuing after the cancel as if it never happened");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_host_generation_on_the_real_model_equals_its_own_loop() {
     let (outcome, out) = common::run_demo(
