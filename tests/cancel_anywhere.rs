@@ -171,6 +171,10 @@ async fn wasi_0_3_guest_tasks_cancel_in_flight_by_token_or_by_dropping_the_futur
     assert_eq!(common::field(&out, "memory-after-two"), "seq-pos-max=511 and -1");
     assert_eq!(common::field(&out, "async-complete"), "ok");
     assert_eq!(common::field(&out, "memory-after-complete"), "seq-pos-max=511");
+    assert_eq!(common::field(&out, "async-generation"), "4 tokens");
+    assert_eq!(common::field(&out, "async-generation-drop"), "dropped");
+    assert_eq!(common::field(&out, "async-generation-after-drop"), "cancelled");
+    assert_eq!(common::field(&out, "memory-after-generation-drop"), "seq-pos-max=-1", "a dropped generation-next left a trace");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,10 @@ mod common;
 
 use std::sync::Arc;
 
-use llamabox::native::{Batch, CancelFlag, Context, ContextParams, Error, Model, Stop};
+use llamabox::native::{
+    generate, Batch, CancelFlag, ChatMessage, ChatTemplate, Context, ContextParams, Error, FinishReason, GenerateRequest, Model, Piece,
+    Sampler, SamplerCaps, SamplerParams, Stop,
+};
 use llamabox::RunOutcome;
 
 const PROMPT: &str = "<|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n";
@@ -66,4 +69,100 @@ async fn guest_on_the_real_model_matches_native_logits() {
     assert_eq!(common::field(&out, "prompt-logits"), common::native_prompt_digest(path, PROMPT, 256));
     assert_eq!(common::field(&out, "generated-tokens"), "8");
     assert!(common::field(&out, "generated").to_lowercase().contains("llama"), "{out}");
+}
+
+#[test]
+fn host_generation_on_the_real_model_equals_the_greedy_loop() {
+    let model = model();
+    let params = ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 128, n_seq_max: 1, n_threads: 1 };
+    let messages = [ChatMessage { role: "user".into(), content: "What is a llama?".into() }];
+    assert!(model.chat_template().is_some(), "SmolLM2 ships a chat template");
+    assert_eq!(model.apply_chat_template(&ChatTemplate::Model, &messages, true).unwrap(), PROMPT);
+    let prompt = model.tokenize(PROMPT, true, true).unwrap();
+
+    let mut plain = Context::new(model.clone(), params).unwrap();
+    plain.decode(&Batch::sequence(&prompt, 0, 0), None).unwrap();
+    let mut expected = Vec::new();
+    for pos in prompt.len() as i32.. {
+        let logits = plain.last_logits().unwrap();
+        let next = (0..logits.len()).fold(0, |best, i| if logits[i] > logits[best] { i } else { best }) as i32;
+        if model.is_eog(next) || expected.len() == 32 {
+            break;
+        }
+        expected.push(next);
+        plain.decode(&Batch::sequence(&[next], pos, 0), None).unwrap();
+    }
+
+    let mut ctx = Context::new(model.clone(), params).unwrap();
+    let mut sampler = Sampler::new(model.clone(), &SamplerParams::greedy(), &SamplerCaps::default()).unwrap();
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut sink = |p: Piece| {
+        pieces.push(p);
+        true
+    };
+    let request = GenerateRequest { prompt: prompt.clone(), seq: 0, max_tokens: 32, stop: Vec::new() };
+    let outcome = generate(&mut ctx, &mut sampler, &request, Stop::on(&CancelFlag::new()), &mut sink).unwrap();
+    let got: Vec<i32> = pieces.iter().flat_map(|p| p.tokens.clone()).collect();
+    assert_eq!(got, expected);
+    let text: String = pieces.iter().map(|p| p.text.as_str()).collect();
+    assert_eq!(text, model.detokenize(&expected, false, false).unwrap());
+    assert!(matches!(outcome.finish, FinishReason::MaxTokens | FinishReason::EndOfGeneration));
+}
+
+#[test]
+fn a_cancel_in_generation_on_the_real_model_keeps_exactly_the_delivered_tokens() {
+    let model = model();
+    let params = ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 128, n_seq_max: 1, n_threads: 1 };
+    let prompt = model.tokenize(PROMPT, true, true).unwrap();
+    let greedy = SamplerParams::greedy;
+    let run = |ctx: &mut Context, prompt: &[i32], max_tokens: u32, token: &CancelFlag| {
+        let mut sampler = Sampler::new(model.clone(), &greedy(), &SamplerCaps::default()).unwrap();
+        let mut tokens = Vec::new();
+        let mut sink = |p: Piece| {
+            tokens.extend(p.tokens);
+            true
+        };
+        let request = GenerateRequest { prompt: prompt.to_vec(), seq: 0, max_tokens, stop: Vec::new() };
+        let outcome = generate(ctx, &mut sampler, &request, Stop::on(token), &mut sink).unwrap();
+        (outcome, tokens)
+    };
+    let counter = CancelFlag::new();
+    counter.trip_after(u64::MAX);
+    let (_, reference) = run(&mut Context::new(model.clone(), params).unwrap(), &prompt, 12, &counter);
+    let all_polls = counter.polls();
+    let counter = CancelFlag::new();
+    counter.trip_after(u64::MAX);
+    run(&mut Context::new(model.clone(), params).unwrap(), &prompt, 0, &counter);
+    let prefill = counter.polls();
+    let per_token = (all_polls - prefill) / reference.len() as u64;
+    assert_eq!(reference.len(), 12);
+
+    let k = 4;
+    let mut ctx = Context::new(model.clone(), params).unwrap();
+    let token = CancelFlag::new();
+    token.trip_after(prefill + k as u64 * per_token + per_token / 2);
+    let (outcome, delivered) = run(&mut ctx, &prompt, 12, &token);
+    assert_eq!(outcome.finish, FinishReason::Cancelled);
+    assert_eq!(delivered, reference[..k]);
+    assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt.len() + k - 1, "memory: prompt + delivered tokens");
+    let (_, rest) = run(&mut ctx, &reference[k..k + 1], 4, &CancelFlag::new());
+    assert_eq!(rest, reference[k + 1..k + 5], "continuing after the cancel as if it never happened");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_host_generation_on_the_real_model_equals_its_own_loop() {
+    let (outcome, out) = common::run_demo(
+        &[("smollm2", common::real_model())],
+        &["--model", "smollm2", "--prompt", PROMPT, "--generate", "24", "--host-generate"],
+    )
+    .await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    let guest = common::field(&out, "generated-ids");
+    assert_eq!(common::field(&out, "host-generated-ids"), guest);
+    assert_eq!(common::field(&out, "sampler-ids"), guest);
+    let (outcome, out) =
+        common::run_demo(&[("smollm2", common::real_model())], &["--model", "smollm2", "--chat", "What is a llama?", "--generate", "24"]).await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    assert_eq!(common::field(&out, "chat-prompt"), PROMPT.replace('\n', "\\n"));
+    assert!(common::field(&out, "chat-answer").to_lowercase().contains("llama"), "{out}");
 }

@@ -94,6 +94,26 @@ impl Guest {
         self.last_run(&self.args("generate", model, &extra), "tokens")
     }
 
+    /// One greedy generation of `gen_tokens` by the host's generation loop (`generate`
+    /// interface), driven from the guest: the time (scaled to `gen_tokens` should the
+    /// model end generation early), the token digest, and bytes crossing into the guest
+    /// per token (text piece plus token ids).
+    pub fn host_generate(&self, model: &BenchModel) -> anyhow::Result<(Duration, u64, f64)> {
+        let extra = [("--tokens", self.shape.gen_tokens.to_string()), ("--runs", "1".into())];
+        let out = self.run(&self.args("host-generate", model, &extra))?;
+        let line = out
+            .lines()
+            .filter_map(|l| l.strip_prefix("run: "))
+            .next_back()
+            .with_context(|| format!("the bench plugin printed no runs:\n{out}"))?;
+        let ns: f64 = field(line, "ns")?.parse().with_context(|| format!("bad ns in {line:?}"))?;
+        let generated: f64 = field(line, "generated")?.parse().with_context(|| format!("bad count in {line:?}"))?;
+        let digest = u64::from_str_radix(field(line, "tokens")?, 16).with_context(|| format!("bad digest in {line:?}"))?;
+        let bytes: f64 = field(line, "bytes-per-token")?.parse().with_context(|| format!("bad bytes in {line:?}"))?;
+        let full = ns * self.shape.gen_tokens as f64 / generated.max(1.0);
+        Ok((Duration::from_nanos(full as u64), digest, bytes))
+    }
+
     /// The last of the plugin's `run: ns=N <digest_key>=HEX` lines.
     fn last_run(&self, args: &[String], digest_key: &str) -> anyhow::Result<(Duration, u64)> {
         let out = self.run(args)?;

@@ -171,6 +171,7 @@ enum DecodeStep {
 enum GenStep {
     Native,
     Guest,
+    HostLoop,
     LlamaBench,
 }
 
@@ -207,9 +208,10 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
     let decode: [Runs; 4] = decode.try_into().map_err(|_| anyhow::anyhow!("one result per decode way"))?;
     let nodes = native.prompt_nodes()?;
 
-    let mut steps = vec![GenStep::Native, GenStep::Guest];
+    let mut steps = vec![GenStep::Native, GenStep::Guest, GenStep::HostLoop];
     steps.extend(llama_bench.as_ref().map(|_| GenStep::LlamaBench));
     native.generate()?; // warm-up
+    let mut bytes_per_token = Vec::new();
     let mut generation = stats::in_rounds(cli.runs, &steps, |step, round| {
         if matches!(step, GenStep::Native) {
             progress(format_args!("{}: generation, round {}/{}", model.label, round + 1, cli.runs));
@@ -217,12 +219,17 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
         match (step, &llama_bench) {
             (GenStep::Native, _) => native.generate(),
             (GenStep::Guest, _) => guest.generate(model),
+            (GenStep::HostLoop, _) => guest.host_generate(model).map(|(time, digest, bytes)| {
+                bytes_per_token.push(bytes);
+                (time, digest)
+            }),
             (GenStep::LlamaBench, Some(lb)) => lb.generation(shape.gen_tokens).map(no_digest),
             (GenStep::LlamaBench, None) => unreachable!("llama-bench steps only when it is given"),
         }
     })?
     .into_iter();
     let (gen_native, gen_guest) = (generation.next().unwrap_or_default(), generation.next().unwrap_or_default());
+    let gen_host = generation.next().unwrap_or_default();
     let reference = match (reference_prompt, generation.next()) {
         (Some(prompt), Some(gen)) => Some(Reference { prompt, generation: gen.times }),
         _ => None,
@@ -240,6 +247,9 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
         nodes,
         gen_native,
         gen_guest,
+        gen_host,
+        host_bytes_per_token: bytes_per_token.iter().copied().fold(0.0, f64::max),
+        n_vocab: native.model.n_vocab(),
         llama_bench: reference,
         cancel,
         cpu_share: cpu.share(),

@@ -18,6 +18,7 @@ use std::task::Poll;
 use futures::join;
 use llamabox::inference::async_calls;
 use llamabox::inference::cancel::CancelToken;
+use llamabox::inference::generate::{self, GenerateParams, SamplerParams};
 use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
 use llamabox::inference::types::Error;
 use wasi::clocks0_3_0::monotonic_clock::wait_for;
@@ -102,10 +103,42 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     println!("memory-after-two: seq-pos-max={} and {}", other.seq_pos_max(0)?, ctx.seq_pos_max(0)?);
 
     // And an uncancelled async decode completes.
-    let outcome = async_calls::decode(&ctx, batch, &CancelToken::new()).await;
+    let outcome = async_calls::decode(&ctx, batch.clone(), &CancelToken::new()).await;
     println!("async-complete: {}", show(&outcome));
     println!("memory-after-complete: seq-pos-max={}", ctx.seq_pos_max(0)?);
+
+    // (e) a host-side generation read with the async `generation-next`; then one whose
+    // `generation-next` future is dropped in the prefill, which cancels it.
+    ctx.clear()?;
+    let short = generate::start(&ctx, &greedy(batch.tokens[..8].to_vec(), 4), &CancelToken::new())?;
+    let mut generated = 0;
+    while let Some(piece) = async_calls::generation_next(&short).await? {
+        generated += piece.tokens.len();
+    }
+    println!("async-generation: {generated} tokens");
+    ctx.clear()?;
+    let long = generate::start(&ctx, &greedy(batch.tokens, 4), &CancelToken::new())?;
+    let raced = first_of(async_calls::generation_next(&long), wait_for(5 * MS)).await;
+    println!("async-generation-drop: {}", if raced.is_none() { "dropped" } else { "finished first" });
+    println!("async-generation-after-drop: {}", show(&async_calls::generation_next(&long).await.map(|_| ())));
+    drop(long);
+    println!("memory-after-generation-drop: seq-pos-max={}", ctx.seq_pos_max(0)?);
     Ok(())
+}
+
+fn greedy(prompt: Vec<i32>, max_tokens: u32) -> GenerateParams {
+    let sampler = SamplerParams {
+        temperature: None,
+        top_k: None,
+        top_p: None,
+        min_p: None,
+        typical_p: None,
+        penalties: None,
+        seed: None,
+        logit_bias: Vec::new(),
+        grammar: None,
+    };
+    GenerateParams { prompt, seq: 0, max_tokens, stop: Vec::new(), sampler }
 }
 
 /// `Some(a's output)` if `a` finishes first; `None` (and `a` dropped) if `b` does.

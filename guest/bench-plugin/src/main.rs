@@ -6,6 +6,7 @@
 //! ```text
 //! llamabox-bench-plugin decode   --model M --tokens N --runs R --mode blocking|pending ...
 //! llamabox-bench-plugin generate --model M --tokens N --runs R ...
+//! llamabox-bench-plugin host-generate --model M --tokens N --runs R ...
 //! llamabox-bench-plugin boundary --model M --tokens N --iters I ...
 //! llamabox-bench-plugin noop
 //! ```
@@ -19,6 +20,7 @@ wit_bindgen::generate!({
 });
 
 use llamabox::inference::cancel::CancelToken;
+use llamabox::inference::generate::{self, GenerateParams, SamplerParams};
 use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
 use llamabox::inference::types::Error;
 use wasi::clocks0_2_12::monotonic_clock;
@@ -27,6 +29,7 @@ use wasi::clocks0_2_12::monotonic_clock;
 enum Mode {
     Decode,
     Generate,
+    HostGenerate,
     Boundary,
     Noop,
 }
@@ -49,9 +52,10 @@ impl Options {
         let mode = match args.next().as_deref() {
             Some("decode") => Mode::Decode,
             Some("generate") => Mode::Generate,
+            Some("host-generate") => Mode::HostGenerate,
             Some("boundary") => Mode::Boundary,
             Some("noop") => Mode::Noop,
-            other => return Err(format!("expected decode|generate|boundary|noop, got {other:?}")),
+            other => return Err(format!("expected decode|generate|host-generate|boundary|noop, got {other:?}")),
         };
         let mut o = Options {
             mode,
@@ -112,6 +116,7 @@ fn run(o: &Options) -> Result<(), Error> {
     match o.mode {
         Mode::Decode => decode(o, &ctx, n_vocab),
         Mode::Generate => generate(o, &ctx, n_vocab),
+        Mode::HostGenerate => host_generate(o, &ctx, n_vocab),
         Mode::Boundary => boundary(o, &ctx, n_vocab),
         Mode::Noop => Ok(()),
     }
@@ -167,6 +172,51 @@ fn greedy(ctx: &Context, n_vocab: u32, n: u32) -> Result<(u64, Vec<i32>), Error>
         next = argmax(&ctx.logits_ith(0)?);
     }
     Ok((monotonic_clock::now() - start, generated))
+}
+
+/// The same greedy generation as `generate`, run by the host (`generate.start`): the
+/// decode → sample loop stays on the context's thread and only pieces cross the
+/// boundary. Prints the host's own generation time (`usage.generation-ns`: from the end
+/// of the prefill to the last token, the span `generate` times), the tokens' digest
+/// (equal to `generate`'s unless the model hits end-of-generation, which the host stops
+/// at: `generated` says how many came), and the bytes that crossed into the guest per
+/// token (text plus 4 bytes per token id; the list headers are not counted).
+fn host_generate(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
+    host_greedy(ctx, n_vocab, 1)?;
+    for _ in 0..o.runs {
+        let (ns, generated, bytes) = host_greedy(ctx, n_vocab, o.tokens)?;
+        let per_token = bytes as f64 / generated.len().max(1) as f64;
+        println!(
+            "run: ns={ns} tokens={:016x} generated={} bytes-per-token={per_token:.1}",
+            fnv1a64_tokens(&generated),
+            generated.len()
+        );
+    }
+    Ok(())
+}
+
+fn host_greedy(ctx: &Context, n_vocab: u32, n: u32) -> Result<(u64, Vec<i32>, usize), Error> {
+    ctx.clear()?;
+    let sampler = SamplerParams {
+        temperature: None,
+        top_k: None,
+        top_p: None,
+        min_p: None,
+        typical_p: None,
+        penalties: None,
+        seed: None,
+        logit_bias: Vec::new(),
+        grammar: None,
+    };
+    let params = GenerateParams { prompt: bench_tokens(PROMPT_TOKENS, n_vocab), seq: 0, max_tokens: n, stop: Vec::new(), sampler };
+    let generation = generate::start(ctx, &params, &CancelToken::new())?;
+    let (mut generated, mut bytes) = (Vec::with_capacity(n as usize), 0);
+    while let Some(piece) = generation.next()? {
+        bytes += piece.text.len() + 4 * piece.tokens.len();
+        generated.extend(piece.tokens);
+    }
+    let ns = generation.usage().map_or(0, |u| u.generation_ns);
+    Ok((ns, generated, bytes))
 }
 
 /// What crossing the component boundary costs, in nanoseconds per call. Calls are timed

@@ -2,6 +2,11 @@
 //! decode and cancels it from the guest's own event loop (WASI 0.2 pollables) while the
 //! decode is running inside llama.cpp.
 //!
+//! With `--host-generate` it also generates on the host (the `generate` interface, and
+//! a plugin-driven `sampler`) and prints both token lists; with `--chat` it formats a
+//! question with the model's own chat template and streams the answer; with
+//! `--cancel-generation` it cancels a host-side generation from its own timer.
+//!
 //! Output lines are `key: value` so tests can read them.
 
 wit_bindgen::generate!({
@@ -11,6 +16,7 @@ wit_bindgen::generate!({
 });
 
 use llamabox::inference::cancel::CancelToken;
+use llamabox::inference::generate::{self, ChatMessage, FinishReason, GenerateParams, Generation, Grammar, Sampler, SamplerParams};
 use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
 use llamabox::inference::media::{ChunkKind, Image, Input, MediaContext};
 use llamabox::inference::types::Error;
@@ -43,6 +49,14 @@ struct Options {
     /// Soak: this many decodes, each raced against a random-length timer.
     soak: Option<u64>,
     seed: u64,
+    /// Generate on the host too (and with a plugin-driven sampler), printing token ids.
+    host_generate: bool,
+    /// A question: chat through the model's template and stream the answer.
+    chat: Option<String>,
+    /// Cancel a host-side generation from a timer after `cancel-after-ms`.
+    cancel_generation: bool,
+    /// Start a generation, stop reading it, cancel it while the host waits for room.
+    stall_generation: bool,
 }
 
 impl Options {
@@ -64,6 +78,10 @@ impl Options {
             hog_memory: false,
             soak: None,
             seed: 1,
+            host_generate: false,
+            chat: None,
+            cancel_generation: false,
+            stall_generation: false,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -86,6 +104,10 @@ impl Options {
                 "--hog-memory" => o.hog_memory = true,
                 "--soak" => o.soak = Some(number(value()?)?),
                 "--seed" => o.seed = number(value()?)?,
+                "--host-generate" => o.host_generate = true,
+                "--chat" => o.chat = Some(value()?),
+                "--cancel-generation" => o.cancel_generation = true,
+                "--stall-generation" => o.stall_generation = true,
                 _ => return Err(format!("unknown argument {flag:?}")),
             }
         }
@@ -181,7 +203,19 @@ fn run(o: &Options) -> Result<(), Error> {
         return Ok(());
     }
 
+    if let Some(question) = &o.chat {
+        return chat(o, question, &model, &ctx);
+    }
+    if o.cancel_generation {
+        return cancel_generation(o, &model, &ctx);
+    }
+    if o.stall_generation {
+        return stall_generation(o, &model, &ctx);
+    }
     generate(o, &model, &ctx)?;
+    if o.host_generate {
+        return host_generate(o, &model, &ctx);
+    }
     cancel_long_decode(o, &model, &ctx)
 }
 
@@ -196,18 +230,199 @@ fn generate(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
     println!("prompt-logits: fnv1a64={:016x}", fnv1a64(&logits));
 
     let mut text = Vec::new();
+    let mut ids = Vec::new();
     let mut next = argmax(&logits);
     let mut pos = prompt.len() as i32;
     let mut n = 0;
     while n < o.generate && !model.is_eog(next) {
         text.extend(model.token_to_piece(next, false)?);
+        ids.push(next);
         ctx.decode(&sequence(&[next], pos), &never)?;
         pos += 1;
         n += 1;
         next = argmax(&ctx.logits_ith(0)?);
     }
     println!("generated-tokens: {n}");
+    println!("generated-ids: {}", join(&ids));
     println!("generated: {}", String::from_utf8_lossy(&text).trim_start().replace('\n', "\n           "));
+    Ok(())
+}
+
+fn join(ids: &[i32]) -> String {
+    ids.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")
+}
+
+fn greedy() -> SamplerParams {
+    SamplerParams {
+        temperature: None,
+        top_k: None,
+        top_p: None,
+        min_p: None,
+        typical_p: None,
+        penalties: None,
+        seed: None,
+        logit_bias: Vec::new(),
+        grammar: None,
+    }
+}
+
+fn params(prompt: Vec<i32>, max_tokens: u32, stop: Vec<String>, sampler: SamplerParams) -> GenerateParams {
+    GenerateParams { prompt, seq: 0, max_tokens, stop, sampler }
+}
+
+fn finish_name(generation: &Generation) -> String {
+    match generation.finish_reason() {
+        Some(FinishReason::Stop(i)) => format!("stop {i}"),
+        Some(FinishReason::EndOfGeneration) => "end-of-generation".into(),
+        Some(FinishReason::MaxTokens) => "max-tokens".into(),
+        Some(FinishReason::Cancelled) => "cancelled".into(),
+        None => "none".into(),
+    }
+}
+
+/// The same greedy generation as `generate`, run on the host: once as a streamed
+/// generation (no logits cross the boundary), once with a sampler the plugin drives
+/// row by row.
+fn host_generate(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let prompt = model.tokenize(&o.prompt, true, true)?;
+    ctx.clear()?;
+    let generation = generate::start(ctx, &params(prompt.clone(), o.generate, Vec::new(), greedy()), &CancelToken::new())?;
+    let mut ids = Vec::new();
+    while let Some(piece) = generation.next()? {
+        ids.extend(piece.tokens);
+    }
+    println!("host-generated-ids: {}", join(&ids));
+    println!("host-finish: {}", finish_name(&generation));
+    if let Some(u) = generation.usage() {
+        println!(
+            "host-usage: prompt {} generated {} prefill {:.2} ms generation {:.2} ms",
+            u.prompt_tokens,
+            u.generated_tokens,
+            u.prefill_ns as f64 / 1e6,
+            u.generation_ns as f64 / 1e6
+        );
+    }
+
+    ctx.clear()?;
+    let never = CancelToken::new();
+    ctx.decode(&sequence(&prompt, 0), &never)?;
+    let sampler = Sampler::create(model, &greedy())?;
+    let mut ids = Vec::new();
+    let mut pos = prompt.len() as i32;
+    while ids.len() < o.generate as usize {
+        // The row with logits: the prompt's last, then the single row of each token.
+        let row = if ids.is_empty() { prompt.len() as u32 - 1 } else { 0 };
+        let next = sampler.sample(ctx, row)?;
+        if model.is_eog(next) {
+            break;
+        }
+        ids.push(next);
+        ctx.decode(&sequence(&[next], pos), &never)?;
+        pos += 1;
+    }
+    println!("sampler-ids: {}", join(&ids));
+    Ok(())
+}
+
+/// Chat: the model's own template, then the answer streamed piece by piece as the
+/// host produces it. Then bad inputs, each a named error.
+fn chat(o: &Options, question: &str, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let messages = [ChatMessage { role: "user".into(), content: question.into() }];
+    let prompt = generate::apply_chat_template(model, &messages, true, None)?;
+    println!("chat-prompt: {}", prompt.replace('\n', "\\n"));
+    let tokens = model.tokenize(&prompt, true, true)?;
+    let stop = vec!["<|im_end|>".to_string()];
+    let generation = generate::start(ctx, &params(tokens.clone(), o.generate, stop.clone(), greedy()), &CancelToken::new())?;
+    print!("chat-answer: ");
+    let mut pieces = 0;
+    loop {
+        // A real plugin would poll this with its other work; here it only waits.
+        generation.subscribe().block();
+        match generation.next()? {
+            Some(piece) => {
+                pieces += 1;
+                print!("{}", piece.text);
+                use std::io::Write;
+                let _ = std::io::stdout().flush();
+            }
+            None => break,
+        }
+    }
+    println!();
+    println!("chat-pieces: {pieces}");
+    println!("chat-finish: {}", finish_name(&generation));
+    drop(generation);
+
+    let bad_template = generate::apply_chat_template(model, &messages, true, Some("no-such-template"));
+    println!("chat-bad-template: {}", show(bad_template.map(|_| ())));
+    let bad_sampler = SamplerParams { top_p: Some(2.0), ..greedy() };
+    println!("chat-bad-sampler: {}", show(generate::start(ctx, &params(tokens.clone(), 4, Vec::new(), bad_sampler), &CancelToken::new()).map(|_| ())));
+    let bad_grammar = SamplerParams { grammar: Some(Grammar { text: "root ::= [0-9".into(), root: None }), ..greedy() };
+    println!("chat-bad-grammar: {}", show(Sampler::create(model, &bad_grammar).map(|_| ())));
+    let too_many = generate::start(ctx, &params(tokens, 1 << 20, stop, greedy()), &CancelToken::new());
+    println!("chat-too-many-tokens: {}", show(too_many.map(|_| ())));
+    Ok(())
+}
+
+/// Start a long generation on the host and cancel it from this event loop after
+/// `cancel-after-ms`: the prefill or the token in flight stops; the context then holds
+/// the prompt (if its prefill finished) plus exactly the tokens that were delivered.
+fn cancel_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
+    ctx.clear()?;
+    let filler = model.tokenize(" the llama in the box", false, false)?;
+    let prompt: Vec<i32> = filler.iter().copied().cycle().take(o.long_tokens as usize).collect();
+    let token = CancelToken::new();
+    let generation = generate::start(ctx, &params(prompt, 64, Vec::new(), greedy()), &token)?;
+    let timer = monotonic_clock::subscribe_duration(o.cancel_after_ms * 1_000_000);
+    let (mut delivered, mut cancelled_at) = (0usize, None);
+    loop {
+        if cancelled_at.is_none() {
+            let ready = generation.subscribe();
+            if !poll::poll(&[&ready, &timer]).contains(&0) {
+                token.cancel();
+                cancelled_at = Some(monotonic_clock::now());
+                continue;
+            }
+        }
+        match generation.next()? {
+            Some(piece) => delivered += piece.tokens.len(),
+            None => break,
+        }
+    }
+    if let Some(at) = cancelled_at {
+        println!("cancel-generation-latency: cancel -> end {:.2} ms", (monotonic_clock::now() - at) as f64 / 1e6);
+    }
+    let usage = generation.usage().ok_or(Error::Backend("no usage after the end".into()))?;
+    println!("cancel-generation-finish: {}", finish_name(&generation));
+    println!("cancel-generation-delivered: {delivered} (prompt decoded: {})", usage.prompt_tokens);
+    let expected = usage.prompt_tokens as i32 + delivered as i32 - 1;
+    let held = ctx.seq_pos_max(0)?;
+    let verdict = if held == expected && usage.generated_tokens as usize == delivered { "consistent".to_string() } else { format!("holds {held}, expected {expected}") };
+    println!("cancel-generation-memory: {verdict}");
+    drop(generation);
+    ctx.clear()?;
+    let again = generate::start(ctx, &params(filler, 4, Vec::new(), greedy()), &CancelToken::new())?;
+    while again.next()?.is_some() {}
+    println!("after-cancel: {}", if again.finish_reason().is_some() { "ok" } else { "no finish reason" });
+    Ok(())
+}
+
+/// A reader that stops reading: the host buffers a bounded number of pieces and then
+/// waits; a cancel ends the wait, and the piece it could not deliver is not kept.
+fn stall_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let prompt = model.tokenize(&o.prompt, true, true)?;
+    let no_end = SamplerParams { logit_bias: vec![generate::LogitBias { token: model.eos().unwrap_or(0), bias: f32::NEG_INFINITY }], ..greedy() };
+    let token = CancelToken::new();
+    let generation = generate::start(ctx, &params(prompt.clone(), 256, Vec::new(), no_end), &token)?;
+    monotonic_clock::subscribe_duration(o.cancel_after_ms * 1_000_000).block();
+    token.cancel();
+    let mut delivered = 0;
+    while let Some(piece) = generation.next()? {
+        delivered += piece.tokens.len();
+    }
+    println!("stalled-generation: {delivered} delivered, {}", finish_name(&generation));
+    let consistent = ctx.seq_pos_max(0)? == prompt.len() as i32 + delivered as i32 - 1;
+    println!("stalled-generation-memory: {}", if consistent { "consistent" } else { "inconsistent" });
     Ok(())
 }
 
@@ -300,6 +515,13 @@ fn media(o: &Options, projector: &str, model: &Model, ctx: &Context) -> Result<(
     let n_past = media.eval_chunks(ctx, &refs, 0, &CancelToken::new())?;
     let next = argmax(&ctx.last_logits()?);
     println!("media-eval: n-past={n_past}, next-token={next}");
+    // Generate on the host from there: an empty prompt continues from the last logits.
+    let generation = generate::start(ctx, &params(Vec::new(), 4, Vec::new(), greedy()), &CancelToken::new())?;
+    let mut ids = Vec::new();
+    while let Some(piece) = generation.next()? {
+        ids.extend(piece.tokens);
+    }
+    println!("media-host-generation: {}", join(&ids));
 
     // Under a shared token (the embedder's, say), which may stop it at any stage.
     if let Some(capability) = &o.token {

@@ -9,7 +9,8 @@ use wasmtime::component::{Accessor, Resource};
 use super::async_bindings::llamabox::inference::async_calls::{Host, HostWithStore};
 use super::bindings::llamabox::inference::llm::Batch;
 use super::pending::finished;
-use super::{Answer, CancelToken, Error, ChunkHandle, ContextHandle, HasLlama, LlamaCtxView, MediaContextHandle};
+use super::bindings::llamabox::inference::generate::Piece;
+use super::{Answer, CancelToken, ChunkHandle, ContextHandle, Error, GenerationHandle, HasLlama, LlamaCtxView, MediaContextHandle};
 
 impl Host for LlamaCtxView<'_> {}
 
@@ -53,5 +54,18 @@ impl<T> HostWithStore<T> for HasLlama {
             Ok((_slot, call)) => Ok(finished(call.await)),
             Err(e) => Ok(Err(e)),
         }
+    }
+
+    async fn generation_next(accessor: &Accessor<T, Self>, generation: Resource<GenerationHandle>) -> Answer<Option<Piece>> {
+        // The stream is lent out of the table while this call waits (the store is
+        // never held across an await). If the guest drops this call's future, the
+        // stream drops with it, and with the stream the generation: it is cancelled.
+        let mut lent = match accessor.with(|mut access| access.get().table.get_mut(&generation).map(GenerationHandle::lend))? {
+            Ok(lent) => lent,
+            Err(e) => return Ok(Err(e)),
+        };
+        let piece = lent.next().await;
+        accessor.with(|mut access| access.get().table.get_mut(&generation).map(|g| g.give_back(lent)))?;
+        Ok(piece)
     }
 }

@@ -67,6 +67,25 @@ pub struct Limits {
     /// `encode_cancel_latency`: stop points then fall on the same graph nodes in every
     /// run, whatever the machine's speed (reproducible cancels, as tests need).
     pub encode_fixed_chunk_work: Option<u64>,
+    /// Most tokens one generation may produce: bounds how long one call holds its
+    /// context (a cancel stops it sooner).
+    pub max_generate_tokens: u32,
+    /// Stop strings per generation: each is searched in the held-back text per token.
+    pub max_stop_strings: usize,
+    /// Longest stop string in bytes: text up to this long is held back per token.
+    pub max_stop_bytes: usize,
+    /// Longest GBNF grammar in bytes: llama.cpp's grammar parser and matcher recurse
+    /// over the grammar's structure, so its size bounds their stack depth and time.
+    pub max_grammar_bytes: usize,
+    /// Deepest nesting of groups in a grammar (each level is parser recursion).
+    pub max_grammar_nesting: usize,
+    /// Logit-bias entries per sampler.
+    pub max_logit_bias: usize,
+    /// Largest `penalties.last-n`: the sampler keeps a ring of that many tokens.
+    pub max_penalty_last_n: u32,
+    /// Samplers alive at once per store: each holds n-vocab candidates (12 bytes per
+    /// token) and possibly a parsed grammar.
+    pub max_samplers: u32,
 }
 
 impl Default for Limits {
@@ -95,6 +114,14 @@ impl Default for Limits {
             max_detokenize_tokens: 1 << 18,
             encode_cancel_latency: crate::native::chunker::DEFAULT_LATENCY_TARGET,
             encode_fixed_chunk_work: None,
+            max_generate_tokens: 4096,
+            max_stop_strings: 8,
+            max_stop_bytes: 256,
+            max_grammar_bytes: 16 << 10,
+            max_grammar_nesting: 64,
+            max_logit_bias: 1024,
+            max_penalty_last_n: 4096,
+            max_samplers: 16,
         }
     }
 }
@@ -107,6 +134,15 @@ impl Limits {
             .instances(self.max_wasm_instances)
             .table_elements(self.max_wasm_table_elements)
             .build()
+    }
+
+    pub(crate) fn sampler_caps(&self) -> crate::native::SamplerCaps {
+        crate::native::SamplerCaps {
+            max_grammar_bytes: self.max_grammar_bytes,
+            max_grammar_nesting: self.max_grammar_nesting,
+            max_logit_bias: self.max_logit_bias,
+            max_penalty_last_n: self.max_penalty_last_n,
+        }
     }
 
     pub(crate) fn media_caps(&self) -> crate::native::MediaCaps {

@@ -4,6 +4,8 @@
 
 mod async_calls;
 mod cancel;
+mod embeddings;
+mod generate;
 mod limits;
 mod llm;
 mod media;
@@ -21,6 +23,7 @@ use crate::worker::Tracker;
 pub use cancel::CancelToken;
 pub use limits::Limits;
 pub use llm::{ContextHandle, ModelHandle, PendingDecode};
+pub use generate::{GenerationHandle, SamplerHandle};
 pub use media::{ChunkHandle, MediaContextHandle, PendingEncode};
 pub use registry::ModelRegistry;
 pub use tokens::TokenRegistry;
@@ -43,6 +46,8 @@ pub mod bindings {
             "llamabox:inference/media.chunk": super::ChunkHandle,
             "llamabox:inference/media.media-context": super::MediaContextHandle,
             "llamabox:inference/media.pending-encode": super::PendingEncode,
+            "llamabox:inference/generate.sampler": super::SamplerHandle,
+            "llamabox:inference/generate.generation": super::GenerationHandle,
         },
     });
 }
@@ -58,6 +63,7 @@ pub mod async_bindings {
             "llamabox:inference/cancel": super::bindings::llamabox::inference::cancel,
             "llamabox:inference/llm": super::bindings::llamabox::inference::llm,
             "llamabox:inference/media": super::bindings::llamabox::inference::media,
+            "llamabox:inference/generate": super::bindings::llamabox::inference::generate,
         },
     });
 }
@@ -102,6 +108,7 @@ struct Usage {
     shares: u32,
     kv_cells: u64,
     chunk_bytes: u64,
+    samplers: u32,
 }
 
 /// Something a plugin holds that counts against a limit.
@@ -115,6 +122,8 @@ pub(crate) enum Held {
     Share,
     /// Media chunks holding this many native bytes.
     Chunks { bytes: u64 },
+    /// A `generate.sampler` (n-vocab candidates, maybe a grammar).
+    Sampler,
 }
 
 impl LlamaCtx {
@@ -163,6 +172,7 @@ impl LlamaCtx {
             Held::Chunks { bytes } if u.chunk_bytes.saturating_add(bytes) > l.max_chunk_bytes => {
                 return over("max-chunk-bytes", format!("{} of {} bytes in media chunks (this needs {bytes} more)", u.chunk_bytes, l.max_chunk_bytes))
             }
+            Held::Sampler if u.samplers >= l.max_samplers => return over("max-samplers", l.max_samplers.to_string()),
             _ => {}
         }
         self.count(held, true);
@@ -188,6 +198,7 @@ impl LlamaCtx {
             Held::Chunks { bytes } => {
                 u.chunk_bytes = if add { u.chunk_bytes + bytes } else { u.chunk_bytes.saturating_sub(bytes) };
             }
+            Held::Sampler => step(&mut u.samplers),
         }
     }
 }
@@ -218,6 +229,8 @@ pub fn add_to_linker<T: LlamaView + 'static>(linker: &mut Linker<T>) -> wasmtime
     wit::cancel::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     wit::llm::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     wit::media::add_to_linker::<T, HasLlama>(linker, T::llama)?;
+    wit::generate::add_to_linker::<T, HasLlama>(linker, T::llama)?;
+    wit::embeddings::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     async_bindings::llamabox::inference::async_calls::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     Ok(())
 }
@@ -262,6 +275,10 @@ mod tests {
         assert!(limit_named(c.admit(Held::Context { kv_cells: 1 })).starts_with("max-contexts"));
         c.release(small);
         c.admit(Held::Context { kv_cells: 200 }).unwrap();
+
+        let mut c2 = ctx(Limits { max_samplers: 1, ..Limits::default() });
+        c2.admit(Held::Sampler).unwrap();
+        assert!(limit_named(c2.admit(Held::Sampler)).starts_with("max-samplers"));
 
         let limits = Limits { max_chunk_bytes: 100, ..Limits::default() };
         let mut c = ctx(limits);

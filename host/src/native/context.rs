@@ -11,6 +11,9 @@ use super::model::{Model, Token};
 use super::threads::ThreadPool;
 use super::{backend, Error, Result};
 
+mod embed;
+pub use embed::Pooling;
+
 /// Settings of a new context, already resolved (no defaults left to pick).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ContextParams {

@@ -3,19 +3,25 @@
 
 mod backend;
 pub mod cancel;
+pub mod chat;
 pub mod chunker;
 pub mod context;
+pub mod generate;
 pub mod media;
 pub mod model;
+pub mod sampler;
 #[cfg(feature = "synthetic")]
 pub mod synthetic;
 mod threads;
 
 pub use backend::{cpu_features, InstructionLevel};
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
-pub use context::{Batch, Context, ContextParams};
+pub use chat::{ChatMessage, ChatTemplate};
+pub use context::{Batch, Context, ContextParams, Pooling};
+pub use generate::{generate, FinishReason, GenerateRequest, Outcome, Piece, Usage};
 pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};
 pub use model::{Model, Token};
+pub use sampler::{Grammar, Penalties, Sampler, SamplerCaps, SamplerParams};
 #[cfg(feature = "synthetic")]
 pub use synthetic::{ProjectorKind, ProjectorSpec, TextModelSpec};
 pub use threads::{idle_poll, set_idle_poll, DEFAULT_IDLE_POLL};

@@ -53,6 +53,10 @@ impl Model {
         self.ptr.as_ptr()
     }
 
+    pub(crate) fn vocab_ptr(&self) -> *const sys::llama_vocab {
+        self.vocab()
+    }
+
     fn vocab(&self) -> *const sys::llama_vocab {
         self.vocab.as_ptr()
     }

@@ -19,18 +19,33 @@ pub struct TextModelSpec {
     pub n_ff: u32,
     pub n_ctx_train: u32,
     pub seed: u64,
+    /// Written as `tokenizer.chat_template` when set.
+    pub chat_template: Option<String>,
 }
+
+/// A ChatML template in the Jinja form models ship (llama.cpp recognises it by its
+/// `<|im_start|>` markers).
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 impl TextModelSpec {
     /// A model whose decodes take microseconds: for tests of behaviour.
     pub fn tiny() -> Self {
-        Self { n_embd: 64, n_layer: 2, n_head: 4, n_head_kv: 2, n_ff: 128, n_ctx_train: 4096, seed: 1 }
+        Self {
+            n_embd: 64,
+            n_layer: 2,
+            n_head: 4,
+            n_head_kv: 2,
+            n_ff: 128,
+            n_ctx_train: 4096,
+            seed: 1,
+            chat_template: Some(CHATML_TEMPLATE.into()),
+        }
     }
 
     /// A model whose 512-token decode takes a good fraction of a second on one core:
     /// for cancel demos and benchmarks.
     pub fn slow() -> Self {
-        Self { n_embd: 512, n_layer: 8, n_head: 8, n_head_kv: 8, n_ff: 1536, n_ctx_train: 4096, seed: 2 }
+        Self { n_embd: 512, n_layer: 8, n_head: 8, n_head_kv: 8, n_ff: 1536, n_ctx_train: 4096, seed: 2, chat_template: None }
     }
 
     /// Write the model to `path` (overwriting it).
@@ -58,6 +73,9 @@ impl TextModelSpec {
         file.kv_u32("tokenizer.ggml.unknown_token_id", 0);
         file.kv_u32("tokenizer.ggml.bos_token_id", 1);
         file.kv_u32("tokenizer.ggml.eos_token_id", 2);
+        if let Some(template) = &self.chat_template {
+            file.kv_str("tokenizer.chat_template", template);
+        }
 
         let (e, v, ff) = (self.n_embd as usize, vocab.tokens.len(), self.n_ff as usize);
         let e_kv = e / self.n_head as usize * self.n_head_kv as usize;
@@ -330,7 +348,7 @@ impl GgufFile {
     }
 
     pub(crate) fn kv_str(&mut self, key: &str, value: &str) {
-        let value = CString::new(value).expect("gguf values are literals without NUL");
+        let value = CString::new(value).expect("gguf string values hold no NUL");
         unsafe { sys::gguf_set_val_str(self.gguf, Self::key(key).as_ptr(), value.as_ptr()) }
     }
 

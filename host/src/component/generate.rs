@@ -1,0 +1,394 @@
+//! `llamabox:inference/generate`: samplers, streamed generation and chat templates.
+//! The token loop itself is `native::generate`, run on the context's worker thread;
+//! this module checks host policy, builds the sampler (so a bad grammar fails `start`
+//! itself) and carries pieces to the guest through a bounded channel.
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use wasmtime::component::Resource;
+use wasmtime_wasi::p2::{subscribe, DynPollable, Pollable};
+
+use super::bindings::llamabox::inference::generate::{
+    ChatMessage, FinishReason, GenerateParams, Host, HostGeneration, HostSampler, Piece, SamplerParams, Usage,
+};
+use super::llm::{ContextHandle, ModelHandle};
+use super::pending::finished;
+use super::{Answer, CancelToken, Error, Held, LlamaCtxView, PendingSlot};
+use crate::native::{self, CancelFlag, Model, Sampler, Stop, Token};
+use crate::worker::Call;
+
+/// Pieces buffered between the worker and a guest that reads slower than it generates.
+/// A full buffer pauses the generation (the worker waits, still stoppable).
+const PIECE_BUFFER: usize = 32;
+
+/// How often a worker waiting for buffer room checks its stop.
+const FULL_BUFFER_POLL: Duration = Duration::from_millis(1);
+
+pub struct SamplerHandle {
+    sampler: Arc<Mutex<Sampler>>,
+}
+
+/// A generation started with `generate.start`.
+pub struct GenerationHandle {
+    slot: Slot,
+    /// Its place under max-pending-calls, given back when the generation is dropped.
+    _pending: PendingSlot,
+}
+
+/// Where a generation's stream is: here, or lent to an async `generation-next` that
+/// is waiting on it (the store is not held across that wait). The flag says whether
+/// the borrower was dropped without returning it, which cancelled the generation.
+enum Slot {
+    Here(Stream),
+    Lent(Arc<AtomicBool>),
+}
+
+struct Stream {
+    pieces: mpsc::Receiver<native::Piece>,
+    /// The next piece, received by `ready` but not yet taken by `next`.
+    peeked: Option<native::Piece>,
+    state: StreamState,
+}
+
+enum StreamState {
+    Running(Call<native::Result<native::Outcome>>),
+    Ended(Result<native::Outcome, Error>),
+}
+
+impl Stream {
+    /// Wait until a piece is peeked or the generation has ended. Cancel-safe: both
+    /// awaits (`Receiver::recv`, `&mut Call`) can be dropped and resumed.
+    async fn ready(&mut self) {
+        if self.peeked.is_some() {
+            return;
+        }
+        if let StreamState::Running(call) = &mut self.state {
+            if let Some(piece) = self.pieces.recv().await {
+                self.peeked = Some(piece);
+                return;
+            }
+            // The worker dropped its sender: the loop has returned.
+            let outcome = call.await;
+            self.state = StreamState::Ended(finished(outcome));
+        }
+    }
+
+    async fn next(&mut self) -> Result<Option<Piece>, Error> {
+        self.ready().await;
+        if let Some(piece) = self.peeked.take() {
+            return Ok(Some(Piece { text: piece.text, tokens: piece.tokens }));
+        }
+        match &self.state {
+            StreamState::Ended(Ok(_)) => Ok(None),
+            StreamState::Ended(Err(e)) => Err(e.clone()),
+            StreamState::Running(_) => unreachable!("ready() returns with a piece or an ended stream"),
+        }
+    }
+
+    fn outcome(&self) -> Option<&native::Outcome> {
+        match &self.state {
+            StreamState::Ended(Ok(outcome)) => Some(outcome),
+            _ => None,
+        }
+    }
+}
+
+impl GenerationHandle {
+    pub(super) async fn next(&mut self) -> Result<Option<Piece>, Error> {
+        match &mut self.slot {
+            Slot::Here(stream) => stream.next().await,
+            Slot::Lent(lost) => Err(Self::lent_error(lost)),
+        }
+    }
+
+    /// Lend the stream to an async call, unless it is already lent (or was lost).
+    pub(super) fn lend(&mut self) -> Result<LentStream, Error> {
+        if let Slot::Lent(lost) = &self.slot {
+            return Err(Self::lent_error(lost));
+        }
+        let lost = Arc::new(AtomicBool::new(false));
+        match std::mem::replace(&mut self.slot, Slot::Lent(lost.clone())) {
+            Slot::Here(stream) => Ok(LentStream { stream: Some(stream), lost }),
+            Slot::Lent(_) => unreachable!("checked above"),
+        }
+    }
+
+    fn lent_error(lost: &AtomicBool) -> Error {
+        if lost.load(Relaxed) {
+            Error::Cancelled
+        } else {
+            Error::InvalidArgument("an async generation-next is already waiting on this generation".into())
+        }
+    }
+
+    pub(super) fn give_back(&mut self, mut lent: LentStream) {
+        if let Some(stream) = lent.stream.take() {
+            self.slot = Slot::Here(stream);
+        }
+    }
+
+    fn outcome(&self) -> Option<Result<&native::Outcome, ()>> {
+        match &self.slot {
+            Slot::Here(stream) => stream.outcome().map(Ok),
+            Slot::Lent(lost) if lost.load(Relaxed) => Some(Err(())),
+            Slot::Lent(_) => None,
+        }
+    }
+}
+
+/// A generation's stream while an async `generation-next` waits on it. Dropped
+/// without being given back (the guest dropped that call's future), it drops the
+/// stream, which cancels the generation, and marks the generation cancelled.
+pub(super) struct LentStream {
+    stream: Option<Stream>,
+    lost: Arc<AtomicBool>,
+}
+
+impl LentStream {
+    pub(super) async fn next(&mut self) -> Result<Option<Piece>, Error> {
+        match &mut self.stream {
+            Some(stream) => stream.next().await,
+            None => Err(Error::Cancelled),
+        }
+    }
+}
+
+impl Drop for LentStream {
+    fn drop(&mut self) {
+        if self.stream.is_some() {
+            self.lost.store(true, Relaxed);
+        }
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl Pollable for GenerationHandle {
+    async fn ready(&mut self) {
+        if let Slot::Here(stream) = &mut self.slot {
+            stream.ready().await;
+        }
+    }
+}
+
+/// Hand `piece` to the guest's buffer, waiting for room while the call is not
+/// stopped. False if it could not be delivered (reader gone, or stopped while full).
+fn deliver(pieces: &mpsc::Sender<native::Piece>, mut piece: native::Piece, stop: Stop<'_>) -> bool {
+    loop {
+        match pieces.try_send(piece) {
+            Ok(()) => return true,
+            Err(mpsc::error::TrySendError::Closed(_)) => return false,
+            Err(mpsc::error::TrySendError::Full(back)) => {
+                piece = back;
+                std::thread::sleep(FULL_BUFFER_POLL);
+                // Checked before retrying: a cancel while waiting ends the generation
+                // even if the reader has made room since.
+                if stop.is_set() {
+                    return false;
+                }
+            }
+        }
+    }
+}
+
+impl LlamaCtxView<'_> {
+    /// Host policy and llama.cpp's checks; the sampler is built here so that a bad
+    /// parameter or grammar fails the call that passed it.
+    fn sampler_for(&self, model: &Arc<Model>, params: SamplerParams) -> Result<Sampler, Error> {
+        Ok(Sampler::new(model.clone(), &native_sampler_params(params), &self.ctx.limits.sampler_caps())?)
+    }
+
+    fn check_generate(&self, params: &GenerateParams) -> Result<(), Error> {
+        let l = &self.ctx.limits;
+        let over = |what: String| Err(Error::LimitExceeded(what));
+        if params.max_tokens > l.max_generate_tokens {
+            return over(format!("max-tokens {} is above max-generate-tokens {}", params.max_tokens, l.max_generate_tokens));
+        }
+        if params.stop.len() > l.max_stop_strings {
+            return over(format!("{} stop strings is above max-stop-strings {}", params.stop.len(), l.max_stop_strings));
+        }
+        if let Some(s) = params.stop.iter().find(|s| s.len() > l.max_stop_bytes) {
+            return over(format!("a stop string of {} bytes is above max-stop-bytes {}", s.len(), l.max_stop_bytes));
+        }
+        Ok(())
+    }
+}
+
+fn native_sampler_params(p: SamplerParams) -> native::SamplerParams {
+    native::SamplerParams {
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: p.top_p,
+        min_p: p.min_p,
+        typical_p: p.typical_p,
+        penalties: p.penalties.map(|p| native::Penalties {
+            last_n: p.last_n,
+            repeat: p.repeat,
+            frequency: p.frequency,
+            presence: p.presence,
+        }),
+        seed: p.seed,
+        logit_bias: p.logit_bias.into_iter().map(|b| (b.token, b.bias)).collect(),
+        grammar: p.grammar.map(|g| native::Grammar { text: g.text, root: g.root }),
+    }
+}
+
+fn finish_reason(f: native::FinishReason) -> FinishReason {
+    match f {
+        native::FinishReason::Stop { index } => FinishReason::Stop(index),
+        native::FinishReason::EndOfGeneration => FinishReason::EndOfGeneration,
+        native::FinishReason::MaxTokens => FinishReason::MaxTokens,
+        native::FinishReason::Cancelled => FinishReason::Cancelled,
+    }
+}
+
+fn usage(u: &native::Usage) -> Usage {
+    Usage {
+        prompt_tokens: u.prompt_tokens,
+        generated_tokens: u.generated_tokens,
+        prefill_ns: u.prefill.as_nanos().min(u64::MAX as u128) as u64,
+        generation_ns: u.generation.as_nanos().min(u64::MAX as u128) as u64,
+    }
+}
+
+impl Host for LlamaCtxView<'_> {
+    async fn start(
+        &mut self,
+        ctx: Resource<ContextHandle>,
+        params: GenerateParams,
+        cancel: Resource<CancelToken>,
+    ) -> Answer<Resource<GenerationHandle>> {
+        let token: CancelFlag = self.table.get(&cancel)?.flag.clone();
+        let model = self.table.get(&ctx)?.model.clone();
+        if let Err(e) = self.check_generate(&params) {
+            return Ok(Err(e));
+        }
+        let mut sampler = match self.sampler_for(&model, params.sampler) {
+            Ok(s) => s,
+            Err(e) => return Ok(Err(e)),
+        };
+        let pending = match self.ctx.pending_slot() {
+            Ok(slot) => slot,
+            Err(e) => return Ok(Err(e)),
+        };
+        let request = native::GenerateRequest {
+            prompt: params.prompt,
+            seq: params.seq,
+            max_tokens: params.max_tokens,
+            stop: params.stop,
+        };
+        let (tx, rx) = mpsc::channel(PIECE_BUFFER);
+        let call = self.table.get(&ctx)?.worker.call(move |c, abandoned| {
+            let stop = Stop::on_either(&token, abandoned);
+            let mut sink = |piece| deliver(&tx, piece, stop);
+            native::generate(c, &mut sampler, &request, stop, &mut sink)
+            // `tx` drops here: the reader sees the end of the pieces.
+        });
+        let stream = Stream { pieces: rx, peeked: None, state: StreamState::Running(call) };
+        Ok(Ok(self.table.push(GenerationHandle { slot: Slot::Here(stream), _pending: pending })?))
+    }
+
+    async fn apply_chat_template(
+        &mut self,
+        model: Resource<ModelHandle>,
+        messages: Vec<ChatMessage>,
+        add_assistant_prompt: bool,
+        template: Option<String>,
+    ) -> Answer<String> {
+        let max = self.ctx.limits.max_text_bytes;
+        let bytes: usize = messages.iter().map(|m| m.role.len() + m.content.len()).sum();
+        if bytes > max {
+            return Ok(Err(Error::LimitExceeded(format!("messages of {bytes} bytes are above max-text-bytes {max}"))));
+        }
+        let model = &self.table.get(&model)?.model;
+        let template = template.map_or(native::ChatTemplate::Model, native::ChatTemplate::Named);
+        let messages: Vec<native::ChatMessage> =
+            messages.into_iter().map(|m| native::ChatMessage { role: m.role, content: m.content }).collect();
+        Ok(model.apply_chat_template(&template, &messages, add_assistant_prompt).map_err(Error::from))
+    }
+
+    async fn builtin_chat_templates(&mut self) -> wasmtime::Result<Vec<String>> {
+        Ok(native::chat::builtin_templates())
+    }
+
+    async fn model_chat_template(&mut self, model: Resource<ModelHandle>) -> wasmtime::Result<Option<String>> {
+        Ok(self.table.get(&model)?.model.chat_template())
+    }
+}
+
+impl HostSampler for LlamaCtxView<'_> {
+    async fn create(&mut self, model: Resource<ModelHandle>, params: SamplerParams) -> Answer<Resource<SamplerHandle>> {
+        let model = self.table.get(&model)?.model.clone();
+        let sampler = match self.sampler_for(&model, params) {
+            Ok(s) => s,
+            Err(e) => return Ok(Err(e)),
+        };
+        if let Err(e) = self.ctx.admit(Held::Sampler) {
+            return Ok(Err(e));
+        }
+        Ok(Ok(self.table.push(SamplerHandle { sampler: Arc::new(Mutex::new(sampler)) })?))
+    }
+
+    async fn sample(&mut self, sampler: Resource<SamplerHandle>, ctx: Resource<ContextHandle>, row: u32) -> Answer<Token> {
+        let sampler = self.table.get(&sampler)?.sampler.clone();
+        let context = self.table.get(&ctx)?;
+        if !Arc::ptr_eq(lock(&sampler).model(), &context.model) {
+            return Ok(Err(Error::InvalidArgument("the sampler was made for another model".into())));
+        }
+        // On the worker: the logits never leave the context's thread.
+        let call = context.worker.call(move |c, _| lock(&sampler).sample(c.logits_ith(row)?));
+        Ok(finished(call.await))
+    }
+
+    async fn accept(&mut self, sampler: Resource<SamplerHandle>, token: Token) -> Answer<()> {
+        Ok(lock(&self.table.get(&sampler)?.sampler).accept(token).map_err(Error::from))
+    }
+
+    async fn reset(&mut self, sampler: Resource<SamplerHandle>) -> wasmtime::Result<()> {
+        lock(&self.table.get(&sampler)?.sampler).reset();
+        Ok(())
+    }
+
+    async fn drop(&mut self, sampler: Resource<SamplerHandle>) -> wasmtime::Result<()> {
+        self.table.delete(sampler)?;
+        self.ctx.release(Held::Sampler);
+        Ok(())
+    }
+}
+
+fn lock(sampler: &Mutex<Sampler>) -> std::sync::MutexGuard<'_, Sampler> {
+    sampler.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl HostGeneration for LlamaCtxView<'_> {
+    async fn next(&mut self, generation: Resource<GenerationHandle>) -> Answer<Option<Piece>> {
+        Ok(self.table.get_mut(&generation)?.next().await)
+    }
+
+    async fn subscribe(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Resource<DynPollable>> {
+        subscribe(self.table, generation)
+    }
+
+    async fn finish_reason(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Option<FinishReason>> {
+        Ok(match self.table.get(&generation)?.outcome() {
+            Some(Ok(outcome)) => Some(finish_reason(outcome.finish)),
+            Some(Err(())) => Some(FinishReason::Cancelled),
+            None => None,
+        })
+    }
+
+    async fn usage(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Option<Usage>> {
+        Ok(match self.table.get(&generation)?.outcome() {
+            Some(Ok(outcome)) => Some(usage(&outcome.usage)),
+            _ => None,
+        })
+    }
+
+    async fn drop(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<()> {
+        // Dropping the receiver and the call stops the loop at its next token or node.
+        self.table.delete(generation)?;
+        Ok(())
+    }
+}

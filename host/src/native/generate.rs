@@ -1,0 +1,310 @@
+//! Generation on the context's own thread: prefill the prompt, then sample → decode →
+//! deliver, one token at a time, with no hop to the caller per token. Pieces go to a
+//! caller-supplied sink as they are produced.
+//!
+//! **Memory afterwards** (whatever the outcome): the sequence holds what it held before,
+//! plus the prompt, plus every token that was *delivered* (each piece's `tokens`).
+//! - A token is decoded before it is delivered; if its decode is cancelled or fails,
+//!   or the sink refuses it, it is not delivered and not in memory.
+//! - An end-of-generation token is not decoded and not delivered.
+//! - A prefill that is cancelled or fails leaves memory as before the call (the prompt
+//!   is decoded all or nothing, across its n-batch pieces); the outcome then has
+//!   `prompt_tokens == 0`.
+//!
+//! So a later generation on the same sequence continues exactly after the last
+//! delivered token.
+
+use std::time::{Duration, Instant};
+
+use super::cancel::Stop;
+use super::context::{Batch, Context};
+use super::model::Token;
+use super::sampler::Sampler;
+use super::{Error, Result};
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    /// Decoded after the sequence's current end; its last token's logits pick the
+    /// first generated token. Empty: continue from the logits of the context's last
+    /// decode (a chunk list evaluated through the media path, say), which must have
+    /// been the end of `seq`.
+    pub prompt: Vec<Token>,
+    pub seq: i32,
+    /// Most tokens to generate (0: prefill only).
+    pub max_tokens: u32,
+    /// Generation ends when the text contains one of these; the stop string and
+    /// anything after it are not delivered as text (their tokens are, see `Piece`).
+    pub stop: Vec<String>,
+}
+
+/// One step of output: the tokens delivered and the text released with them.
+///
+/// `text` is always whole UTF-8: bytes of a character split across tokens, and text
+/// that may be the start of a stop string, are held back and released with a later
+/// piece (or the final one). Invalid UTF-8 from the model becomes U+FFFD.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Piece {
+    pub text: String,
+    pub tokens: Vec<Token>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The text matched `stop[index]`.
+    Stop { index: u32 },
+    /// The model produced an end-of-generation token.
+    EndOfGeneration,
+    MaxTokens,
+    /// The token (or the call's abandonment) stopped it: in the prefill (nothing was
+    /// added to memory) or at the token in flight.
+    Cancelled,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens decoded into memory (0 if the prefill did not complete).
+    pub prompt_tokens: u32,
+    /// Tokens delivered.
+    pub generated_tokens: u32,
+    pub prefill: Duration,
+    pub generation: Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    pub finish: FinishReason,
+    pub usage: Usage,
+}
+
+/// Where pieces go. Returns false when the piece could not be delivered (the reader
+/// is gone, or the call was stopped while waiting for room): generation then ends as
+/// cancelled and the piece's tokens are taken back out of memory.
+pub trait Sink {
+    fn deliver(&mut self, piece: Piece) -> bool;
+}
+
+impl<F: FnMut(Piece) -> bool> Sink for F {
+    fn deliver(&mut self, piece: Piece) -> bool {
+        self(piece)
+    }
+}
+
+/// Run one generation on `ctx`. Errors other than a cancel (a full context, a grammar
+/// that allows no token) are returned after memory is made to hold exactly what the
+/// module doc says.
+pub fn generate(
+    ctx: &mut Context,
+    sampler: &mut Sampler,
+    request: &GenerateRequest,
+    stop: Stop<'_>,
+    sink: &mut dyn Sink,
+) -> Result<Outcome> {
+    let GenerateRequest { prompt, seq, max_tokens, stop: stops } = request;
+    let seq = *seq;
+    if prompt.is_empty() && ctx.last_logits().is_err() {
+        return Err(Error::InvalidArgument(
+            "the prompt is empty and the context's last decode left no logits to continue from".into(),
+        ));
+    }
+    if let Some(i) = stops.iter().position(String::is_empty) {
+        return Err(Error::InvalidArgument(format!("stop string {i} is empty")));
+    }
+    if !std::sync::Arc::ptr_eq(sampler.model(), ctx.model()) {
+        return Err(Error::InvalidArgument("the sampler was made for another model".into()));
+    }
+    ctx.model().check_tokens(prompt)?;
+    let mut usage = Usage::default();
+    let cancelled = |usage| Ok(Outcome { finish: FinishReason::Cancelled, usage });
+
+    let started = Instant::now();
+    match prefill(ctx, prompt, seq, stop) {
+        Ok(()) => usage.prompt_tokens = prompt.len() as u32,
+        Err(Error::Cancelled) => return cancelled(usage),
+        Err(e) => return Err(e),
+    }
+    usage.prefill = started.elapsed();
+
+    let started = Instant::now();
+    let model = ctx.model().clone();
+    let mut text = TextStream::new(stops);
+    let mut pos = ctx.seq_pos_max(seq)? + 1;
+    let finish = loop {
+        if usage.generated_tokens >= *max_tokens {
+            break FinishReason::MaxTokens;
+        }
+        let token = sampler.sample(ctx.last_logits()?)?;
+        if model.is_eog(token) {
+            break FinishReason::EndOfGeneration;
+        }
+        match ctx.decode(&Batch::sequence(&[token], pos, seq), Some(stop)) {
+            Ok(()) => {}
+            Err(Error::Cancelled) => break FinishReason::Cancelled,
+            Err(e) => {
+                sink.deliver(Piece { text: text.flush(), tokens: Vec::new() });
+                return Err(e);
+            }
+        }
+        let (released, matched) = text.push(&model.token_to_piece(token, false)?);
+        if !sink.deliver(Piece { text: released, tokens: vec![token] }) {
+            // Not delivered, so not kept: memory holds only delivered tokens.
+            ctx.seq_rm(seq, pos, -1)?;
+            break FinishReason::Cancelled;
+        }
+        usage.generated_tokens += 1;
+        pos += 1;
+        if let Some(index) = matched {
+            break FinishReason::Stop { index: index as u32 };
+        }
+    };
+    let rest = text.flush();
+    if !rest.is_empty() {
+        sink.deliver(Piece { text: rest, tokens: Vec::new() });
+    }
+    usage.generation = started.elapsed();
+    Ok(Outcome { finish, usage })
+}
+
+/// Decode `prompt` after the end of `seq` in n-batch pieces, logits for its last
+/// token; all or nothing across the pieces.
+fn prefill(ctx: &mut Context, prompt: &[Token], seq: i32, stop: Stop<'_>) -> Result<()> {
+    let end = ctx.seq_pos_max(seq)?;
+    if prompt.is_empty() {
+        return Ok(());
+    }
+    let n_batch = ctx.params().n_batch as usize;
+    let result = prompt.chunks(n_batch).try_fold(end + 1, |pos, piece| {
+        ctx.decode(&Batch::sequence(piece, pos, seq), Some(stop))?;
+        Ok(pos + piece.len() as i32)
+    });
+    if result.is_err() {
+        // Earlier pieces of this prompt are in memory: take them out too.
+        ctx.seq_rm(seq, end + 1, -1)?;
+    }
+    result.map(|_| ())
+}
+
+/// Bytes in, whole UTF-8 text out, with stop strings matched across token boundaries.
+pub(crate) struct TextStream {
+    pending: Vec<u8>,
+    stops: Vec<Vec<u8>>,
+}
+
+impl TextStream {
+    pub(crate) fn new(stops: &[String]) -> Self {
+        Self { pending: Vec::new(), stops: stops.iter().map(|s| s.as_bytes().to_vec()).collect() }
+    }
+
+    /// Add a token's bytes. Returns the text that can be released now and, if a stop
+    /// string now appears, its index (the text before it is released, the rest dropped).
+    pub(crate) fn push(&mut self, bytes: &[u8]) -> (String, Option<usize>) {
+        self.pending.extend_from_slice(bytes);
+        let earliest = self
+            .stops
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| find(&self.pending, s).map(|at| (at, i)))
+            .min();
+        if let Some((at, index)) = earliest {
+            let text = String::from_utf8_lossy(&self.pending[..at]).into_owned();
+            self.pending.clear();
+            return (text, Some(index));
+        }
+        // Hold back the longest tail that could still grow into a stop string.
+        let hold = self
+            .stops
+            .iter()
+            .map(|s| (1..s.len()).rev().find(|&k| self.pending.ends_with(&s[..k])).unwrap_or(0))
+            .max()
+            .unwrap_or(0);
+        let (text, used) = whole_utf8(&self.pending[..self.pending.len() - hold]);
+        self.pending.drain(..used);
+        (text, None)
+    }
+
+    /// Everything still held back (at the end of generation).
+    pub(crate) fn flush(&mut self) -> String {
+        let text = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        text
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The text of `bytes` up to an incomplete character at the end (which stays for the
+/// next token), with invalid sequences replaced by U+FFFD; and how many bytes it used.
+fn whole_utf8(bytes: &[u8]) -> (String, usize) {
+    let mut text = String::new();
+    let mut used = 0;
+    loop {
+        match std::str::from_utf8(&bytes[used..]) {
+            Ok(s) => {
+                text.push_str(s);
+                return (text, bytes.len());
+            }
+            Err(e) => {
+                let valid = used + e.valid_up_to();
+                // SAFETY-free: `from_utf8` just said these bytes are valid.
+                text.push_str(std::str::from_utf8(&bytes[used..valid]).unwrap_or_default());
+                match e.error_len() {
+                    Some(n) => {
+                        text.push(char::REPLACEMENT_CHARACTER);
+                        used = valid + n;
+                    }
+                    None => return (text, valid),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stops: &[&str], pieces: &[&[u8]]) -> (Vec<String>, Option<usize>, String) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut stream = TextStream::new(&stops);
+        let mut out = Vec::new();
+        for p in pieces {
+            let (text, matched) = stream.push(p);
+            out.push(text);
+            if matched.is_some() {
+                return (out, matched, stream.flush());
+            }
+        }
+        let rest = stream.flush();
+        (out, None, rest)
+    }
+
+    #[test]
+    fn a_character_split_across_tokens_is_released_whole() {
+        let euro = "€".as_bytes(); // 3 bytes
+        let (out, matched, rest) = run(&[], &[b"a", &euro[..1], &euro[1..2], &euro[2..], b"b"]);
+        assert_eq!(out, ["a", "", "", "€", "b"]);
+        assert_eq!((matched, rest.as_str()), (None, ""));
+    }
+
+    #[test]
+    fn invalid_bytes_become_replacement_characters() {
+        let (out, _, rest) = run(&[], &[b"a\xffb", b"\xe2\x82"]);
+        assert_eq!(out, ["a\u{fffd}b", ""]);
+        assert_eq!(rest, "\u{fffd}", "an incomplete character at the very end is flushed lossily");
+    }
+
+    #[test]
+    fn stop_strings_match_across_pieces_and_their_prefix_is_held_back() {
+        let (out, matched, rest) = run(&["</s>", "STOP"], &[b"hello <", b"/", b"s> after"]);
+        assert_eq!(out, ["hello ", "", ""]);
+        assert_eq!((matched, rest.as_str()), (Some(0), ""));
+        // A held-back prefix that does not complete is released.
+        let (out, matched, _) = run(&["STOP"], &[b"ST", b"ART"]);
+        assert_eq!((out, matched), (vec!["".to_string(), "START".to_string()], None));
+        // The earliest match wins, text before it is released with the match.
+        let (out, matched, _) = run(&["b", "abc"], &[b"xab"]);
+        assert_eq!((out, matched), (vec!["xa".to_string()], Some(0)));
+    }
+}

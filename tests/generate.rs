@@ -1,0 +1,517 @@
+//! Host-side generation, samplers, chat templates and embeddings, on generated models
+//! with 1 thread: greedy generation equal to a plain greedy loop, seeded sampling, a
+//! grammar, deterministic cancels in the prefill and in generation (memory holds the
+//! prompt plus exactly the delivered tokens), and named errors for bad input. Then the
+//! same through the demo plugin.
+
+mod common;
+
+use std::sync::Arc;
+
+use llamabox::native::{
+    generate, Batch, CancelFlag, ChatMessage, ChatTemplate, ChunkKind, Context, ContextParams, Error, FinishReason, GenerateRequest,
+    Grammar, MediaCaps, MediaContext, MediaInput, Model, Outcome, Piece, Pooling, Sampler, SamplerCaps, SamplerParams, Stop, Token,
+};
+use llamabox::RunOutcome;
+
+fn params() -> ContextParams {
+    ContextParams { n_ctx: 512, n_batch: 64, n_ubatch: 64, n_seq_max: 4, n_threads: 1 }
+}
+
+fn load(path: &std::path::Path) -> Arc<Model> {
+    Arc::new(Model::load(path).unwrap())
+}
+
+fn prompt(model: &Model) -> Vec<Token> {
+    model.tokenize("The llama in the box is", true, false).unwrap()
+}
+
+/// A prompt longer than n-batch, so the prefill runs in several decodes.
+fn long_prompt(model: &Model) -> Vec<Token> {
+    let filler = model.tokenize(" the llama in the box", false, false).unwrap();
+    filler.iter().copied().cycle().take(150).collect()
+}
+
+/// Run one generation, collecting every piece.
+fn run(ctx: &mut Context, sampler: &SamplerParams, request: &GenerateRequest, token: &CancelFlag) -> (Result<Outcome, Error>, Vec<Piece>) {
+    let mut sampler = Sampler::new(ctx.model().clone(), sampler, &SamplerCaps::default()).unwrap();
+    let mut pieces = Vec::new();
+    let mut sink = |p: Piece| {
+        pieces.push(p);
+        true
+    };
+    let outcome = generate(ctx, &mut sampler, request, Stop::on(token), &mut sink);
+    (outcome, pieces)
+}
+
+fn request(prompt: Vec<Token>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest { prompt, seq: 0, max_tokens, stop: Vec::new() }
+}
+
+fn tokens_of(pieces: &[Piece]) -> Vec<Token> {
+    pieces.iter().flat_map(|p| p.tokens.iter().copied()).collect()
+}
+
+fn text_of(pieces: &[Piece]) -> String {
+    pieces.iter().map(|p| p.text.as_str()).collect()
+}
+
+/// Greedy decoding as a plugin would write it: decode, argmax, decode, ...
+fn greedy_loop(model: &Arc<Model>, prompt: &[Token], n: usize) -> Vec<Token> {
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    for (i, piece) in prompt.chunks(params().n_batch as usize).enumerate() {
+        ctx.decode(&Batch::sequence(piece, (i * params().n_batch as usize) as i32, 0), None).unwrap();
+    }
+    let mut out = Vec::new();
+    let mut pos = prompt.len() as i32;
+    while out.len() < n {
+        let logits = ctx.last_logits().unwrap();
+        let next = (0..logits.len()).fold(0, |best, i| if logits[i] > logits[best] { i } else { best }) as Token;
+        if model.is_eog(next) {
+            break;
+        }
+        out.push(next);
+        ctx.decode(&Batch::sequence(&[next], pos, 0), None).unwrap();
+        pos += 1;
+    }
+    out
+}
+
+#[test]
+fn greedy_generation_equals_the_plain_greedy_loop() {
+    for path in [common::tiny_model(), common::slow_model()] {
+        let model = load(path);
+        for prompt in [prompt(&model), long_prompt(&model)] {
+            let expected = greedy_loop(&model, &prompt, 24);
+            let mut ctx = Context::new(model.clone(), params()).unwrap();
+            let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request(prompt.clone(), 24), &CancelFlag::new());
+            let outcome = outcome.unwrap();
+            assert_eq!(tokens_of(&pieces), expected);
+            assert_eq!(outcome.usage.prompt_tokens as usize, prompt.len());
+            assert_eq!(outcome.usage.generated_tokens as usize, expected.len());
+            if expected.len() == 24 {
+                assert_eq!(outcome.finish, FinishReason::MaxTokens);
+            }
+            assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt.len() + expected.len() - 1, "memory: prompt + delivered");
+            assert_eq!(text_of(&pieces), String::from_utf8_lossy(&bytes_of(&model, &expected)));
+        }
+    }
+}
+
+fn bytes_of(model: &Model, tokens: &[Token]) -> Vec<u8> {
+    tokens.iter().flat_map(|&t| model.token_to_piece(t, false).unwrap()).collect()
+}
+
+/// A seeded draw at a high temperature, with end-of-generation banned (logit bias -inf)
+/// so that a run always yields its full count.
+fn seeded(model: &Model, seed: u32) -> SamplerParams {
+    SamplerParams {
+        temperature: Some(1.5),
+        top_k: Some(200),
+        seed: Some(seed),
+        logit_bias: vec![(model.eos().unwrap(), f32::NEG_INFINITY)],
+        ..SamplerParams::default()
+    }
+}
+
+/// The token whose piece is exactly `text`.
+fn token_for(model: &Model, text: &[u8]) -> Token {
+    (0..model.n_vocab() as Token).find(|&t| model.token_to_piece(t, false).unwrap() == text).unwrap()
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_seeds_differ() {
+    let model = load(common::tiny_model());
+    let generate_with = |seed| {
+        let mut ctx = Context::new(model.clone(), params()).unwrap();
+        let (outcome, pieces) = run(&mut ctx, &seeded(&model, seed), &request(prompt(&model), 32), &CancelFlag::new());
+        outcome.unwrap();
+        tokens_of(&pieces)
+    };
+    let a = generate_with(7);
+    assert_eq!(a.len(), 32);
+    assert_eq!(a, generate_with(7), "same seed, same tokens");
+    assert_ne!(a, generate_with(8), "another seed, other tokens");
+    assert_ne!(a, greedy_loop(&model, &prompt(&model), 32), "sampling at temperature 1.5 is not greedy");
+}
+
+#[test]
+fn a_digits_only_grammar_yields_only_digits() {
+    let model = load(common::tiny_model());
+    let grammar = Grammar { text: "root ::= [0-9]+".into(), root: None };
+    for seed in 1..4 {
+        let sampler = SamplerParams { grammar: Some(grammar.clone()), ..seeded(&model, seed) };
+        let mut ctx = Context::new(model.clone(), params()).unwrap();
+        let (outcome, pieces) = run(&mut ctx, &sampler, &request(prompt(&model), 12), &CancelFlag::new());
+        assert_eq!(outcome.unwrap().usage.generated_tokens, 12);
+        let text = text_of(&pieces);
+        assert!(!text.is_empty() && text.chars().all(|c| c.is_ascii_digit()), "not only digits: {text:?}");
+    }
+}
+
+#[test]
+fn a_stop_string_ends_generation_and_is_not_delivered() {
+    let model = load(common::tiny_model());
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    let (_, reference) = run(&mut ctx, &SamplerParams::greedy(), &request(prompt(&model), 24), &CancelFlag::new());
+    let full = text_of(&reference);
+    // A stop string from the middle of the greedy text, crossing token boundaries.
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() >= 10, "the tiny model's greedy text is too short: {full:?}");
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let at = full.find(&stop).unwrap();
+
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    let stops = vec!["never appears".to_string(), stop.clone()];
+    let req = GenerateRequest { stop: stops, ..request(prompt(&model), 24) };
+    let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &req, &CancelFlag::new());
+    let outcome = outcome.unwrap();
+    assert_eq!(outcome.finish, FinishReason::Stop { index: 1 });
+    assert_eq!(text_of(&pieces), full[..at], "text up to the stop string, not including it");
+    let delivered = tokens_of(&pieces);
+    assert_eq!(delivered, tokens_of(&reference)[..delivered.len()], "the same tokens, up to the stop");
+    assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt(&model).len() + delivered.len() - 1);
+}
+
+/// Polls of the abort callback in a prefill of `prompt` and in one generated token.
+fn polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
+    let count = |max_tokens| {
+        let mut ctx = Context::new(model.clone(), params()).unwrap();
+        let counter = CancelFlag::new();
+        counter.trip_after(u64::MAX);
+        run(&mut ctx, &SamplerParams::greedy(), &request(prompt.to_vec(), max_tokens), &counter).0.unwrap();
+        counter.polls()
+    };
+    let prefill = count(0);
+    (prefill, count(1) - prefill)
+}
+
+#[test]
+fn a_cancel_in_the_prefill_leaves_memory_as_before_and_the_next_generation_as_if_never_run() {
+    let model = load(common::tiny_model());
+    let before = prompt(&model);
+    let long = long_prompt(&model);
+    let (prefill_polls, _) = polls(&model, &long);
+    let per_decode = prefill_polls / 3; // 150 tokens in n-batch 64: three decodes
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    ctx.decode(&Batch::sequence(&before, 0, 0), None).unwrap();
+
+    // Cancelled inside the second of the prefill's three decodes.
+    let token = CancelFlag::new();
+    token.trip_after(per_decode + 5);
+    let request = GenerateRequest { prompt: long.clone(), ..request(Vec::new(), 8) };
+    let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request, &token);
+    let outcome = outcome.unwrap();
+    assert_eq!(outcome.finish, FinishReason::Cancelled);
+    assert_eq!(token.polls(), per_decode + 5, "stopped at the poll that tripped the byte");
+    assert_eq!((outcome.usage.prompt_tokens, outcome.usage.generated_tokens), (0, 0));
+    assert!(pieces.is_empty());
+    assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, before.len() - 1, "memory as before the call");
+
+    // The same generation again gives what an uncancelled context gives.
+    let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request, &CancelFlag::new());
+    outcome.unwrap();
+    let expected = greedy_loop(&model, &[before.clone(), long].concat(), 8);
+    assert_eq!(tokens_of(&pieces), expected);
+}
+
+#[test]
+fn a_cancel_in_generation_keeps_exactly_the_delivered_tokens() {
+    let model = load(common::tiny_model());
+    let prompt = prompt(&model);
+    let (prefill, per_token) = polls(&model, &prompt);
+    let reference = greedy_loop(&model, &prompt, 12);
+    assert_eq!(reference.len(), 12);
+    for k in [0usize, 1, 5] {
+        let mut ctx = Context::new(model.clone(), params()).unwrap();
+        let token = CancelFlag::new();
+        // In the middle of the decode of generated token k (0-based).
+        token.trip_after(prefill + k as u64 * per_token + per_token / 2);
+        let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request(prompt.clone(), 12), &token);
+        let outcome = outcome.unwrap();
+        assert_eq!(outcome.finish, FinishReason::Cancelled);
+        assert_eq!(tokens_of(&pieces), reference[..k], "tokens delivered before the cancel");
+        assert_eq!(outcome.usage.generated_tokens as usize, k);
+        assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt.len() + k - 1, "memory: prompt + delivered tokens");
+
+        // Continue from memory with the token that was in flight: greedy picks the rest.
+        let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request(vec![reference[k]], 4), &CancelFlag::new());
+        outcome.unwrap();
+        assert_eq!(tokens_of(&pieces), reference[k + 1..k + 5], "continuing after a cancel as if it never happened");
+    }
+}
+
+#[test]
+fn a_sink_that_refuses_a_piece_cancels_and_the_token_is_not_kept() {
+    let model = load(common::tiny_model());
+    let prompt = prompt(&model);
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    let mut sampler = Sampler::new(model.clone(), &SamplerParams::greedy(), &SamplerCaps::default()).unwrap();
+    let mut delivered = 0;
+    let mut sink = |_: Piece| {
+        delivered += 1;
+        delivered <= 3
+    };
+    let outcome = generate(&mut ctx, &mut sampler, &request(prompt.clone(), 12), Stop::on(&CancelFlag::new()), &mut sink).unwrap();
+    assert_eq!((outcome.finish, outcome.usage.generated_tokens), (FinishReason::Cancelled, 3));
+    assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt.len() + 3 - 1);
+}
+
+#[test]
+fn bad_sampler_parameters_and_grammars_are_named_errors() {
+    let model = load(common::tiny_model());
+    let caps = SamplerCaps::default();
+    let bad = |p: SamplerParams| match Sampler::new(model.clone(), &p, &caps) {
+        Err(Error::InvalidArgument(m)) => m,
+        Err(e) => panic!("expected invalid-argument, got {e:?}"),
+        Ok(_) => panic!("accepted {p:?}"),
+    };
+    let d = SamplerParams::default;
+    assert!(bad(SamplerParams { temperature: Some(f32::NAN), ..d() }).contains("temperature"));
+    assert!(bad(SamplerParams { temperature: Some(-1.0), ..d() }).contains("temperature"));
+    assert!(bad(SamplerParams { top_p: Some(1.5), ..d() }).contains("top-p"));
+    assert!(bad(SamplerParams { min_p: Some(f32::INFINITY), ..d() }).contains("min-p"));
+    assert!(bad(SamplerParams { top_k: Some(0), ..d() }).contains("top-k"));
+    assert!(bad(SamplerParams { logit_bias: vec![(model.n_vocab() as i32, 1.0)], ..d() }).contains("outside the vocabulary"));
+    assert!(bad(SamplerParams { logit_bias: vec![(5, f32::NAN)], ..d() }).contains("logit bias"));
+    let grammar = |text: &str, root: Option<&str>| SamplerParams {
+        grammar: Some(Grammar { text: text.into(), root: root.map(Into::into) }),
+        ..d()
+    };
+    let unparsable = bad(grammar("root ::= [0-9", None));
+    assert!(unparsable.starts_with("grammar: "), "{unparsable}");
+    assert!(bad(grammar("digits ::= [0-9]+", None)).contains("root"), "a grammar without its start rule");
+    assert!(bad(grammar("root ::= root \"a\"", None)).contains("left recursion"));
+    assert!(bad(grammar("root ::= undefined-rule", None)).starts_with("grammar: "));
+    // llama.cpp would generate 2^64 - 3 rules for this one: refused up front.
+    assert!(bad(grammar("root ::= \"a\"{5,2}", None)).contains("maximum below its minimum"));
+    assert!(bad(grammar("root ::= \"a\"{99999999999999999999999}", None)).starts_with("grammar: "));
+    assert!(bad(grammar("root ::= \"a\"{3000}", None)).starts_with("grammar: "));
+    assert!(bad(grammar("root ::= \"\\", None)).starts_with("grammar: "));
+    assert!(bad(grammar("root ::= <[]>", None)).starts_with("grammar: "));
+    let deep = format!("root ::= {}\"a\"{}", "(".repeat(100), ")".repeat(100));
+    assert!(bad(grammar(&deep, None)).contains("nests"));
+    // The largest grammar the caps allow (a chain of rules, each one recursion level
+    // in llama.cpp's matcher) parses and samples without overflowing the stack.
+    let chain: String = (0..1200).map(|i| format!("r{i}::=r{}\n", i + 1)).collect::<String>() + "r1200 ::= [0-9]\nroot ::= r0\n";
+    assert!(chain.len() <= caps.max_grammar_bytes);
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    let (outcome, pieces) = run(&mut ctx, &SamplerParams { grammar: Some(Grammar { text: chain, root: None }), ..d() }, &request(prompt(&model), 4), &CancelFlag::new());
+    outcome.unwrap();
+    assert!(text_of(&pieces).chars().all(|c| c.is_ascii_digit()));
+}
+
+#[test]
+fn a_plugin_driven_sampler_refuses_tokens_its_grammar_forbids() {
+    let model = load(common::tiny_model());
+    let p = SamplerParams { grammar: Some(Grammar { text: "root ::= \"ab\"".into(), root: None }), ..SamplerParams::default() };
+    let mut sampler = Sampler::new(model.clone(), &p, &SamplerCaps::default()).unwrap();
+    let (a, z) = (token_for(&model, b"a"), token_for(&model, b"z"));
+    let eos = model.eos().unwrap();
+    assert!(matches!(sampler.accept(z), Err(Error::InvalidArgument(m)) if m.contains("not allowed")));
+    assert!(matches!(sampler.accept(eos), Err(Error::InvalidArgument(_))), "end of generation before the grammar is complete");
+    sampler.accept(a).unwrap();
+    // Logits that favour "z" above all: the grammar still forces "b".
+    let mut logits = vec![0.0f32; model.n_vocab() as usize];
+    logits[z as usize] = 100.0;
+    let b = sampler.sample(&logits).unwrap();
+    assert_eq!(model.token_to_piece(b, false).unwrap(), b"b");
+    // Now only the end is allowed; a row that bans it leaves nothing to pick.
+    logits[eos as usize] = f32::NEG_INFINITY;
+    assert!(matches!(sampler.sample(&logits), Err(Error::InvalidArgument(m)) if m.contains("no token is allowed")));
+    assert!(sampler.sample(&[0.0; 3]).is_err(), "a row of the wrong width");
+}
+
+#[test]
+fn chat_templates_from_the_model_or_by_name_and_named_errors() {
+    let tiny = load(common::tiny_model());
+    let messages = vec![
+        ChatMessage { role: "system".into(), content: "Be brief.".into() },
+        ChatMessage { role: "user".into(), content: "Hi".into() },
+    ];
+    let chatml = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(tiny.apply_chat_template(&ChatTemplate::Model, &messages, true).unwrap(), chatml);
+    assert_eq!(tiny.apply_chat_template(&ChatTemplate::Named("chatml".into()), &messages, true).unwrap(), chatml);
+    let no_prompt = tiny.apply_chat_template(&ChatTemplate::Model, &messages, false).unwrap();
+    assert_eq!(no_prompt, chatml.trim_end_matches("<|im_start|>assistant\n"));
+    let llama3 = tiny.apply_chat_template(&ChatTemplate::Named("llama3".into()), &messages, true).unwrap();
+    assert!(llama3.contains("<|start_header_id|>user<|end_header_id|>"), "{llama3}");
+
+    let named = |r: Result<String, Error>| match r {
+        Err(Error::InvalidArgument(m)) => m,
+        other => panic!("expected invalid-argument, got {other:?}"),
+    };
+    assert!(named(tiny.apply_chat_template(&ChatTemplate::Named("no-such".into()), &messages, true)).contains("unknown chat template"));
+    let slow = load(common::slow_model());
+    assert_eq!(slow.chat_template(), None);
+    assert!(named(slow.apply_chat_template(&ChatTemplate::Model, &messages, true)).contains("no chat template"));
+    let nul = vec![ChatMessage { role: "user".into(), content: "a\0b".into() }];
+    assert!(named(tiny.apply_chat_template(&ChatTemplate::Model, &nul, true)).contains("NUL"));
+}
+
+#[test]
+fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
+    let model = load(common::tiny_model());
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    let a = model.tokenize("the llama in the box", true, false).unwrap();
+    let b = model.tokenize("hello world, fast plugin", true, false).unwrap();
+    let n_embd = model.n_embd() as usize;
+    for pooling in [Pooling::Mean, Pooling::Cls, Pooling::Last] {
+        let first = ctx.embed(&[a.clone(), b.clone()], pooling, false, None).unwrap();
+        let again = ctx.embed(&[a.clone(), b.clone()], pooling, false, None).unwrap();
+        assert_eq!(first.len(), 2);
+        assert!(first.iter().all(|v| v.len() == n_embd));
+        let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&first[0]), bits(&again[0]), "identical inputs, bitwise identical vectors ({pooling:?})");
+        if pooling != Pooling::Cls {
+            assert_ne!(bits(&first[0]), bits(&first[1]), "different inputs, different vectors ({pooling:?})");
+        }
+        let normalised = ctx.embed(std::slice::from_ref(&a), pooling, true, None).unwrap();
+        let norm = normalised[0].iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "norm {norm}");
+    }
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), -1, "embedding leaves memory empty");
+    let rows = ctx.embed_rows(&a, false, None).unwrap();
+    assert_eq!((rows.len(), rows[0].len()), (a.len(), n_embd));
+    let mean = ctx.embed(std::slice::from_ref(&a), Pooling::Mean, false, None).unwrap();
+    let by_hand: Vec<f32> = (0..n_embd).map(|j| rows.iter().map(|r| r[j]).sum::<f32>() / rows.len() as f32).collect();
+    assert_eq!(mean[0], by_hand, "mean pooling is the mean of the rows");
+    assert_eq!(ctx.embed(std::slice::from_ref(&a), Pooling::Last, false, None).unwrap()[0], rows[a.len() - 1]);
+
+    // Generation still works on the same context afterwards (embedding output is off).
+    let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request(prompt(&model), 6), &CancelFlag::new());
+    outcome.unwrap();
+    assert_eq!(tokens_of(&pieces), greedy_loop(&model, &prompt(&model), 6));
+
+    // Cancelled in flight: cancelled, memory empty, the next call as before.
+    let token = CancelFlag::new();
+    token.trip_after(7);
+    assert_eq!(ctx.embed(std::slice::from_ref(&a), Pooling::Mean, false, Some(Stop::on(&token))), Err(Error::Cancelled));
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), -1);
+    assert_eq!(ctx.embed(std::slice::from_ref(&a), Pooling::Mean, false, None).unwrap(), mean);
+    let too_many = vec![a.clone(); params().n_seq_max as usize + 1];
+    assert!(matches!(ctx.embed(&too_many, Pooling::Mean, false, None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(ctx.embed(&[vec![]], Pooling::Mean, false, None), Err(Error::InvalidArgument(_))));
+}
+
+/// A context holding "Describe this: <image>" evaluated the way `media.eval-chunks`
+/// does it (text decoded, the image encoded then decoded), logits for its last row.
+fn context_after_an_image(model: &Arc<Model>) -> Context {
+    let mut media = MediaContext::new(common::tiny_vision(), model.clone(), 1).unwrap();
+    let caps = MediaCaps { max_image_side: 4096, max_audio_samples: 1 << 20 };
+    let image = MediaInput::Image { width: 64, height: 64, rgb: common::gradient(64, 64) };
+    let chunks = media.tokenize(&format!("Describe this: {}", MediaContext::marker()), &[image], caps).unwrap();
+    assert!(chunks.iter().any(|c| c.kind() == ChunkKind::Image));
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    for (i, chunk) in chunks.iter().enumerate() {
+        let last = i + 1 == chunks.len();
+        if chunk.kind() == ChunkKind::Text {
+            let start = ctx.seq_pos_max(0).unwrap() + 1;
+            ctx.decode(&Batch::sequence(chunk.text_tokens(), start, 0), None).unwrap();
+        } else {
+            let embd = media.encode(chunk, None).unwrap();
+            ctx.decode_embeddings(&embd, 0, media.needs_non_causal(chunk), last, None).unwrap();
+        }
+    }
+    ctx
+}
+
+#[test]
+fn an_empty_prompt_continues_after_a_media_prompt() {
+    let model = load(common::tiny_model());
+    let mut plain = context_after_an_image(&model);
+    let n_past = plain.seq_pos_max(0).unwrap() + 1;
+    let eos = model.eos().unwrap() as usize;
+    let mut expected = Vec::new();
+    for pos in n_past..n_past + 8 {
+        // Greedy with end-of-generation banned, as the sampler below is told.
+        let logits = plain.last_logits().unwrap();
+        let next = (0..logits.len()).filter(|&i| i != eos).fold(0, |best, i| if logits[i] > logits[best] { i } else { best }) as Token;
+        expected.push(next);
+        plain.decode(&Batch::sequence(&[next], pos, 0), None).unwrap();
+    }
+
+    let mut ctx = context_after_an_image(&model);
+    let eos_banned = SamplerParams { logit_bias: vec![(model.eos().unwrap(), f32::NEG_INFINITY)], ..SamplerParams::default() };
+    let (outcome, pieces) = run(&mut ctx, &eos_banned, &request(Vec::new(), 8), &CancelFlag::new());
+    let outcome = outcome.unwrap();
+    assert_eq!(tokens_of(&pieces), expected);
+    assert_eq!(outcome.usage.prompt_tokens, 0);
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), n_past + outcome.usage.generated_tokens as i32 - 1);
+
+    let mut empty = Context::new(model.clone(), params()).unwrap();
+    let (outcome, _) = run(&mut empty, &SamplerParams::greedy(), &request(Vec::new(), 8), &CancelFlag::new());
+    assert!(matches!(outcome, Err(Error::InvalidArgument(m)) if m.contains("no logits")));
+}
+
+// ---- Through the demo plugin ----
+
+#[tokio::test(flavor = "multi_thread")]
+async fn guest_host_side_greedy_equals_its_own_greedy_loop_and_the_native_one() {
+    let model = common::tiny_model();
+    let (outcome, out) = common::run_demo(&[("tiny", model)], &["--model", "tiny", "--generate", "16", "--host-generate"]).await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    let guest = common::field(&out, "generated-ids");
+    assert_eq!(common::field(&out, "host-generated-ids"), guest);
+    let native = load(model);
+    let prompt = native.tokenize("The llama in the box", true, true).unwrap();
+    let expected: Vec<String> = greedy_loop(&native, &prompt, 16).iter().map(ToString::to_string).collect();
+    assert_eq!(guest, expected.join(","));
+    assert_eq!(common::field(&out, "host-finish"), "max-tokens");
+    assert!(common::field(&out, "host-usage").starts_with(&format!("prompt {} generated 16", prompt.len())));
+    // The plugin-driven sampler (greedy through `sampler.sample`) agrees too.
+    assert_eq!(common::field(&out, "sampler-ids"), guest);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_guest_that_stops_reading_pauses_the_generation_and_a_cancel_ends_it() {
+    let (outcome, out) = common::run_demo(
+        &[("tiny", common::tiny_model())],
+        &["--model", "tiny", "--stall-generation", "--cancel-after-ms", "200"],
+    )
+    .await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    let report = common::field(&out, "stalled-generation");
+    let delivered: u32 = report.split(' ').next().unwrap().parse().unwrap();
+    // 256 tokens asked for; the host stops at its 32-piece buffer until the cancel.
+    assert!(delivered <= 32 && report.ends_with("delivered, cancelled"), "{report}");
+    assert_eq!(common::field(&out, "stalled-generation-memory"), "consistent");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn guest_generates_on_the_host_after_an_image_prompt() {
+    let (outcome, out) =
+        common::run_demo_with(&[("tiny", common::tiny_model())], &[("vision", common::tiny_vision())], &["--model", "tiny", "--media", "vision"]).await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    let next = common::field(&out, "media-eval").rsplit("next-token=").next().unwrap().to_string();
+    let generated = common::field(&out, "media-host-generation");
+    assert!(generated == next || generated.starts_with(&format!("{next},")), "greedy continues with the argmax {next}: {generated}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn guest_chats_through_the_models_template_and_streams_the_answer() {
+    let (outcome, out) = common::run_demo(&[("tiny", common::tiny_model())], &["--model", "tiny", "--chat", "Hi there", "--generate", "12"]).await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    assert_eq!(common::field(&out, "chat-prompt"), "<|im_start|>user\\nHi there<|im_end|>\\n<|im_start|>assistant\\n");
+    assert!(common::field(&out, "chat-pieces").parse::<u32>().unwrap() >= 12);
+    assert_eq!(common::field(&out, "chat-finish"), "max-tokens");
+    assert!(common::field(&out, "chat-bad-template").starts_with("invalid-argument: unknown chat template"));
+    assert!(common::field(&out, "chat-bad-sampler").starts_with("invalid-argument: top-p"));
+    assert!(common::field(&out, "chat-bad-grammar").starts_with("invalid-argument: grammar"));
+    assert!(common::field(&out, "chat-too-many-tokens").starts_with("limit-exceeded: max-tokens"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn guest_cancels_a_generation_from_its_timer_and_memory_holds_what_was_delivered() {
+    let (outcome, out) = common::run_demo(
+        &[("slow", common::slow_model())],
+        &["--model", "slow", "--cancel-generation", "--long-tokens", "512", "--cancel-after-ms", "30"],
+    )
+    .await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    // Timing decides where the cancel lands, never what it leaves behind.
+    let finish = common::field(&out, "cancel-generation-finish");
+    assert!(finish == "cancelled" || finish == "max-tokens", "{finish}");
+    assert_eq!(common::field(&out, "cancel-generation-memory"), "consistent");
+    assert_eq!(common::field(&out, "after-cancel"), "ok");
+}
