@@ -12,7 +12,7 @@ pub mod synthetic;
 
 pub use backend::cpu_features;
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
-pub use context::{Batch, Context, ContextParams};
+pub use context::{Batch, Context, ContextParams, Piece};
 pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};
 pub use model::{Model, Token};
 #[cfg(feature = "synthetic")]
