@@ -50,17 +50,17 @@ async fn another_instance_cancels_a_blocking_decode_through_a_shared_capability(
     let (host, plugin) = host();
     let flag = CancelFlag::new();
     let capability = host.tokens().share("tenant", &flag).expect("a capability");
-    let (a_args, b_args) = (["--model", "slow", "--token", &capability], ["--cancel-shared", &capability]);
+    // A decodes under the shared token until it is cancelled: only B can end it,
+    // whether B lands before A's first decode, between two, or in the middle of one.
+    let a_args = ["--model", "slow", "--token", &capability, "--decode-until-stopped"];
+    let b_args = ["--cancel-shared", &capability];
     let decoding = run(&plugin, "tenant", None, &a_args);
-    let cancelling = async {
-        // Whether B lands before A's decode starts or during it, A must see `cancelled`.
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        run(&plugin, "tenant", None, &b_args).await
-    };
+    let cancelling = run(&plugin, "tenant", None, &b_args);
     let ((a, a_out), (b, b_out)) = tokio::join!(decoding, cancelling);
     assert_eq!((a, b), (RunOutcome::Success, RunOutcome::Success));
     assert_eq!(common::field(&b_out, "cancel-shared"), "ok");
-    assert_eq!(common::field(&a_out, "shared-decode"), "cancelled");
+    assert!(a_out.contains("stopped: cancelled"), "{a_out}");
+    assert_eq!(common::field(&a_out, "memory-after"), "seq-pos-max=-1", "a cancelled decode leaves no trace");
     assert!(flag.is_cancelled());
 }
 
