@@ -151,6 +151,11 @@ async fn wasi_0_3_guest_tasks_cancel_in_flight_by_token_or_by_dropping_the_futur
     }
     assert_eq!(common::field(&out, "async-two-contexts"), "kept ok, stopped cancelled");
     assert_eq!(common::field(&out, "memory-after-two"), "seq-pos-max=511 and -1");
+    assert_eq!(
+        common::field(&out, "async-over-cap"),
+        "1 refused: max-pending-calls: this plugin already holds 16",
+        "WASI 0.3 calls count against max-pending-calls"
+    );
     assert_eq!(common::field(&out, "async-complete"), "ok");
     assert_eq!(common::field(&out, "memory-after-complete"), "seq-pos-max=511");
 }

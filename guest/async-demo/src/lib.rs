@@ -101,6 +101,25 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     println!("async-two-contexts: kept {}, stopped {}", show(&kept), show(&stopped));
     println!("memory-after-two: seq-pos-max={} and {}", other.seq_pos_max(0)?, ctx.seq_pos_max(0)?);
 
+    // (e) more async calls in flight than the host's max-pending-calls (16): the first
+    // runs a long decode, fifteen queue behind it, the seventeenth is refused by name.
+    // Whenever the cancel lands, exactly one call is over the cap.
+    let token = CancelToken::new();
+    let calls: Vec<_> = (0..17).map(|_| async_calls::decode(&ctx, batch.clone(), &token)).collect();
+    let (outcomes, ()) = join!(futures::future::join_all(calls), async {
+        wait_for(5 * MS).await;
+        token.cancel();
+    });
+    let refused: Vec<String> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            Err(Error::LimitExceeded(m)) => Some(m.clone()),
+            _ => None,
+        })
+        .collect();
+    println!("async-over-cap: {} refused: {}", refused.len(), refused.join("; "));
+    ctx.clear()?;
+
     // And an uncancelled async decode completes.
     let outcome = async_calls::decode(&ctx, batch, &CancelToken::new()).await;
     println!("async-complete: {}", show(&outcome));
