@@ -142,7 +142,7 @@ async fn wasi_0_3_guest_tasks_cancel_in_flight_by_token_or_by_dropping_the_futur
     let (outcome, out) =
         common::run_plugin(common::async_demo_plugin(), &[("slow", common::slow_model())], &[], &["slow", "512"]).await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
-    // Each decode takes far longer than the 5 ms after which it is stopped.
+    // Each scenario stops its decode at once: queued or running, never finished.
     assert_eq!(common::field(&out, "async-spawn"), "cancelled");
     assert_eq!(common::field(&out, "async-join"), "cancelled");
     assert_eq!(common::field(&out, "async-drop"), "dropped");
