@@ -165,3 +165,46 @@ fn a_chunk_is_encoded_only_by_the_media_context_that_made_it() {
     assert_eq!(vision.encode(&picture, None).unwrap().len(), picture.n_tokens() * model.n_embd_inp() as usize);
     assert!(picture.native_bytes() >= picture.n_tokens() * model.n_embd_inp() as usize * 4, "charged at least its embeddings");
 }
+
+/// Chunk-list evaluation is one native all-or-nothing call: the same logits as
+/// decoding piece by piece, and a failure in the last piece undoes the first ones.
+#[test]
+fn eval_is_one_all_or_nothing_call_over_text_and_media_pieces() {
+    use llamabox::native::PromptPiece as Piece;
+    let model = model();
+    let mut m = media(common::tiny_vision(), &model);
+    let prompt = format!("look: {} and tell", MediaContext::marker());
+    let chunks = m.tokenize(&prompt, &[image(16, 16)], CAPS).unwrap();
+    let pieces = m.encode_for_eval(&chunks, None).unwrap();
+    assert_eq!(pieces.len(), 3);
+    let params = ContextParams { n_ctx: 512, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 1 };
+
+    let mut by_piece = Context::new(model.clone(), params).unwrap();
+    for (i, piece) in pieces.iter().enumerate() {
+        let last = i + 1 == pieces.len();
+        match piece {
+            Piece::Tokens(t) => {
+                let mut batch = Batch::sequence(t, by_piece.seq_pos_max(0).unwrap() + 1, 0);
+                batch.logits = (0..t.len()).map(|r| last && r + 1 == t.len()).collect();
+                by_piece.decode(&batch, None).unwrap()
+            }
+            Piece::Embeddings { embd, non_causal } => by_piece.decode_embeddings(embd, 0, *non_causal, last, None).unwrap(),
+        }
+    }
+    let mut ctx = Context::new(model.clone(), params).unwrap();
+    let n_past = ctx.eval(&pieces, 0, None).unwrap();
+    assert_eq!(n_past, by_piece.seq_pos_max(0).unwrap() + 1);
+    assert!(bitwise_eq(ctx.last_logits().unwrap(), by_piece.last_logits().unwrap()));
+
+    let mut broken = pieces.clone();
+    broken.push(Piece::Tokens(vec![model.n_vocab() as i32]));
+    match ctx.eval(&broken, 0, None) {
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("outside the vocabulary"), "{msg}"),
+        other => panic!("a bad last piece must fail the whole call, got {other:?}"),
+    }
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), n_past - 1, "the earlier pieces were undone");
+    let token = CancelFlag::new();
+    token.trip_after(3);
+    assert_eq!(ctx.eval(&pieces, 0, Some(Stop::on(&token))), Err(Error::Cancelled));
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), n_past - 1);
+}

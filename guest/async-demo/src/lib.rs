@@ -1,5 +1,5 @@
 //! A WASI 0.3 (component-model async) plugin: the three ways another task stops an
-//! in-flight call. Each scenario starts a long decode and, 5 ms later, either cancels
+//! in-flight call. Each scenario starts a long decode and, at once, either cancels
 //! its token from a spawned task, cancels it from the other arm of a `join!`, or drops
 //! the decode's future without any token (then the host stops the native work itself).
 //!
@@ -24,7 +24,10 @@ use llamabox::inference::types::Error;
 use wasi::clocks0_3_0::monotonic_clock::wait_for;
 
 
-const MS: u64 = 1_000_000;
+/// How long each scenario waits before it stops its decode: not at all. The decode is
+/// then queued or running in the host, never finished, however fast the machine is, so
+/// every outcome below is deterministic.
+const STOP_AFTER_NS: u64 = 0;
 
 struct Plugin;
 
@@ -63,7 +66,7 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     let token = std::rc::Rc::new(CancelToken::new());
     let canceller = token.clone();
     wit_bindgen::spawn_local(async move {
-        wait_for(5 * MS).await;
+        wait_for(STOP_AFTER_NS).await;
         canceller.cancel();
     });
     let outcome = async_calls::decode(&ctx, batch.clone(), &token).await;
@@ -73,7 +76,7 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     // (b) one task, two arms: the decode, and a sleep that cancels it.
     let token = CancelToken::new();
     let (outcome, ()) = join!(async_calls::decode(&ctx, batch.clone(), &token), async {
-        wait_for(5 * MS).await;
+        wait_for(STOP_AFTER_NS).await;
         token.cancel();
     });
     println!("async-join: {}", show(&outcome));
@@ -83,7 +86,7 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     // dropped. The host drops its future, stops the decode in flight and joins it, so
     // the memory shows no trace of it.
     let never = CancelToken::new();
-    let raced = first_of(async_calls::decode(&ctx, batch.clone(), &never), wait_for(5 * MS)).await;
+    let raced = first_of(async_calls::decode(&ctx, batch.clone(), &never), wait_for(STOP_AFTER_NS)).await;
     println!("async-drop: {}", if raced.is_none() { "dropped" } else { "finished first" });
     println!("memory-after-drop: seq-pos-max={}", ctx.seq_pos_max(0)?);
 
@@ -95,12 +98,31 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
         async_calls::decode(&other, batch.clone(), &keep),
         async_calls::decode(&ctx, batch.clone(), &stop),
         async {
-            wait_for(5 * MS).await;
+            wait_for(STOP_AFTER_NS).await;
             stop.cancel();
         }
     );
     println!("async-two-contexts: kept {}, stopped {}", show(&kept), show(&stopped));
     println!("memory-after-two: seq-pos-max={} and {}", other.seq_pos_max(0)?, ctx.seq_pos_max(0)?);
+
+    // (e) more async calls in flight than the host's max-pending-calls (16): the first
+    // runs a long decode, fifteen queue behind it, the seventeenth is refused by name.
+    // Whenever the cancel lands, exactly one call is over the cap.
+    let token = CancelToken::new();
+    let calls: Vec<_> = (0..17).map(|_| async_calls::decode(&ctx, batch.clone(), &token)).collect();
+    let (outcomes, ()) = join!(futures::future::join_all(calls), async {
+        wait_for(STOP_AFTER_NS).await;
+        token.cancel();
+    });
+    let refused: Vec<String> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            Err(Error::LimitExceeded(m)) => Some(m.clone()),
+            _ => None,
+        })
+        .collect();
+    println!("async-over-cap: {} refused: {}", refused.len(), refused.join("; "));
+    ctx.clear()?;
 
     // And an uncancelled async decode completes.
     let outcome = async_calls::decode(&ctx, batch.clone(), &CancelToken::new()).await;
@@ -118,7 +140,7 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     println!("async-generation: {generated} tokens");
     ctx.clear()?;
     let long = generate::start(&ctx, &greedy(batch.tokens, 4), &CancelToken::new())?;
-    let raced = first_of(async_calls::generation_next(&long), wait_for(5 * MS)).await;
+    let raced = first_of(async_calls::generation_next(&long), wait_for(STOP_AFTER_NS)).await;
     println!("async-generation-drop: {}", if raced.is_none() { "dropped" } else { "finished first" });
     println!("async-generation-after-drop: {}", show(&async_calls::generation_next(&long).await.map(|_| ())));
     drop(long);

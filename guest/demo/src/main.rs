@@ -190,8 +190,15 @@ fn run(o: &Options) -> Result<(), Error> {
         let tokens: Vec<i32> = filler.iter().copied().cycle().take(o.long_tokens as usize).collect();
         println!("decoding until stopped");
         loop {
-            ctx.decode(&sequence(&tokens, 0), &token)?;
-            ctx.clear()?;
+            match ctx.decode(&sequence(&tokens, 0), &token) {
+                Ok(()) => ctx.clear()?,
+                Err(Error::Cancelled) => {
+                    println!("stopped: cancelled");
+                    println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
     if let Some(capability) = &o.token {

@@ -10,7 +10,7 @@ use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, Ho
 use super::llm::{ContextHandle, ModelHandle};
 use super::pending::{finished, Pending};
 use super::{Answer, CancelToken, Error, Held, LlamaCtxView};
-use crate::native::{self, Batch, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token};
+use crate::native::{self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token};
 use crate::worker::{Call, Worker};
 
 pub struct ChunkHandle {
@@ -228,7 +228,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
         if media.mrope && chunks.iter().any(|c| c.kind() != native::ChunkKind::Text) {
             return Ok(Err(Error::InvalidArgument("projectors with multi-dimensional positions (M-RoPE) are not supported yet".into())));
         }
-        Ok(eval_chunks(&media.worker, &context.worker, &chunks, seq, &token).await)
+        Ok(eval_chunks(&media.worker, &context.worker, chunks, seq, &token).await)
     }
 
     async fn drop(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<()> {
@@ -240,60 +240,21 @@ impl HostMediaContext for LlamaCtxView<'_> {
     }
 }
 
-/// Text chunks are decoded, media chunks encoded then decoded, each step stoppable by
-/// `token`. If any step fails, the sequence is cut back to where it ended before.
+/// Media chunks are encoded on the media worker, then the whole list is evaluated by
+/// `native::Context::eval` on the context's worker: one all-or-nothing call, each
+/// stage stoppable by `token`.
 async fn eval_chunks(
     media: &Worker<MediaContext>,
     context: &Worker<native::Context>,
-    chunks: &[Arc<Chunk>],
+    chunks: Vec<Arc<Chunk>>,
     seq: i32,
     token: &CancelFlag,
 ) -> Result<i32, Error> {
-    let end = finished(context.call(move |c, _| c.seq_pos_max(seq)).await)?;
-    let result = eval_each(media, context, chunks, seq, token).await;
-    if result.is_err() {
-        finished(context.call(move |c, _| c.seq_rm(seq, end + 1, -1)).await)?;
-    }
-    result?;
-    finished(context.call(move |c, _| c.seq_pos_max(seq)).await).map(|last| last + 1)
-}
-
-async fn eval_each(
-    media: &Worker<MediaContext>,
-    context: &Worker<native::Context>,
-    chunks: &[Arc<Chunk>],
-    seq: i32,
-    token: &CancelFlag,
-) -> Result<(), Error> {
-    for (i, chunk) in chunks.iter().enumerate() {
-        let last = i + 1 == chunks.len();
-        let (chunk, token) = (chunk.clone(), token.clone());
-        if chunk.kind() == native::ChunkKind::Text {
-            let step = context.call(move |c, abandoned| {
-                let n_batch = c.params().n_batch as usize;
-                let tokens = chunk.text_tokens();
-                let n_pieces = tokens.len().div_ceil(n_batch);
-                tokens.chunks(n_batch).enumerate().try_for_each(|(p, piece)| {
-                    let mut batch = Batch::sequence(piece, c.seq_pos_max(seq)? + 1, seq);
-                    batch.logits = (0..piece.len()).map(|r| last && p + 1 == n_pieces && r + 1 == piece.len()).collect();
-                    c.decode(&batch, Some(Stop::on_either(&token, abandoned)))
-                })
-            });
-            finished(step.await)?;
-        } else {
-            let encode_token = token.clone();
-            let encoded = media.call(move |m, abandoned| {
-                let embd = m.encode(&chunk, Some(Stop::on_either(&encode_token, abandoned)))?;
-                Ok((embd, m.needs_non_causal(&chunk)))
-            });
-            let (embd, non_causal) = finished(encoded.await)?;
-            let decoded = context.call(move |c, abandoned| {
-                c.decode_embeddings(&embd, seq, non_causal, last, Some(Stop::on_either(&token, abandoned)))
-            });
-            finished(decoded.await)?;
-        }
-    }
-    Ok(())
+    let encode_token = token.clone();
+    let encoded = media.call(move |m, abandoned| m.encode_for_eval(&chunks, Some(Stop::on_either(&encode_token, abandoned))));
+    let pieces = finished(encoded.await)?;
+    let token = token.clone();
+    finished(context.call(move |c, abandoned| c.eval(&pieces, seq, Some(Stop::on_either(&token, abandoned)))).await)
 }
 
 impl HostPendingEncode for LlamaCtxView<'_> {

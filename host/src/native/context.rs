@@ -14,6 +14,14 @@ use super::{backend, Error, Result};
 mod embed;
 pub use embed::Pooling;
 
+/// One piece of a prompt for [`Context::eval`]: text tokens, or a media chunk's
+/// embeddings (`non_causal`: decoded in one ubatch with non-causal attention).
+#[derive(Clone, Debug, PartialEq)]
+pub enum PromptPiece {
+    Tokens(Vec<Token>),
+    Embeddings { embd: Vec<f32>, non_causal: bool },
+}
+
 /// Settings of a new context, already resolved (no defaults left to pick).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ContextParams {
@@ -280,6 +288,11 @@ impl Context {
             return Err(Error::Cancelled);
         }
         self.check_batch(batch)?;
+        self.all_or_nothing(&batch.seq_ids, |ctx| ctx.decode_checked(batch, stop))
+    }
+
+    /// One `llama_decode` of a batch `check_batch` accepted; no rollback of its own.
+    fn decode_checked(&mut self, batch: &Batch, stop: Option<Stop<'_>>) -> Result<()> {
         let mut seq_ptrs: Vec<*mut i32> = batch.seq_ids.iter().map(|s| s as *const i32 as *mut i32).collect();
         let mut n_seq_id = vec![1i32; batch.len()];
         let mut logits: Vec<i8> = batch.logits.iter().map(|&l| l as i8).collect();
@@ -294,7 +307,7 @@ impl Context {
             seq_id: seq_ptrs.as_mut_ptr(),
             logits: logits.as_mut_ptr(),
         };
-        self.all_or_nothing(&batch.seq_ids, |ctx| ctx.decode_raw(raw, &batch.logits, stop))
+        self.decode_raw(raw, &batch.logits, stop)
     }
 
     /// Decode media embeddings (`n × n_embd_inp` floats, from a projector) into `seq` at
@@ -312,6 +325,47 @@ impl Context {
         if stop.is_some_and(|s| s.is_set()) {
             return Err(Error::Cancelled);
         }
+        self.check_seq(seq)?;
+        self.all_or_nothing(&[seq], |ctx| ctx.embeddings_in(embd, seq, non_causal, logits_last, stop))
+    }
+
+    /// Evaluate a prompt into `seq` from its current end: each piece's tokens or
+    /// embeddings in turn, in n-batch pieces, logits for the very last row. Returns the
+    /// sequence's new length. One all-or-nothing call: if any piece fails or is
+    /// stopped, memory is as it was before the first.
+    pub fn eval(&mut self, pieces: &[PromptPiece], seq: i32, stop: Option<Stop<'_>>) -> Result<i32> {
+        if stop.is_some_and(|s| s.is_set()) {
+            return Err(Error::Cancelled);
+        }
+        self.check_seq(seq)?;
+        let last = pieces.len().checked_sub(1);
+        self.all_or_nothing(&[seq], |ctx| {
+            pieces.iter().enumerate().try_for_each(|(i, piece)| {
+                let logits_last = Some(i) == last;
+                match piece {
+                    PromptPiece::Tokens(tokens) => ctx.tokens_in(tokens, seq, logits_last, stop),
+                    PromptPiece::Embeddings { embd, non_causal } => ctx.embeddings_in(embd, seq, *non_causal, logits_last, stop),
+                }
+            })
+        })?;
+        self.seq_pos_max(seq).map(|end| end + 1)
+    }
+
+    /// `tokens` appended to `seq` in n-batch pieces; no rollback of its own.
+    fn tokens_in(&mut self, tokens: &[Token], seq: i32, logits_last: bool, stop: Option<Stop<'_>>) -> Result<()> {
+        let n_batch = self.params.n_batch as usize;
+        let n_pieces = tokens.len().div_ceil(n_batch);
+        tokens.chunks(n_batch).enumerate().try_for_each(|(p, piece)| {
+            let mut batch = Batch::sequence(piece, self.seq_pos_max(seq)? + 1, seq);
+            batch.logits = (0..piece.len()).map(|r| logits_last && p + 1 == n_pieces && r + 1 == piece.len()).collect();
+            self.check_batch(&batch)?;
+            self.decode_checked(&batch, stop)
+        })
+    }
+
+    /// Embeddings appended to `seq` (see [`Context::decode_embeddings`]); no rollback
+    /// of its own.
+    fn embeddings_in(&mut self, embd: &[f32], seq: i32, non_causal: bool, logits_last: bool, stop: Option<Stop<'_>>) -> Result<()> {
         let width = self.model.n_embd_inp() as usize;
         if width == 0 || embd.is_empty() || !embd.len().is_multiple_of(width) {
             return Err(Error::InvalidArgument(format!(
@@ -328,34 +382,33 @@ impl Context {
             )));
         }
         let piece = if non_causal { n } else { self.params.n_batch as usize };
-        self.all_or_nothing(&[seq], |ctx| {
-            if non_causal {
-                unsafe { sys::llama_set_causal_attn(ctx.ptr.as_ptr(), false) };
-            }
-            let result = (0..n).step_by(piece).try_for_each(|start| {
-                let rows = piece.min(n - start);
-                let positions: Vec<i32> = (first + start as i32..).take(rows).collect();
-                let mut seq_ids = vec![seq; rows];
-                let mut seq_ptrs: Vec<*mut i32> = seq_ids.iter_mut().map(|s| s as *mut i32).collect();
-                let mut n_seq_id = vec![1i32; rows];
-                let flags: Vec<bool> = (0..rows).map(|r| logits_last && start + r + 1 == n).collect();
-                let mut logits: Vec<i8> = flags.iter().map(|&l| l as i8).collect();
-                let raw = sys::llama_batch {
-                    n_tokens: rows as i32,
-                    token: std::ptr::null_mut(),
-                    embd: embd[start * width..(start + rows) * width].as_ptr().cast_mut(),
-                    pos: positions.as_ptr().cast_mut(),
-                    n_seq_id: n_seq_id.as_mut_ptr(),
-                    seq_id: seq_ptrs.as_mut_ptr(),
-                    logits: logits.as_mut_ptr(),
-                };
-                ctx.decode_raw(raw, &flags, stop)
-            });
-            if non_causal {
-                unsafe { sys::llama_set_causal_attn(ctx.ptr.as_ptr(), true) };
-            }
-            result
-        })
+        if non_causal {
+            unsafe { sys::llama_set_causal_attn(self.ptr.as_ptr(), false) };
+        }
+        let result = (0..n).step_by(piece).try_for_each(|start| {
+            let rows = piece.min(n - start);
+            let positions: Vec<i32> = (first + start as i32..).take(rows).collect();
+            let mut seq_ids = vec![seq; rows];
+            let mut seq_ptrs: Vec<*mut i32> = seq_ids.iter_mut().map(|s| s as *mut i32).collect();
+            let mut n_seq_id = vec![1i32; rows];
+            let flags: Vec<bool> = (0..rows).map(|r| logits_last && start + r + 1 == n).collect();
+            let mut logits: Vec<i8> = flags.iter().map(|&l| l as i8).collect();
+            // SAFETY (for llama_decode): as in `decode_checked`; `embd` outlives the call.
+            let raw = sys::llama_batch {
+                n_tokens: rows as i32,
+                token: std::ptr::null_mut(),
+                embd: embd[start * width..(start + rows) * width].as_ptr().cast_mut(),
+                pos: positions.as_ptr().cast_mut(),
+                n_seq_id: n_seq_id.as_mut_ptr(),
+                seq_id: seq_ptrs.as_mut_ptr(),
+                logits: logits.as_mut_ptr(),
+            };
+            self.decode_raw(raw, &flags, stop)
+        });
+        if non_causal {
+            unsafe { sys::llama_set_causal_attn(self.ptr.as_ptr(), true) };
+        }
+        result
     }
 
     /// Logits of the last row of the last successful decode, if it asked for them.

@@ -344,6 +344,23 @@ pub fn check_owner(id: MediaContextId, chunk: &Chunk) -> Result<()> {
     }
 }
 
+impl MediaContext {
+    /// The pieces `Context::eval` takes for `chunks`: text chunks' tokens, media chunks
+    /// encoded (each stoppable by `stop`). Only this media context's chunks.
+    pub fn encode_for_eval(&mut self, chunks: &[Arc<Chunk>], stop: Option<Stop<'_>>) -> Result<Vec<super::PromptPiece>> {
+        chunks
+            .iter()
+            .map(|chunk| match chunk.kind() {
+                ChunkKind::Text => {
+                    self.check_owns(chunk)?;
+                    Ok(super::PromptPiece::Tokens(chunk.text_tokens().to_vec()))
+                }
+                _ => Ok(super::PromptPiece::Embeddings { embd: self.encode(chunk, stop)?, non_causal: self.needs_non_causal(chunk) }),
+            })
+            .collect()
+    }
+}
+
 impl Drop for MediaContext {
     fn drop(&mut self) {
         unsafe { sys::mtmd_free(self.ptr.as_ptr()) }

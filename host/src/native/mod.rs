@@ -17,7 +17,7 @@ mod threads;
 pub use backend::{cpu_features, InstructionLevel};
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use chat::{ChatMessage, ChatTemplate};
-pub use context::{Batch, Context, ContextParams, Pooling};
+pub use context::{Batch, Context, ContextParams, Pooling, PromptPiece};
 pub use generate::{generate, FinishReason, GenerateRequest, Outcome, Piece, Usage};
 pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};
 pub use model::{Model, Token};
