@@ -6,10 +6,16 @@ pub struct Machine {
     pub cores: usize,
     /// Features the linked ggml CPU backend was compiled for.
     pub ggml_features: Vec<String>,
-    /// How the build chose them: the GGML_* variables cargo passed to the build
-    /// (.cargo/config.toml, or `make CPU=portable`).
+    /// How the build chose them: the GGML_* CPU options in the linked llama.cpp's CMake
+    /// cache (what `make CPU=...` passed), the ones that are ON.
     pub build_config: String,
 }
+
+/// ggml's x86 CPU options (scripts/cpu-flags.sh) and GGML_NATIVE.
+const CPU_OPTIONS: [&str; 15] = [
+    "NATIVE", "SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI",
+    "AMX_TILE", "AMX_INT8", "AMX_BF16",
+];
 
 impl Machine {
     pub fn read() -> Self {
@@ -19,11 +25,17 @@ impl Machine {
             .unwrap_or_else(|| "unknown CPU".into());
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let ggml_features = llamabox::native::cpu_features();
-        let build_config = ["GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2", "GGML_FMA", "GGML_F16C"]
-            .iter()
-            .map(|k| format!("{k}={}", std::env::var(k).unwrap_or_else(|_| "unset".into())))
-            .collect::<Vec<_>>()
-            .join(" ");
+        let build_config = crate::reference::crate_cmake_cache().map_or_else(
+            || "unknown (no CMake cache beside this binary)".into(),
+            |cache| {
+                let on: Vec<&str> = cache
+                    .lines()
+                    .filter_map(|l| l.strip_suffix(":BOOL=ON"))
+                    .filter(|k| k.starts_with("GGML_") && CPU_OPTIONS.contains(&&k[5..]))
+                    .collect();
+                format!("{} ON, the rest off", on.join(" "))
+            },
+        );
         Self { cpu, cores, ggml_features, build_config }
     }
 }

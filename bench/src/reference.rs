@@ -75,7 +75,7 @@ pub fn linked_llama_cpp() -> Provenance {
 
 /// The CMake cache of the llama.cpp build this binary links: the newest
 /// `<profile dir>/build/llama-cpp-sys-2-*/out/build/CMakeCache.txt` beside the executable.
-fn crate_cmake_cache() -> Option<String> {
+pub(crate) fn crate_cmake_cache() -> Option<String> {
     let exe = std::env::current_exe().ok()?;
     let builds = exe.parent()?.join("build");
     let newest = std::fs::read_dir(builds)
