@@ -394,6 +394,33 @@ fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
     assert!(matches!(ctx.embed(&[vec![]], Pooling::Mean, false, None), Err(Error::InvalidArgument(_))));
 }
 
+#[test]
+fn a_model_that_pools_by_itself_gives_its_own_vectors_for_its_own_pooling() {
+    let plain = load(common::tiny_model());
+    let pooled = load(common::tiny_mean_pooled_model());
+    let inputs = vec![
+        plain.tokenize("the llama in the box", true, false).unwrap(),
+        plain.tokenize("hello world, fast plugin", true, false).unwrap(),
+    ];
+    let mut ctx = Context::new(pooled.clone(), params()).unwrap();
+    let own = ctx.embed(&inputs, Pooling::Mean, false, None).unwrap();
+    assert_eq!(own, ctx.embed(&inputs, Pooling::Mean, false, None).unwrap(), "bitwise repeatable");
+    assert!(own.iter().all(|v| v.len() == pooled.n_embd() as usize));
+    assert_ne!(own[0], own[1]);
+    // The same weights without the pooling key: llama.cpp's mean and ours agree to rounding.
+    let ours = Context::new(plain.clone(), params()).unwrap().embed(&inputs, Pooling::Mean, false, None).unwrap();
+    for (x, y) in own.iter().flatten().zip(ours.iter().flatten()) {
+        assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "llama.cpp's mean {x} vs ours {y}");
+    }
+    let normalised = ctx.embed(&inputs, Pooling::Mean, true, None).unwrap();
+    let norm = normalised[1].iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "norm {norm}");
+    let refused = |r: Result<Vec<Vec<f32>>, Error>| matches!(r, Err(Error::InvalidArgument(m)) if m.contains("pools its embeddings itself"));
+    assert!(refused(ctx.embed(&inputs, Pooling::Cls, false, None)), "another pooling than the model's");
+    assert!(refused(ctx.embed_rows(&inputs[0], false, None)), "no per-row vectors from a pooling model");
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), -1);
+}
+
 /// A context holding "Describe this: <image>" evaluated the way `media.eval-chunks`
 /// does it (text decoded, the image encoded then decoded), logits for its last row.
 fn context_after_an_image(model: &Arc<Model>) -> Context {
