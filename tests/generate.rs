@@ -506,6 +506,26 @@ async fn a_guest_that_stops_reading_pauses_the_generation_and_a_cancel_ends_it()
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn the_deepest_grammar_the_caps_allow_works_from_a_guest() {
+    // Parsed in a host call made from the guest (on wasmtime's fiber stack) and matched
+    // on the worker: 64 nested groups and a chain of rules filling the byte cap.
+    let nested = format!("n ::= {}[0-9]{}\n", "(".repeat(64), ")".repeat(64));
+    let mut grammar = format!("root ::= r0 n\n{nested}");
+    let mut i = 0;
+    while grammar.len() < 16_000 {
+        grammar += &format!("r{i}::=r{}\n", i + 1);
+        i += 1;
+    }
+    grammar += &format!("r{i}::=[0-9]\n");
+    let (outcome, out) =
+        common::run_demo(&[("tiny", common::tiny_model())], &["--model", "tiny", "--grammar", &grammar, "--generate", "2"]).await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    assert_eq!(common::field(&out, "grammar-sampler"), "ok");
+    let text = common::field(&out, "grammar-generated");
+    assert!(!text.is_empty() && text.chars().all(|c| c.is_ascii_digit()), "{text:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn guest_generates_on_the_host_after_an_image_prompt() {
     let (outcome, out) =
         common::run_demo_with(&[("tiny", common::tiny_model())], &[("vision", common::tiny_vision())], &["--model", "tiny", "--media", "vision"]).await;
