@@ -394,6 +394,33 @@ fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
     assert!(matches!(ctx.embed(&[vec![]], Pooling::Mean, false, None), Err(Error::InvalidArgument(_))));
 }
 
+#[test]
+fn a_model_that_pools_by_itself_gives_its_own_vectors_for_its_own_pooling() {
+    let plain = load(common::tiny_model());
+    let pooled = load(common::tiny_mean_pooled_model());
+    let inputs = vec![
+        plain.tokenize("the llama in the box", true, false).unwrap(),
+        plain.tokenize("hello world, fast plugin", true, false).unwrap(),
+    ];
+    let mut ctx = Context::new(pooled.clone(), params()).unwrap();
+    let own = ctx.embed(&inputs, Pooling::Mean, false, None).unwrap();
+    assert_eq!(own, ctx.embed(&inputs, Pooling::Mean, false, None).unwrap(), "bitwise repeatable");
+    assert!(own.iter().all(|v| v.len() == pooled.n_embd() as usize));
+    assert_ne!(own[0], own[1]);
+    // The same weights without the pooling key: llama.cpp's mean and ours agree to rounding.
+    let ours = Context::new(plain.clone(), params()).unwrap().embed(&inputs, Pooling::Mean, false, None).unwrap();
+    for (x, y) in own.iter().flatten().zip(ours.iter().flatten()) {
+        assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "llama.cpp's mean {x} vs ours {y}");
+    }
+    let normalised = ctx.embed(&inputs, Pooling::Mean, true, None).unwrap();
+    let norm = normalised[1].iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "norm {norm}");
+    let refused = |r: Result<Vec<Vec<f32>>, Error>| matches!(r, Err(Error::InvalidArgument(m)) if m.contains("pools its embeddings itself"));
+    assert!(refused(ctx.embed(&inputs, Pooling::Cls, false, None)), "another pooling than the model's");
+    assert!(refused(ctx.embed_rows(&inputs[0], false, None)), "no per-row vectors from a pooling model");
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), -1);
+}
+
 /// A context holding "Describe this: <image>" evaluated the way `media.eval-chunks`
 /// does it (text decoded, the image encoded then decoded), logits for its last row.
 fn context_after_an_image(model: &Arc<Model>) -> Context {
@@ -476,6 +503,26 @@ async fn a_guest_that_stops_reading_pauses_the_generation_and_a_cancel_ends_it()
     // 256 tokens asked for; the host stops at its 32-piece buffer until the cancel.
     assert!(delivered <= 32 && report.ends_with("delivered, cancelled"), "{report}");
     assert_eq!(common::field(&out, "stalled-generation-memory"), "consistent");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_deepest_grammar_the_caps_allow_works_from_a_guest() {
+    // Parsed in a host call made from the guest (on wasmtime's fiber stack) and matched
+    // on the worker: 64 nested groups and a chain of rules filling the byte cap.
+    let nested = format!("n ::= {}[0-9]{}\n", "(".repeat(64), ")".repeat(64));
+    let mut grammar = format!("root ::= r0 n\n{nested}");
+    let mut i = 0;
+    while grammar.len() < 16_000 {
+        grammar += &format!("r{i}::=r{}\n", i + 1);
+        i += 1;
+    }
+    grammar += &format!("r{i}::=[0-9]\n");
+    let (outcome, out) =
+        common::run_demo(&[("tiny", common::tiny_model())], &["--model", "tiny", "--grammar", &grammar, "--generate", "2"]).await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    assert_eq!(common::field(&out, "grammar-sampler"), "ok");
+    let text = common::field(&out, "grammar-generated");
+    assert!(!text.is_empty() && text.chars().all(|c| c.is_ascii_digit()), "{text:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

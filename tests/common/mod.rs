@@ -46,6 +46,13 @@ pub fn tiny_model() -> &'static Path {
     generated("tiny", TextModelSpec::tiny(), &CELL)
 }
 
+/// `tiny_model` (same weights) with `llama.pooling_type` = mean: it pools its
+/// embeddings in its own graph, as dedicated embedding models do.
+pub fn tiny_mean_pooled_model() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    generated("tiny-mean-pooled", TextModelSpec { pooling_type: Some(1), ..TextModelSpec::tiny() }, &CELL)
+}
+
 /// A model whose 512-token decode takes long enough to cancel in flight.
 pub fn slow_model() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();

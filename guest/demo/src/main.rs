@@ -57,6 +57,8 @@ struct Options {
     cancel_generation: bool,
     /// Start a generation, stop reading it, cancel it while the host waits for room.
     stall_generation: bool,
+    /// Generate a few tokens under this GBNF grammar (through `sampler` and `start`).
+    grammar: Option<String>,
 }
 
 impl Options {
@@ -82,6 +84,7 @@ impl Options {
             chat: None,
             cancel_generation: false,
             stall_generation: false,
+            grammar: None,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -108,6 +111,7 @@ impl Options {
                 "--chat" => o.chat = Some(value()?),
                 "--cancel-generation" => o.cancel_generation = true,
                 "--stall-generation" => o.stall_generation = true,
+                "--grammar" => o.grammar = Some(value()?),
                 _ => return Err(format!("unknown argument {flag:?}")),
             }
         }
@@ -218,6 +222,9 @@ fn run(o: &Options) -> Result<(), Error> {
     }
     if o.stall_generation {
         return stall_generation(o, &model, &ctx);
+    }
+    if let Some(grammar) = &o.grammar {
+        return constrained(o, grammar, &model, &ctx);
     }
     generate(o, &model, &ctx)?;
     if o.host_generate {
@@ -411,6 +418,20 @@ fn cancel_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Er
     let again = generate::start(ctx, &params(filler, 4, Vec::new(), greedy()), &CancelToken::new())?;
     while again.next()?.is_some() {}
     println!("after-cancel: {}", if again.finish_reason().is_some() { "ok" } else { "no finish reason" });
+    Ok(())
+}
+
+/// Generate under a grammar, on the host and with a plugin-driven sampler.
+fn constrained(o: &Options, grammar: &str, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let sampler = SamplerParams { grammar: Some(Grammar { text: grammar.into(), root: None }), ..greedy() };
+    println!("grammar-sampler: {}", show(Sampler::create(model, &sampler).map(|_| ())));
+    let prompt = model.tokenize(&o.prompt, true, true)?;
+    let generation = generate::start(ctx, &params(prompt, o.generate, Vec::new(), sampler), &CancelToken::new())?;
+    let mut text = String::new();
+    while let Some(piece) = generation.next()? {
+        text.push_str(&piece.text);
+    }
+    println!("grammar-generated: {text}");
     Ok(())
 }
 

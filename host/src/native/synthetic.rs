@@ -21,6 +21,9 @@ pub struct TextModelSpec {
     pub seed: u64,
     /// Written as `tokenizer.chat_template` when set.
     pub chat_template: Option<String>,
+    /// Written as `llama.pooling_type` when set (1 mean, 2 cls, 3 last): the model then
+    /// pools its embeddings itself, as dedicated embedding models do.
+    pub pooling_type: Option<u32>,
 }
 
 /// A ChatML template in the Jinja form models ship (llama.cpp recognises it by its
@@ -39,13 +42,14 @@ impl TextModelSpec {
             n_ctx_train: 4096,
             seed: 1,
             chat_template: Some(CHATML_TEMPLATE.into()),
+            pooling_type: None,
         }
     }
 
     /// A model whose 512-token decode takes a good fraction of a second on one core:
     /// for cancel demos and benchmarks.
     pub fn slow() -> Self {
-        Self { n_embd: 512, n_layer: 8, n_head: 8, n_head_kv: 8, n_ff: 1536, n_ctx_train: 4096, seed: 2, chat_template: None }
+        Self { n_embd: 512, n_layer: 8, n_head: 8, n_head_kv: 8, n_ff: 1536, n_ctx_train: 4096, seed: 2, chat_template: None, pooling_type: None }
     }
 
     /// Write the model to `path` (overwriting it).
@@ -75,6 +79,9 @@ impl TextModelSpec {
         file.kv_u32("tokenizer.ggml.eos_token_id", 2);
         if let Some(template) = &self.chat_template {
             file.kv_str("tokenizer.chat_template", template);
+        }
+        if let Some(pooling) = self.pooling_type {
+            file.kv_u32("llama.pooling_type", pooling);
         }
 
         let (e, v, ff) = (self.n_embd as usize, vocab.tokens.len(), self.n_ff as usize);

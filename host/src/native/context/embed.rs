@@ -2,6 +2,10 @@
 //! row or pooled per input. A child module of `context` so it can switch llama.cpp's
 //! embedding output on for one call only.
 //!
+//! A model whose GGUF sets a pooling type (a dedicated embedding model) pools in its
+//! own graph: `embed` then returns llama.cpp's pooled vectors, for that pooling only,
+//! and per-row vectors are not available.
+//!
 //! Memory: an embedding call uses the context's memory as scratch. It empties it
 //! first (so the same input always meets the same state and gives bitwise the same
 //! vector) and leaves it empty, whatever the outcome.
@@ -26,7 +30,8 @@ pub enum Pooling {
 
 impl Context {
     /// One vector (n-embd floats) per input, input `i` decoded as sequence `i`, all in
-    /// one batch: at most n-seq-max inputs and n-batch tokens in all.
+    /// one batch: at most n-seq-max inputs and n-batch tokens in all. (A model that
+    /// pools by itself: one decode per input, each at most n-ubatch tokens.)
     pub fn embed(&mut self, inputs: &[Vec<Token>], pooling: Pooling, normalize: bool, stop: Option<Stop<'_>>) -> Result<Vec<Vec<f32>>> {
         if inputs.is_empty() || inputs.iter().any(Vec::is_empty) {
             return Err(Error::InvalidArgument("every input to embed needs at least one token".into()));
@@ -38,6 +43,35 @@ impl Context {
                 self.params.n_seq_max
             )));
         }
+        if let Some(own) = self.own_pooling()? {
+            if own != pooling {
+                return Err(Error::InvalidArgument(format!(
+                    "this model pools its embeddings itself ({own:?}); ask for that pooling"
+                )));
+            }
+            // One input per decode: llama.cpp's own pooling of a second sequence in the
+            // same batch differed from that input's vector alone (checked on a causal
+            // llama with mean pooling), so inputs are not batched together here.
+            let ubatch = self.params.n_ubatch as usize;
+            if let Some(long) = inputs.iter().find(|t| t.len() > ubatch) {
+                return Err(Error::InvalidArgument(format!(
+                    "an input of {} tokens is longer than n-ubatch {ubatch}: a model that pools needs it in one ubatch",
+                    long.len()
+                )));
+            }
+            return inputs
+                .iter()
+                .map(|tokens| {
+                    let mut one = Batch::sequence(tokens, 0, 0);
+                    one.logits = vec![true; tokens.len()];
+                    let mut v = self.embed_batch(&one, 1, stop)?.remove(0);
+                    if normalize {
+                        normalize_l2(&mut v);
+                    }
+                    Ok(v)
+                })
+                .collect();
+        }
         let mut batch = Batch::default();
         for (seq, tokens) in inputs.iter().enumerate() {
             let one = Batch::sequence(tokens, 0, seq as i32);
@@ -46,7 +80,7 @@ impl Context {
             batch.seq_ids.extend(one.seq_ids);
         }
         batch.logits = vec![true; batch.len()];
-        let rows = self.embed_batch(&batch, stop)?;
+        let rows = self.embed_batch(&batch, 0, stop)?;
         let mut start = 0;
         Ok(inputs
             .iter()
@@ -78,25 +112,35 @@ impl Context {
         if tokens.is_empty() {
             return Err(Error::InvalidArgument("the input to embed needs at least one token".into()));
         }
+        if let Some(own) = self.own_pooling()? {
+            return Err(Error::InvalidArgument(format!("this model pools its embeddings itself ({own:?}): no per-row vectors")));
+        }
         let mut batch = Batch::sequence(tokens, 0, 0);
         batch.logits = vec![true; tokens.len()];
-        let mut rows = self.embed_batch(&batch, stop)?;
+        let mut rows = self.embed_batch(&batch, 0, stop)?;
         if normalize {
             rows.iter_mut().for_each(|r| normalize_l2(r));
         }
         Ok(rows)
     }
 
-    /// Decode `batch` (positions from 0) into emptied memory with embedding output on,
-    /// and read every row. Memory is emptied again afterwards.
-    fn embed_batch(&mut self, batch: &Batch, stop: Option<Stop<'_>>) -> Result<Vec<Vec<f32>>> {
-        let ctx = self.ptr.as_ptr();
+    /// The pooling the model does in its own graph (a GGUF `pooling_type`), if any.
+    fn own_pooling(&self) -> Result<Option<Pooling>> {
         // SAFETY: a live context.
-        if unsafe { sys::llama_pooling_type(ctx) } != sys::LLAMA_POOLING_TYPE_NONE {
-            return Err(Error::InvalidArgument(
-                "this model pools embeddings itself (an embedding model); only generative models are supported yet".into(),
-            ));
+        match unsafe { sys::llama_pooling_type(self.ptr.as_ptr()) } {
+            sys::LLAMA_POOLING_TYPE_NONE => Ok(None),
+            sys::LLAMA_POOLING_TYPE_MEAN => Ok(Some(Pooling::Mean)),
+            sys::LLAMA_POOLING_TYPE_CLS => Ok(Some(Pooling::Cls)),
+            sys::LLAMA_POOLING_TYPE_LAST => Ok(Some(Pooling::Last)),
+            other => Err(Error::InvalidArgument(format!("this model's own pooling (llama.cpp type {other}, e.g. rank) is not supported"))),
         }
+    }
+
+    /// Decode `batch` (positions from 0) into emptied memory with embedding output on,
+    /// and read every row, or (`pooled_seqs` > 0, a model that pools) the vectors of
+    /// sequences `0..pooled_seqs`. Memory is emptied again afterwards.
+    fn embed_batch(&mut self, batch: &Batch, pooled_seqs: usize, stop: Option<Stop<'_>>) -> Result<Vec<Vec<f32>>> {
+        let ctx = self.ptr.as_ptr();
         if stop.is_some_and(|s| s.is_set()) {
             return Err(Error::Cancelled);
         }
@@ -106,18 +150,23 @@ impl Context {
         let decoded = self.decode(batch, stop);
         let width = unsafe { sys::llama_model_n_embd_out(self.model.as_ptr()) }.max(0) as usize;
         let rows = decoded.and_then(|()| {
-            (0..batch.len())
-                .map(|row| {
-                    // SAFETY: every row of the successful decode has an output; llama.cpp
-                    // returns null (not an abort) for a row it has none for.
-                    let ptr = unsafe { sys::llama_get_embeddings_ith(ctx, row as i32) };
-                    if ptr.is_null() {
-                        return Err(Error::Backend(format!("llama.cpp has no embedding for row {row}")));
+            let read = |i: usize| {
+                // SAFETY: a row of (or a sequence in) the successful decode; llama.cpp
+                // returns null (not an abort) for one it has no output for.
+                let ptr = unsafe {
+                    if pooled_seqs > 0 {
+                        sys::llama_get_embeddings_seq(ctx, i as i32)
+                    } else {
+                        sys::llama_get_embeddings_ith(ctx, i as i32)
                     }
-                    // SAFETY: n-embd-out floats, valid until the next decode.
-                    Ok(unsafe { std::slice::from_raw_parts(ptr, width) }.to_vec())
-                })
-                .collect::<Result<Vec<_>>>()
+                };
+                if ptr.is_null() {
+                    return Err(Error::Backend(format!("llama.cpp has no embedding for {i}")));
+                }
+                // SAFETY: n-embd-out floats, valid until the next decode.
+                Ok(unsafe { std::slice::from_raw_parts(ptr, width) }.to_vec())
+            };
+            (0..if pooled_seqs > 0 { pooled_seqs } else { batch.len() }).map(read).collect::<Result<Vec<_>>>()
         });
         unsafe { sys::llama_set_embeddings(ctx, false) };
         self.clear();
