@@ -7,6 +7,8 @@
 #     build it for their machine;
 #   CPU=avx2 / CPU=portable: GGML_NATIVE=OFF with the same GGML_* extensions as our
 #     build of that choice (scripts/cpu-flags.sh).
+#   LLAMA_BENCH_SAME_FLAGS=1 with CPU=native: GGML_NATIVE=OFF with our native build's
+#     named extensions instead, to tell -march=native apart from the extensions.
 # Cached in ~/.cache/llamabox: the sdist, its unpacked tree and each build are reused.
 # Prints the binary's path; exits non-zero (with a reason on stderr) if it can't be had.
 set -euo pipefail
@@ -20,8 +22,10 @@ build_type="${LLAMA_BENCH_BUILD_TYPE:-Release}"
 build="$cache/llama-bench-build"
 [ "$build_type" = Release ] || build="$build-$build_type"
 cpu="${CPU:-native}"
+[ "$cpu" = native ] && [ -n "${LLAMA_BENCH_SAME_FLAGS:-}" ] && cpu=native-flags
 case "$cpu" in
   native) isa=(-DGGML_NATIVE=ON); build="$build-native" ;;
+  native-flags) isa=(-DGGML_NATIVE=OFF); while read -r flag; do isa+=("-D$flag"); done < <("$(dirname "$0")/../scripts/cpu-flags.sh" native); build="$build-native-flags" ;;
   avx2|portable) isa=(-DGGML_NATIVE=OFF); while read -r flag; do isa+=("-D$flag"); done < <("$(dirname "$0")/../scripts/cpu-flags.sh" "$cpu"); build="$build-$cpu" ;;
   *) echo "CPU must be native, avx2 or portable, not '$cpu'" >&2; exit 2 ;;
 esac
