@@ -45,8 +45,14 @@ if [ ! -x "$bin" ]; then
   cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE="$build_type" \
     -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
     -DBUILD_SHARED_LIBS=OFF -DGGML_OPENMP=OFF "${isa[@]}" \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >&2
   cmake --build "$build" --target llama-bench -j "$(nproc)" >&2
+fi
+# llama-simple (llama.cpp's plain greedy loop) beside it: the bench checks that the host's
+# generation loop gives its tokens.
+if [ ! -x "$build/bin/llama-simple" ]; then
+  cmake -S "$cache/llama_cpp_python-$version/vendor/llama.cpp" -B "$build" -DLLAMA_BUILD_EXAMPLES=ON >&2
+  cmake --build "$build" --target llama-simple -j "$(nproc)" >&2
 fi
 echo "$bin"

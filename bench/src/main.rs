@@ -117,6 +117,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     progress(format_args!("plugin start-up, compiled and cached"));
     let startup = vec![startup::measure(&cli.plugin, "guest/bench-plugin (Rust)", &cli.model_dir, cli.runs)?];
     progress(format_args!("media encode on a generated projector"));
+    let agreement = match (&cli.llama_bench, &cli.real_model) {
+        (Some(lb), Some(real)) => {
+            progress(format_args!("greedy text against llama-simple"));
+            Some(reference::greedy_agreement(lb, real, 48)?)
+        }
+        _ => None,
+    };
     let targets = [5, 10, 25].map(Duration::from_millis);
     let encode = encode::measure(&models[0].path, &cli.model_dir, cli.threads, cli.runs, 20, &targets)?;
 
@@ -149,6 +156,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         boundary: &boundary,
         instantiation: &instantiation,
         startup: &startup,
+        agreement: agreement.as_ref(),
         png: relative_to(&cli.png, &cli.out),
         builds: &builds,
     };

@@ -123,3 +123,52 @@ pub fn llama_bench_tree(bin: &Path) -> anyhow::Result<Provenance> {
         detail: format!("llama.cpp {commit} vendored in PyPI sdist {sdist_name}, CMake {build_type}"),
     })
 }
+
+/// The prompt of the greedy agreement check: SmolLM2's chat format, as `make demo` asks.
+pub const AGREEMENT_PROMPT: &str = "<|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n";
+
+/// Whether the host's generation loop (`native::generate`, greedy sampler: the loop the
+/// `generate` interface runs) writes the text llama.cpp's own greedy example writes for
+/// the same model, prompt and token count. llama-simple sits beside llama-bench.
+pub struct Agreement {
+    pub tokens: u32,
+    pub ours: String,
+    pub llama_simple: String,
+}
+
+impl Agreement {
+    pub fn same(&self) -> bool {
+        self.ours == self.llama_simple
+    }
+}
+
+pub fn greedy_agreement(llama_bench: &Path, model_path: &Path, tokens: u32) -> anyhow::Result<Agreement> {
+    use llamabox::native::{generate, Context, ContextParams, GenerateRequest, Model, Sampler, SamplerCaps, SamplerParams, Stop};
+    let simple = llama_bench.with_file_name("llama-simple");
+    let out = std::process::Command::new(&simple)
+        .arg("-m")
+        .arg(model_path)
+        .args(["-n", &tokens.to_string(), AGREEMENT_PROMPT])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .with_context(|| format!("running {}", simple.display()))?;
+    anyhow::ensure!(out.status.success(), "llama-simple failed ({})", out.status);
+    // It prints the prompt (special tokens as text), then each generated piece.
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let llama_simple = printed.strip_prefix(AGREEMENT_PROMPT).unwrap_or(&printed).trim().to_string();
+
+    let model = std::sync::Arc::new(Model::load(model_path)?);
+    let prompt = model.tokenize(AGREEMENT_PROMPT, true, true)?;
+    let n_ctx = prompt.len() as u32 + tokens + 16;
+    let params = ContextParams { n_ctx, n_batch: n_ctx, n_ubatch: n_ctx.min(512), n_seq_max: 1, n_threads: 1 };
+    let mut ctx = Context::new(model.clone(), params)?;
+    let mut sampler = Sampler::new(model, &SamplerParams::greedy(), &SamplerCaps::default())?;
+    let request = GenerateRequest { prompt, seq: 0, max_tokens: tokens, stop: Vec::new() };
+    let mut ours = String::new();
+    let never = llamabox::native::CancelFlag::new();
+    generate(&mut ctx, &mut sampler, &request, Stop::on(&never), &mut |piece: llamabox::native::Piece| {
+        ours.push_str(&piece.text);
+        true
+    })?;
+    Ok(Agreement { tokens, ours: ours.trim().to_string(), llama_simple })
+}

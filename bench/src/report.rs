@@ -166,6 +166,8 @@ pub struct RunInfo<'a> {
     pub boundary: &'a Boundary,
     pub instantiation: &'a Samples,
     pub startup: &'a [crate::startup::Startup],
+    /// The host's greedy generation loop against llama-simple, on the real model.
+    pub agreement: Option<&'a crate::reference::Agreement>,
     /// The figure, as the report links to it.
     pub png: String,
     /// Headline figures of every CPU build measured so far, this run's included.
@@ -235,6 +237,17 @@ pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::Enc
     decode_table(&mut out, s, models);
     llama_bench_table(&mut out, s, models);
     generation_table(&mut out, s, models);
+    if let Some(a) = cx.agreement {
+        let _ = writeln!(
+            out,
+            "**Greedy text against llama.cpp's own loop.** The host's generation loop (`native::generate`, greedy: \
+             what `generate.start` runs) and llama-simple (llama-bench's tree and build), {} tokens of SmolLM2 \
+             after the prompt `{}`: {}.\n",
+            a.tokens,
+            crate::reference::AGREEMENT_PROMPT.escape_debug(),
+            if a.same() { "the same text".to_string() } else { format!("**different**: ours {:?}, llama-simple {:?}", a.ours, a.llama_simple) }
+        );
+    }
     cancel_table(&mut out, s, models, &cx.png);
     boundary_table(&mut out, s, cx.boundary, cx.instantiation);
     crate::startup::table(&mut out, cx.startup, cx.instantiation);
