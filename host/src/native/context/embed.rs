@@ -98,6 +98,7 @@ impl Context {
             ));
         }
         if stop.is_some_and(|s| s.is_set()) {
+            self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
         self.clear();
