@@ -46,9 +46,18 @@ async fn load_errors_say_what_is_wrong() {
     assert!(matches!(host.load(missing), Err(Error::NotFound(p)) if p == missing));
     assert!(matches!(host.load_bytes(b"not wasm"), Err(Error::NotAComponent(_))));
 
-    let imports_unknown = br#"(component (import "nope:missing/thing@1.0.0" (instance (export "f" (func)))))"#;
+    // Two interfaces the host lacks, a function of another type in one it has, and one
+    // it has as the plugin expects: the first three are listed, in import order.
+    let imports_unknown = br#"(component
+        (import "nope:missing/thing@1.0.0" (instance (export "f" (func))))
+        (import "wasi:cli/environment@0.2.0" (instance (export "get-arguments" (func (result u32)))))
+        (import "wasi:cli/exit@0.2.0" (instance (export "exit" (func (param "status" (result))))))
+        (import "nope:missing/other@1.0.0" (instance (export "g" (func (param "x" u32)))))
+    )"#;
     match host.load_bytes(imports_unknown) {
-        Err(Error::Link { missing, .. }) => assert_eq!(missing, ["nope:missing/thing@1.0.0"]),
+        Err(Error::Link { missing, .. }) => {
+            assert_eq!(missing, ["nope:missing/thing@1.0.0", "wasi:cli/environment@0.2.0", "nope:missing/other@1.0.0"])
+        }
         other => panic!("expected a link error, got {:?}", other.err()),
     }
     assert!(matches!(host.load_bytes(b"(component)"), Err(Error::NoEntryPoint(_))));

@@ -298,8 +298,8 @@ impl PluginHost {
     /// Add the product's own host interfaces next to WASI and llamabox's, before loading
     /// the plugins that import them: `add` gets the linker (bindgen's `add_to_linker`
     /// for the product's WIT, or `linker.instance(..)?.func_wrap(..)`), and its
-    /// functions reach the run's state through [`PluginState::embedder`]. A name that
-    /// is already defined is an error (no shadowing of WASI or llamabox).
+    /// functions reach the run's state through [`PluginState::embedder`]. Defining a
+    /// function that is already defined is an error (no shadowing of WASI or llamabox).
     pub fn with_linker(
         &mut self,
         add: impl FnOnce(&mut Linker<PluginState>) -> wasmtime::Result<()>,
@@ -352,7 +352,10 @@ impl PluginHost {
     /// A component the embedder compiled (or deserialized) itself with this host's
     /// [`PluginHost::engine`].
     pub fn load_component(&self, component: Component) -> Result<Plugin> {
-        let pre = self.linker.instantiate_pre(&component).map_err(|source| Error::Link { missing: unresolved_import(&source), source })?;
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|source| Error::Link { missing: unresolved_imports(&self.linker, &component, &source), source })?;
         let entry = match CommandPre::new(pre.clone()) {
             Ok(command) => Entry::Command(command),
             Err(_) if component.get_export_index(None, "run").is_some() => Entry::AsyncRun(pre),
@@ -369,22 +372,69 @@ impl PluginHost {
     }
 }
 
-/// The import `instantiate_pre` could not resolve, by name. wasmtime checks imports in
-/// order and stops at the first one it cannot satisfy, so this names that one; the
-/// error's source says what was wrong with it (absent, or another type).
-fn unresolved_import(error: &wasmtime::Error) -> Vec<String> {
-    // wasmtime's message: "component imports instance `NAME`, but a matching
-    // implementation was not found in the linker".
-    error
-        .chain()
-        .find_map(|cause| {
-            let text = cause.to_string();
-            let rest = text.strip_prefix("component imports ")?;
-            let name = rest.split('`').nth(1)?;
-            Some(name.to_string())
-        })
-        .into_iter()
-        .collect()
+/// Every top-level import of `component` that `linker` cannot satisfy (absent, or of
+/// another type), by name. wasmtime's check stops at the first one (`error`), so each
+/// one found is stubbed in a scratch copy of the linker and the check runs again.
+fn unresolved_imports(linker: &Linker<PluginState>, component: &Component, error: &wasmtime::Error) -> Vec<String> {
+    let (engine, ty) = (component.engine(), component.component_type());
+    let mut probe = linker.clone();
+    probe.allow_shadowing(true);
+    let mut missing: Vec<String> = Vec::new();
+    let mut next = first_unresolved(error);
+    while let Some(name) = next.take() {
+        if missing.contains(&name) {
+            break; // stubbing it did not satisfy the check: report what was found
+        }
+        let stubbed = ty.get_import(engine, &name).is_some_and(|import| stub(&mut probe.root(), &name, &import.ty, engine).is_ok());
+        missing.push(name);
+        if !stubbed || missing.len() >= ty.imports(engine).len() {
+            break;
+        }
+        if let Err(e) = probe.instantiate_pre(component) {
+            next = first_unresolved(&e);
+        }
+    }
+    missing
+}
+
+/// The import named in `instantiate_pre`'s error: "component imports instance `NAME`,
+/// but a matching implementation was not found in the linker".
+fn first_unresolved(error: &wasmtime::Error) -> Option<String> {
+    error.chain().find_map(|cause| {
+        let text = cause.to_string();
+        let rest = text.strip_prefix("component imports ")?;
+        Some(rest.split('`').nth(1)?.to_string())
+    })
+}
+
+/// A resource type for stubs; never instantiated.
+struct StubResource;
+
+/// Define `name` (of type `item`) in `linker` with functions that fail if called: only
+/// to let the link check go on past it.
+fn stub(
+    linker: &mut wasmtime::component::LinkerInstance<'_, PluginState>,
+    name: &str,
+    item: &wasmtime::component::types::ComponentItem,
+    engine: &Engine,
+) -> wasmtime::Result<()> {
+    use wasmtime::component::types::ComponentItem;
+    match item {
+        ComponentItem::ComponentFunc(func) if func.async_() => {
+            linker.func_new_concurrent(name, |_, _, _, _| Box::pin(async { wasmtime::bail!("a link-check stub") }))
+        }
+        ComponentItem::ComponentFunc(_) => linker.func_new(name, |_, _, _, _| wasmtime::bail!("a link-check stub")),
+        ComponentItem::Resource(_) => {
+            linker.resource(name, wasmtime::component::ResourceType::host::<StubResource>(), |_, _| Ok(()))
+        }
+        ComponentItem::ComponentInstance(instance) => {
+            let mut inner = linker.instance(name)?;
+            instance.exports(engine).try_for_each(|(export, item)| stub(&mut inner, export, &item.ty, engine))
+        }
+        // Types need no definition; modules and components are not imported by plugins.
+        ComponentItem::Type(_) => Ok(()),
+        _ => wasmtime::bail!("{name}: not a kind of import the link check can stub"),
+    }
 }
 
 /// wasmtime's compile cache in `dir` (made if missing; wasmtime wants an absolute path).
