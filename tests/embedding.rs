@@ -262,3 +262,52 @@ async fn llama_cpp_logs_from_a_runs_threads_carry_its_span() {
     assert!(in_run.load(SeqCst) > 0, "no llama.cpp log line was attributed to the run");
     assert_eq!(outside.load(SeqCst), 0, "a llama.cpp log line from a worker thread had no run span");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_context_keeps_its_model_when_the_name_is_replaced() {
+    let host = host();
+    host.models().register("m", common::tiny_model());
+    let plugin = host.load(common::demo_plugin()).unwrap();
+    let flag = llamabox::CancelFlag::new();
+    let capability = host.tokens().share("t", &flag).unwrap();
+    let options = RunOptions { group: "t".into(), ..RunOptions::default() };
+    let start = |args: &[&str]| {
+        let output = MemoryOutputPipe::new(1 << 20);
+        let mut wasi = WasiCtxBuilder::new();
+        wasi.stdout(output.clone()).stderr(output.clone());
+        wasi.args(&std::iter::once("demo").chain(args.iter().copied()).collect::<Vec<_>>());
+        (wasi, output)
+    };
+    let text = |pipe: &MemoryOutputPipe| String::from_utf8_lossy(&pipe.contents()).into_owned();
+
+    // A decodes on the tiny model until the embedder cancels its token.
+    let (wasi, a_out) = start(&["--model", "m", "--token", &capability, "--long-tokens", "64", "--decode-until-stopped"]);
+    let a = plugin.run_report(&options, wasi);
+    let replace_then_cancel = async {
+        // Waits for A's line (not a timing: the bound only turns a broken A into a failure).
+        for _ in 0..12_000 {
+            if text(&a_out).contains("decoding until stopped") {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert!(text(&a_out).contains("decoding until stopped"), "A never started decoding: {}", text(&a_out));
+        // A's context is live now: the name moves to another model under it.
+        host.models().register("m", common::slow_model());
+        flag.cancel();
+    };
+    let (a, ()) = tokio::join!(a, replace_then_cancel);
+    let a_text = text(&a_out);
+    assert_eq!(a.unwrap().outcome, RunOutcome::Success, "{a_text}");
+    let tiny = llamabox::native::TextModelSpec::tiny();
+    assert!(common::field(&a_text, "model").ends_with(&format!("embd {})", tiny.n_embd)), "{a_text}");
+    assert!(a_text.contains("stopped: cancelled"), "A's context kept working on the old model: {a_text}");
+
+    // A new run opens the new model under the same name.
+    let (wasi, b_out) = start(&["--model", "m", "--token", &capability]);
+    assert_eq!(plugin.run_report(&options, wasi).await.unwrap().outcome, RunOutcome::Success);
+    let slow = llamabox::native::TextModelSpec::slow();
+    assert!(common::field(&text(&b_out), "model").ends_with(&format!("embd {})", slow.n_embd)), "{}", text(&b_out));
+    host.tokens().unshare(&capability);
+    assert_eq!(host.live_workers(), 0);
+}
