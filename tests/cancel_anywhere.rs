@@ -12,7 +12,7 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
 
 fn host() -> (PluginHost, Plugin) {
-    let mut registry = ModelRegistry::new();
+    let registry = ModelRegistry::new();
     registry.register("slow", common::slow_model());
     let host = PluginHost::new(registry, Limits::default()).unwrap();
     let plugin = host.load(common::demo_plugin()).unwrap();
@@ -99,7 +99,7 @@ async fn a_deadline_stops_native_work_and_joins_every_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadline_ends_a_run_that_is_tokenizing_the_slowest_text_it_may() {
     for (name, path) in [("tiny", common::tiny_model()), ("smollm2", common::real_model())] {
-        let mut registry = ModelRegistry::new();
+        let registry = ModelRegistry::new();
         registry.register(name, path);
         let host = PluginHost::new(registry, Limits::default()).unwrap();
         let plugin = host.load(common::demo_plugin()).unwrap();
@@ -184,7 +184,7 @@ async fn wasi_0_3_guest_tasks_cancel_in_flight_by_token_or_by_dropping_the_futur
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() {
-    let mut registry = ModelRegistry::new();
+    let registry = ModelRegistry::new();
     registry.register("tiny", common::tiny_model());
     registry.register_projector("eyes", common::tiny_vision());
     // Stop points at fixed work, not paced by measured speed: the same polls every run.

@@ -34,7 +34,7 @@ async fn fuzz_run(host: &PluginHost, plugin: &llamabox::Plugin, seed: u64, calls
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_wit_call_sequences_through_a_real_guest_never_crash_the_host() {
-    let mut registry = ModelRegistry::new();
+    let registry = ModelRegistry::new();
     // The same file under two names: two loaded models, so handles of "another
     // model" are real.
     registry.register("tiny", common::tiny_model()).register("tiny-again", common::tiny_model());

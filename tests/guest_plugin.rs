@@ -146,7 +146,7 @@ async fn a_compiled_plugin_is_reused_from_the_compile_cache() {
     first.load_bytes(&bytes).unwrap();
     assert_eq!(first.compile_cache_stats(), Some(CompileCacheStats { hits: 0, misses: 1 }));
 
-    let mut registry = ModelRegistry::new();
+    let registry = ModelRegistry::new();
     registry.register("tiny", common::tiny_model());
     let second = host(registry);
     let plugin = second.load_bytes(&bytes).unwrap();

@@ -53,7 +53,7 @@ async fn round(plugin: &Arc<Plugin>, instances: u64, iters: u64, seed: u64) -> (
 async fn instances_decode_and_cancel_at_random_without_wrong_results_or_growth() {
     let (instances, iters) = (env("LLAMABOX_SOAK_INSTANCES", 4), env("LLAMABOX_SOAK_ITERS", 40));
     let rounds = env("LLAMABOX_SOAK_ROUNDS", 3).max(1);
-    let mut registry = ModelRegistry::new();
+    let registry = ModelRegistry::new();
     registry.register("tiny", common::tiny_model());
     let host = PluginHost::new(registry, Limits::default()).unwrap();
     let plugin = Arc::new(host.load(common::demo_plugin()).unwrap());

@@ -44,7 +44,7 @@ impl Boundary {
 impl Guest {
     /// Compile `wasm` and register `models` under their names.
     pub fn new(wasm: &Path, models: &[&BenchModel], shape: Shape) -> anyhow::Result<Self> {
-        let mut registry = ModelRegistry::new();
+        let registry = ModelRegistry::new();
         for m in models {
             registry.register(m.name, &m.path);
         }

@@ -8,13 +8,17 @@
 //! - [`native`]: safe Rust over llama.cpp; no wasm types.
 
 pub mod component;
+pub mod error;
 pub mod native;
 pub mod plugin;
 pub mod worker;
 
-pub use component::{Limits, ModelRegistry, TokenRegistry};
+pub use component::{Limits, ModelRegistry, OpenError, ShareError, TokenRegistry};
+pub use error::{Error, Result};
 pub use native::CancelFlag;
-pub use plugin::{CompileCacheStats, HostOptions, Plugin, PluginHost, RunOptions, RunOutcome, RunStop};
+pub use plugin::{
+    CompileCacheStats, HostOptions, Plugin, PluginHost, PluginState, RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
+};
 
 /// The wasmtime and wasmtime-wasi this API is built on (`WasiCtxBuilder`, traps, the
 /// engine): use these rather than pinning the same versions by hand.

@@ -201,7 +201,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Run { plugin, models, projectors, limits: limit_flags, deadline_ms, cache, idle_poll, args } => {
             native::set_idle_poll(idle_poll);
-            let mut registry = ModelRegistry::new();
+            let registry = ModelRegistry::new();
             for (name, path) in models {
                 if !path.is_file() {
                     bail!("model {name:?}: file {} not found", path.display());
@@ -224,7 +224,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             wasi.args(&std::iter::once(argv0).chain(args).collect::<Vec<_>>());
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let options = RunOptions { deadline: deadline_ms.map(Duration::from_millis), ..RunOptions::default() };
-            match runtime.block_on(plugin.run_with(&options, wasi)).context("the plugin trapped")? {
+            match runtime.block_on(plugin.run_with(&options, wasi))? {
                 RunOutcome::Success => Ok(ExitCode::SUCCESS),
                 RunOutcome::Failed(code) => Ok(ExitCode::from(code.clamp(1, 255) as u8)),
                 RunOutcome::DeadlineExceeded => {

@@ -1,25 +1,86 @@
 //! Running plugin components: an engine, a linker with WASI 0.2 and llamabox, and one
 //! fresh store per run.
 
+use std::any::Any;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tracing::Instrument as _;
+
 use wasmtime::component::{Component, InstancePre, Linker, ResourceTable};
-use wasmtime::error::Context as _;
 use wasmtime::{Engine, Store};
 use wasmtime_wasi::p2::bindings::CommandPre;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::component::{self, LlamaCtx, LlamaCtxView, LlamaView, Limits, ModelRegistry, TokenRegistry};
+use crate::error::{Error, Result};
+use crate::native::Meter;
 use crate::worker::Tracker;
 
-/// Store data of one plugin run.
+/// Store data of one plugin run. Host functions the embedder adds (see
+/// [`PluginHost::with_linker`]) get it, with the run's [`RunOptions::embedder`] state.
 pub struct PluginState {
     wasi: WasiCtx,
     llama: LlamaCtx,
     table: ResourceTable,
+    limits: RunLimiter,
+    embedder: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl PluginState {
+    /// The embedder's state for this run ([`RunOptions::embedder`]), if it is a `T`.
+    pub fn embedder<T: Any + Send + Sync>(&self) -> Option<&T> {
+        self.embedder.as_deref()?.downcast_ref()
+    }
+
+    /// The run's resource table, for the embedder's own resources.
+    pub fn table(&mut self) -> &mut ResourceTable {
+        &mut self.table
+    }
+
+    /// The run's tenant ([`RunOptions::group`]).
+    pub fn group(&self) -> &str {
+        self.llama.group()
+    }
+}
+
+/// The run's wasm limits, remembering which one refused a growth: the guest sees a
+/// failed `memory.grow` and usually traps, and the trap is then reported as that limit.
+struct RunLimiter {
     limits: wasmtime::StoreLimits,
+    refused: Option<&'static str>,
+}
+
+impl wasmtime::ResourceLimiter for RunLimiter {
+    fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let allowed = self.limits.memory_growing(current, desired, maximum)?;
+        if !allowed {
+            self.refused.get_or_insert("max-wasm-memory");
+        }
+        Ok(allowed)
+    }
+
+    fn table_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let allowed = self.limits.table_growing(current, desired, maximum)?;
+        if !allowed {
+            self.refused.get_or_insert("max-wasm-table-elements");
+        }
+        Ok(allowed)
+    }
+
+    fn instances(&self) -> usize {
+        self.limits.instances()
+    }
+
+    fn tables(&self) -> usize {
+        self.limits.tables()
+    }
+
+    fn memories(&self) -> usize {
+        self.limits.memories()
+    }
 }
 
 /// How often the engine's epoch advances. A plugin running wasm yields to the executor
@@ -45,6 +106,7 @@ pub struct PluginHost {
     /// Advances the engine's epoch while this host or any plugin it loaded lives.
     ticker: Arc<EpochTicker>,
     linker: Linker<PluginState>,
+    /// Shared with every plugin loaded here: registrations made later reach their runs.
     registry: Arc<ModelRegistry>,
     tokens: Arc<TokenRegistry>,
     limits: Limits,
@@ -63,7 +125,8 @@ pub struct CompileCacheStats {
     pub misses: usize,
 }
 
-/// How a plugin's `wasi:cli/run` ended (a trap is an `Err` of [`Plugin::run`] instead).
+/// How a plugin's `wasi:cli/run` ended (a trap or a wasm limit is an [`Error`] of
+/// [`Plugin::run`] instead).
 #[derive(Debug, PartialEq, Eq)]
 pub enum RunOutcome {
     Success,
@@ -74,6 +137,34 @@ pub enum RunOutcome {
     DeadlineExceeded,
     /// The embedder's [`RunStop`] stopped it, with the same teardown as a deadline.
     Stopped,
+}
+
+/// What one run used, counted on its native threads. Counts what ran, even if the run
+/// was then stopped or ended by a deadline.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunUsage {
+    /// Rows `llama_decode` computed: prompt and generated tokens, media embeddings, and
+    /// tokens decoded for embeddings (a cancelled decode's rows are not counted).
+    pub tokens_decoded: u64,
+    /// Tokens the host's generation loop (`generate` interface) delivered.
+    pub tokens_generated: u64,
+    /// Time the run's native threads spent in calls (context and media workers,
+    /// tokenizing), summed over threads; not the time calls waited in a queue.
+    pub native_time: Duration,
+    /// Most KV cells (n-ctx × layers over all contexts) the run held at once.
+    pub peak_kv_cells: u64,
+    /// Native calls on text contexts that ended cancelled (by a token, a dropped call,
+    /// the deadline or a stop), whether they had started computing or not.
+    pub cancels: u64,
+}
+
+/// How a run ended and what it used.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RunReport {
+    pub outcome: RunOutcome,
+    pub usage: RunUsage,
+    /// The run's id in its `tracing` span (`llamabox_run`), unique in this process.
+    pub run_id: u64,
 }
 
 /// Stops a run now, native work in flight included, whatever the plugin passed its
@@ -121,11 +212,14 @@ pub struct RunOptions {
     pub limits: Option<Limits>,
     /// A handle that stops the run now (`RunOutcome::Stopped`).
     pub stop: Option<RunStop>,
+    /// The embedder's state for this run, for the host functions it added with
+    /// [`PluginHost::with_linker`] ([`PluginState::embedder`]).
+    pub embedder: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 impl Default for RunOptions {
     fn default() -> Self {
-        Self { group: "default".into(), deadline: None, limits: None, stop: None }
+        Self { group: "default".into(), deadline: None, limits: None, stop: None, embedder: None }
     }
 }
 
@@ -157,11 +251,15 @@ impl HostOptions {
 
 impl PluginHost {
     /// A host that compiles every plugin it loads (no compile cache).
-    pub fn new(registry: ModelRegistry, limits: Limits) -> anyhow::Result<Self> {
+    pub fn new(registry: ModelRegistry, limits: Limits) -> Result<Self> {
         Self::with_options(registry, limits, HostOptions::default())
     }
 
-    pub fn with_options(registry: ModelRegistry, limits: Limits, options: HostOptions) -> anyhow::Result<Self> {
+    pub fn with_options(registry: ModelRegistry, limits: Limits, options: HostOptions) -> Result<Self> {
+        Self::build(registry, limits, options).map_err(Error::Host)
+    }
+
+    fn build(registry: ModelRegistry, limits: Limits, options: HostOptions) -> wasmtime::Result<Self> {
         let mut config = wasmtime::Config::new();
         config.epoch_interruption(true);
         // WASI 0.3 guests: `async func` imports (`llamabox:inference/async-calls`).
@@ -197,6 +295,26 @@ impl PluginHost {
         &self.engine
     }
 
+    /// Add the product's own host interfaces next to WASI and llamabox's, before loading
+    /// the plugins that import them: `add` gets the linker (bindgen's `add_to_linker`
+    /// for the product's WIT, or `linker.instance(..)?.func_wrap(..)`), and its
+    /// functions reach the run's state through [`PluginState::embedder`]. Defining a
+    /// function that is already defined is an error (no shadowing of WASI or llamabox).
+    pub fn with_linker(
+        &mut self,
+        add: impl FnOnce(&mut Linker<PluginState>) -> wasmtime::Result<()>,
+    ) -> Result<&mut Self> {
+        add(&mut self.linker).map_err(Error::Host)?;
+        Ok(self)
+    }
+
+    /// The models plugins may open, shared with every plugin this host loaded: register,
+    /// replace or unload models here while runs go on. A run that opened a model keeps
+    /// it until its handles and contexts are gone.
+    pub fn models(&self) -> &Arc<ModelRegistry> {
+        &self.registry
+    }
+
     /// Hits and misses of the compile cache, if this host has one.
     pub fn compile_cache_stats(&self) -> Option<CompileCacheStats> {
         self.cache.as_ref().map(|c| CompileCacheStats { hits: c.cache_hits(), misses: c.cache_misses() })
@@ -210,39 +328,38 @@ impl PluginHost {
     }
 
     /// Compile a plugin and check it can link against this host.
-    pub fn load(&self, path: &Path) -> anyhow::Result<Plugin> {
+    pub fn load(&self, path: &Path) -> Result<Plugin> {
         if !path.is_file() {
-            anyhow::bail!("plugin {} not found", path.display());
+            return Err(Error::NotFound(path.to_path_buf()));
         }
-        let component = Component::from_file(&self.engine, path)
-            .with_context(|| format!("{} is not a valid WebAssembly component", path.display()))?;
+        let component = Component::from_file(&self.engine, path).map_err(Error::NotAComponent)?;
         self.load_component(component)
     }
 
-    pub fn load_bytes(&self, bytes: &[u8]) -> anyhow::Result<Plugin> {
-        self.load_component(Component::new(&self.engine, bytes).context("not a valid WebAssembly component")?)
+    pub fn load_bytes(&self, bytes: &[u8]) -> Result<Plugin> {
+        self.load_component(Component::new(&self.engine, bytes).map_err(Error::NotAComponent)?)
     }
 
     /// `load` off the async executor: compiling takes CPU-seconds for a large plugin.
-    pub async fn load_async(self: &Arc<Self>, path: &Path) -> anyhow::Result<Plugin> {
+    pub async fn load_async(self: &Arc<Self>, path: &Path) -> Result<Plugin> {
         let (host, path) = (self.clone(), path.to_path_buf());
-        tokio::task::spawn_blocking(move || host.load(&path)).await.context("the compile thread panicked")?
+        match tokio::task::spawn_blocking(move || host.load(&path)).await {
+            Ok(loaded) => loaded,
+            Err(join) => Err(Error::Host(wasmtime::Error::msg(format!("the compile thread failed: {join}")))),
+        }
     }
 
     /// A component the embedder compiled (or deserialized) itself with this host's
     /// [`PluginHost::engine`].
-    pub fn load_component(&self, component: Component) -> anyhow::Result<Plugin> {
+    pub fn load_component(&self, component: Component) -> Result<Plugin> {
         let pre = self
             .linker
             .instantiate_pre(&component)
-            .context("the plugin imports something this host does not provide")?;
+            .map_err(|source| Error::Link { missing: unresolved_imports(&self.linker, &component, &source), source })?;
         let entry = match CommandPre::new(pre.clone()) {
             Ok(command) => Entry::Command(command),
             Err(_) if component.get_export_index(None, "run").is_some() => Entry::AsyncRun(pre),
-            Err(e) => {
-                let e = e.context("the plugin exports neither wasi:cli/run (a WASI 0.2 command) nor `run` (plugin-async)");
-                return Err(e.into());
-            }
+            Err(e) => return Err(Error::NoEntryPoint(e)),
         };
         Ok(Plugin {
             entry,
@@ -255,13 +372,79 @@ impl PluginHost {
     }
 }
 
+/// Every top-level import of `component` that `linker` cannot satisfy (absent, or of
+/// another type), by name. wasmtime's check stops at the first one (`error`), so each
+/// one found is stubbed in a scratch copy of the linker and the check runs again.
+fn unresolved_imports(linker: &Linker<PluginState>, component: &Component, error: &wasmtime::Error) -> Vec<String> {
+    let (engine, ty) = (component.engine(), component.component_type());
+    let mut probe = linker.clone();
+    probe.allow_shadowing(true);
+    let mut missing: Vec<String> = Vec::new();
+    let mut next = first_unresolved(error);
+    while let Some(name) = next.take() {
+        if missing.contains(&name) {
+            break; // stubbing it did not satisfy the check: report what was found
+        }
+        let stubbed = ty.get_import(engine, &name).is_some_and(|import| stub(&mut probe.root(), &name, &import.ty, engine).is_ok());
+        missing.push(name);
+        if !stubbed || missing.len() >= ty.imports(engine).len() {
+            break;
+        }
+        if let Err(e) = probe.instantiate_pre(component) {
+            next = first_unresolved(&e);
+        }
+    }
+    missing
+}
+
+/// The import named in `instantiate_pre`'s error: "component imports instance `NAME`,
+/// but a matching implementation was not found in the linker".
+fn first_unresolved(error: &wasmtime::Error) -> Option<String> {
+    error.chain().find_map(|cause| {
+        let text = cause.to_string();
+        let rest = text.strip_prefix("component imports ")?;
+        Some(rest.split('`').nth(1)?.to_string())
+    })
+}
+
+/// A resource type for stubs; never instantiated.
+struct StubResource;
+
+/// Define `name` (of type `item`) in `linker` with functions that fail if called: only
+/// to let the link check go on past it.
+fn stub(
+    linker: &mut wasmtime::component::LinkerInstance<'_, PluginState>,
+    name: &str,
+    item: &wasmtime::component::types::ComponentItem,
+    engine: &Engine,
+) -> wasmtime::Result<()> {
+    use wasmtime::component::types::ComponentItem;
+    match item {
+        ComponentItem::ComponentFunc(func) if func.async_() => {
+            linker.func_new_concurrent(name, |_, _, _, _| Box::pin(async { wasmtime::bail!("a link-check stub") }))
+        }
+        ComponentItem::ComponentFunc(_) => linker.func_new(name, |_, _, _, _| wasmtime::bail!("a link-check stub")),
+        ComponentItem::Resource(_) => {
+            linker.resource(name, wasmtime::component::ResourceType::host::<StubResource>(), |_, _| Ok(()))
+        }
+        ComponentItem::ComponentInstance(instance) => {
+            let mut inner = linker.instance(name)?;
+            instance.exports(engine).try_for_each(|(export, item)| stub(&mut inner, export, &item.ty, engine))
+        }
+        // Types need no definition; modules and components are not imported by plugins.
+        ComponentItem::Type(_) => Ok(()),
+        _ => wasmtime::bail!("{name}: not a kind of import the link check can stub"),
+    }
+}
+
 /// wasmtime's compile cache in `dir` (made if missing; wasmtime wants an absolute path).
-fn compile_cache(dir: &Path) -> anyhow::Result<wasmtime::Cache> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating the compile cache folder {}", dir.display()))?;
-    let dir = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
+fn compile_cache(dir: &Path) -> wasmtime::Result<wasmtime::Cache> {
+    let io = |what: &str, e: std::io::Error| wasmtime::Error::msg(format!("{what} {}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(|e| io("creating the compile cache folder", e))?;
+    let dir = dir.canonicalize().map_err(|e| io("resolving", e))?;
     let mut config = wasmtime::CacheConfig::new();
     config.with_directory(dir);
-    Ok(wasmtime::Cache::new(config)?)
+    wasmtime::Cache::new(config)
 }
 
 /// The thread that advances an engine's epoch every `EPOCH_TICK`, so running wasm yields
@@ -314,7 +497,7 @@ pub struct Plugin {
 impl Plugin {
     /// Run the plugin's `wasi:cli/run` in a fresh store. `wasi` sets its arguments and
     /// stdio (it gets no filesystem, network or environment unless given here).
-    pub async fn run(&self, wasi: WasiCtxBuilder) -> anyhow::Result<RunOutcome> {
+    pub async fn run(&self, wasi: WasiCtxBuilder) -> Result<RunOutcome> {
         self.run_with(&RunOptions::default(), wasi).await
     }
 
@@ -325,10 +508,33 @@ impl Plugin {
     /// is freed: dropping the store (at the end, on a trap, or at the deadline) stops
     /// every worker's call without blocking the executor, and the run then awaits its
     /// threads.
-    pub async fn run_with(&self, options: &RunOptions, wasi: WasiCtxBuilder) -> anyhow::Result<RunOutcome> {
-        let workers = self.workers.child();
+    pub async fn run_with(&self, options: &RunOptions, wasi: WasiCtxBuilder) -> Result<RunOutcome> {
+        Ok(self.run_report(options, wasi).await?.outcome)
+    }
+
+    /// `run_with`, returning what the run used with its outcome. The run (and every
+    /// native thread working for it, so llama.cpp's log lines from its calls) is in a
+    /// `tracing` span `llamabox_run` with its `group` and `run` id.
+    pub async fn run_report(&self, options: &RunOptions, wasi: WasiCtxBuilder) -> Result<RunReport> {
+        static NEXT_RUN: AtomicU64 = AtomicU64::new(1);
+        let run_id = NEXT_RUN.fetch_add(1, Relaxed);
+        let span = tracing::info_span!("llamabox_run", group = %options.group, run = run_id);
+        let (workers, meter) = (self.workers.child(), Arc::new(Meter::new()));
+        let outcome = self.run_to_end(options, wasi, workers.clone(), meter.clone()).instrument(span).await?;
+        let usage = RunUsage {
+            tokens_decoded: meter.decoded(),
+            tokens_generated: meter.generated(),
+            native_time: workers.busy(),
+            peak_kv_cells: meter.peak_kv_cells(),
+            cancels: meter.cancels(),
+        };
+        tracing::debug!(run = run_id, ?outcome, ?usage, "llamabox run ended");
+        Ok(RunReport { outcome, usage, run_id })
+    }
+
+    async fn run_to_end(&self, options: &RunOptions, wasi: WasiCtxBuilder, workers: Tracker, meter: Arc<Meter>) -> Result<RunOutcome> {
         let limits = options.limits.as_ref().unwrap_or(&self.limits);
-        let run = self.run_in_store(&options.group, limits, wasi, workers.clone());
+        let run = self.run_in_store(options, limits, wasi, workers.clone(), meter);
         let deadline = async {
             match options.deadline {
                 Some(after) => tokio::time::sleep(after).await,
@@ -353,13 +559,21 @@ impl Plugin {
         outcome
     }
 
-    async fn run_in_store(&self, group: &str, limits: &Limits, mut wasi: WasiCtxBuilder, workers: Tracker) -> anyhow::Result<RunOutcome> {
-        let llama = LlamaCtx::new(self.registry.clone(), self.tokens.clone(), group, limits.clone());
+    async fn run_in_store(
+        &self,
+        options: &RunOptions,
+        limits: &Limits,
+        mut wasi: WasiCtxBuilder,
+        workers: Tracker,
+        meter: Arc<Meter>,
+    ) -> Result<RunOutcome> {
+        let llama = LlamaCtx::new(self.registry.clone(), self.tokens.clone(), options.group.as_str(), limits.clone());
         let state = PluginState {
             wasi: wasi.build(),
-            llama: llama.tracked_by(workers),
+            llama: llama.tracked_by(workers).metered_by(meter),
             table: ResourceTable::new(),
-            limits: limits.store_limits(),
+            limits: RunLimiter { limits: limits.store_limits(), refused: None },
+            embedder: options.embedder.clone(),
         };
         let engine = match &self.entry {
             Entry::Command(pre) => pre.engine(),
@@ -369,15 +583,21 @@ impl Plugin {
         store.limiter(|state| &mut state.limits);
         store.epoch_deadline_async_yield_and_update(1);
         let ended = match &self.entry {
-            Entry::Command(pre) => {
-                let command = pre.instantiate_async(&mut store).await?;
-                command.wasi_cli_run().call_run(&mut store).await
-            }
-            Entry::AsyncRun(pre) => {
-                let instance = pre.instantiate_async(&mut store).await?;
-                let run = instance.get_typed_func::<(), (Result<(), ()>,)>(&mut store, "run")?;
-                store.run_concurrent(async |accessor| run.call_concurrent(accessor, ()).await).await.and_then(|r| r).map(|(r,)| r)
-            }
+            Entry::Command(pre) => match pre.instantiate_async(&mut store).await {
+                Ok(command) => command.wasi_cli_run().call_run(&mut store).await,
+                Err(e) => Err(e),
+            },
+            Entry::AsyncRun(pre) => match pre.instantiate_async(&mut store).await {
+                Ok(instance) => match instance.get_typed_func::<(), (Result<(), ()>,)>(&mut store, "run") {
+                    Ok(run) => store
+                        .run_concurrent(async |accessor| run.call_concurrent(accessor, ()).await)
+                        .await
+                        .and_then(|r| r)
+                        .map(|(r,)| r),
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            },
         };
         match ended {
             Ok(Ok(())) => Ok(RunOutcome::Success),
@@ -385,7 +605,10 @@ impl Plugin {
             Err(e) => match e.downcast_ref::<wasmtime_wasi::I32Exit>() {
                 Some(wasmtime_wasi::I32Exit(0)) => Ok(RunOutcome::Success),
                 Some(wasmtime_wasi::I32Exit(code)) => Ok(RunOutcome::Failed(*code)),
-                None => Err(e.into()),
+                None => Err(match store.data().limits.refused {
+                    Some(limit) => Error::Limit { limit, source: e },
+                    None => Error::Trap { code: e.downcast_ref::<wasmtime::Trap>().copied(), source: e },
+                }),
             },
         }
     }

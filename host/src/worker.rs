@@ -9,7 +9,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
+use std::time::{Duration, Instant};
 use std::sync::{mpsc, Arc, Mutex};
 use std::task::{ready, Context as TaskContext, Poll};
 
@@ -31,6 +32,8 @@ pub struct Tracker {
 struct Count {
     live: AtomicUsize,
     zero: Notify,
+    /// Nanoseconds the counted threads spent running calls (not waiting for them).
+    busy_ns: AtomicU64,
 }
 
 impl Tracker {
@@ -48,6 +51,20 @@ impl Tracker {
     /// Threads alive now that count in this tracker.
     pub fn live(&self) -> usize {
         self.counts.first().map_or(0, |c| c.live.load(SeqCst))
+    }
+
+    /// Time the threads counted here spent running native calls (jobs of workers and
+    /// blocking calls), summed over threads.
+    pub fn busy(&self) -> Duration {
+        Duration::from_nanos(self.counts.first().map_or(0, |c| c.busy_ns.load(Relaxed)))
+    }
+
+    /// Add `since`'s elapsed time to every tracker this one counts in.
+    fn add_busy(counts: &[Arc<Count>], since: Instant) {
+        let ns = since.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        for count in counts {
+            count.busy_ns.fetch_add(ns, Relaxed);
+        }
     }
 
     /// Resolves once no thread counted here is alive.
@@ -74,10 +91,15 @@ impl Tracker {
     /// Run `f` on a blocking thread, counted here until it returns. For native calls
     /// that cannot be stopped midway (tokenizing): they leave the executor free, and
     /// a run still waits for them before it returns.
+    /// Runs inside the caller's `tracing` span (a run's), so what it logs is attributed.
     pub async fn blocking<R: Send + 'static>(&self, f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
         let alive = self.alive();
+        let span = tracing::Span::current();
         tokio::task::spawn_blocking(move || {
+            let _in_span = span.enter();
+            let started = Instant::now();
             let out = f();
+            Self::add_busy(&alive.0, started);
             drop(alive);
             out
         })
@@ -146,11 +168,15 @@ impl<S: 'static> Worker<S> {
         let running = Arc::new(Mutex::new(Running::default()));
         let thread_running = running.clone();
         let alive = tracker.alive();
+        // The thread works for the caller's run: llama.cpp's log lines from its calls
+        // (routed to `tracing` on this thread) carry the run's span.
+        let span = tracing::Span::current();
         // Detached: nobody joins it; `exited` and the tracker say when it is done.
         std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
                 let _alive = alive; // dropped last, after `state`
+                let _in_span = span.entered();
                 let _exit = ExitSignal(Some(exit_tx));
                 let mut state = match init() {
                     Ok(state) => {
@@ -170,7 +196,9 @@ impl<S: 'static> Worker<S> {
                         }
                         running.call = Some(call);
                     }
+                    let started = Instant::now();
                     job(&mut state);
+                    Tracker::add_busy(&_alive.0, started);
                     lock(&thread_running).call = None;
                 }
                 // `state` (the native context) is dropped here, on its own thread.
@@ -205,8 +233,8 @@ impl<S: 'static> Worker<S> {
     where
         S: Send,
     {
-        let tracker = tracker.clone();
-        match tokio::task::spawn_blocking(move || Self::spawn(name, &tracker, init)).await {
+        let (tracker, span) = (tracker.clone(), tracing::Span::current());
+        match tokio::task::spawn_blocking(move || span.in_scope(|| Self::spawn(name, &tracker, init))).await {
             Ok(result) => result,
             Err(_) => Err(StartFailed::Panicked.into()),
         }

@@ -163,7 +163,7 @@ pub async fn run_plugin_with_limits(
     limits: Limits,
     args: &[&str],
 ) -> (RunOutcome, String) {
-    let mut registry = ModelRegistry::new();
+    let registry = ModelRegistry::new();
     for (name, path) in models {
         registry.register(*name, *path);
     }

@@ -283,7 +283,11 @@ impl Host for LlamaCtxView<'_> {
         let call = self.table.get(&ctx)?.worker.call(move |c, abandoned| {
             let stop = Stop::on_either(&token, abandoned);
             let mut sink = |piece| deliver(&tx, piece, stop);
-            native::generate(c, &mut sampler, &request, stop, &mut sink)
+            let outcome = native::generate(c, &mut sampler, &request, stop, &mut sink);
+            if let Ok(o) = &outcome {
+                c.meter().add_generated(o.usage.generated_tokens.into());
+            }
+            outcome
             // `tx` drops here: the reader sees the end of the pieces.
         });
         let stream = Stream { pieces: rx, peeked: None, state: StreamState::Running(call) };

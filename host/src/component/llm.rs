@@ -197,7 +197,13 @@ impl HostContext for LlamaCtxView<'_> {
         if let Err(e) = self.ctx.admit(held) {
             return Ok(Err(e));
         }
-        let worker = match Worker::start("llamabox-context", &self.ctx.workers, move || Context::new(model, params)).await {
+        let meter = self.ctx.meter.clone();
+        let init = move || {
+            let mut context = Context::new(model, params)?;
+            context.set_meter(meter);
+            Ok::<_, native::Error>(context)
+        };
+        let worker = match Worker::start("llamabox-context", &self.ctx.workers, init).await {
             Ok(worker) => worker,
             Err(e) => {
                 self.ctx.release(held);

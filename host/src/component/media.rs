@@ -93,7 +93,7 @@ impl HostChunk for LlamaCtxView<'_> {
 impl HostMediaContext for LlamaCtxView<'_> {
     async fn open(&mut self, projector: String, model: Resource<ModelHandle>) -> Answer<Resource<MediaContextHandle>> {
         let model = self.table.get(&model)?.model.clone();
-        let Ok(path) = self.ctx.registry.projector_path(&projector).cloned() else {
+        let Ok(path) = self.ctx.registry.projector_path(&projector) else {
             return Ok(Err(Error::ModelNotFound(projector)));
         };
         if let Err(e) = self.ctx.admit(Held::MediaContext) {

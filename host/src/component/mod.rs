@@ -25,8 +25,8 @@ pub use limits::Limits;
 pub use llm::{ContextHandle, ModelHandle, PendingDecode};
 pub use generate::{GenerationHandle, SamplerHandle};
 pub use media::{ChunkHandle, MediaContextHandle, PendingEncode};
-pub use registry::ModelRegistry;
-pub use tokens::TokenRegistry;
+pub use registry::{ModelRegistry, OpenError};
+pub use tokens::{ShareError, TokenRegistry};
 
 /// Bindings generated from `wit/`. Every import is async (decode waits on a worker
 /// thread without blocking the executor) and trappable (a bad resource handle traps the
@@ -87,6 +87,8 @@ pub struct LlamaCtx {
     pending_calls: Arc<AtomicU32>,
     /// The store's worker threads and blocking calls.
     workers: Tracker,
+    /// Usage of this store's native work (its run's report).
+    meter: Arc<crate::native::Meter>,
 }
 
 /// One of a store's `max-pending-calls` places, held by a pending call (a `pending-*`
@@ -130,7 +132,19 @@ impl LlamaCtx {
     /// `group` scopes shared tokens: a plugin opens only capabilities shared in its group.
     pub fn new(registry: Arc<ModelRegistry>, tokens: Arc<TokenRegistry>, group: impl Into<String>, limits: Limits) -> Self {
         let workers = Tracker::new();
-        Self { registry, tokens, group: group.into(), limits, usage: Usage::default(), pending_calls: Arc::default(), workers }
+        let (usage, pending_calls, meter) = (Usage::default(), Arc::default(), Arc::default());
+        Self { registry, tokens, group: group.into(), limits, usage, pending_calls, workers, meter }
+    }
+
+    /// Count this store's native work in `meter` (its run's) instead of a meter of its own.
+    pub fn metered_by(mut self, meter: Arc<crate::native::Meter>) -> Self {
+        self.meter = meter;
+        self
+    }
+
+    /// Where this store's decodes, generated tokens, cancels and KV cells are counted.
+    pub fn meter(&self) -> &Arc<crate::native::Meter> {
+        &self.meter
     }
 
     /// Count this store's threads in `workers` (a child of the host's tracker, say)
@@ -138,6 +152,11 @@ impl LlamaCtx {
     pub fn tracked_by(mut self, workers: Tracker) -> Self {
         self.workers = workers;
         self
+    }
+
+    /// The group (tenant) this store's shared tokens are scoped to.
+    pub fn group(&self) -> &str {
+        &self.group
     }
 
     /// The store's native threads: await `all_stopped` after dropping the store to know
@@ -191,6 +210,7 @@ impl LlamaCtx {
             Held::Context { kv_cells } => {
                 step(&mut u.contexts);
                 u.kv_cells = if add { u.kv_cells + kv_cells } else { u.kv_cells.saturating_sub(kv_cells) };
+                self.meter.note_kv_cells(u.kv_cells);
             }
             Held::MediaContext => step(&mut u.media_contexts),
             Held::Token => step(&mut u.tokens),

@@ -1,9 +1,15 @@
 //! Models a plugin may open, by name. The embedder registers names and paths; guests
 //! only ever see names. Each model is loaded once, on first open, and shared.
+//!
+//! The registry is live: the embedder adds, replaces and unloads entries while runs go
+//! on (it is shared as `Arc<ModelRegistry>`, see `PluginHost::models`). A run that
+//! opened a model holds an `Arc` to it, so replacing or unloading a name changes what
+//! the *next* `open` finds; the old weights stay loaded until the last model handle and
+//! context using them are gone.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tokio::sync::OnceCell;
 
@@ -11,11 +17,18 @@ use crate::native::Model;
 
 #[derive(Default)]
 pub struct ModelRegistry {
-    models: HashMap<String, Entry>,
+    inner: RwLock<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    models: HashMap<String, Arc<Entry>>,
     /// Projectors (mmproj files) by name; each media context loads its own copy.
     projectors: HashMap<String, PathBuf>,
 }
 
+/// One registration. Replacing a name makes a new entry, so an `open` racing with the
+/// replacement loads either the old file or the new one, never a mix.
 struct Entry {
     path: PathBuf,
     loaded: OnceCell<Arc<Model>>,
@@ -36,34 +49,69 @@ impl ModelRegistry {
         Self::default()
     }
 
-    /// Register `path` under `name` (replacing an earlier registration).
-    pub fn register(&mut self, name: impl Into<String>, path: impl Into<PathBuf>) -> &mut Self {
-        self.models.insert(name.into(), Entry { path: path.into(), loaded: OnceCell::new() });
+    fn read(&self) -> RwLockReadGuard<'_, Inner> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Inner> {
+        self.inner.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Register `path` under `name`, replacing an earlier registration: runs that
+    /// already opened the old model keep it; later opens load `path`.
+    pub fn register(&self, name: impl Into<String>, path: impl Into<PathBuf>) -> &Self {
+        let entry = Arc::new(Entry { path: path.into(), loaded: OnceCell::new() });
+        self.write().models.insert(name.into(), entry);
         self
     }
 
-    /// Register a projector (mmproj) under `name`.
-    pub fn register_projector(&mut self, name: impl Into<String>, path: impl Into<PathBuf>) -> &mut Self {
-        self.projectors.insert(name.into(), path.into());
+    /// Forget `name`: later opens get not-found. Returns whether it was registered.
+    /// Its weights are freed once no model handle or context holds them.
+    pub fn unload(&self, name: &str) -> bool {
+        self.write().models.remove(name).is_some()
+    }
+
+    /// Register a projector (mmproj) under `name`, replacing an earlier one. Each media
+    /// context loads its own copy, so this affects only media contexts made later.
+    pub fn register_projector(&self, name: impl Into<String>, path: impl Into<PathBuf>) -> &Self {
+        self.write().projectors.insert(name.into(), path.into());
         self
     }
 
-    pub fn projector_path(&self, name: &str) -> Result<&PathBuf, OpenError> {
-        self.projectors.get(name).ok_or_else(|| OpenError::NotFound(name.to_string()))
+    /// Forget the projector `name`. Returns whether it was registered.
+    pub fn unload_projector(&self, name: &str) -> bool {
+        self.write().projectors.remove(name).is_some()
     }
 
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.models.keys().map(String::as_str)
+    pub fn projector_path(&self, name: &str) -> Result<PathBuf, OpenError> {
+        self.read().projectors.get(name).cloned().ok_or_else(|| OpenError::NotFound(name.to_string()))
+    }
+
+    /// Names registered now.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.read().models.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Whether the model registered as `name` is loaded now (opened since it was
+    /// registered).
+    pub fn is_loaded(&self, name: &str) -> bool {
+        self.read().models.get(name).is_some_and(|entry| entry.loaded.initialized())
     }
 
     /// The model registered as `name`, loading it on first use (off the async executor).
     pub async fn open(&self, name: &str) -> Result<Arc<Model>, OpenError> {
-        let entry = self.models.get(name).ok_or_else(|| OpenError::NotFound(name.to_string()))?;
+        // The lock is not held across the load: the entry is shared, so a replacement
+        // or unload meanwhile does not wait for it.
+        let entry = self.read().models.get(name).cloned().ok_or_else(|| OpenError::NotFound(name.to_string()))?;
         let model = entry
             .loaded
             .get_or_try_init(|| async {
                 let path = entry.path.clone();
-                match tokio::task::spawn_blocking(move || Model::load(&path)).await {
+                // llama.cpp's load log goes to the span of the run that loads it.
+                let span = tracing::Span::current();
+                match tokio::task::spawn_blocking(move || span.in_scope(|| Model::load(&path))).await {
                     Ok(Ok(model)) => Ok(Arc::new(model)),
                     Ok(Err(e)) => {
                         tracing::error!("loading model {name:?} from {}: {e}", entry.path.display());

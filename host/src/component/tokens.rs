@@ -38,8 +38,9 @@ struct Shared {
 pub enum ShareError {
     #[error("max-shared-per-group: this group already shares {0} tokens")]
     GroupFull(usize),
+    /// The OS random source failed (its message): no capability can be made.
     #[error("the OS random source failed: {0}")]
-    Random(getrandom::Error),
+    Random(String),
 }
 
 impl Default for TokenRegistry {
@@ -66,7 +67,7 @@ impl TokenRegistry {
     /// [`unshare`](Self::unshare)d.
     pub fn share(&self, group: &str, flag: &CancelFlag) -> Result<String, ShareError> {
         let mut bits = [0u8; 16];
-        getrandom::fill(&mut bits).map_err(ShareError::Random)?;
+        getrandom::fill(&mut bits).map_err(|e| ShareError::Random(e.to_string()))?;
         let capability: String = bits.iter().map(|b| format!("{b:02x}")).collect();
         let mut inner = self.lock();
         let count = inner.per_group.entry(group.to_string()).or_default();

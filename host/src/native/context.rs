@@ -7,6 +7,7 @@ use std::sync::Arc;
 use llama_cpp_sys_2 as sys;
 
 use super::cancel::{abort_callback, Stop};
+use super::meter::Meter;
 use super::model::{Model, Token};
 use super::threads::ThreadPool;
 use super::{backend, Error, Result};
@@ -70,6 +71,8 @@ pub struct Context {
     logit_rows: Vec<bool>,
     /// The threads every graph of this context runs on; freed after the context.
     _team: ThreadPool,
+    /// Where this context's decodes and cancels are counted (its run's meter).
+    meter: Arc<Meter>,
     /// Declared last: the model must outlive the context.
     model: Arc<Model>,
 }
@@ -170,7 +173,7 @@ impl Context {
                 n_threads,
             }
         };
-        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), _team: team, model })
+        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), _team: team, meter: Arc::default(), model })
     }
 
     pub fn params(&self) -> ContextParams {
@@ -278,6 +281,17 @@ impl Context {
         Ok(())
     }
 
+    /// Count this context's decoded rows and cancelled calls in `meter` (its run's)
+    /// instead of a meter of its own.
+    pub fn set_meter(&mut self, meter: Arc<Meter>) {
+        self.meter = meter;
+    }
+
+    /// Where this context counts its work.
+    pub fn meter(&self) -> &Arc<Meter> {
+        &self.meter
+    }
+
     /// Decode `batch`. With a `stop`, llama.cpp polls it after every graph node and
     /// stops in flight; without one this is the plain llama.cpp call (no callback).
     ///
@@ -285,6 +299,7 @@ impl Context {
     /// the call (llama.cpp itself keeps the ubatches an aborted decode finished).
     pub fn decode(&mut self, batch: &Batch, stop: Option<Stop<'_>>) -> Result<()> {
         if stop.is_some_and(|s| s.is_set()) {
+            self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
         self.check_batch(batch)?;
@@ -323,6 +338,7 @@ impl Context {
         stop: Option<Stop<'_>>,
     ) -> Result<()> {
         if stop.is_some_and(|s| s.is_set()) {
+            self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
         self.check_seq(seq)?;
@@ -335,6 +351,7 @@ impl Context {
     /// stopped, memory is as it was before the first.
     pub fn eval(&mut self, pieces: &[PromptPiece], seq: i32, stop: Option<Stop<'_>>) -> Result<i32> {
         if stop.is_some_and(|s| s.is_set()) {
+            self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
         self.check_seq(seq)?;
@@ -458,11 +475,15 @@ impl Context {
         match ret {
             0 => {
                 self.logit_rows = logit_rows.to_vec();
+                self.meter.add_decoded(raw.n_tokens.max(0) as u64);
                 Ok(())
             }
             1 => Err(Error::ContextFull),
             -1 => Err(Error::InvalidArgument(format!("llama.cpp rejected the batch: {reason}"))),
-            2 => Err(Error::Cancelled),
+            2 => {
+                self.meter.add_cancel();
+                Err(Error::Cancelled)
+            }
             _ => Err(Error::Backend(format!("llama_decode failed ({ret}): {reason}"))),
         }
     }

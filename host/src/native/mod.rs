@@ -8,6 +8,7 @@ pub mod chunker;
 pub mod context;
 pub mod generate;
 pub mod media;
+mod meter;
 pub mod model;
 pub mod sampler;
 #[cfg(feature = "synthetic")]
@@ -19,6 +20,7 @@ pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use context::{Batch, Context, ContextParams, Pooling, PromptPiece};
 pub use generate::{generate, FinishReason, GenerateRequest, Outcome, Piece, Usage};
+pub use meter::Meter;
 pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};
 pub use model::{Model, Token};
 pub use sampler::{Grammar, Penalties, Sampler, SamplerCaps, SamplerParams};

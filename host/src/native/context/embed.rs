@@ -142,6 +142,7 @@ impl Context {
     fn embed_batch(&mut self, batch: &Batch, pooled_seqs: usize, stop: Option<Stop<'_>>) -> Result<Vec<Vec<f32>>> {
         let ctx = self.ptr.as_ptr();
         if stop.is_some_and(|s| s.is_set()) {
+            self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
         self.clear();

@@ -1,0 +1,67 @@
+//! The error type of llamabox's embedder API ([`crate::PluginHost`], [`crate::Plugin`]).
+//!
+//! How a run *ended* is not an error: a plugin's exit status, a deadline and a
+//! [`crate::RunStop`] are [`crate::RunOutcome`]s. An `Error` says the plugin could not be
+//! loaded or started, or that it was ended by the host for misbehaving (a trap, a limit).
+
+use std::path::PathBuf;
+
+/// What went wrong loading or running a plugin.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// There is no plugin file at this path.
+    #[error("plugin {} not found", .0.display())]
+    NotFound(PathBuf),
+    /// The bytes are not a WebAssembly component this engine can compile (or a
+    /// precompiled one for another engine or wasmtime version).
+    #[error("the plugin is not a valid WebAssembly component")]
+    NotAComponent(#[source] wasmtime::Error),
+    /// The plugin imports interfaces or functions this host does not provide (or with
+    /// other types), listed by their import names.
+    #[error("the plugin imports what this host does not provide: {}", .missing.join(", "))]
+    Link {
+        missing: Vec<String>,
+        #[source]
+        source: wasmtime::Error,
+    },
+    /// The plugin exports neither `wasi:cli/run` (a WASI 0.2 command) nor `run`
+    /// (`plugin-async`).
+    #[error("the plugin exports neither wasi:cli/run (a WASI 0.2 command) nor `run` (plugin-async)")]
+    NoEntryPoint(#[source] wasmtime::Error),
+    /// The plugin trapped: a wasm trap (`code` says which), or a host function ended it
+    /// (a bad resource handle, say; then `code` is `None` and `source` says why).
+    #[error("the plugin trapped{}", .code.map(|c| format!(": {c}")).unwrap_or_default())]
+    Trap {
+        code: Option<wasmtime::Trap>,
+        #[source]
+        source: wasmtime::Error,
+    },
+    /// The plugin went over one of its run's wasm limits (`limit` names it:
+    /// `max-wasm-memory`, `max-wasm-instances`, `max-wasm-table-elements`) and was ended.
+    /// Limits on inference resources are not errors of the run: the guest gets a
+    /// `limit-exceeded` answer and decides.
+    #[error("the plugin went over {limit}")]
+    Limit {
+        limit: &'static str,
+        #[source]
+        source: wasmtime::Error,
+    },
+    /// The host could not set itself up (engine settings, the compile-cache folder, a
+    /// thread), or a thread it ran work on panicked.
+    #[error("host setup failed: {0}")]
+    Host(#[source] wasmtime::Error),
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// The wasm trap code, if the plugin trapped in wasm.
+    pub fn trap_code(&self) -> Option<wasmtime::Trap> {
+        match self {
+            Error::Trap { code, .. } => *code,
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! Counters of native work, shared by the contexts of one run (each context adds to the
+//! meter it was given) and read by whoever runs them: usage per run or per tenant.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+#[derive(Debug, Default)]
+pub struct Meter {
+    decoded: AtomicU64,
+    generated: AtomicU64,
+    cancels: AtomicU64,
+    peak_kv_cells: AtomicU64,
+}
+
+impl Meter {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Rows a successful `llama_decode` computed (tokens or media embeddings).
+    pub fn add_decoded(&self, rows: u64) {
+        self.decoded.fetch_add(rows, Relaxed);
+    }
+
+    /// Tokens a generation delivered.
+    pub fn add_generated(&self, tokens: u64) {
+        self.generated.fetch_add(tokens, Relaxed);
+    }
+
+    /// One native call that ended cancelled (before or during its work).
+    pub fn add_cancel(&self) {
+        self.cancels.fetch_add(1, Relaxed);
+    }
+
+    /// KV cells held now; the meter keeps the largest value it saw.
+    pub fn note_kv_cells(&self, held: u64) {
+        self.peak_kv_cells.fetch_max(held, Relaxed);
+    }
+
+    pub fn decoded(&self) -> u64 {
+        self.decoded.load(Relaxed)
+    }
+
+    pub fn generated(&self) -> u64 {
+        self.generated.load(Relaxed)
+    }
+
+    pub fn cancels(&self) -> u64 {
+        self.cancels.load(Relaxed)
+    }
+
+    pub fn peak_kv_cells(&self) -> u64 {
+        self.peak_kv_cells.load(Relaxed)
+    }
+}
