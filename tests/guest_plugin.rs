@@ -164,3 +164,25 @@ async fn a_compiled_plugin_is_reused_from_the_compile_cache() {
     assert!(PluginHost::new(ModelRegistry::new(), Limits::default()).unwrap().compile_cache_stats().is_none());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_call_before_its_pollable_never_traps() {
+    // The order a garbage collector may choose: pending-decode, generation and
+    // pending-encode each dropped while the pollable from its subscribe() lives, then
+    // that pollable waited on (ready at once) and dropped.
+    let (outcome, out) = common::run_demo_with(
+        &[("tiny", common::tiny_model())],
+        &[("eyes", common::slow_vision())],
+        &["--model", "tiny", "--media", "eyes", "--long-tokens", "512", "--drop-call-first"],
+    )
+    .await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    for what in ["decode", "generation", "encode"] {
+        assert_eq!(common::field(&out, &format!("drop-first-{what}")), "ok", "{out}");
+    }
+    // The dropped decode stopped in flight or had finished: never half a batch.
+    let memory = common::field(&out, "drop-first-decode-memory");
+    assert!(memory == "seq-pos-max=-1" || memory == "seq-pos-max=511", "{memory}");
+    // The context keeps serving.
+    assert!(common::field(&out, "drop-first-after").starts_with("seq-pos-max="), "{out}");
+}
