@@ -20,7 +20,7 @@ use llamabox::inference::generate::{self, ChatMessage, FinishReason, GeneratePar
 use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
 use llamabox::inference::media::{ChunkKind, Image, Input, MediaContext};
 use llamabox::inference::types::Error;
-use wasi::clocks0_2_12::monotonic_clock;
+use wasi::clocks::monotonic_clock;
 use wasi::io::poll;
 
 struct Options {
