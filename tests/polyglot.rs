@@ -95,3 +95,26 @@ async fn python_plugin_does_what_the_rust_demo_does() {
 async fn javascript_plugin_does_what_the_rust_demo_does() {
     check_like_the_rust_demo(js_plugin()).await;
 }
+
+/// Every code block under a `<!-- snippet: PATH -->` line in docs/plugins/ must
+/// appear verbatim in PATH, a guest the suite builds and runs; every guide has some.
+#[test]
+fn the_plugin_guides_quote_the_tested_guests() {
+    let root = common::repo_root();
+    for guide in ["rust.md", "python.md", "javascript.md"] {
+        let text = std::fs::read_to_string(root.join("docs/plugins").join(guide)).unwrap();
+        let mut quoted = 0;
+        let mut lines = text.lines();
+        while let Some(line) = lines.next() {
+            let Some(path) = line.strip_prefix("<!-- snippet: ").and_then(|l| l.strip_suffix(" -->")) else { continue };
+            let fence = lines.next().unwrap_or_default();
+            assert!(fence.starts_with("```"), "{guide}: a snippet marker must be followed by a code block");
+            let block: Vec<&str> = lines.by_ref().take_while(|l| *l != "```").collect();
+            let source = std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("{guide}: {path}: {e}"));
+            let block = block.join("\n");
+            assert!(source.contains(&block), "{guide}: this block is no longer in {path}:\n{block}");
+            quoted += 1;
+        }
+        assert!(quoted >= 3, "{guide} quotes only {quoted} blocks from tested guests");
+    }
+}
