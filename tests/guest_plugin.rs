@@ -186,3 +186,19 @@ async fn dropping_a_call_before_its_pollable_never_traps() {
     // The context keeps serving.
     assert!(common::field(&out, "drop-first-after").starts_with("seq-pos-max="), "{out}");
 }
+
+#[test]
+fn a_plugin_whose_imports_cannot_be_satisfied_is_refused_naming_each_one() {
+    use llamabox::{Limits, ModelRegistry, PluginHost};
+    // Two interfaces this host lacks, one it has but with another type, one it has.
+    let component = r#"(component
+        (import "wasi:http/types@0.2.0" (instance (export "handle" (func (param "x" u32)))))
+        (import "wasi:clocks/monotonic-clock@0.2.0" (instance (export "now" (func (result u64)))))
+        (import "wasi:cli/environment@0.2.0" (instance (export "get-arguments" (func (result u32)))))
+        (import "example:missing/thing@1.0.0" (instance (export "go" (func))))
+    )"#;
+    let host = PluginHost::new(ModelRegistry::new(), Limits::default()).unwrap();
+    let message = format!("{:#}", host.load_bytes(component.as_bytes()).err().expect("refused"));
+    let listed = message.strip_prefix("the plugin imports what this host does not provide: ").and_then(|rest| rest.split(": ").next());
+    assert_eq!(listed, Some("wasi:http/types@0.2.0, wasi:cli/environment@0.2.0, example:missing/thing@1.0.0"), "{message}");
+}

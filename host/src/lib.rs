@@ -11,6 +11,7 @@ pub mod component;
 pub mod native;
 pub mod plugin;
 pub mod worker;
+mod missing_imports;
 
 pub use component::{Limits, ModelRegistry, TokenRegistry};
 pub use native::CancelFlag;

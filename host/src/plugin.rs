@@ -232,10 +232,14 @@ impl PluginHost {
     /// A component the embedder compiled (or deserialized) itself with this host's
     /// [`PluginHost::engine`].
     pub fn load_component(&self, component: Component) -> anyhow::Result<Plugin> {
-        let pre = self
-            .linker
-            .instantiate_pre(&component)
-            .context("the plugin imports something this host does not provide")?;
+        let pre = self.linker.instantiate_pre(&component).map_err(|e| {
+            let missing = crate::missing_imports::unsatisfied_imports(&self.linker, &component);
+            if missing.is_empty() {
+                e.context("the plugin imports something this host does not provide")
+            } else {
+                e.context(format!("the plugin imports what this host does not provide: {}", missing.join(", ")))
+            }
+        })?;
         let entry = match CommandPre::new(pre.clone()) {
             Ok(command) => Entry::Command(command),
             Err(_) if component.get_export_index(None, "run").is_some() => Entry::AsyncRun(pre),
