@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install what building llamabox needs, skipping what is already there:
 # cmake and a C/C++ toolchain for llama.cpp, libclang for bindgen, ccache for the C++
-# objects, and Rust's wasm32-wasip2 target for the guest plugins.
+# objects, Rust's wasm32-wasip2 target for the guest plugins, and python3 with pip for
+# the Python plugin's toolchain, node and npm for the JavaScript plugin's (the
+# scripts/build-*-plugin.sh install those toolchains from PyPI and npm).
 set -euo pipefail
 
 need=()
@@ -9,6 +11,10 @@ command -v cmake >/dev/null || need+=(cmake)
 command -v clang >/dev/null || need+=(clang)
 command -v ccache >/dev/null || need+=(ccache)
 command -v g++ >/dev/null || need+=(g++)
+command -v python3 >/dev/null || need+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+command -v node >/dev/null || need+=(nodejs)
+command -v npm >/dev/null || need+=(npm)
 ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"

@@ -164,3 +164,41 @@ async fn a_compiled_plugin_is_reused_from_the_compile_cache() {
     assert!(PluginHost::new(ModelRegistry::new(), Limits::default()).unwrap().compile_cache_stats().is_none());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_call_before_its_pollable_never_traps() {
+    // The order a garbage collector may choose: pending-decode, generation and
+    // pending-encode each dropped while the pollable from its subscribe() lives, then
+    // that pollable waited on (ready at once) and dropped.
+    let (outcome, out) = common::run_demo_with(
+        &[("tiny", common::tiny_model())],
+        &[("eyes", common::slow_vision())],
+        &["--model", "tiny", "--media", "eyes", "--long-tokens", "512", "--drop-call-first"],
+    )
+    .await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    for what in ["decode", "generation", "encode"] {
+        assert_eq!(common::field(&out, &format!("drop-first-{what}")), "ok", "{out}");
+    }
+    // The dropped decode stopped in flight or had finished: never half a batch.
+    let memory = common::field(&out, "drop-first-decode-memory");
+    assert!(memory == "seq-pos-max=-1" || memory == "seq-pos-max=511", "{memory}");
+    // The context keeps serving.
+    assert!(common::field(&out, "drop-first-after").starts_with("seq-pos-max="), "{out}");
+}
+
+#[test]
+fn a_plugin_whose_imports_cannot_be_satisfied_is_refused_naming_each_one() {
+    use llamabox::{Limits, ModelRegistry, PluginHost};
+    // Two interfaces this host lacks, one it has but with another type, one it has.
+    let component = r#"(component
+        (import "wasi:http/types@0.2.0" (instance (export "handle" (func (param "x" u32)))))
+        (import "wasi:clocks/monotonic-clock@0.2.0" (instance (export "now" (func (result u64)))))
+        (import "wasi:cli/environment@0.2.0" (instance (export "get-arguments" (func (result u32)))))
+        (import "example:missing/thing@1.0.0" (instance (export "go" (func))))
+    )"#;
+    let host = PluginHost::new(ModelRegistry::new(), Limits::default()).unwrap();
+    let message = format!("{:#}", host.load_bytes(component.as_bytes()).err().expect("refused"));
+    let listed = message.strip_prefix("the plugin imports what this host does not provide: ").and_then(|rest| rest.split(": ").next());
+    assert_eq!(listed, Some("wasi:http/types@0.2.0, wasi:cli/environment@0.2.0, example:missing/thing@1.0.0"), "{message}");
+}

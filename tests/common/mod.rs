@@ -171,6 +171,11 @@ pub async fn run_plugin_with_limits(
         registry.register_projector(*name, *path);
     }
     let host = PluginHost::new(registry, limits).unwrap();
+    run_on(&host, plugin, args).await
+}
+
+/// Run `plugin` on `host` with `args`; returns its stdout followed by its stderr.
+pub async fn run_on(host: &PluginHost, plugin: &Path, args: &[&str]) -> (RunOutcome, String) {
     let plugin = host.load(plugin).unwrap();
     let (stdout, stderr) = (MemoryOutputPipe::new(1 << 20), MemoryOutputPipe::new(1 << 20));
     let mut wasi = WasiCtxBuilder::new();

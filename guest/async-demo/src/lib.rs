@@ -6,8 +6,8 @@
 //! Output lines are `key: value` so tests can read them.
 
 wit_bindgen::generate!({
-    path: "../../wit",
-    world: "plugin-async",
+    path: ["../../wit", "../../wit/async"],
+    world: "llamabox:plugin-async/plugin-async",
     generate_all,
 });
 

@@ -23,7 +23,7 @@ use llamabox::inference::cancel::CancelToken;
 use llamabox::inference::generate::{self, GenerateParams, SamplerParams};
 use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
 use llamabox::inference::types::Error;
-use wasi::clocks0_2_12::monotonic_clock;
+use wasi::clocks::monotonic_clock;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Mode {

@@ -20,7 +20,7 @@ use llamabox::inference::generate::{self, ChatMessage, FinishReason, GeneratePar
 use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
 use llamabox::inference::media::{ChunkKind, Image, Input, MediaContext};
 use llamabox::inference::types::Error;
-use wasi::clocks0_2_12::monotonic_clock;
+use wasi::clocks::monotonic_clock;
 use wasi::io::poll;
 
 struct Options {
@@ -59,6 +59,9 @@ struct Options {
     stall_generation: bool,
     /// Generate a few tokens under this GBNF grammar (through `sampler` and `start`).
     grammar: Option<String>,
+    /// Drop each kind of pending call before the pollable from its `subscribe()` (the
+    /// order a garbage collector may choose), then poll and drop the pollable.
+    drop_call_first: bool,
 }
 
 impl Options {
@@ -85,6 +88,7 @@ impl Options {
             cancel_generation: false,
             stall_generation: false,
             grammar: None,
+            drop_call_first: false,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -112,6 +116,7 @@ impl Options {
                 "--cancel-generation" => o.cancel_generation = true,
                 "--stall-generation" => o.stall_generation = true,
                 "--grammar" => o.grammar = Some(value()?),
+                "--drop-call-first" => o.drop_call_first = true,
                 _ => return Err(format!("unknown argument {flag:?}")),
             }
         }
@@ -165,6 +170,9 @@ fn run(o: &Options) -> Result<(), Error> {
             bad_media_inputs(projector, &model, &ctx)?;
         }
         return Ok(());
+    }
+    if o.drop_call_first {
+        return drop_call_first(o, &model, &ctx);
     }
     if let Some(projector) = &o.media {
         return media(o, projector, &model, &ctx);
@@ -467,6 +475,51 @@ fn cancel_long_decode(o: &Options, model: &Model, ctx: &Context) -> Result<(), E
     println!("long-decode: {}", report.describe(&pending.finish()));
     println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
     Ok(())
+}
+
+/// Drop a running pending-decode, generation and (with `--media`) pending-encode
+/// while the pollable from its `subscribe()` is still alive, as a garbage collector
+/// may: the drop stops the call, and the orphaned pollable is simply ready. Memory is
+/// left as the stopped call found it.
+fn drop_call_first(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
+    let filler = model.tokenize(" the llama in the box", false, false)?;
+    let tokens: Vec<i32> = filler.iter().copied().cycle().take(o.long_tokens as usize).collect();
+    ctx.clear()?;
+    let pending = ctx.start_decode(&sequence(&tokens, 0), &CancelToken::new())?;
+    let ready = pending.subscribe();
+    drop(pending);
+    outlive(ready, "decode");
+    println!("drop-first-decode-memory: seq-pos-max={}", ctx.seq_pos_max(0)?);
+
+    ctx.clear()?;
+    let generation = generate::start(ctx, &params(tokens.clone(), 64, Vec::new(), greedy()), &CancelToken::new())?;
+    let ready = generation.subscribe();
+    drop(generation);
+    outlive(ready, "generation");
+
+    if let Some(projector) = &o.media {
+        let media = MediaContext::open(projector, model)?;
+        let image = Input::Image(Image { width: 64, height: 64, rgb: vec![128; 64 * 64 * 3] });
+        let chunks = media.tokenize(&format!("look: {}", media.marker()), &[image])?;
+        let chunk = chunks.iter().find(|c| c.kind() != ChunkKind::Text).ok_or(Error::Backend("no media chunk".into()))?;
+        let pending = media.start_encode_chunk(chunk, &CancelToken::new())?;
+        let ready = pending.subscribe();
+        drop(pending);
+        outlive(ready, "encode");
+    }
+    // The context still works after all of that.
+    ctx.clear()?;
+    ctx.decode(&sequence(&filler, 0), &CancelToken::new())?;
+    println!("drop-first-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
+    Ok(())
+}
+
+/// Wait on a pollable whose call was dropped (it must be ready at once, not trap),
+/// then drop it.
+fn outlive(ready: poll::Pollable, what: &str) {
+    ready.block();
+    drop(ready);
+    println!("drop-first-{what}: ok");
 }
 
 /// What happened when the event loop raced a call against a timer.

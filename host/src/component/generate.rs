@@ -4,18 +4,18 @@
 //! itself) and carries pieces to the guest through a bounded channel.
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 use wasmtime::component::Resource;
-use wasmtime_wasi::p2::{subscribe, DynPollable, Pollable};
+use wasmtime_wasi::p2::{DynPollable, Pollable};
 
 use super::bindings::llamabox::inference::generate::{
     ChatMessage, FinishReason, GenerateParams, Host, HostGeneration, HostSampler, Piece, SamplerParams, Usage,
 };
 use super::llm::{ContextHandle, ModelHandle};
-use super::pending::finished;
+use super::pending::{finished, subscribe_shared};
 use super::{Answer, CancelToken, Error, Held, LlamaCtxView, PendingSlot};
 use crate::native::{self, CancelFlag, Model, Sampler, Stop, Token};
 use crate::worker::Call;
@@ -41,10 +41,14 @@ pub struct GenerationHandle {
 /// Where a generation's stream is: here, or lent to an async `generation-next` that
 /// is waiting on it (the store is not held across that wait). The flag says whether
 /// the borrower was dropped without returning it, which cancelled the generation.
+/// The stream is shared (not a table child) so that its pollables may outlive it.
 enum Slot {
-    Here(Stream),
+    Here(SharedStream),
     Lent(Arc<AtomicBool>),
 }
+
+/// Owned by the generation (or its borrower); pollables hold it weakly.
+type SharedStream = Arc<tokio::sync::Mutex<Stream>>;
 
 struct Stream {
     pieces: mpsc::Receiver<native::Piece>,
@@ -96,10 +100,17 @@ impl Stream {
     }
 }
 
+#[wasmtime_wasi::async_trait]
+impl Pollable for Stream {
+    async fn ready(&mut self) {
+        Stream::ready(self).await
+    }
+}
+
 impl GenerationHandle {
     pub(super) async fn next(&mut self) -> Result<Option<Piece>, Error> {
         match &mut self.slot {
-            Slot::Here(stream) => stream.next().await,
+            Slot::Here(stream) => stream.lock().await.next().await,
             Slot::Lent(lost) => Err(Self::lent_error(lost)),
         }
     }
@@ -130,11 +141,21 @@ impl GenerationHandle {
         }
     }
 
-    fn outcome(&self) -> Option<Result<&native::Outcome, ()>> {
+    /// `read` of the outcome once ended; `Err` if cancelled by losing the stream.
+    async fn outcome<R>(&self, read: impl FnOnce(&native::Outcome) -> R) -> Option<Result<R, ()>> {
         match &self.slot {
-            Slot::Here(stream) => stream.outcome().map(Ok),
+            Slot::Here(stream) => stream.lock().await.outcome().map(|o| Ok(read(o))),
             Slot::Lent(lost) if lost.load(Relaxed) => Some(Err(())),
             Slot::Lent(_) => None,
+        }
+    }
+
+    /// A pollable that is not this generation's child; ready at once while the
+    /// stream is lent to an async call, and once the generation is dropped.
+    fn watch(&self) -> Weak<tokio::sync::Mutex<Stream>> {
+        match &self.slot {
+            Slot::Here(stream) => Arc::downgrade(stream),
+            Slot::Lent(_) => Weak::new(),
         }
     }
 }
@@ -143,14 +164,14 @@ impl GenerationHandle {
 /// without being given back (the guest dropped that call's future), it drops the
 /// stream, which cancels the generation, and marks the generation cancelled.
 pub(super) struct LentStream {
-    stream: Option<Stream>,
+    stream: Option<SharedStream>,
     lost: Arc<AtomicBool>,
 }
 
 impl LentStream {
     pub(super) async fn next(&mut self) -> Result<Option<Piece>, Error> {
         match &mut self.stream {
-            Some(stream) => stream.next().await,
+            Some(stream) => stream.lock().await.next().await,
             None => Err(Error::Cancelled),
         }
     }
@@ -160,15 +181,6 @@ impl Drop for LentStream {
     fn drop(&mut self) {
         if self.stream.is_some() {
             self.lost.store(true, Relaxed);
-        }
-    }
-}
-
-#[wasmtime_wasi::async_trait]
-impl Pollable for GenerationHandle {
-    async fn ready(&mut self) {
-        if let Slot::Here(stream) = &mut self.slot {
-            stream.ready().await;
         }
     }
 }
@@ -291,6 +303,7 @@ impl Host for LlamaCtxView<'_> {
             // `tx` drops here: the reader sees the end of the pieces.
         });
         let stream = Stream { pieces: rx, peeked: None, state: StreamState::Running(call) };
+        let stream = Arc::new(tokio::sync::Mutex::new(stream));
         Ok(Ok(self.table.push(GenerationHandle { slot: Slot::Here(stream), _pending: pending })?))
     }
 
@@ -372,20 +385,21 @@ impl HostGeneration for LlamaCtxView<'_> {
     }
 
     async fn subscribe(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Resource<DynPollable>> {
-        subscribe(self.table, generation)
+        let stream = self.table.get(&generation)?.watch();
+        subscribe_shared(self.table, stream)
     }
 
     async fn finish_reason(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Option<FinishReason>> {
-        Ok(match self.table.get(&generation)?.outcome() {
-            Some(Ok(outcome)) => Some(finish_reason(outcome.finish)),
+        Ok(match self.table.get(&generation)?.outcome(|outcome| finish_reason(outcome.finish)).await {
+            Some(Ok(reason)) => Some(reason),
             Some(Err(())) => Some(FinishReason::Cancelled),
             None => None,
         })
     }
 
     async fn usage(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Option<Usage>> {
-        Ok(match self.table.get(&generation)?.outcome() {
-            Some(Ok(outcome)) => Some(usage(&outcome.usage)),
+        Ok(match self.table.get(&generation)?.outcome(|outcome| usage(&outcome.usage)).await {
+            Some(Ok(usage)) => Some(usage),
             _ => None,
         })
     }

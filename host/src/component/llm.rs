@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use wasmtime::component::Resource;
-use wasmtime_wasi::p2::{subscribe, DynPollable};
+use wasmtime_wasi::p2::DynPollable;
 
 use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
 use super::pending::{finished, Pending};
@@ -289,7 +289,7 @@ impl HostContext for LlamaCtxView<'_> {
 
 impl HostPendingDecode for LlamaCtxView<'_> {
     async fn subscribe(&mut self, pending: Resource<PendingDecode>) -> wasmtime::Result<Resource<DynPollable>> {
-        subscribe(self.table, pending)
+        Pending::subscribe(self.table, &pending)
     }
 
     async fn finish(&mut self, pending: Resource<PendingDecode>) -> Answer<()> {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use wasmtime::component::Resource;
-use wasmtime_wasi::p2::{subscribe, DynPollable};
+use wasmtime_wasi::p2::DynPollable;
 
 use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, HostMediaContext, HostPendingEncode, Input};
 use super::llm::{ContextHandle, ModelHandle};
@@ -259,7 +259,7 @@ async fn eval_chunks(
 
 impl HostPendingEncode for LlamaCtxView<'_> {
     async fn subscribe(&mut self, pending: Resource<PendingEncode>) -> wasmtime::Result<Resource<DynPollable>> {
-        subscribe(self.table, pending)
+        Pending::subscribe(self.table, &pending)
     }
 
     async fn finish(&mut self, pending: Resource<PendingEncode>) -> Answer<Vec<f32>> {
