@@ -100,31 +100,27 @@ impl Guest {
     /// per token (text piece plus token ids).
     pub fn host_generate(&self, model: &BenchModel) -> anyhow::Result<(Duration, u64, f64)> {
         let extra = [("--tokens", self.shape.gen_tokens.to_string()), ("--runs", "1".into())];
-        let out = self.run(&self.args("host-generate", model, &extra))?;
-        let line = out
-            .lines()
-            .filter_map(|l| l.strip_prefix("run: "))
-            .next_back()
-            .with_context(|| format!("the bench plugin printed no runs:\n{out}"))?;
-        let ns: f64 = field(line, "ns")?.parse().with_context(|| format!("bad ns in {line:?}"))?;
-        let generated: f64 = field(line, "generated")?.parse().with_context(|| format!("bad count in {line:?}"))?;
-        let digest = u64::from_str_radix(field(line, "tokens")?, 16).with_context(|| format!("bad digest in {line:?}"))?;
-        let bytes: f64 = field(line, "bytes-per-token")?.parse().with_context(|| format!("bad bytes in {line:?}"))?;
-        let full = ns * self.shape.gen_tokens as f64 / generated.max(1.0);
-        Ok((Duration::from_nanos(full as u64), digest, bytes))
+        let line = self.last_run_line(&self.args("host-generate", model, &extra))?;
+        let (time, digest) = run_fields(&line, "tokens")?;
+        let generated: f64 = field(&line, "generated")?.parse().with_context(|| format!("bad count in {line:?}"))?;
+        let bytes: f64 = field(&line, "bytes-per-token")?.parse().with_context(|| format!("bad bytes in {line:?}"))?;
+        let full = time.mul_f64(self.shape.gen_tokens as f64 / generated.max(1.0));
+        Ok((full, digest, bytes))
     }
 
     /// The last of the plugin's `run: ns=N <digest_key>=HEX` lines.
     fn last_run(&self, args: &[String], digest_key: &str) -> anyhow::Result<(Duration, u64)> {
+        run_fields(&self.last_run_line(args)?, digest_key)
+    }
+
+    /// The plugin's last `run: ...` line (after the prefix).
+    fn last_run_line(&self, args: &[String]) -> anyhow::Result<String> {
         let out = self.run(args)?;
-        let line = out
-            .lines()
+        out.lines()
             .filter_map(|l| l.strip_prefix("run: "))
             .next_back()
-            .with_context(|| format!("the bench plugin printed no runs:\n{out}"))?;
-        let ns: u64 = field(line, "ns")?.parse().with_context(|| format!("bad ns in {line:?}"))?;
-        let digest = u64::from_str_radix(field(line, digest_key)?, 16).with_context(|| format!("bad digest in {line:?}"))?;
-        Ok((Duration::from_nanos(ns), digest))
+            .map(str::to_string)
+            .with_context(|| format!("the bench plugin printed no runs:\n{out}"))
     }
 
     /// The guest's per-call costs (`iters` calls of the cheap imports, a tenth as many
@@ -161,6 +157,13 @@ impl Guest {
         }
         Ok(times)
     }
+}
+
+/// The time (`ns=N`) and the digest (`<digest_key>=HEX`) of a run line.
+fn run_fields(line: &str, digest_key: &str) -> anyhow::Result<(Duration, u64)> {
+    let ns: u64 = field(line, "ns")?.parse().with_context(|| format!("bad ns in {line:?}"))?;
+    let digest = u64::from_str_radix(field(line, digest_key)?, 16).with_context(|| format!("bad digest in {line:?}"))?;
+    Ok((Duration::from_nanos(ns), digest))
 }
 
 /// The value of `key=value` among space-separated fields.
