@@ -118,3 +118,27 @@ fn the_plugin_guides_quote_the_tested_guests() {
         assert!(quoted >= 3, "{guide} quotes only {quoted} blocks from tested guests");
     }
 }
+
+/// `wasm-tools component wit` (the Bytecode Alliance's tool, pinned, from PyPI) shows each
+/// built plugin's interface: llamabox's imports, with their doc comments' items, and the
+/// command export, in every language.
+#[test]
+fn wasm_tools_shows_each_plugins_interface() {
+    let out = Command::new(common::repo_root().join("scripts/wasm-tools.sh")).output().expect("running scripts/wasm-tools.sh");
+    assert!(out.status.success(), "wasm-tools could not be installed: {}", String::from_utf8_lossy(&out.stderr));
+    let wasm_tools = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    for plugin in [common::demo_plugin(), python_plugin(), js_plugin()] {
+        let out = Command::new(&wasm_tools).args(["component", "wit"]).arg(plugin).output().expect("running wasm-tools");
+        let wit = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}: {}", plugin.display(), String::from_utf8_lossy(&out.stderr));
+        for expected in [
+            "import llamabox:inference/llm@0.1.0;",
+            "import llamabox:inference/generate@0.1.0;",
+            "export wasi:cli/run@0.2",
+            "resource cancel-token",
+            "resource generation",
+        ] {
+            assert!(wit.contains(expected), "{} does not show {expected:?}:\n{wit}", plugin.display());
+        }
+    }
+}
