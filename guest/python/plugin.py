@@ -39,9 +39,7 @@ def options(argv):
 
 
 def greedy():
-    return generate.SamplerParams(temperature=None, top_k=None, top_p=None, min_p=None,
-                                  typical_p=None, penalties=None, seed=None,
-                                  logit_bias=[], grammar=None)
+    return generate.greedy_sampler()
 
 
 def sequence(tokens, first=0):

@@ -18,7 +18,7 @@ use std::task::Poll;
 use futures::join;
 use llamabox::inference::async_calls;
 use llamabox::inference::cancel::CancelToken;
-use llamabox::inference::generate::{self, GenerateParams, SamplerParams};
+use llamabox::inference::generate::{self, GenerateParams};
 use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
 use llamabox::inference::types::Error;
 use wasi::clocks0_3_0::monotonic_clock::wait_for;
@@ -149,18 +149,7 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
 }
 
 fn greedy(prompt: Vec<i32>, max_tokens: u32) -> GenerateParams {
-    let sampler = SamplerParams {
-        temperature: None,
-        top_k: None,
-        top_p: None,
-        min_p: None,
-        typical_p: None,
-        penalties: None,
-        seed: None,
-        logit_bias: Vec::new(),
-        grammar: None,
-    };
-    GenerateParams { prompt, seq: 0, max_tokens, stop: Vec::new(), sampler }
+    GenerateParams { prompt, seq: 0, max_tokens, stop: Vec::new(), sampler: generate::greedy_sampler() }
 }
 
 /// `Some(a's output)` if `a` finishes first; `None` (and `a` dropped) if `b` does.

@@ -20,7 +20,7 @@ wit_bindgen::generate!({
 });
 
 use llamabox::inference::cancel::CancelToken;
-use llamabox::inference::generate::{self, GenerateParams, SamplerParams};
+use llamabox::inference::generate::{self, GenerateParams};
 use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
 use llamabox::inference::types::Error;
 use wasi::clocks::monotonic_clock;
@@ -197,17 +197,7 @@ fn host_generate(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> 
 
 fn host_greedy(ctx: &Context, n_vocab: u32, n: u32) -> Result<(u64, Vec<i32>, usize), Error> {
     ctx.clear()?;
-    let sampler = SamplerParams {
-        temperature: None,
-        top_k: None,
-        top_p: None,
-        min_p: None,
-        typical_p: None,
-        penalties: None,
-        seed: None,
-        logit_bias: Vec::new(),
-        grammar: None,
-    };
+    let sampler = generate::greedy_sampler();
     let params = GenerateParams { prompt: bench_tokens(PROMPT_TOKENS, n_vocab), seq: 0, max_tokens: n, stop: Vec::new(), sampler };
     let generation = generate::start(ctx, &params, &CancelToken::new())?;
     let (mut generated, mut bytes) = (Vec::with_capacity(n as usize), 0);

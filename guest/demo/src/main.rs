@@ -275,17 +275,7 @@ fn join(ids: &[i32]) -> String {
 }
 
 fn greedy() -> SamplerParams {
-    SamplerParams {
-        temperature: None,
-        top_k: None,
-        top_p: None,
-        min_p: None,
-        typical_p: None,
-        penalties: None,
-        seed: None,
-        logit_bias: Vec::new(),
-        grammar: None,
-    }
+    generate::greedy_sampler()
 }
 
 fn params(prompt: Vec<i32>, max_tokens: u32, stop: Vec<String>, sampler: SamplerParams) -> GenerateParams {

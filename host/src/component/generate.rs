@@ -266,6 +266,20 @@ fn usage(u: &native::Usage) -> Usage {
 }
 
 impl Host for LlamaCtxView<'_> {
+    async fn greedy_sampler(&mut self) -> wasmtime::Result<SamplerParams> {
+        Ok(SamplerParams {
+            temperature: None,
+            top_k: None,
+            top_p: None,
+            min_p: None,
+            typical_p: None,
+            penalties: None,
+            seed: None,
+            logit_bias: Vec::new(),
+            grammar: None,
+        })
+    }
+
     async fn start(
         &mut self,
         ctx: Resource<ContextHandle>,
