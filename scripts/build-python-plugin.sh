@@ -6,16 +6,7 @@ set -euo pipefail
 out="${1:?usage: build-python-plugin.sh OUT.wasm}"
 version=0.25.1
 root="$(cd "$(dirname "$0")/.." && pwd)"
-cache="${LLAMABOX_CACHE:-$HOME/.cache/llamabox}/toolchains"
-tool="$cache/componentize-py-$version"
-if [ ! -d "$tool/componentize_py" ]; then
-  echo "installing componentize-py==$version from PyPI into $tool" >&2
-  mkdir -p "$cache"
-  rm -rf "$tool.partial"
-  python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
-    --target "$tool.partial" "componentize-py==$version" >&2
-  mv "$tool.partial" "$tool"
-fi
+tool="$("$root/scripts/pip-tool.sh" componentize-py "$version")"
 mkdir -p "$(dirname "$out")"
 out="$(cd "$(dirname "$out")" && pwd)/$(basename "$out")"
 cd "$root/guest/python"
