@@ -60,8 +60,8 @@ impl TextModelSpec {
         }
         let vocab = Vocab::spm();
         let mut file = GgufFile::new()?;
-        file.kv_str("general.architecture", "llama");
-        file.kv_str("general.name", "llamabox synthetic llama");
+        file.kv_str("general.architecture", "llama")?;
+        file.kv_str("general.name", "llamabox synthetic llama")?;
         file.kv_u32("llama.context_length", self.n_ctx_train);
         file.kv_u32("llama.embedding_length", self.n_embd);
         file.kv_u32("llama.block_count", self.n_layer);
@@ -70,7 +70,7 @@ impl TextModelSpec {
         file.kv_u32("llama.attention.head_count_kv", self.n_head_kv);
         file.kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5);
         file.kv_u32("llama.vocab_size", vocab.tokens.len() as u32);
-        file.kv_str("tokenizer.ggml.model", "llama");
+        file.kv_str("tokenizer.ggml.model", "llama")?;
         file.kv_strs("tokenizer.ggml.tokens", &vocab.tokens);
         file.kv_f32s("tokenizer.ggml.scores", &vocab.scores);
         file.kv_i32s("tokenizer.ggml.token_type", &vocab.types);
@@ -78,7 +78,7 @@ impl TextModelSpec {
         file.kv_u32("tokenizer.ggml.bos_token_id", 1);
         file.kv_u32("tokenizer.ggml.eos_token_id", 2);
         if let Some(template) = &self.chat_template {
-            file.kv_str("tokenizer.chat_template", template);
+            file.kv_str("tokenizer.chat_template", template)?;
         }
         if let Some(pooling) = self.pooling_type {
             file.kv_u32("llama.pooling_type", pooling);
@@ -177,8 +177,8 @@ impl ProjectorSpec {
         }
         let (e, ff, text) = (self.n_embd as usize, self.n_ff as usize, self.n_embd_text as usize);
         let mut file = GgufFile::new()?;
-        file.kv_str("general.architecture", "clip");
-        file.kv_str("general.name", "llamabox synthetic projector");
+        file.kv_str("general.architecture", "clip")?;
+        file.kv_str("general.name", "llamabox synthetic projector")?;
         let (prefix, blk) = match self.kind {
             ProjectorKind::Vision { .. } => ("clip.vision", "v.blk"),
             ProjectorKind::Audio { .. } => ("clip.audio", "a.blk"),
@@ -199,7 +199,7 @@ impl ProjectorSpec {
                 let patches = ((image_size / patch_size) as usize).pow(2);
                 let p = patch_size as usize;
                 file.kv_bool("clip.has_vision_encoder", true);
-                file.kv_str("clip.projector_type", "mlp");
+                file.kv_str("clip.projector_type", "mlp")?;
                 file.kv_u32("clip.vision.image_size", image_size);
                 file.kv_u32("clip.vision.patch_size", patch_size);
                 file.kv_f32s("clip.vision.image_mean", &[0.5, 0.5, 0.5]);
@@ -209,7 +209,7 @@ impl ProjectorSpec {
             }
             ProjectorKind::Audio { n_mel } => {
                 file.kv_bool("clip.has_audio_encoder", true);
-                file.kv_str("clip.projector_type", "qwen2a");
+                file.kv_str("clip.projector_type", "qwen2a")?;
                 file.kv_u32("clip.audio.num_mel_bins", n_mel);
                 // Whisper: two convolutions (the second halves 3000 mel frames to 1500
                 // positions), then the encoder blocks.
@@ -354,9 +354,12 @@ impl GgufFile {
         CString::new(key).expect("gguf keys are literals without NUL")
     }
 
-    pub(crate) fn kv_str(&mut self, key: &str, value: &str) {
-        let value = CString::new(value).expect("gguf string values hold no NUL");
-        unsafe { sys::gguf_set_val_str(self.gguf, Self::key(key).as_ptr(), value.as_ptr()) }
+    /// A string value; one with a NUL byte (a chat template from the caller's spec, say)
+    /// is refused rather than cut short.
+    pub(crate) fn kv_str(&mut self, key: &str, value: &str) -> Result<()> {
+        let value = CString::new(value).map_err(|_| Error::InvalidArgument(format!("{key}: the value contains a NUL byte")))?;
+        unsafe { sys::gguf_set_val_str(self.gguf, Self::key(key).as_ptr(), value.as_ptr()) };
+        Ok(())
     }
 
     pub(crate) fn kv_u32(&mut self, key: &str, value: u32) {
