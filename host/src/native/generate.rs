@@ -17,7 +17,7 @@
 use std::time::{Duration, Instant};
 
 use super::cancel::Stop;
-use super::context::{Batch, Context};
+use super::context::{Batch, Context, PromptPiece};
 use super::model::Token;
 use super::sampler::Sampler;
 use super::{Error, Result};
@@ -165,23 +165,13 @@ pub fn generate(
     Ok(Outcome { finish, usage })
 }
 
-/// Decode `prompt` after the end of `seq` in n-batch pieces, logits for its last
-/// token; all or nothing across the pieces.
+/// Decode `prompt` after the end of `seq`, logits for its last token: `Context::eval`,
+/// the one all-or-nothing path (n-batch pieces, every earlier piece undone on failure).
 fn prefill(ctx: &mut Context, prompt: &[Token], seq: i32, stop: Stop<'_>) -> Result<()> {
-    let end = ctx.seq_pos_max(seq)?;
     if prompt.is_empty() {
         return Ok(());
     }
-    let n_batch = ctx.params().n_batch as usize;
-    let result = prompt.chunks(n_batch).try_fold(end + 1, |pos, piece| {
-        ctx.decode(&Batch::sequence(piece, pos, seq), Some(stop))?;
-        Ok(pos + piece.len() as i32)
-    });
-    if result.is_err() {
-        // Earlier pieces of this prompt are in memory: take them out too.
-        ctx.seq_rm(seq, end + 1, -1)?;
-    }
-    result.map(|_| ())
+    ctx.eval(&[PromptPiece::Tokens(prompt.to_vec())], seq, Some(stop)).map(|_| ())
 }
 
 /// Bytes in, whole UTF-8 text out, with stop strings matched across token boundaries.
