@@ -25,10 +25,14 @@ pub enum Error {
         #[source]
         source: wasmtime::Error,
     },
-    /// The plugin exports neither `wasi:cli/run` (a WASI 0.2 command) nor `run`
-    /// (`plugin-async`).
-    #[error("the plugin exports neither wasi:cli/run (a WASI 0.2 command) nor `run` (plugin-async)")]
+    /// The plugin exports none of `wasi:cli/run` (a WASI 0.2 command), `run`
+    /// (`plugin-async`) and `wasi:http/incoming-handler` (`http-plugin`).
+    #[error("the plugin exports none of wasi:cli/run (a WASI 0.2 command), `run` (plugin-async) and wasi:http/incoming-handler (http-plugin)")]
     NoEntryPoint(#[source] wasmtime::Error),
+    /// The plugin is of another kind than the call wants: an HTTP handler is served
+    /// ([`crate::Plugin::serve_http`]), a command is run ([`crate::Plugin::run`]).
+    #[error("the plugin is {found}, not {wanted}")]
+    WrongKind { wanted: &'static str, found: &'static str },
     /// The plugin trapped: a wasm trap (`code` says which), or a host function ended it
     /// (a bad resource handle, say; then `code` is `None` and `source` says why).
     #[error("the plugin trapped{}", .code.map(|c| format!(": {c}")).unwrap_or_default())]

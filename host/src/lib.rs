@@ -2,6 +2,7 @@
 //! can cancel any call from another task and the cancel stops native work in flight.
 //!
 //! Layers, top to bottom (nothing reaches back up):
+//! - [`serve`]: `llamabox serve`, HTTP in front of plugins that are `wasi:http` handlers.
 //! - [`plugin`]: an embedder-facing host that runs plugin components.
 //! - [`component`]: the WIT interfaces over wasmtime (bindings, validation, limits).
 //! - [`worker`]: one thread per native context, stop-and-join on drop.
@@ -11,13 +12,14 @@ pub mod component;
 pub mod error;
 pub mod native;
 pub mod plugin;
+pub mod serve;
 pub mod worker;
 
 pub use component::{Limits, ModelRegistry, OpenError, ShareError, TokenRegistry};
 pub use error::{Error, Result};
 pub use native::CancelFlag;
 pub use plugin::{
-    CompileCacheStats, HostOptions, Plugin, PluginHost, PluginState, RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
+    CompileCacheStats, HostOptions, HttpResponse, Plugin, PluginHost, PluginState, RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
 };
 
 /// The wasmtime and wasmtime-wasi this API is built on (`WasiCtxBuilder`, traps, the

@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand, ValueEnum};
 use llamabox::native::{self, ProjectorSpec, TextModelSpec};
+use llamabox::serve::{ServeConfig, Server};
 use llamabox::{HostOptions, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
 use wasmtime_wasi::WasiCtxBuilder;
 
@@ -44,6 +45,50 @@ enum Command {
         /// Arguments passed to the plugin, after `--`.
         #[arg(last = true)]
         args: Vec<String>,
+    },
+    /// Serve plugins that are wasi:http handlers (the http-plugin world) over HTTP: one
+    /// fresh instance per request; a client that hangs up stops its request's native
+    /// work. Either a config file, or one plugin and its models from flags.
+    Serve {
+        /// A TOML config (many plugins, their models, limits and tenants); see
+        /// docs/ARCHITECTURE.md. Flags below are then not allowed.
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["listen", "plugins", "models", "projectors"])]
+        config: Option<PathBuf>,
+        /// Address to listen on (port 0 picks a free port; the bound one is printed).
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+        /// Serve a plugin as NAME (repeatable; the only one is mounted at `/`, several
+        /// at `/NAME`).
+        #[arg(long = "plugin", value_name = "NAME=PLUGIN.wasm", value_parser = parse_named)]
+        plugins: Vec<(String, PathBuf)>,
+        /// Load a model once, at start, as NAME (repeatable).
+        #[arg(long = "model", value_name = "NAME=PATH", value_parser = parse_named)]
+        models: Vec<(String, PathBuf)>,
+        /// Register a projector (mmproj) as NAME (repeatable).
+        #[arg(long = "projector", value_name = "NAME=PATH", value_parser = parse_named)]
+        projectors: Vec<(String, PathBuf)>,
+        /// llama.cpp threads of all requests together (default: every core, or the
+        /// config's `threads`).
+        #[arg(long)]
+        threads: Option<u32>,
+        /// llama.cpp threads of each request (default 1): requests run at once up to
+        /// threads / this.
+        #[arg(long)]
+        request_threads: Option<u32>,
+        /// Stop each request after this many milliseconds (504).
+        #[arg(long, value_name = "MS")]
+        deadline_ms: Option<u64>,
+        /// Requests that may wait for a slot (then 503).
+        #[arg(long)]
+        max_queue: Option<u32>,
+        /// How long a request may wait for a slot (then 503).
+        #[arg(long, value_name = "MS")]
+        queue_timeout_ms: Option<u64>,
+        /// On SIGTERM, how long requests in flight may take before they are stopped.
+        #[arg(long, value_name = "MS")]
+        shutdown_grace_ms: Option<u64>,
+        #[command(flatten)]
+        cache: CacheFlags,
     },
     /// Print what llama.cpp was built for: the CPU features of the linked ggml.
     Info,
@@ -155,15 +200,36 @@ fn parse_named(s: &str) -> Result<(String, PathBuf), String> {
     }
 }
 
+/// SIGTERM or SIGINT (Ctrl-C).
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => {
+            tracing::warn!("no signal handlers: stop the server with SIGKILL");
+            std::future::pending::<()>().await
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // A server logs each request (with its id) by default; other commands only warnings.
+    let default_filter = match cli.command {
+        Command::Serve { .. } => "warn,llama_cpp=off,llamabox=info",
+        _ => "warn,llama_cpp=off",
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,llama_cpp=off".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    match run(Cli::parse()) {
+    match run(cli) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("llamabox: {e:#}");
@@ -174,6 +240,47 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
+        Command::Serve {
+            config,
+            listen,
+            plugins,
+            models,
+            projectors,
+            threads,
+            request_threads,
+            deadline_ms,
+            max_queue,
+            queue_timeout_ms,
+            shutdown_grace_ms,
+            cache,
+        } => {
+            let mut config = match config {
+                Some(path) => ServeConfig::from_file(&path)?,
+                None => {
+                    let mut config = ServeConfig::with_plugins(listen, plugins);
+                    config.models = models.into_iter().collect();
+                    config.projectors = projectors.into_iter().collect();
+                    config
+                }
+            };
+            if let Some(n) = threads {
+                config.threads = n;
+            }
+            for plugin in &mut config.plugins {
+                plugin.threads = request_threads.unwrap_or(plugin.threads);
+                plugin.deadline_ms = deadline_ms.unwrap_or(plugin.deadline_ms);
+            }
+            config.max_queue = max_queue.unwrap_or(config.max_queue);
+            config.queue_timeout_ms = queue_timeout_ms.unwrap_or(config.queue_timeout_ms);
+            config.shutdown_grace_ms = shutdown_grace_ms.unwrap_or(config.shutdown_grace_ms);
+            if config.compile_cache.is_none() {
+                config.compile_cache = cache.options().compile_cache;
+            }
+            config.check()?;
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(Server::run(config, shutdown_signal()))?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Info => {
             let features = native::cpu_features();
             let level = native::InstructionLevel::of(&features);

@@ -13,6 +13,10 @@ use wasmtime::component::{Component, InstancePre, Linker, ResourceTable};
 use wasmtime::{Engine, Store};
 use wasmtime_wasi::p2::bindings::CommandPre;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+use wasmtime_wasi_http::p2::bindings::http::types::ErrorCode;
+use wasmtime_wasi_http::p2::bindings::ProxyPre;
+use wasmtime_wasi_http::p2::body::{HyperIncomingBody, HyperOutgoingBody};
+use wasmtime_wasi_http::{WasiHttp, WasiHttpCtx, WasiHttpCtxView, WasiHttpView};
 
 use crate::component::{self, LlamaCtx, LlamaCtxView, LlamaView, Limits, ModelRegistry, TokenRegistry};
 use crate::error::{Error, Result};
@@ -23,6 +27,8 @@ use crate::worker::Tracker;
 /// [`PluginHost::with_linker`]) get it, with the run's [`RunOptions::embedder`] state.
 pub struct PluginState {
     wasi: WasiCtx,
+    http: WasiHttpCtx,
+    no_outgoing: NoOutgoingRequests,
     llama: LlamaCtx,
     table: ResourceTable,
     limits: RunLimiter,
@@ -91,6 +97,37 @@ const EPOCH_TICK: Duration = Duration::from_millis(10);
 impl WasiView for PluginState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl WasiHttpView for PluginState {
+    fn http(&mut self) -> WasiHttpCtxView<'_> {
+        WasiHttpCtxView { ctx: &mut self.http, table: &mut self.table, hooks: &mut self.no_outgoing }
+    }
+}
+
+/// `wasi:http` hooks of a served plugin. `outgoing-handler` is never linked (a plugin
+/// makes no requests), so `send_request` is unreachable; it refuses all the same.
+struct NoOutgoingRequests;
+
+impl wasmtime_wasi_http::WasiHttpHooks for NoOutgoingRequests {
+    fn send_request(
+        &mut self,
+        _request: http::Request<wasmtime_wasi_http::WasiBody>,
+        _options: Option<wasmtime_wasi_http::RequestOptions>,
+        _fut: Box<dyn std::future::Future<Output = Result<(), wasmtime_wasi_http::Error>> + Send>,
+    ) -> Box<
+        dyn std::future::Future<
+                Output = Result<
+                    (
+                        http::Response<wasmtime_wasi_http::WasiBody>,
+                        Box<dyn std::future::Future<Output = Result<(), wasmtime_wasi_http::Error>> + Send>,
+                    ),
+                    wasmtime_wasi_http::Error,
+                >,
+            > + Send,
+    > {
+        Box::new(std::future::ready(Err(wasmtime_wasi_http::Error::HttpRequestDenied)))
     }
 }
 
@@ -210,6 +247,9 @@ pub struct RunOptions {
     pub deadline: Option<Duration>,
     /// This run's limits (a tenant's, say) instead of the host's.
     pub limits: Option<Limits>,
+    /// The models this run may open instead of the host's [`PluginHost::models`] (a
+    /// [`ModelRegistry::subset`] of them, say, which shares their loaded weights).
+    pub models: Option<Arc<ModelRegistry>>,
     /// A handle that stops the run now (`RunOutcome::Stopped`).
     pub stop: Option<RunStop>,
     /// The embedder's state for this run, for the host functions it added with
@@ -219,7 +259,7 @@ pub struct RunOptions {
 
 impl Default for RunOptions {
     fn default() -> Self {
-        Self { group: "default".into(), deadline: None, limits: None, stop: None, embedder: None }
+        Self { group: "default".into(), deadline: None, limits: None, models: None, stop: None, embedder: None }
     }
 }
 
@@ -272,6 +312,14 @@ impl PluginHost {
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         // WASI 0.3's clock (async `wait-for`), for async guests' timers.
         wasmtime_wasi::p3::clocks::add_to_linker(&mut linker)?;
+        // `wasi:http/types` for served plugins (`http-plugin`): requests and responses
+        // the server hands in. Not `outgoing-handler`: plugins get no network.
+        let http_options = wasmtime_wasi_http::p2::bindings::LinkOptions::default();
+        wasmtime_wasi_http::p2::bindings::http::types::add_to_linker::<_, WasiHttp>(
+            &mut linker,
+            &http_options.into(),
+            PluginState::http,
+        )?;
         component::add_to_linker(&mut linker)?;
         Ok(Self {
             engine,
@@ -358,8 +406,11 @@ impl PluginHost {
             .map_err(|source| Error::Link { missing: unresolved_imports(&self.linker, &component, &source), source })?;
         let entry = match CommandPre::new(pre.clone()) {
             Ok(command) => Entry::Command(command),
-            Err(_) if component.get_export_index(None, "run").is_some() => Entry::AsyncRun(pre),
-            Err(e) => return Err(Error::NoEntryPoint(e)),
+            Err(e) => match ProxyPre::new(pre.clone()) {
+                Ok(handler) => Entry::Http(handler),
+                Err(_) if component.get_export_index(None, "run").is_some() => Entry::AsyncRun(pre),
+                Err(_) => return Err(Error::NoEntryPoint(e)),
+            },
         };
         Ok(Plugin {
             entry,
@@ -481,7 +532,43 @@ enum Entry {
     /// A WASI 0.3 plugin (`plugin-async` world): an async `run` export, called
     /// concurrently so its tasks can await async imports.
     AsyncRun(InstancePre<PluginState>),
+    /// A `wasi:http` incoming handler (`http-plugin` world): one `handle` per request.
+    Http(ProxyPre<PluginState>),
 }
+
+impl Entry {
+    /// What kind of plugin this is, for errors.
+    fn kind(&self) -> &'static str {
+        match self {
+            Entry::Command(_) | Entry::AsyncRun(_) => "a command (wasi:cli/run or run)",
+            Entry::Http(_) => "an HTTP handler (wasi:http/incoming-handler)",
+        }
+    }
+
+    fn engine(&self) -> &Engine {
+        match self {
+            Entry::Command(pre) => pre.engine(),
+            Entry::AsyncRun(pre) => pre.engine(),
+            Entry::Http(pre) => pre.engine(),
+        }
+    }
+}
+
+/// What a run calls in its fresh instance.
+enum Call {
+    /// The plugin's main: `wasi:cli/run`, or `run` of a WASI 0.3 plugin.
+    Main,
+    /// `wasi:http/incoming-handler.handle` with this request; the response the plugin
+    /// sets goes to `respond`.
+    Http { request: hyper::Request<HyperIncomingBody>, respond: ResponseSender },
+}
+
+/// The response a served plugin sets: status, headers and a body that streams as the
+/// plugin writes it (or the `wasi:http` error code it answered with instead).
+pub type HttpResponse = hyper::Response<HyperOutgoingBody>;
+
+/// Where [`Plugin::serve_http`] sends the plugin's response.
+pub type ResponseSender = tokio::sync::oneshot::Sender<Result<HttpResponse, ErrorCode>>;
 
 /// A compiled plugin, ready to run any number of times.
 pub struct Plugin {
@@ -516,11 +603,52 @@ impl Plugin {
     /// native thread working for it, so llama.cpp's log lines from its calls) is in a
     /// `tracing` span `llamabox_run` with its `group` and `run` id.
     pub async fn run_report(&self, options: &RunOptions, wasi: WasiCtxBuilder) -> Result<RunReport> {
+        if let Entry::Http(_) = self.entry {
+            return Err(Error::WrongKind { wanted: "a command", found: self.entry.kind() });
+        }
+        self.run_call(options, wasi, Call::Main).await
+    }
+
+    /// Whether this plugin is an HTTP handler (`http-plugin` world), to serve with
+    /// [`Plugin::serve_http`], rather than a command to [`Plugin::run`].
+    pub fn serves_http(&self) -> bool {
+        matches!(self.entry, Entry::Http(_))
+    }
+
+    /// Serve one HTTP request in a fresh instance (the `http-plugin` world): the
+    /// plugin's `wasi:http/incoming-handler.handle` gets `request`, and the response it
+    /// sets goes to `respond` at once, with a body that streams as the plugin writes it.
+    /// Returns when the handler has returned (or the deadline or a stop ended it) and
+    /// every native call it started has stopped, like [`Plugin::run_report`]. If the
+    /// plugin never set a response, `respond` is dropped unsent.
+    ///
+    /// A client that hangs up is the embedder's to notice: stop the run with
+    /// [`RunOptions::stop`] and its native work stops in flight (`llamabox serve` does).
+    pub async fn serve_http<B>(
+        &self,
+        options: &RunOptions,
+        wasi: WasiCtxBuilder,
+        request: hyper::Request<B>,
+        respond: ResponseSender,
+    ) -> Result<RunReport>
+    where
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<wasmtime_wasi_http::Error>,
+    {
+        use http_body_util::BodyExt as _;
+        if !self.serves_http() {
+            return Err(Error::WrongKind { wanted: "an HTTP handler", found: self.entry.kind() });
+        }
+        let request = request.map(|body| body.map_err(Into::into).boxed_unsync());
+        self.run_call(options, wasi, Call::Http { request, respond }).await
+    }
+
+    async fn run_call(&self, options: &RunOptions, wasi: WasiCtxBuilder, call: Call) -> Result<RunReport> {
         static NEXT_RUN: AtomicU64 = AtomicU64::new(1);
         let run_id = NEXT_RUN.fetch_add(1, Relaxed);
         let span = tracing::info_span!("llamabox_run", group = %options.group, run = run_id);
         let (workers, meter) = (self.workers.child(), Arc::new(Meter::new()));
-        let outcome = self.run_to_end(options, wasi, workers.clone(), meter.clone()).instrument(span).await?;
+        let outcome = self.run_to_end(options, wasi, call, workers.clone(), meter.clone()).instrument(span).await?;
         let usage = RunUsage {
             tokens_decoded: meter.decoded(),
             tokens_generated: meter.generated(),
@@ -532,9 +660,9 @@ impl Plugin {
         Ok(RunReport { outcome, usage, run_id })
     }
 
-    async fn run_to_end(&self, options: &RunOptions, wasi: WasiCtxBuilder, workers: Tracker, meter: Arc<Meter>) -> Result<RunOutcome> {
+    async fn run_to_end(&self, options: &RunOptions, wasi: WasiCtxBuilder, call: Call, workers: Tracker, meter: Arc<Meter>) -> Result<RunOutcome> {
         let limits = options.limits.as_ref().unwrap_or(&self.limits);
-        let run = self.run_in_store(options, limits, wasi, workers.clone(), meter);
+        let run = self.run_in_store(options, limits, wasi, call, workers.clone(), meter);
         let deadline = async {
             match options.deadline {
                 Some(after) => tokio::time::sleep(after).await,
@@ -564,30 +692,36 @@ impl Plugin {
         options: &RunOptions,
         limits: &Limits,
         mut wasi: WasiCtxBuilder,
+        call: Call,
         workers: Tracker,
         meter: Arc<Meter>,
     ) -> Result<RunOutcome> {
-        let llama = LlamaCtx::new(self.registry.clone(), self.tokens.clone(), options.group.as_str(), limits.clone());
+        let models = options.models.clone().unwrap_or_else(|| self.registry.clone());
+        let llama = LlamaCtx::new(models, self.tokens.clone(), options.group.as_str(), limits.clone());
         let state = PluginState {
             wasi: wasi.build(),
+            http: WasiHttpCtx::new(),
+            no_outgoing: NoOutgoingRequests,
             llama: llama.tracked_by(workers).metered_by(meter),
             table: ResourceTable::new(),
             limits: RunLimiter { limits: limits.store_limits(), refused: None },
             embedder: options.embedder.clone(),
         };
-        let engine = match &self.entry {
-            Entry::Command(pre) => pre.engine(),
-            Entry::AsyncRun(pre) => pre.engine(),
-        };
-        let mut store = Store::new(engine, state);
+        let mut store = Store::new(self.entry.engine(), state);
         store.limiter(|state| &mut state.limits);
         store.epoch_deadline_async_yield_and_update(1);
-        let ended = match &self.entry {
-            Entry::Command(pre) => match pre.instantiate_async(&mut store).await {
+        let ended = match (&self.entry, call) {
+            (Entry::Http(pre), Call::Http { request, respond }) => match pre.instantiate_async(&mut store).await {
+                Ok(proxy) => Self::handle(&mut store, &proxy, request, respond).await,
+                Err(e) => Err(e),
+            },
+            (Entry::Http(_), Call::Main) => return Err(Error::WrongKind { wanted: "a command", found: self.entry.kind() }),
+            (_, Call::Http { .. }) => return Err(Error::WrongKind { wanted: "an HTTP handler", found: self.entry.kind() }),
+            (Entry::Command(pre), Call::Main) => match pre.instantiate_async(&mut store).await {
                 Ok(command) => command.wasi_cli_run().call_run(&mut store).await,
                 Err(e) => Err(e),
             },
-            Entry::AsyncRun(pre) => match pre.instantiate_async(&mut store).await {
+            (Entry::AsyncRun(pre), Call::Main) => match pre.instantiate_async(&mut store).await {
                 Ok(instance) => match instance.get_typed_func::<(), (Result<(), ()>,)>(&mut store, "run") {
                     Ok(run) => store
                         .run_concurrent(async |accessor| run.call_concurrent(accessor, ()).await)
@@ -611,5 +745,20 @@ impl Plugin {
                 }),
             },
         }
+    }
+
+    /// Call the handler with `request`; its response goes to `respond`. The `Ok(())`
+    /// is the shape of a command's result: a handler has no exit status.
+    async fn handle(
+        store: &mut Store<PluginState>,
+        proxy: &wasmtime_wasi_http::p2::bindings::Proxy,
+        request: hyper::Request<HyperIncomingBody>,
+        respond: ResponseSender,
+    ) -> wasmtime::Result<Result<(), ()>> {
+        let mut http = store.data_mut().http();
+        let request = http.new_incoming_request(wasmtime_wasi_http::p2::bindings::http::types::Scheme::Http, request)?;
+        let response = http.new_response_outparam(respond)?;
+        proxy.wasi_http_incoming_handler().call_handle(&mut *store, request, response).await?;
+        Ok(Ok(()))
     }
 }

@@ -44,6 +44,16 @@ pub enum OpenError {
     LoadFailed(String),
 }
 
+impl std::fmt::Debug for ModelRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.read();
+        f.debug_struct("ModelRegistry")
+            .field("models", &inner.models.keys().collect::<Vec<_>>())
+            .field("projectors", &inner.projectors.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
 impl ModelRegistry {
     pub fn new() -> Self {
         Self::default()
@@ -85,6 +95,19 @@ impl ModelRegistry {
 
     pub fn projector_path(&self, name: &str) -> Result<PathBuf, OpenError> {
         self.read().projectors.get(name).cloned().ok_or_else(|| OpenError::NotFound(name.to_string()))
+    }
+
+    /// A registry of the models and projectors named in `names` that are registered
+    /// here now, sharing their weights: a model loaded through either is loaded once.
+    /// For runs that may open only some models ([`crate::RunOptions::models`]).
+    pub fn subset<S: AsRef<str>>(&self, names: &[S]) -> ModelRegistry {
+        let inner = self.read();
+        let pick = |name: &S| name.as_ref().to_string();
+        let subset = Inner {
+            models: names.iter().filter_map(|n| Some((pick(n), inner.models.get(n.as_ref())?.clone()))).collect(),
+            projectors: names.iter().filter_map(|n| Some((pick(n), inner.projectors.get(n.as_ref())?.clone()))).collect(),
+        };
+        ModelRegistry { inner: RwLock::new(subset) }
     }
 
     /// Names registered now.

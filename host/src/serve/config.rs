@@ -1,0 +1,288 @@
+//! `llamabox serve`'s settings: a TOML file (many plugins, each with its models, limits
+//! and tenant), or the same built from command-line flags.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::Limits;
+
+/// The whole server. Field names are the TOML keys.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeConfig {
+    /// Where to listen, e.g. `127.0.0.1:8080` (port 0 picks a free one).
+    pub listen: SocketAddr,
+    /// llama.cpp threads all running requests may use together (default: every core).
+    /// Each request holds its plugin's `threads` of it while it runs, so concurrent
+    /// contexts never oversubscribe the cores (ggml's threads wait on each other at
+    /// every graph barrier, and a descheduled one stalls the whole team).
+    #[serde(default = "all_cores")]
+    pub threads: u32,
+    /// Requests running at once, all plugins together.
+    #[serde(default = "default_max_concurrent")]
+    pub max_concurrent: u32,
+    /// Requests that may wait for a slot; one more is answered 503 at once.
+    #[serde(default = "default_max_queue")]
+    pub max_queue: u32,
+    /// How long a request waits for a slot before it is answered 503.
+    #[serde(default = "default_queue_timeout_ms")]
+    pub queue_timeout_ms: u64,
+    /// Largest request body; a larger one is answered 413.
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: u64,
+    /// On SIGTERM, how long in-flight requests may take to finish before they are
+    /// stopped (native work included).
+    #[serde(default = "default_shutdown_grace_ms")]
+    pub shutdown_grace_ms: u64,
+    /// Compiled plugins are kept here between starts (see `HostOptions::compile_cache`).
+    #[serde(default)]
+    pub compile_cache: Option<PathBuf>,
+    /// Models by name, loaded once at start.
+    #[serde(default)]
+    pub models: BTreeMap<String, PathBuf>,
+    /// Projectors (mmproj) by name.
+    #[serde(default)]
+    pub projectors: BTreeMap<String, PathBuf>,
+    pub plugins: Vec<PluginConfig>,
+}
+
+/// One served plugin.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginConfig {
+    pub name: String,
+    /// The component (`http-plugin` world).
+    pub path: PathBuf,
+    /// The path prefix it serves, stripped before the plugin sees the request (default:
+    /// `/` for the only plugin, else `/NAME`).
+    #[serde(default)]
+    pub route: Option<String>,
+    /// llama.cpp threads of each of its contexts, held from the server's `threads`
+    /// while a request runs.
+    #[serde(default = "one")]
+    pub threads: u32,
+    /// Its requests running at once (default: the server's `max_concurrent`).
+    #[serde(default)]
+    pub max_concurrent: Option<u32>,
+    /// Each request is stopped after this long (answered 504 if no response was
+    /// started).
+    #[serde(default = "default_deadline_ms")]
+    pub deadline_ms: u64,
+    /// The tenant its runs belong to: shared cancel tokens open only within a group.
+    #[serde(default = "default_group")]
+    pub group: String,
+    /// Models (and projectors) it may open (default: all).
+    #[serde(default)]
+    pub models: Option<Vec<String>>,
+    /// More environment for the plugin (it always gets `LLAMABOX_MODELS`).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub limits: LimitOverrides,
+}
+
+/// Per-run limits that differ from `Limits::default()`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitOverrides {
+    pub max_n_ctx: Option<u32>,
+    pub max_kv_cells: Option<u64>,
+    pub max_memory_mib: Option<usize>,
+    pub max_contexts: Option<u32>,
+    pub max_generate_tokens: Option<u32>,
+}
+
+fn all_cores() -> u32 {
+    std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+}
+fn default_max_concurrent() -> u32 {
+    64
+}
+fn default_max_queue() -> u32 {
+    64
+}
+fn default_queue_timeout_ms() -> u64 {
+    30_000
+}
+fn default_max_body_bytes() -> u64 {
+    1 << 20
+}
+fn default_shutdown_grace_ms() -> u64 {
+    10_000
+}
+fn default_deadline_ms() -> u64 {
+    300_000
+}
+fn default_group() -> String {
+    "default".into()
+}
+fn one() -> u32 {
+    1
+}
+
+impl ServeConfig {
+    /// Read and check a TOML file.
+    pub fn from_file(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+        Self::from_toml(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    }
+
+    pub fn from_toml(text: &str) -> anyhow::Result<Self> {
+        let mut config: ServeConfig = toml::from_str(text)?;
+        config.check()?;
+        Ok(config)
+    }
+
+    /// A server with one plugin per `(name, path)`, every model and projector, and the
+    /// defaults otherwise (what the command-line flags build).
+    pub fn with_plugins(listen: SocketAddr, plugins: Vec<(String, PathBuf)>) -> Self {
+        ServeConfig {
+            listen,
+            threads: all_cores(),
+            max_concurrent: default_max_concurrent(),
+            max_queue: default_max_queue(),
+            queue_timeout_ms: default_queue_timeout_ms(),
+            max_body_bytes: default_max_body_bytes(),
+            shutdown_grace_ms: default_shutdown_grace_ms(),
+            compile_cache: None,
+            models: BTreeMap::new(),
+            projectors: BTreeMap::new(),
+            plugins: plugins
+                .into_iter()
+                .map(|(name, path)| PluginConfig {
+                    name,
+                    path,
+                    route: None,
+                    threads: one(),
+                    max_concurrent: None,
+                    deadline_ms: default_deadline_ms(),
+                    group: default_group(),
+                    models: None,
+                    env: BTreeMap::new(),
+                    limits: LimitOverrides::default(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Fill in defaults that depend on other fields and refuse what cannot work.
+    pub fn check(&mut self) -> anyhow::Result<()> {
+        use anyhow::bail;
+        if self.plugins.is_empty() {
+            bail!("no plugins to serve");
+        }
+        if self.threads == 0 || self.max_concurrent == 0 {
+            bail!("threads and max_concurrent must be at least 1");
+        }
+        let only = self.plugins.len() == 1;
+        let mut routes = std::collections::HashSet::new();
+        for plugin in &mut self.plugins {
+            let name = plugin.name.clone();
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+                bail!("plugin name {name:?}: use letters, digits, '-' and '_'");
+            }
+            let route = plugin.route.get_or_insert_with(|| if only { "/".into() } else { format!("/{name}") });
+            if !route.starts_with('/') || (route.len() > 1 && route.ends_with('/')) {
+                bail!("plugin {name:?}: route {route:?} must start with '/' and not end with one");
+            }
+            if ["/healthz", "/readyz", "/metrics"].iter().any(|ops| route == ops) {
+                bail!("plugin {name:?}: route {route:?} is the server's own");
+            }
+            if !routes.insert(route.clone()) {
+                bail!("plugin {name:?}: route {route:?} is served by another plugin");
+            }
+            if plugin.threads == 0 || plugin.threads > self.threads {
+                bail!("plugin {name:?}: threads {} must be 1..={} (the server's threads)", plugin.threads, self.threads);
+            }
+            if plugin.max_concurrent == Some(0) {
+                bail!("plugin {name:?}: max_concurrent must be at least 1");
+            }
+            for model in plugin.models.iter().flatten() {
+                if !self.models.contains_key(model) && !self.projectors.contains_key(model) {
+                    bail!("plugin {name:?}: model {model:?} is not in [models] or [projectors]");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn queue_timeout(&self) -> Duration {
+        Duration::from_millis(self.queue_timeout_ms)
+    }
+
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_millis(self.shutdown_grace_ms)
+    }
+}
+
+impl PluginConfig {
+    /// The route, once `ServeConfig::check` has filled it in.
+    pub fn route(&self) -> &str {
+        self.route.as_deref().unwrap_or("/")
+    }
+
+    /// This plugin's per-run limits: `base` with its overrides, contexts capped at its
+    /// `threads`.
+    pub fn limits(&self, base: &Limits) -> Limits {
+        let o = &self.limits;
+        let mut limits = base.clone();
+        limits.max_threads = self.threads;
+        limits.default_threads = self.threads;
+        limits.max_n_ctx = o.max_n_ctx.unwrap_or(limits.max_n_ctx);
+        limits.max_kv_cells = o.max_kv_cells.unwrap_or(limits.max_kv_cells);
+        limits.max_wasm_memory = o.max_memory_mib.map_or(limits.max_wasm_memory, |mib| mib << 20);
+        limits.max_contexts = o.max_contexts.unwrap_or(limits.max_contexts);
+        limits.max_generate_tokens = o.max_generate_tokens.unwrap_or(limits.max_generate_tokens);
+        limits
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FULL: &str = r#"
+listen = "127.0.0.1:0"
+threads = 2
+[models]
+m = "/models/m.gguf"
+[[plugins]]
+name = "openai"
+path = "/plugins/openai.wasm"
+models = ["m"]
+[plugins.limits]
+max_n_ctx = 4096
+[[plugins]]
+name = "other"
+path = "/plugins/other.wasm"
+threads = 2
+"#;
+
+    #[test]
+    fn routes_default_by_name_when_several() {
+        let config = ServeConfig::from_toml(FULL).unwrap();
+        assert_eq!(config.plugins[0].route(), "/openai");
+        assert_eq!(config.plugins[1].route(), "/other");
+        assert_eq!(config.plugins[0].limits(&Limits::default()).max_n_ctx, 4096);
+        assert_eq!(config.plugins[1].limits(&Limits::default()).max_threads, 2);
+    }
+
+    #[test]
+    fn refuses_what_cannot_work() {
+        for (broken, why) in [
+            (FULL.replace("threads = 2\n[models]", "threads = 1\n[models]"), "threads 2 must be 1..=1"),
+            (FULL.replace("models = [\"m\"]", "models = [\"x\"]"), "model \"x\" is not in"),
+            (FULL.replace("name = \"other\"", "name = \"other\"\nroute = \"/openai\""), "served by another plugin"),
+            (FULL.replace("name = \"other\"", "name = \"other\"\nroute = \"/metrics\""), "the server's own"),
+            (FULL.replace("max_n_ctx", "max_n_cxt"), "unknown field"),
+            (FULL.replace("name = \"openai\"", "name = \"a/b\""), "use letters"),
+        ] {
+            let error = ServeConfig::from_toml(&broken).unwrap_err().to_string();
+            assert!(error.contains(why), "{why:?} not in {error:?}");
+        }
+    }
+}

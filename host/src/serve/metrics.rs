@@ -1,0 +1,174 @@
+//! The server's Prometheus metrics (`GET /metrics`, OpenMetrics text).
+
+use std::fmt::Write as _;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub plugin: String,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PluginLabels {
+    pub plugin: String,
+}
+
+/// Why a request's run was stopped before it ended by itself.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Cause {
+    /// The client hung up.
+    Disconnect,
+    /// Its deadline passed.
+    Deadline,
+    /// The server shut down with it still running after the grace period.
+    Shutdown,
+    /// The plugin cancelled its own native calls (counted per call).
+    Plugin,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CauseLabels {
+    pub cause: Cause,
+}
+
+/// Why a request was refused before a plugin saw it.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Refusal {
+    QueueFull,
+    QueueTimeout,
+    BodyTooLarge,
+    Draining,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    pub plugin: String,
+    pub reason: Refusal,
+}
+
+impl EncodeLabelValue for Cause {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(match self {
+            Cause::Disconnect => "disconnect",
+            Cause::Deadline => "deadline",
+            Cause::Shutdown => "shutdown",
+            Cause::Plugin => "plugin",
+        })
+    }
+}
+
+impl EncodeLabelValue for Refusal {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(match self {
+            Refusal::QueueFull => "queue_full",
+            Refusal::QueueTimeout => "queue_timeout",
+            Refusal::BodyTooLarge => "body_too_large",
+            Refusal::Draining => "draining",
+        })
+    }
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub refused: Family<RefusalLabels, Counter>,
+    pub cancels: Family<CauseLabels, Counter>,
+    pub queue_depth: Gauge,
+    pub in_flight: Gauge,
+    pub live_workers: Gauge,
+    pub request_seconds: HistogramFamily<PluginLabels>,
+    pub tokens_generated: Family<PluginLabels, Counter>,
+    pub tokens_decoded: Family<PluginLabels, Counter>,
+    pub generated_tokens_per_second: HistogramFamily<PluginLabels>,
+    pub disconnect_stop_seconds: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("llamabox");
+        let requests = Family::default();
+        registry.register("requests", "Requests answered, by plugin and HTTP status", Family::clone(&requests));
+        let refused = Family::default();
+        registry.register("refused", "Requests refused before a plugin saw them, by reason", Family::clone(&refused));
+        let cancels = Family::default();
+        registry.register("cancels", "Runs stopped with native work in flight, by cause (plugin: calls a plugin cancelled)", Family::clone(&cancels));
+        let queue_depth = Gauge::default();
+        registry.register("queue_depth", "Requests waiting for a slot", queue_depth.clone());
+        let in_flight = Gauge::default();
+        registry.register("in_flight", "Requests whose plugin is running", in_flight.clone());
+        let live_workers = Gauge::default();
+        registry.register("live_workers", "Native threads working for plugin runs", live_workers.clone());
+        let request_seconds: HistogramFamily<PluginLabels> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.005, 2.0, 16)));
+        registry.register("request_duration_seconds", "Time from admission to the run's end", request_seconds.clone());
+        let tokens_generated = Family::default();
+        registry.register("tokens_generated", "Tokens the host's generation delivered", Family::clone(&tokens_generated));
+        let tokens_decoded = Family::default();
+        registry.register("tokens_decoded", "Rows llama.cpp decoded (prompts and generated tokens)", Family::clone(&tokens_decoded));
+        let generated_tokens_per_second: HistogramFamily<PluginLabels> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(4.0, 2.0, 10)));
+        registry.register(
+            "generated_tokens_per_second",
+            "Per request: generated tokens over the run's time",
+            generated_tokens_per_second.clone(),
+        );
+        let disconnect_stop_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        registry.register(
+            "disconnect_stop_seconds",
+            "From noticing a client hung up to its run's native work having stopped",
+            disconnect_stop_seconds.clone(),
+        );
+        Self {
+            registry,
+            requests,
+            refused,
+            cancels,
+            queue_depth,
+            in_flight,
+            live_workers,
+            request_seconds,
+            tokens_generated,
+            tokens_decoded,
+            generated_tokens_per_second,
+            disconnect_stop_seconds,
+        }
+    }
+
+    pub fn cancel(&self, cause: Cause, count: u64) {
+        self.cancels.get_or_create(&CauseLabels { cause }).inc_by(count);
+    }
+
+    pub fn refuse(&self, plugin: &str, reason: Refusal) {
+        self.refused.get_or_create(&RefusalLabels { plugin: plugin.into(), reason }).inc();
+    }
+
+    pub fn answered(&self, plugin: &str, status: u16) {
+        self.requests.get_or_create(&RequestLabels { plugin: plugin.into(), status }).inc();
+    }
+
+    /// The text exposition.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+}
+
+/// The content type of [`Metrics::encode`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";

@@ -1,0 +1,627 @@
+//! `llamabox serve`: plugins that are `wasi:http` incoming handlers (the `http-plugin`
+//! world), served over HTTP/1.1, one fresh instance per request.
+//!
+//! What it adds over [`crate::Plugin::serve_http`]:
+//! - **hang-ups stop native work**: each request's run has a [`RunStop`]. A guard held
+//!   by the request's future and then by its response body trips it when hyper drops
+//!   them early: the client closed its socket before the body ended. hyper's HTTP/1
+//!   server notices EOF on a busy connection, so this holds in prefill, in generation
+//!   and in an encode alike, and it stops that request only;
+//! - admission (slots, a thread budget, a bounded queue: [`admission`]), deadlines
+//!   (504), body limits (413);
+//! - `/healthz`, `/readyz`, Prometheus `/metrics` ([`metrics`]), request ids in logs;
+//! - a drain on shutdown: stop accepting, let requests finish within the grace period,
+//!   then stop the rest in flight.
+
+pub mod admission;
+pub mod config;
+pub mod metrics;
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body::{Body as _, Frame, SizeHint};
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt as _, Full, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use tracing::Instrument as _;
+
+use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
+use crate::{HostOptions, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome, RunStop};
+use admission::{Admission, Admitted, PluginAdmission, Refused};
+pub use config::{PluginConfig, ServeConfig};
+use metrics::{Cause, Metrics, PluginLabels, Refusal};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// Every response body the server sends: a plugin's stream, or its own small answers.
+type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+/// How long a client may take to send its request head.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// After the grace period, how long stopped runs may take to unwind before exit. Runs
+/// stop within milliseconds (one graph node or encode chunk); this bounds a bug.
+const STOP_WAIT: Duration = Duration::from_secs(10);
+
+/// A running server. Cheap to share: connections hold an `Arc` of it.
+pub struct Server {
+    config: ServeConfig,
+    host: Arc<PluginHost>,
+    /// Set once every model is loaded and every plugin compiled (`/readyz`).
+    plugins: OnceLock<Vec<Served>>,
+    admission: Admission,
+    metrics: Metrics,
+    draining: AtomicBool,
+    /// Requests whose run has not ended, to stop them at shutdown.
+    in_flight: Mutex<HashMap<u64, Arc<RequestState>>>,
+    next_request: AtomicU64,
+}
+
+/// One plugin as served.
+struct Served {
+    config: PluginConfig,
+    plugin: Plugin,
+    admission: PluginAdmission,
+    limits: Limits,
+    models: Arc<ModelRegistry>,
+    /// `LLAMABOX_MODELS` and the configured environment.
+    env: Vec<(String, String)>,
+}
+
+impl Server {
+    /// Serve `config` until `shutdown` resolves, then drain (see the module docs).
+    /// Prints `listening on http://ADDR` once bound, progress while loading, then `ready`.
+    pub async fn run(config: ServeConfig, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+        let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("listening on {}", config.listen))?;
+        let addr = listener.local_addr()?;
+        say(&format!("listening on http://{addr}"));
+        let registry = ModelRegistry::new();
+        for (name, path) in &config.models {
+            registry.register(name.clone(), path.clone());
+        }
+        for (name, path) in &config.projectors {
+            anyhow::ensure!(path.is_file(), "projector {name:?}: file {} not found", path.display());
+            registry.register_projector(name.clone(), path.clone());
+        }
+        let options = HostOptions { compile_cache: config.compile_cache.clone() };
+        let host = Arc::new(PluginHost::with_options(registry, Limits::default(), options)?);
+        let server = Arc::new(Server {
+            admission: Admission::new(config.max_concurrent, config.threads, config.max_queue, config.queue_timeout()),
+            config,
+            host,
+            plugins: OnceLock::new(),
+            metrics: Metrics::new(),
+            draining: AtomicBool::new(false),
+            in_flight: Mutex::new(HashMap::new()),
+            next_request: AtomicU64::new(1),
+        });
+        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        tokio::pin!(shutdown);
+        {
+            // Health answers while models load; plugin routes wait for `ready`.
+            let accepting = server.clone().accept(&listener, &graceful);
+            tokio::pin!(accepting);
+            tokio::select! {
+                loaded = server.load() => {
+                    let plugins = loaded?;
+                    let _ = server.plugins.set(plugins);
+                    say("ready");
+                    tokio::select! {
+                        () = &mut accepting => {}
+                        () = &mut shutdown => {}
+                    }
+                }
+                () = &mut shutdown => {}
+            }
+        }
+        drop(listener);
+        server.drain(graceful).await;
+        Ok(())
+    }
+
+    /// Load every model once and compile every plugin.
+    async fn load(&self) -> anyhow::Result<Vec<Served>> {
+        let registry = self.host.models();
+        for (name, path) in &self.config.models {
+            say(&format!("loading model {name} from {}", path.display()));
+            let started = Instant::now();
+            registry.open(name).await.map_err(|e| anyhow::anyhow!("model {name:?} ({}): {e}", path.display()))?;
+            say(&format!("loaded model {name} in {:.2} s", started.elapsed().as_secs_f64()));
+        }
+        let mut plugins = Vec::new();
+        for config in &self.config.plugins {
+            let started = Instant::now();
+            let plugin = self.host.load_async(&config.path).await.with_context(|| format!("plugin {:?}", config.name))?;
+            anyhow::ensure!(
+                plugin.serves_http(),
+                "plugin {:?} is not an HTTP handler: it must export wasi:http/incoming-handler (the http-plugin world)",
+                config.name
+            );
+            let names: Vec<String> = config.models.clone().unwrap_or_else(|| {
+                self.config.models.keys().chain(self.config.projectors.keys()).cloned().collect()
+            });
+            let mut env = vec![("LLAMABOX_MODELS".to_string(), names.join(","))];
+            env.extend(config.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+            say(&format!(
+                "compiled plugin {} in {:.2} s, serving {}",
+                config.name,
+                started.elapsed().as_secs_f64(),
+                config.route()
+            ));
+            plugins.push(Served {
+                admission: PluginAdmission::new(config.max_concurrent.unwrap_or(self.config.max_concurrent), config.threads),
+                limits: config.limits(&Limits::default()),
+                models: Arc::new(registry.subset(&names)),
+                env,
+                plugin,
+                config: config.clone(),
+            });
+        }
+        // Longest route first, so `/a/b` wins over `/a` and `/`.
+        plugins.sort_by_key(|served| std::cmp::Reverse(served.config.route().len()));
+        Ok(plugins)
+    }
+
+    /// Accept connections until the listener fails for good (never, in practice).
+    async fn accept(self: Arc<Self>, listener: &tokio::net::TcpListener, graceful: &hyper_util::server::graceful::GracefulShutdown) {
+        loop {
+            let (stream, _peer) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of file descriptors, say: back off instead of spinning.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let server = self.clone();
+            let service = hyper::service::service_fn(move |request| {
+                let server = server.clone();
+                async move { Ok::<_, Infallible>(server.route(request).await) }
+            });
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let connection = graceful.watch(connection);
+            tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::debug!("connection ended: {e}");
+                }
+            });
+        }
+    }
+
+    /// Stop accepting (done by the caller), let requests finish within the grace
+    /// period, stop what is left, and wait until no native work remains.
+    async fn drain(&self, graceful: hyper_util::server::graceful::GracefulShutdown) {
+        self.draining.store(true, Relaxed);
+        let running = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).len();
+        say(&format!("draining: {running} requests in flight, {} ms grace", self.config.shutdown_grace_ms));
+        let connections = graceful.shutdown();
+        tokio::pin!(connections);
+        let finished = tokio::time::timeout(self.config.shutdown_grace(), &mut connections).await.is_ok();
+        if !finished {
+            let states: Vec<_> = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+            say(&format!("grace period over: stopping {} requests", states.len()));
+            for state in states {
+                state.stop(Cause::Shutdown);
+            }
+            let _ = tokio::time::timeout(STOP_WAIT, &mut connections).await;
+        }
+        // Runs end (and their native threads are joined) before their bodies do, but a
+        // run whose client already left may still be unwinding.
+        let deadline = Instant::now() + STOP_WAIT;
+        while (!self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).is_empty() || self.host.live_workers() > 0)
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        say("stopped");
+    }
+
+    async fn route(self: Arc<Self>, request: Request<Incoming>) -> Response<Body> {
+        let path = request.uri().path();
+        if request.method() == Method::GET {
+            match path {
+                "/healthz" => return text(StatusCode::OK, "ok\n"),
+                "/readyz" => {
+                    return match (self.plugins.get().is_some(), self.draining.load(Relaxed)) {
+                        (_, true) => text(StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
+                        (false, _) => text(StatusCode::SERVICE_UNAVAILABLE, "loading\n"),
+                        (true, false) => text(StatusCode::OK, "ready\n"),
+                    }
+                }
+                "/metrics" => {
+                    self.metrics.queue_depth.set(self.admission.queued().into());
+                    self.metrics.live_workers.set(self.host.live_workers() as i64);
+                    let mut response = Response::new(full(self.metrics.encode()));
+                    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(metrics::CONTENT_TYPE));
+                    return response;
+                }
+                _ => {}
+            }
+        }
+        let Some(plugins) = self.plugins.get() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "the server is loading its models", Some(1));
+        };
+        match plugins.iter().position(|served| route_matches(served.config.route(), path)) {
+            Some(index) => {
+                let id = self.request_id(&request);
+                let span = tracing::info_span!("request", id = %id, plugin = %plugins[index].config.name);
+                self.serve_plugin(index, id, request).instrument(span).await
+            }
+            None => error(StatusCode::NOT_FOUND, "no plugin serves this path", None),
+        }
+    }
+
+    /// The client's `x-request-id` if it is short and printable, else a new one.
+    fn request_id(&self, request: &Request<Incoming>) -> String {
+        let given = request.headers().get("x-request-id").and_then(|v| v.to_str().ok());
+        match given {
+            Some(id) if !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_graphic()) => id.to_string(),
+            _ => format!("{:016x}", self.next_request.fetch_add(1, Relaxed)),
+        }
+    }
+
+    async fn serve_plugin(self: Arc<Self>, index: usize, id: String, request: Request<Incoming>) -> Response<Body> {
+        let Some(served) = self.plugins.get().and_then(|plugins| plugins.get(index)) else {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, "no such plugin", None);
+        };
+        let name = served.config.name.as_str();
+        let retry_after = self.config.queue_timeout().as_secs().max(1);
+        if self.draining.load(Relaxed) {
+            self.metrics.refuse(name, Refusal::Draining);
+            return self.answer(name, &id, error(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down", Some(retry_after)));
+        }
+        let max_body = self.config.max_body_bytes;
+        if request.body().size_hint().lower() > max_body {
+            self.metrics.refuse(name, Refusal::BodyTooLarge);
+            let message = format!("the request body is over {max_body} bytes");
+            return self.answer(name, &id, error(StatusCode::PAYLOAD_TOO_LARGE, &message, None));
+        }
+        let admitted = match self.admission.admit(&served.admission).await {
+            Ok(admitted) => admitted,
+            Err(refused) => {
+                let (reason, message) = match refused {
+                    Refused::QueueFull => (Refusal::QueueFull, "the server's queue is full"),
+                    Refused::Timeout => (Refusal::QueueTimeout, "no slot came free in time"),
+                };
+                self.metrics.refuse(name, reason);
+                return self.answer(name, &id, error(StatusCode::SERVICE_UNAVAILABLE, message, Some(retry_after)));
+            }
+        };
+        let state = Arc::new(RequestState::new());
+        let key = self.next_request.fetch_add(1, Relaxed);
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).insert(key, state.clone());
+        self.metrics.in_flight.inc();
+        // From here on a drop of this future (the client left) stops the run.
+        let mut hang_up = HangUp { server: self.clone(), plugin: index, state: state.clone(), answered: false, completed: false };
+        let request = for_plugin(request, served.config.route(), max_body, self.config.listen);
+        let (respond, response) = tokio::sync::oneshot::channel();
+        let run = tokio::spawn(self.clone().run_request(index, key, state, admitted, request, respond).in_current_span());
+        let response = match response.await {
+            Ok(Ok(response)) => response,
+            Ok(Err(code)) => {
+                // The plugin's own answer: its run goes on to its end (or deadline).
+                tracing::warn!("the plugin answered with an error: {code:?}");
+                (hang_up.answered, hang_up.completed) = (true, true);
+                let message = format!("the plugin failed: {code:?}");
+                return self.answer(name, &id, error(StatusCode::INTERNAL_SERVER_ERROR, &message, None));
+            }
+            Err(_) => {
+                // The run ended without a response: why decides the status.
+                let ended = run.await.unwrap_or(RunEnd::Failed);
+                hang_up.answered = true;
+                let response = match ended {
+                    RunEnd::Outcome(RunOutcome::DeadlineExceeded) => {
+                        error(StatusCode::GATEWAY_TIMEOUT, "the request's deadline passed", None)
+                    }
+                    RunEnd::Outcome(RunOutcome::Stopped) => error(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down", Some(retry_after)),
+                    RunEnd::Outcome(RunOutcome::Success | RunOutcome::Failed(_)) => {
+                        error(StatusCode::INTERNAL_SERVER_ERROR, "the plugin returned without a response", None)
+                    }
+                    RunEnd::Failed => error(StatusCode::INTERNAL_SERVER_ERROR, "the plugin failed", None),
+                };
+                return self.answer(name, &id, response);
+            }
+        };
+        hang_up.answered = true;
+        let (parts, body) = response.into_parts();
+        let body = GuardedBody { inner: body, hang_up: Some(hang_up) };
+        self.answer(name, &id, Response::from_parts(parts, body.boxed_unsync()))
+    }
+
+    /// Count the response's status and tag it with the request id.
+    fn answer(&self, plugin: &str, id: &str, mut response: Response<Body>) -> Response<Body> {
+        self.metrics.answered(plugin, response.status().as_u16());
+        tracing::info!(status = response.status().as_u16(), "answered");
+        if let Ok(id) = HeaderValue::from_str(id) {
+            response.headers_mut().insert("x-request-id", id);
+        }
+        response
+    }
+
+    /// The run of one request, on its own task: it outlives the response head (the
+    /// body streams from it) and ends before its native threads are gone.
+    async fn run_request(
+        self: Arc<Self>,
+        index: usize,
+        key: u64,
+        state: Arc<RequestState>,
+        admitted: Admitted,
+        request: Request<PluginBody>,
+        respond: crate::plugin::ResponseSender,
+    ) -> RunEnd {
+        let Some(served) = self.plugins.get().and_then(|plugins| plugins.get(index)) else {
+            return RunEnd::Failed;
+        };
+        let options = RunOptions {
+            group: served.config.group.clone(),
+            deadline: Some(Duration::from_millis(served.config.deadline_ms)),
+            limits: Some(served.limits.clone()),
+            models: Some(served.models.clone()),
+            stop: Some(state.run.clone()),
+            embedder: None,
+        };
+        let mut wasi = wasmtime_wasi::WasiCtxBuilder::new();
+        wasi.envs(&served.env).inherit_stderr();
+        let started = Instant::now();
+        let report = served.plugin.serve_http(&options, wasi, request, respond).await;
+        state.finished.store(true, Relaxed);
+        drop(admitted);
+        let elapsed = started.elapsed();
+        let labels = PluginLabels { plugin: served.config.name.clone() };
+        let metrics = &self.metrics;
+        metrics.in_flight.dec();
+        metrics.request_seconds.get_or_create(&labels).observe(elapsed.as_secs_f64());
+        let ended = match report {
+            Ok(report) => {
+                let usage = report.usage;
+                metrics.tokens_generated.get_or_create(&labels).inc_by(usage.tokens_generated);
+                metrics.tokens_decoded.get_or_create(&labels).inc_by(usage.tokens_decoded);
+                if usage.tokens_generated > 0 {
+                    let rate = usage.tokens_generated as f64 / elapsed.as_secs_f64().max(1e-6);
+                    metrics.generated_tokens_per_second.get_or_create(&labels).observe(rate);
+                }
+                match (state.cause.get(), &report.outcome) {
+                    (Some(cause), _) => metrics.cancel(*cause, 1),
+                    (None, RunOutcome::DeadlineExceeded) => metrics.cancel(Cause::Deadline, 1),
+                    (None, _) if usage.cancels > 0 => metrics.cancel(Cause::Plugin, usage.cancels),
+                    (None, _) => {}
+                }
+                tracing::info!(
+                    outcome = ?report.outcome,
+                    ms = elapsed.as_millis() as u64,
+                    decoded = usage.tokens_decoded,
+                    generated = usage.tokens_generated,
+                    "run ended"
+                );
+                RunEnd::Outcome(report.outcome)
+            }
+            Err(e) => {
+                if let Some(cause) = state.cause.get() {
+                    metrics.cancel(*cause, 1);
+                }
+                tracing::warn!(ms = elapsed.as_millis() as u64, "run failed: {:#}", anyhow::Error::from(e));
+                RunEnd::Failed
+            }
+        };
+        if let Some(at) = state.hung_up_at.get() {
+            let stopped_in = at.elapsed();
+            metrics.disconnect_stop_seconds.observe(stopped_in.as_secs_f64());
+            tracing::info!(stop_ms = stopped_in.as_secs_f64() * 1e3, "client hung up; its native work stopped");
+        }
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+        ended
+    }
+}
+
+/// How a request's run ended, for the status of a request that got no response.
+enum RunEnd {
+    Outcome(RunOutcome),
+    /// A trap, a wasm limit, or the plugin could not start (logged).
+    Failed,
+}
+
+/// What the server knows of a request whose run is going on.
+struct RequestState {
+    run: RunStop,
+    /// Set when the run has returned (its native work is over).
+    finished: AtomicBool,
+    /// Why it was stopped, if it was.
+    cause: OnceLock<Cause>,
+    /// When the server noticed the client had gone.
+    hung_up_at: OnceLock<Instant>,
+}
+
+impl RequestState {
+    fn new() -> Self {
+        Self { run: RunStop::new(), finished: AtomicBool::new(false), cause: OnceLock::new(), hung_up_at: OnceLock::new() }
+    }
+
+    /// Stop the run (native work included) for `cause`, unless it has ended already.
+    fn stop(&self, cause: Cause) {
+        if self.finished.load(Relaxed) || self.cause.set(cause).is_err() {
+            return;
+        }
+        if cause == Cause::Disconnect {
+            let _ = self.hung_up_at.set(Instant::now());
+        }
+        self.run.stop();
+    }
+}
+
+/// Held by a request's future until its response head is out, then by its body: if
+/// it is dropped before the body ended, the client hung up.
+struct HangUp {
+    server: Arc<Server>,
+    plugin: usize,
+    state: Arc<RequestState>,
+    /// A status was counted for this request.
+    answered: bool,
+    /// The body reached its end.
+    completed: bool,
+}
+
+impl Drop for HangUp {
+    fn drop(&mut self) {
+        if self.completed {
+            return;
+        }
+        self.state.stop(Cause::Disconnect);
+        if !self.answered {
+            // nginx's "client closed request": every request is counted once.
+            if let Some(served) = self.server.plugins.get().and_then(|plugins| plugins.get(self.plugin)) {
+                self.server.metrics.answered(&served.config.name, 499);
+            }
+        }
+    }
+}
+
+/// A plugin's response body, carrying the request's [`HangUp`] guard.
+struct GuardedBody {
+    inner: HyperOutgoingBody,
+    hang_up: Option<HangUp>,
+}
+
+impl http_body::Body for GuardedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match polled {
+            Poll::Ready(None) => {
+                if let Some(mut hang_up) = self.hang_up.take() {
+                    hang_up.completed = true;
+                }
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(frame)) => Poll::Ready(Some(frame.map_err(BoxError::from))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A request body as a plugin reads it: at most `max_body_bytes`.
+type PluginBody = UnsyncBoxBody<Bytes, wasmtime_wasi_http::Error>;
+
+/// The request as its plugin sees it: the route's prefix stripped from the path, a
+/// `host` header (wasi:http wants an authority), the body capped.
+fn for_plugin(request: Request<Incoming>, route: &str, max_body: u64, listen: SocketAddr) -> Request<PluginBody> {
+    let (mut parts, body) = request.into_parts();
+    if route != "/" {
+        let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+        let rest = &path_and_query[route.len().min(path_and_query.len())..];
+        let rest = if rest.starts_with('/') { rest.to_string() } else { format!("/{rest}") };
+        if let Ok(uri) = rest.parse() {
+            parts.uri = uri;
+        }
+    }
+    if !parts.headers.contains_key(header::HOST) {
+        if let Ok(host) = HeaderValue::from_str(&listen.to_string()) {
+            parts.headers.insert(header::HOST, host);
+        }
+    }
+    let body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX)).map_err(move |e| {
+        if e.is::<LengthLimitError>() {
+            wasmtime_wasi_http::Error::HttpRequestBodySize(Some(max_body))
+        } else {
+            match e.downcast::<hyper::Error>() {
+                Ok(e) => wasmtime_wasi_http::Error::Hyper(*e),
+                Err(_) => wasmtime_wasi_http::Error::ConnectionTerminated,
+            }
+        }
+    });
+    Request::from_parts(parts, body.boxed_unsync())
+}
+
+/// Whether `route` serves `path`: the same, or a prefix ending at a `/`.
+fn route_matches(route: &str, path: &str) -> bool {
+    route == "/" || path == route || path.strip_prefix(route).is_some_and(|rest| rest.starts_with('/'))
+}
+
+fn full(text: impl Into<Bytes>) -> Body {
+    Full::new(text.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
+fn text(status: StatusCode, text: &'static str) -> Response<Body> {
+    let mut response = Response::new(full(text));
+    *response.status_mut() = status;
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    response
+}
+
+/// The server's own errors, shaped like OpenAI's (`{"error": {"message", "type"}}`).
+fn error(status: StatusCode, message: &str, retry_after: Option<u64>) -> Response<Body> {
+    let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
+    let body = format!("{{\"error\":{{\"message\":{},\"type\":\"{kind}\",\"param\":null,\"code\":null}}}}\n", json_string(message));
+    let mut response = Response::new(full(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(seconds) = retry_after {
+        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    response
+}
+
+/// `text` as a JSON string literal.
+fn json_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A line on stdout for whoever started the server (and the tests, which wait for
+/// `ready`).
+fn say(line: &str) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_match_at_segment_boundaries() {
+        assert!(route_matches("/", "/v1/models"));
+        assert!(route_matches("/a", "/a"));
+        assert!(route_matches("/a", "/a/v1"));
+        assert!(!route_matches("/a", "/ab"));
+        assert!(!route_matches("/a/b", "/a"));
+    }
+
+    #[test]
+    fn errors_are_json() {
+        assert_eq!(json_string("a \"b\"\n\\"), r#""a \"b\"\u000a\\""#);
+    }
+}
