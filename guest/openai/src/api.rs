@@ -94,6 +94,7 @@ pub fn to_json<T: Serialize>(value: &T) -> String {
 }
 
 /// A request's JSON object, read field by field.
+#[derive(Debug)]
 pub struct Object(Map<String, Value>);
 
 impl Object {
@@ -301,4 +302,43 @@ pub fn base64(bytes: &[u8]) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_pads_like_the_standard() {
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg==");
+        assert_eq!(base64(b"fo"), "Zm8=");
+        assert_eq!(base64(b"foo"), "Zm9v");
+        assert_eq!(base64(b"foobar"), "Zm9vYmFy");
+        assert_eq!(base64(&1.0f32.to_le_bytes()), "AACAPw==");
+    }
+
+    #[test]
+    fn fields_are_named_in_errors() {
+        let o = Object::parse(br#"{"model":"m","temperature":"hot","stop":null}"#).unwrap();
+        assert_eq!(o.require::<String>("model").unwrap(), "m");
+        assert_eq!(o.get::<Vec<String>>("stop").unwrap(), None);
+        let e = o.get::<f32>("temperature").unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("temperature")));
+        let e = o.require::<Vec<Message>>("messages").err().unwrap();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        assert!(e.to_json().starts_with(r#"{"error":{"message":"Missing required parameter: 'messages'","type":"invalid_request_error","param":"messages","code":null}}"#));
+        assert_eq!(Object::parse(b"[1]").unwrap_err().status, 400);
+        assert_eq!(Object::parse(b"{").unwrap_err().param, None);
+    }
+
+    #[test]
+    fn content_is_text_or_parts() {
+        let m: Vec<Message> =
+            serde_json::from_str(r#"[{"role":"user","content":"hi"},{"role":"user","content":[{"type":"text","text":"a"}]},{"role":"assistant","content":null}]"#)
+                .unwrap();
+        assert!(matches!(&m[0].content, Some(Content::Text(t)) if t == "hi"));
+        assert!(matches!(&m[1].content, Some(Content::Parts(p)) if p[0].kind == "text"));
+        assert!(m[2].content.is_none());
+    }
 }

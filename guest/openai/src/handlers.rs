@@ -499,3 +499,81 @@ fn new_id(prefix: &str) -> String {
 fn now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn format(chat: bool) -> Format {
+        Format { chat, id: "x-1".into(), created: 7, model: "m".into() }
+    }
+
+    #[test]
+    fn chat_json_shapes() {
+        let usage = Usage { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5 };
+        let f = format(true);
+        assert_eq!(
+            f.completion(Some("hi"), Some("stop"), Some(usage), true),
+            r#"{"id":"x-1","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#
+        );
+        assert_eq!(
+            f.role_chunk(),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#
+        );
+        assert_eq!(
+            f.completion(Some("a"), None, None, false),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}"#
+        );
+        assert_eq!(
+            f.completion(None, Some("length"), None, false),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}"#
+        );
+        assert_eq!(
+            f.usage_chunk(usage),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#
+        );
+    }
+
+    #[test]
+    fn text_json_shapes() {
+        let f = format(false);
+        assert_eq!(
+            f.completion(Some("a"), None, None, false),
+            r#"{"id":"x-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null}]}"#
+        );
+    }
+
+    #[test]
+    fn sampling_fields_are_checked() {
+        let read = |json: &str| Sampling::read(&Object::parse(json.as_bytes()).unwrap());
+        let s = read(r#"{"max_tokens":16,"temperature":0,"stop":"\n","stream":true,"stream_options":{"include_usage":true}}"#).unwrap();
+        assert_eq!((s.max_tokens, s.temperature, s.stop.clone(), s.stream, s.include_usage), (Some(16), 0.0, vec!["\n".to_string()], true, true));
+        let s = read(r#"{"max_tokens":16,"max_completion_tokens":4,"stop":["a","b"]}"#).unwrap();
+        assert_eq!((s.max_tokens, s.temperature, s.stop.len(), s.include_usage), (Some(4), 1.0, 2, false));
+        for (json, param) in [
+            (r#"{"n":2}"#, "n"),
+            (r#"{"temperature":3}"#, "temperature"),
+            (r#"{"top_p":-1}"#, "top_p"),
+            (r#"{"max_tokens":0}"#, "max_tokens"),
+            (r#"{"max_tokens":-1}"#, "max_tokens"),
+            (r#"{"max_completion_tokens":100000}"#, "max_completion_tokens"),
+            (r#"{"stop":["1","2","3","4","5","6","7","8","9"]}"#, "stop"),
+            (r#"{"presence_penalty":5}"#, "presence_penalty"),
+            (r#"{"logit_bias":{"1":200}}"#, "logit_bias"),
+            (r#"{"stream":"yes"}"#, "stream"),
+        ] {
+            let e = read(json).err().unwrap_or_else(|| panic!("{json} was accepted"));
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{json}");
+        }
+    }
+
+    #[test]
+    fn chat_messages_map_roles_and_parts() {
+        let m = |json: &str| chat_message(1, serde_json::from_str(json).unwrap());
+        assert_eq!(m(r#"{"role":"developer","content":"x"}"#).unwrap().role, "system");
+        assert_eq!(m(r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}"#).unwrap().content, "ab");
+        assert_eq!(m(r#"{"role":"tool","content":"x"}"#).err().unwrap().param.as_deref(), Some("messages[1].role"));
+        let e = m(r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}"#).err().unwrap();
+        assert_eq!(e.param.as_deref(), Some("messages[1].content[0]"));
+    }
+}
