@@ -1,0 +1,344 @@
+//! OpenAI's wire types: request fields (read one by one, so that a bad one is named in
+//! the error's `param`), responses, stream chunks and errors.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::llamabox::inference::types::Error as HostError;
+
+/// An error answered as OpenAI's `{"error": {...}}` with an HTTP status.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    /// `invalid_request_error` or `server_error`.
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// 400: something in the request is wrong; `param` names the field.
+    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
+        ApiError { status: 400, message: message.into(), kind: "invalid_request_error", param: param.map(Into::into), code: None }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        ApiError { status: 404, ..Self::invalid(message, None) }
+    }
+
+    pub fn model_not_found(name: &str) -> Self {
+        ApiError { status: 404, ..Self::invalid(format!("The model `{name}` does not exist"), Some("model")) }
+            .with_code("model_not_found")
+    }
+
+    pub fn method_not_allowed(method: &str, path: &str, allowed: &str) -> Self {
+        ApiError { status: 405, ..Self::invalid(format!("{method} is not allowed on {path}; use {allowed}"), None) }
+            .with_code("method_not_allowed")
+    }
+
+    pub fn too_large(cap: u64) -> Self {
+        ApiError { status: 413, ..Self::invalid(format!("The request body is larger than {cap} bytes"), None) }
+            .with_code("request_too_large")
+    }
+
+    pub fn server(message: impl Into<String>) -> Self {
+        ApiError { status: 500, message: message.into(), kind: "server_error", param: None, code: None }
+    }
+
+    pub fn to_json(&self) -> String {
+        #[derive(Serialize)]
+        struct Inner<'a> {
+            message: &'a str,
+            #[serde(rename = "type")]
+            kind: &'a str,
+            param: Option<&'a str>,
+            code: Option<&'a str>,
+        }
+        #[derive(Serialize)]
+        struct Outer<'a> {
+            error: Inner<'a>,
+        }
+        let inner = Inner { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code };
+        to_json(&Outer { error: inner })
+    }
+}
+
+/// What a host call's failure means to the client.
+impl From<HostError> for ApiError {
+    fn from(e: HostError) -> Self {
+        match e {
+            HostError::InvalidArgument(m) => ApiError::invalid(m, None),
+            HostError::ContextFull => {
+                ApiError::invalid("The context is full: the prompt and the answer do not fit", None).with_code("context_length_exceeded")
+            }
+            HostError::ModelNotFound(name) => ApiError::model_not_found(&name),
+            HostError::LimitExceeded(m) => {
+                ApiError { status: 503, ..ApiError::server(format!("A server limit was reached, try again later: {m}")) }
+                    .with_code("limit_exceeded")
+            }
+            HostError::Cancelled => ApiError::server("The request was cancelled"),
+            HostError::Backend(m) => ApiError::server(format!("Inference failed: {m}")),
+        }
+    }
+}
+
+pub fn to_json<T: Serialize>(value: &T) -> String {
+    serde_json::to_string(value).expect("response types serialize")
+}
+
+/// A request's JSON object, read field by field.
+#[derive(Debug)]
+pub struct Object(Map<String, Value>);
+
+impl Object {
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        match serde_json::from_slice(body) {
+            Ok(Value::Object(map)) => Ok(Object(map)),
+            Ok(_) => Err(ApiError::invalid("The request body must be a JSON object", None)),
+            Err(e) => Err(ApiError::invalid(format!("The request body is not valid JSON: {e}"), None)),
+        }
+    }
+
+    /// Field `name`; absent and `null` are both `None`.
+    pub fn get<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, ApiError> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(value) => T::deserialize(value)
+                .map(Some)
+                .map_err(|e| ApiError::invalid(format!("Invalid value for '{name}': {e}"), Some(name))),
+        }
+    }
+
+    pub fn require<T: DeserializeOwned>(&self, name: &str) -> Result<T, ApiError> {
+        self.get(name)?.ok_or_else(|| ApiError::invalid(format!("Missing required parameter: '{name}'"), Some(name)))
+    }
+}
+
+/// A field that takes one value or a list of them (`stop`, `input`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T> OneOrMany<T> {
+    pub fn into_vec(self) -> Vec<T> {
+        match self {
+            OneOrMany::One(one) => vec![one],
+            OneOrMany::Many(many) => many,
+        }
+    }
+}
+
+/// One chat message as clients send it.
+#[derive(Deserialize)]
+pub struct Message {
+    pub role: String,
+    /// `null` for an assistant turn that only called tools.
+    pub content: Option<Content>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// A completion's prompt: text, or token ids.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<i32>),
+}
+
+/// Embedding input: one text or token list, or a list of them.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum EmbeddingInput {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<i32>),
+    TokenLists(Vec<Vec<i32>>),
+}
+
+#[derive(Serialize, Clone, Copy)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+}
+
+#[derive(Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+}
+
+/// A chat completion, or one chunk of a streamed one (`object` tells which).
+#[derive(Serialize)]
+pub struct ChatCompletion<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: &'a str,
+    pub choices: Vec<ChatChoice<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Serialize)]
+pub struct ChatChoice<'a> {
+    pub index: u32,
+    /// The whole answer (`chat.completion`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<Delta<'a>>,
+    /// What this chunk adds (`chat.completion.chunk`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<Delta<'a>>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize, Default)]
+pub struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<&'a str>,
+}
+
+/// A text completion, or one chunk of a streamed one.
+#[derive(Serialize)]
+pub struct TextCompletion<'a> {
+    pub id: &'a str,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: &'a str,
+    pub choices: Vec<TextChoice<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Serialize)]
+pub struct TextChoice<'a> {
+    pub index: u32,
+    pub text: &'a str,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+pub struct EmbeddingList<'a> {
+    pub object: &'static str,
+    pub data: Vec<Embedding>,
+    pub model: &'a str,
+    pub usage: EmbeddingUsage,
+}
+
+#[derive(Serialize)]
+pub struct Embedding {
+    pub object: &'static str,
+    pub index: u32,
+    pub embedding: Vector,
+}
+
+/// `encoding_format` `float` (a list) or `base64` (little-endian f32s).
+#[derive(Serialize)]
+#[serde(untagged)]
+pub enum Vector {
+    Float(Vec<f32>),
+    Base64(String),
+}
+
+#[derive(Serialize)]
+pub struct EmbeddingUsage {
+    pub prompt_tokens: u32,
+    pub total_tokens: u32,
+}
+
+/// Standard base64 (with padding) of `bytes`.
+pub fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for group in bytes.chunks(3) {
+        let n = group.iter().enumerate().fold(0u32, |n, (i, &b)| n | (b as u32) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= group.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_pads_like_the_standard() {
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg==");
+        assert_eq!(base64(b"fo"), "Zm8=");
+        assert_eq!(base64(b"foo"), "Zm9v");
+        assert_eq!(base64(b"foobar"), "Zm9vYmFy");
+        assert_eq!(base64(&1.0f32.to_le_bytes()), "AACAPw==");
+    }
+
+    #[test]
+    fn fields_are_named_in_errors() {
+        let o = Object::parse(br#"{"model":"m","temperature":"hot","stop":null}"#).unwrap();
+        assert_eq!(o.require::<String>("model").unwrap(), "m");
+        assert_eq!(o.get::<Vec<String>>("stop").unwrap(), None);
+        let e = o.get::<f32>("temperature").unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("temperature")));
+        let e = o.require::<Vec<Message>>("messages").err().unwrap();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        assert!(e.to_json().starts_with(r#"{"error":{"message":"Missing required parameter: 'messages'","type":"invalid_request_error","param":"messages","code":null}}"#));
+        assert_eq!(Object::parse(b"[1]").unwrap_err().status, 400);
+        assert_eq!(Object::parse(b"{").unwrap_err().param, None);
+    }
+
+    #[test]
+    fn content_is_text_or_parts() {
+        let m: Vec<Message> =
+            serde_json::from_str(r#"[{"role":"user","content":"hi"},{"role":"user","content":[{"type":"text","text":"a"}]},{"role":"assistant","content":null}]"#)
+                .unwrap();
+        assert!(matches!(&m[0].content, Some(Content::Text(t)) if t == "hi"));
+        assert!(matches!(&m[1].content, Some(Content::Parts(p)) if p[0].kind == "text"));
+        assert!(m[2].content.is_none());
+    }
+}

@@ -1,0 +1,579 @@
+//! The endpoints: routing, request checks, and generation on the host.
+
+use crate::api::{self, ApiError, ChatChoice, ChatCompletion, Delta, Message, Object, OneOrMany, TextChoice, TextCompletion, Usage};
+use crate::http::{self, Body, Gone};
+use crate::llamabox::inference::cancel::CancelToken;
+use crate::llamabox::inference::embeddings::{self, Pooling};
+use crate::llamabox::inference::generate::{self, ChatMessage, FinishReason, GenerateParams, Generation, LogitBias, Penalties, SamplerParams};
+use crate::llamabox::inference::llm::{Context, ContextParams, Model};
+use crate::llamabox::inference::types::Error as HostError;
+use crate::wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
+
+/// Context size cap when `LLAMABOX_N_CTX` does not set one (the model's training length caps it too).
+const DEFAULT_N_CTX: u32 = 4096;
+/// The host's default `max-generate-tokens`.
+const MAX_GENERATE_TOKENS: u32 = 4096;
+/// The host's default `max-stop-strings` and `max-stop-bytes`.
+const MAX_STOP_STRINGS: usize = 8;
+const MAX_STOP_BYTES: usize = 256;
+/// Recent tokens that presence and frequency penalties look at.
+const PENALTY_LAST_N: u32 = 64;
+/// Longest embedding input, in tokens (the host's default `max-n-batch`).
+const MAX_EMBED_TOKENS: u32 = 2048;
+
+/// What a handler answers: a whole JSON body, or a generation to stream.
+enum Reply {
+    Json(String),
+    Stream(Stream),
+}
+
+/// Answer one request.
+pub fn route(request: IncomingRequest, out: ResponseOutparam) {
+    match handle(&request) {
+        Ok(Reply::Json(json)) => http::send_json(out, 200, &json),
+        Ok(Reply::Stream(stream)) => stream.send(Body::start(out, 200, "text/event-stream")),
+        Err(e) => http::send_json(out, e.status, &e.to_json()),
+    }
+}
+
+fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
+    let method = request.method();
+    let full = request.path_with_query().unwrap_or_default();
+    let path = full.split('?').next().unwrap_or_default();
+    let path = if path.len() > 1 { path.trim_end_matches('/') } else { path };
+    let (allowed, post) = match path {
+        "/v1/models" | "/models" => (Method::Get, false),
+        "/v1/chat/completions" | "/chat/completions" | "/v1/completions" | "/completions" | "/v1/embeddings"
+        | "/embeddings" => (Method::Post, true),
+        _ => return Err(ApiError::not_found(format!("Unknown request URL: {} {path}", crate::method_name(&method)))),
+    };
+    if std::mem::discriminant(&method) != std::mem::discriminant(&allowed) {
+        return Err(ApiError::method_not_allowed(crate::method_name(&method), path, crate::method_name(&allowed)));
+    }
+    if !post {
+        return Ok(Reply::Json(models()));
+    }
+    let body = Object::parse(&http::read_body(request, http::max_body_bytes())?)?;
+    match path.trim_start_matches("/v1") {
+        "/chat/completions" => chat(&body),
+        "/completions" => completion(&body),
+        _ => embed(&body).map(Reply::Json),
+    }
+}
+
+/// The names in `LLAMABOX_MODELS`.
+fn model_names() -> Vec<String> {
+    let list = std::env::var("LLAMABOX_MODELS").unwrap_or_default();
+    list.split(',').map(str::trim).filter(|name| !name.is_empty()).map(String::from).collect()
+}
+
+/// Open the request's `model`, if it is one this plugin may use.
+fn open_model(body: &Object) -> Result<(String, Model), ApiError> {
+    let name: String = body.require("model")?;
+    if !model_names().contains(&name) {
+        return Err(ApiError::model_not_found(&name));
+    }
+    let model = Model::open(&name)?;
+    Ok((name, model))
+}
+
+fn models() -> String {
+    let data = model_names()
+        .into_iter()
+        .map(|id| api::ModelCard { id, object: "model", created: 0, owned_by: "llamabox" })
+        .collect();
+    api::to_json(&api::ModelList { object: "list", data })
+}
+
+/// `POST /v1/chat/completions`.
+fn chat(body: &Object) -> Result<Reply, ApiError> {
+    let sampling = Sampling::read(body)?;
+    let messages: Vec<Message> = body.require("messages")?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid("'messages' must contain at least one message", Some("messages")));
+    }
+    let messages = messages.into_iter().enumerate().map(|(i, m)| chat_message(i, m)).collect::<Result<Vec<_>, _>>()?;
+    let (name, model) = open_model(body)?;
+    let prompt = generate::apply_chat_template(&model, &messages, true, None)?;
+    // parse-special: the template's markers (`<|im_start|>`, ...) become their tokens.
+    let tokens = model.tokenize(&prompt, true, true)?;
+    let run = Run::start(model, tokens, &sampling, "messages")?;
+    finish(run, Format { chat: true, id: new_id("chatcmpl"), created: now(), model: name }, &sampling)
+}
+
+/// One message for the chat template: roles as the template knows them, text parts joined.
+fn chat_message(i: usize, m: Message) -> Result<ChatMessage, ApiError> {
+    let role = match m.role.as_str() {
+        "system" | "developer" => "system",
+        "user" => "user",
+        "assistant" => "assistant",
+        other => {
+            let param = format!("messages[{i}].role");
+            return Err(ApiError::invalid(format!("Unsupported role '{other}': use system, user or assistant"), Some(&param)));
+        }
+    };
+    let content = match m.content {
+        None => String::new(),
+        Some(api::Content::Text(text)) => text,
+        Some(api::Content::Parts(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.into_iter().enumerate() {
+                match (part.kind.as_str(), part.text) {
+                    ("text", Some(t)) => text.push_str(&t),
+                    (kind, _) => {
+                        let param = format!("messages[{i}].content[{j}]");
+                        return Err(ApiError::invalid(format!("Unsupported content part '{kind}': only text parts are served"), Some(&param)));
+                    }
+                }
+            }
+            text
+        }
+    };
+    Ok(ChatMessage { role: role.into(), content })
+}
+
+/// `POST /v1/completions`.
+fn completion(body: &Object) -> Result<Reply, ApiError> {
+    let sampling = Sampling::read(body)?;
+    let prompt: api::Prompt = body.require("prompt")?;
+    let (name, model) = open_model(body)?;
+    let tokens = match prompt {
+        api::Prompt::Text(text) => model.tokenize(&text, true, true)?,
+        api::Prompt::Texts(texts) if texts.len() == 1 => model.tokenize(&texts[0], true, true)?,
+        api::Prompt::Texts(_) => return Err(ApiError::invalid("Only one prompt per request is served", Some("prompt"))),
+        api::Prompt::Tokens(tokens) => checked_tokens(&model, tokens, "prompt")?,
+    };
+    let run = Run::start(model, tokens, &sampling, "prompt")?;
+    finish(run, Format { chat: false, id: new_id("cmpl"), created: now(), model: name }, &sampling)
+}
+
+/// Token ids from the request, each in the model's vocabulary.
+fn checked_tokens(model: &Model, tokens: Vec<i32>, param: &str) -> Result<Vec<i32>, ApiError> {
+    let n_vocab = model.n_vocab() as i64;
+    match tokens.iter().find(|&&t| !(0..n_vocab).contains(&(t as i64))) {
+        Some(t) => Err(ApiError::invalid(format!("Token {t} is not in the model's vocabulary (0..{n_vocab})"), Some(param))),
+        None => Ok(tokens),
+    }
+}
+
+/// The sampling fields chat and text completions share.
+struct Sampling {
+    max_tokens: Option<u32>,
+    temperature: f32,
+    top_p: f32,
+    seed: Option<i64>,
+    stop: Vec<String>,
+    presence_penalty: f32,
+    frequency_penalty: f32,
+    logit_bias: Vec<(String, f32)>,
+    stream: bool,
+    include_usage: bool,
+}
+
+impl Sampling {
+    fn read(body: &Object) -> Result<Self, ApiError> {
+        let in_range = |name: &str, value: Option<f32>, default: f32, lo: f32, hi: f32| match value {
+            Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::invalid(format!("'{name}' must be between {lo} and {hi}"), Some(name))),
+            v => Ok(v.unwrap_or(default)),
+        };
+        let n: u32 = body.get("n")?.unwrap_or(1);
+        if n != 1 {
+            return Err(ApiError::invalid("Only n = 1 is supported", Some("n")));
+        }
+        // `max_completion_tokens` is the newer name of `max_tokens`.
+        let (max_name, max_tokens) = match body.get::<u32>("max_completion_tokens")? {
+            Some(n) => ("max_completion_tokens", Some(n)),
+            None => ("max_tokens", body.get::<u32>("max_tokens")?),
+        };
+        match max_tokens {
+            Some(0) => return Err(ApiError::invalid(format!("'{max_name}' must be at least 1"), Some(max_name))),
+            Some(n) if n > MAX_GENERATE_TOKENS => {
+                return Err(ApiError::invalid(format!("'{max_name}' must be at most {MAX_GENERATE_TOKENS}"), Some(max_name)))
+            }
+            _ => {}
+        }
+        let stop: Vec<String> = body.get::<OneOrMany<String>>("stop")?.map(OneOrMany::into_vec).unwrap_or_default();
+        let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
+        if stop.len() > MAX_STOP_STRINGS || stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+            let message = format!("At most {MAX_STOP_STRINGS} stop sequences of at most {MAX_STOP_BYTES} bytes each");
+            return Err(ApiError::invalid(message, Some("stop")));
+        }
+        let logit_bias: std::collections::BTreeMap<String, f32> = body.get("logit_bias")?.unwrap_or_default();
+        if let Some((token, _)) = logit_bias.iter().find(|(_, &bias)| !(-100.0..=100.0).contains(&bias)) {
+            return Err(ApiError::invalid(format!("The bias of token {token} must be between -100 and 100"), Some("logit_bias")));
+        }
+        let stream = body.get("stream")?.unwrap_or(false);
+        let options: Option<api::StreamOptions> = body.get("stream_options")?;
+        Ok(Sampling {
+            max_tokens,
+            temperature: in_range("temperature", body.get("temperature")?, 1.0, 0.0, 2.0)?,
+            top_p: in_range("top_p", body.get("top_p")?, 1.0, 0.0, 1.0)?,
+            seed: body.get("seed")?,
+            stop,
+            presence_penalty: in_range("presence_penalty", body.get("presence_penalty")?, 0.0, -2.0, 2.0)?,
+            frequency_penalty: in_range("frequency_penalty", body.get("frequency_penalty")?, 0.0, -2.0, 2.0)?,
+            logit_bias: logit_bias.into_iter().collect(),
+            stream,
+            include_usage: stream && options.is_some_and(|o| o.include_usage),
+        })
+    }
+
+    /// The host's sampler chain: greedy at temperature 0, else a seeded draw.
+    fn sampler(&self, model: &Model) -> Result<SamplerParams, ApiError> {
+        let mut p = generate::greedy_sampler();
+        if self.temperature > 0.0 {
+            p.temperature = Some(self.temperature);
+            if self.top_p <= 0.0 {
+                p.top_k = Some(1);
+            } else if self.top_p < 1.0 {
+                p.top_p = Some(self.top_p);
+            }
+            // OpenAI's seed is any integer; the host's is 32 bits (the low ones are kept).
+            p.seed = self.seed.map(|s| s as u32);
+        }
+        if self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 {
+            p.penalties = Some(Penalties {
+                last_n: PENALTY_LAST_N,
+                repeat: 1.0,
+                frequency: self.frequency_penalty,
+                presence: self.presence_penalty,
+            });
+        }
+        for (token, bias) in &self.logit_bias {
+            let invalid = || ApiError::invalid(format!("'{token}' in logit_bias is not a token id"), Some("logit_bias"));
+            let token: i32 = token.parse().map_err(|_| invalid())?;
+            checked_tokens(model, vec![token], "logit_bias")?;
+            // -100 bans the token, as OpenAI documents.
+            let bias = if *bias <= -100.0 { f32::NEG_INFINITY } else { *bias };
+            p.logit_bias.push(LogitBias { token, bias });
+        }
+        Ok(p)
+    }
+}
+
+/// A generation running on the host, with what it needs alive.
+struct Run {
+    // Fields drop in order: the generation before its context, model and token.
+    generation: Generation,
+    _cancel: CancelToken,
+    _ctx: Context,
+    _model: Model,
+}
+
+impl Run {
+    /// A context sized for the prompt and `max_tokens`, and the generation started on it.
+    /// `param` names the prompt's field in errors.
+    fn start(model: Model, prompt: Vec<i32>, sampling: &Sampling, param: &str) -> Result<Run, ApiError> {
+        let cap = std::env::var("LLAMABOX_N_CTX").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(DEFAULT_N_CTX);
+        let limit = model.n_ctx_train().min(cap).max(1);
+        let n_prompt = prompt.len() as u32;
+        if n_prompt == 0 {
+            return Err(ApiError::invalid("The prompt is empty", Some(param)));
+        }
+        let too_long = |wanted: u32| {
+            let message = format!(
+                "This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens \
+                 ({n_prompt} in the prompt, {} for the completion). Please reduce the length of the prompt or completion.",
+                wanted - n_prompt
+            );
+            ApiError::invalid(message, Some(param)).with_code("context_length_exceeded")
+        };
+        let max_tokens = match sampling.max_tokens {
+            Some(n) if n_prompt + n > limit => return Err(too_long(n_prompt + n)),
+            Some(n) => n,
+            None if n_prompt >= limit => return Err(too_long(n_prompt + 1)),
+            None => (limit - n_prompt).min(MAX_GENERATE_TOKENS),
+        };
+        let params = ContextParams { n_ctx: Some(n_prompt + max_tokens), n_batch: None, n_ubatch: None, n_seq_max: None, n_threads: None };
+        let ctx = Context::create(&model, params)?;
+        let cancel = CancelToken::create()?;
+        let params = GenerateParams { prompt, seq: 0, max_tokens, stop: sampling.stop.clone(), sampler: sampling.sampler(&model)? };
+        let generation = generate::start(&ctx, &params, &cancel)?;
+        Ok(Run { generation, _cancel: cancel, _ctx: ctx, _model: model })
+    }
+
+    /// The next piece's text; `None` once generation has ended.
+    fn next(&self) -> Result<Option<String>, ApiError> {
+        Ok(self.generation.next()?.map(|piece| piece.text))
+    }
+
+    /// OpenAI's finish reason and the usage, once generation has ended.
+    fn outcome(&self) -> (&'static str, Usage) {
+        let reason = match self.generation.finish_reason() {
+            Some(FinishReason::MaxTokens) => "length",
+            _ => "stop",
+        };
+        let u = self.generation.usage();
+        let (prompt_tokens, completion_tokens) = u.map_or((0, 0), |u| (u.prompt_tokens, u.generated_tokens));
+        (reason, Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens })
+    }
+}
+
+/// How a completion is written out: chat or text, and the fields every chunk repeats.
+struct Format {
+    chat: bool,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Format {
+    /// A whole completion (`finish` set) or one stream chunk (`finish` maybe `None`).
+    fn completion(&self, text: Option<&str>, finish: Option<&'static str>, usage: Option<Usage>, whole: bool) -> String {
+        let (id, created, model) = (self.id.as_str(), self.created, self.model.as_str());
+        if self.chat {
+            let object = if whole { "chat.completion" } else { "chat.completion.chunk" };
+            let delta = Delta { role: if whole { Some("assistant") } else { None }, content: text };
+            let choice = if whole {
+                ChatChoice { index: 0, message: Some(delta), delta: None, finish_reason: finish }
+            } else {
+                ChatChoice { index: 0, message: None, delta: Some(delta), finish_reason: finish }
+            };
+            api::to_json(&ChatCompletion { id, object, created, model, choices: vec![choice], usage })
+        } else {
+            let choice = TextChoice { index: 0, text: text.unwrap_or(""), logprobs: None, finish_reason: finish };
+            api::to_json(&TextCompletion { id, object: "text_completion", created, model, choices: vec![choice], usage })
+        }
+    }
+
+    /// The first chunk of a chat stream: the assistant's role, no text yet.
+    fn role_chunk(&self) -> String {
+        let delta = Delta { role: Some("assistant"), content: Some("") };
+        let choice = ChatChoice { index: 0, message: None, delta: Some(delta), finish_reason: None };
+        let chunk = ChatCompletion {
+            id: &self.id,
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: &self.model,
+            choices: vec![choice],
+            usage: None,
+        };
+        api::to_json(&chunk)
+    }
+
+    /// The usage chunk of a stream (`stream_options.include_usage`): no choices.
+    fn usage_chunk(&self, usage: Usage) -> String {
+        let (id, created, model) = (self.id.as_str(), self.created, self.model.as_str());
+        if self.chat {
+            api::to_json(&ChatCompletion { id, object: "chat.completion.chunk", created, model, choices: vec![], usage: Some(usage) })
+        } else {
+            api::to_json(&TextCompletion { id, object: "text_completion", created, model, choices: vec![], usage: Some(usage) })
+        }
+    }
+}
+
+/// Collect the whole answer now, or hand back a stream to send.
+fn finish(run: Run, format: Format, sampling: &Sampling) -> Result<Reply, ApiError> {
+    if sampling.stream {
+        return Ok(Reply::Stream(Stream { run, format, include_usage: sampling.include_usage }));
+    }
+    let mut text = String::new();
+    while let Some(piece) = run.next()? {
+        text.push_str(&piece);
+    }
+    let (reason, usage) = run.outcome();
+    Ok(Reply::Json(format.completion(Some(&text), Some(reason), Some(usage), true)))
+}
+
+/// A generation streamed as server-sent events.
+struct Stream {
+    run: Run,
+    format: Format,
+    include_usage: bool,
+}
+
+impl Stream {
+    /// Write each piece as it comes. A failed write means the client is gone: stop
+    /// at once (dropping the generation cancels it).
+    fn send(self, body: Body) {
+        if self.events(&body).is_ok() {
+            body.finish();
+        }
+    }
+
+    fn events(&self, body: &Body) -> Result<(), Gone> {
+        let format = &self.format;
+        if format.chat {
+            body.event(&format.role_chunk())?;
+        }
+        loop {
+            match self.run.next() {
+                Ok(Some(piece)) if piece.is_empty() => {}
+                Ok(Some(piece)) => body.event(&format.completion(Some(&piece), None, None, false))?,
+                Ok(None) => break,
+                // Too late for an HTTP status: the error is the stream's last event.
+                Err(e) => return body.event(&e.to_json()),
+            }
+        }
+        let (reason, usage) = self.run.outcome();
+        let last = if format.chat { format.completion(None, Some(reason), None, false) } else { format.completion(Some(""), Some(reason), None, false) };
+        body.event(&last)?;
+        if self.include_usage {
+            body.event(&format.usage_chunk(usage))?;
+        }
+        body.event("[DONE]")
+    }
+}
+
+/// `POST /v1/embeddings`.
+fn embed(body: &Object) -> Result<String, ApiError> {
+    let input: api::EmbeddingInput = body.require("input")?;
+    let base64 = match body.get::<String>("encoding_format")?.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(ApiError::invalid(format!("Unsupported encoding_format '{other}': use float or base64"), Some("encoding_format")))
+        }
+    };
+    let dimensions: Option<u32> = body.get("dimensions")?;
+    let (name, model) = open_model(body)?;
+    if dimensions.is_some_and(|d| d != model.n_embd()) {
+        return Err(ApiError::invalid(format!("This model's embeddings have {} dimensions", model.n_embd()), Some("dimensions")));
+    }
+    let inputs = match input {
+        api::EmbeddingInput::Text(text) => vec![model.tokenize(&text, true, false)?],
+        api::EmbeddingInput::Texts(texts) => texts.iter().map(|t| model.tokenize(t, true, false)).collect::<Result<_, _>>()?,
+        api::EmbeddingInput::Tokens(tokens) => vec![checked_tokens(&model, tokens, "input")?],
+        api::EmbeddingInput::TokenLists(lists) => {
+            lists.into_iter().map(|t| checked_tokens(&model, t, "input")).collect::<Result<_, _>>()?
+        }
+    };
+    if inputs.is_empty() || inputs.iter().any(Vec::is_empty) {
+        return Err(ApiError::invalid("'input' must be non-empty (and so must each of its items)", Some("input")));
+    }
+    let longest = inputs.iter().map(Vec::len).max().unwrap_or(0) as u32;
+    let limit = model.n_ctx_train().min(MAX_EMBED_TOKENS);
+    if longest > limit {
+        return Err(ApiError::invalid(format!("An input of {longest} tokens is longer than the {limit} this model embeds"), Some("input"))
+            .with_code("context_length_exceeded"));
+    }
+    // One input at a time on one context, each decoded whole (in one ubatch, which a
+    // model that pools by itself needs).
+    let n = Some(longest);
+    let ctx = Context::create(&model, ContextParams { n_ctx: n, n_batch: n, n_ubatch: n, n_seq_max: None, n_threads: None })?;
+    let cancel = CancelToken::create()?;
+    let mut pooling = Pooling::Mean;
+    let mut data = Vec::with_capacity(inputs.len());
+    for (index, tokens) in inputs.iter().enumerate() {
+        let vector = embed_one(&ctx, tokens, &mut pooling, &cancel)?;
+        let embedding = if base64 {
+            api::Vector::Base64(api::base64(&vector.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()))
+        } else {
+            api::Vector::Float(vector)
+        };
+        data.push(api::Embedding { object: "embedding", index: index as u32, embedding });
+    }
+    let tokens = inputs.iter().map(Vec::len).sum::<usize>() as u32;
+    let usage = api::EmbeddingUsage { prompt_tokens: tokens, total_tokens: tokens };
+    Ok(api::to_json(&api::EmbeddingList { object: "list", data, model: &name, usage }))
+}
+
+/// One normalized vector. Mean pooling, unless the model pools by itself (a dedicated
+/// embedding model): then the pooling it accepts, remembered in `pooling`.
+fn embed_one(ctx: &Context, tokens: &[i32], pooling: &mut Pooling, cancel: &CancelToken) -> Result<Vec<f32>, ApiError> {
+    let inputs = [tokens.to_vec()];
+    let mut tries = vec![*pooling];
+    tries.extend([Pooling::Mean, Pooling::Cls, Pooling::Last].into_iter().filter(|p| p != pooling));
+    let mut last_error = None;
+    for p in tries {
+        match embeddings::embed(ctx, &inputs, p, true, cancel) {
+            Ok(mut vectors) => {
+                *pooling = p;
+                return Ok(vectors.remove(0));
+            }
+            Err(HostError::InvalidArgument(m)) if m.contains("pools its embeddings itself") => last_error = Some(HostError::InvalidArgument(m)),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(last_error.expect("at least one pooling was tried").into())
+}
+
+/// A fresh id such as `chatcmpl-1f0c...`: 64 bits from the host's random source (via std's hasher keys).
+fn new_id(prefix: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    format!("{prefix}-{random:016x}")
+}
+
+/// Seconds since the Unix epoch.
+fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn format(chat: bool) -> Format {
+        Format { chat, id: "x-1".into(), created: 7, model: "m".into() }
+    }
+
+    #[test]
+    fn chat_json_shapes() {
+        let usage = Usage { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5 };
+        let f = format(true);
+        assert_eq!(
+            f.completion(Some("hi"), Some("stop"), Some(usage), true),
+            r#"{"id":"x-1","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#
+        );
+        assert_eq!(
+            f.role_chunk(),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#
+        );
+        assert_eq!(
+            f.completion(Some("a"), None, None, false),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}"#
+        );
+        assert_eq!(
+            f.completion(None, Some("length"), None, false),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}"#
+        );
+        assert_eq!(
+            f.usage_chunk(usage),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#
+        );
+    }
+
+    #[test]
+    fn text_json_shapes() {
+        let f = format(false);
+        assert_eq!(
+            f.completion(Some("a"), None, None, false),
+            r#"{"id":"x-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null}]}"#
+        );
+    }
+
+    #[test]
+    fn sampling_fields_are_checked() {
+        let read = |json: &str| Sampling::read(&Object::parse(json.as_bytes()).unwrap());
+        let s = read(r#"{"max_tokens":16,"temperature":0,"stop":"\n","stream":true,"stream_options":{"include_usage":true}}"#).unwrap();
+        assert_eq!((s.max_tokens, s.temperature, s.stop.clone(), s.stream, s.include_usage), (Some(16), 0.0, vec!["\n".to_string()], true, true));
+        let s = read(r#"{"max_tokens":16,"max_completion_tokens":4,"stop":["a","b"]}"#).unwrap();
+        assert_eq!((s.max_tokens, s.temperature, s.stop.len(), s.include_usage), (Some(4), 1.0, 2, false));
+        for (json, param) in [
+            (r#"{"n":2}"#, "n"),
+            (r#"{"temperature":3}"#, "temperature"),
+            (r#"{"top_p":-1}"#, "top_p"),
+            (r#"{"max_tokens":0}"#, "max_tokens"),
+            (r#"{"max_tokens":-1}"#, "max_tokens"),
+            (r#"{"max_completion_tokens":100000}"#, "max_completion_tokens"),
+            (r#"{"stop":["1","2","3","4","5","6","7","8","9"]}"#, "stop"),
+            (r#"{"presence_penalty":5}"#, "presence_penalty"),
+            (r#"{"logit_bias":{"1":200}}"#, "logit_bias"),
+            (r#"{"stream":"yes"}"#, "stream"),
+        ] {
+            let e = read(json).err().unwrap_or_else(|| panic!("{json} was accepted"));
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{json}");
+        }
+    }
+
+    #[test]
+    fn chat_messages_map_roles_and_parts() {
+        let m = |json: &str| chat_message(1, serde_json::from_str(json).unwrap());
+        assert_eq!(m(r#"{"role":"developer","content":"x"}"#).unwrap().role, "system");
+        assert_eq!(m(r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}"#).unwrap().content, "ab");
+        assert_eq!(m(r#"{"role":"tool","content":"x"}"#).err().unwrap().param.as_deref(), Some("messages[1].role"));
+        let e = m(r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}"#).err().unwrap();
+        assert_eq!(e.param.as_deref(), Some("messages[1].content[0]"));
+    }
+}

@@ -1,0 +1,102 @@
+//! `wasi:http` plumbing: the request body (read under a size cap) and the response
+//! (JSON in one go, or server-sent events written and flushed one by one).
+
+use crate::api::ApiError;
+use crate::wasi::http::types::{Fields, IncomingBody, IncomingRequest, OutgoingBody, OutgoingResponse, ResponseOutparam};
+use crate::wasi::io::streams::{OutputStream, StreamError};
+
+/// Request bodies over this many bytes are refused (413), unless `LLAMABOX_MAX_BODY_BYTES` says otherwise.
+const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
+/// The most `blocking-write-and-flush` takes at once.
+const WRITE_CHUNK: usize = 4096;
+
+/// The body size cap: `LLAMABOX_MAX_BODY_BYTES`, else 1 MiB.
+pub fn max_body_bytes() -> u64 {
+    std::env::var("LLAMABOX_MAX_BODY_BYTES").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(DEFAULT_MAX_BODY_BYTES)
+}
+
+/// The whole request body, or 413 as soon as it (or its declared length) passes `cap`.
+pub fn read_body(request: &IncomingRequest, cap: u64) -> Result<Vec<u8>, ApiError> {
+    let too_large = || ApiError::too_large(cap);
+    let headers = request.headers();
+    let declared = headers.get("content-length");
+    drop(headers);
+    for value in declared {
+        if std::str::from_utf8(&value).ok().and_then(|v| v.trim().parse::<u64>().ok()).is_some_and(|n| n > cap) {
+            return Err(too_large());
+        }
+    }
+    let unreadable = || ApiError::server("the request body could not be read");
+    let body = request.consume().map_err(|()| unreadable())?;
+    let stream = body.stream().map_err(|()| unreadable())?;
+    let mut bytes = Vec::new();
+    loop {
+        match stream.blocking_read(64 * 1024) {
+            Ok(chunk) if bytes.len() as u64 + chunk.len() as u64 > cap => return Err(too_large()),
+            Ok(chunk) => bytes.extend_from_slice(&chunk),
+            Err(StreamError::Closed) => break,
+            Err(StreamError::LastOperationFailed(e)) => {
+                return Err(ApiError::invalid(format!("reading the request body failed: {}", e.to_debug_string()), None))
+            }
+        }
+    }
+    drop(stream);
+    drop(IncomingBody::finish(body));
+    Ok(bytes)
+}
+
+/// The client went away: a write to the response body failed.
+#[derive(Debug)]
+pub struct Gone;
+
+/// A response whose status and headers are sent; its body is written piece by piece.
+pub struct Body {
+    // The stream is the body's child: it must be dropped first (fields drop in order).
+    stream: OutputStream,
+    body: OutgoingBody,
+}
+
+impl Body {
+    /// Send the status and headers now; the body follows.
+    pub fn start(out: ResponseOutparam, status: u16, content_type: &str) -> Body {
+        let mut headers = vec![("content-type".to_string(), content_type.as_bytes().to_vec())];
+        if content_type == "text/event-stream" {
+            headers.push(("cache-control".to_string(), b"no-cache".to_vec()));
+        }
+        let headers = Fields::from_list(&headers).expect("valid header names and values");
+        let response = OutgoingResponse::new(headers);
+        response.set_status_code(status).expect("a valid status code");
+        let body = response.body().expect("the first call to body");
+        ResponseOutparam::set(out, Ok(response));
+        let stream = body.write().expect("the first call to write");
+        Body { stream, body }
+    }
+
+    /// Write and flush `bytes`, in chunks `blocking-write-and-flush` takes.
+    pub fn write(&self, bytes: &[u8]) -> Result<(), Gone> {
+        for chunk in bytes.chunks(WRITE_CHUNK) {
+            self.stream.blocking_write_and_flush(chunk).map_err(|_| Gone)?;
+        }
+        Ok(())
+    }
+
+    /// One server-sent event: `data: <data>` and a blank line.
+    pub fn event(&self, data: &str) -> Result<(), Gone> {
+        self.write(format!("data: {data}\n\n").as_bytes())
+    }
+
+    /// The body is complete.
+    pub fn finish(self) {
+        let Body { stream, body } = self;
+        drop(stream);
+        let _ = OutgoingBody::finish(body, None);
+    }
+}
+
+/// A whole JSON response.
+pub fn send_json(out: ResponseOutparam, status: u16, json: &str) {
+    let body = Body::start(out, status, "application/json");
+    if body.write(json.as_bytes()).is_ok() {
+        body.finish();
+    }
+}

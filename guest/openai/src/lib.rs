@@ -1,0 +1,67 @@
+//! An OpenAI-compatible API for `llamabox serve`: a `wasi:http/incoming-handler`
+//! component (world `llamabox:inference/http-plugin`) that the server instantiates
+//! afresh for every request, with its route prefix already stripped.
+//!
+//! Served paths (the wire format of OpenAI's API, as the official clients send and read it):
+//! - `GET /v1/models`: the models named in `LLAMABOX_MODELS` (comma-separated).
+//! - `POST /v1/chat/completions`: formatted with the model's own chat template
+//!   (`generate.apply-chat-template`), streamed (server-sent events) or not.
+//! - `POST /v1/completions`: a plain-text prompt, streamed or not.
+//! - `POST /v1/embeddings`: mean-pooled (or the model's own pooling), normalized vectors,
+//!   as `float` lists or `base64` (what the Python client asks for by default).
+//!
+//! Choices:
+//! - Generation runs on the host (`generate.start`: the token loop never calls into
+//!   the plugin); each piece is written and flushed to the client as it arrives. A
+//!   failed write (the client hung up) drops the generation, which cancels it.
+//! - Sampling follows OpenAI's defaults: temperature 1 when not given, 0 is greedy.
+//!   `presence_penalty`/`frequency_penalty` map to the host's penalties over the last
+//!   64 generated tokens; `logit_bias` to its logit bias (-100 bans the token).
+//! - Each request gets its own context sized for prompt + max_tokens, capped by the
+//!   model's training length and `LLAMABOX_N_CTX` (default 4096). Without `max_tokens`
+//!   generation may fill the rest of that context (at most the host's 4096 tokens).
+//! - Request bodies are read up to `LLAMABOX_MAX_BODY_BYTES` (default 1 MiB); larger is 413.
+//! - Errors are OpenAI's `{"error":{"message","type","param","code"}}`: 400 for bad
+//!   requests (naming the `param`), 404 for unknown paths and models, 405 for a wrong
+//!   method, 413 for a body too big, 503 for a host limit (too many contexts, say),
+//!   500 for other host failures. After a stream has started, an error is sent as a
+//!   last `data: {"error":...}` event.
+
+wit_bindgen::generate!({
+    path: "../../wit",
+    world: "http-plugin",
+    generate_all,
+});
+
+mod api;
+mod handlers;
+mod http;
+
+use exports::wasi::http::incoming_handler::Guest;
+use wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
+
+struct Plugin;
+
+impl Guest for Plugin {
+    fn handle(request: IncomingRequest, out: ResponseOutparam) {
+        handlers::route(request, out);
+    }
+}
+
+export!(Plugin);
+
+/// The request's method, as its name.
+fn method_name(method: &Method) -> &str {
+    match method {
+        Method::Get => "GET",
+        Method::Head => "HEAD",
+        Method::Post => "POST",
+        Method::Put => "PUT",
+        Method::Delete => "DELETE",
+        Method::Connect => "CONNECT",
+        Method::Options => "OPTIONS",
+        Method::Trace => "TRACE",
+        Method::Patch => "PATCH",
+        Method::Other(name) => name,
+    }
+}

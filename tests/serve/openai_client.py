@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Checks `llamabox serve` with the openai plugin through the official `openai` client.
+
+Usage: python3 tests/serve/openai_client.py BASE_URL MODEL
+       (BASE_URL like http://127.0.0.1:PORT/v1; needs `pip install openai`)
+
+Prints `ok: NAME` for each check that passes and `FAIL: NAME: why` for each that
+does not; exits 1 if any failed (2 on bad usage or a missing `openai` package).
+"""
+
+import math
+import sys
+
+try:
+    import openai
+except ImportError:
+    print("FAIL: import: the openai package is missing (python3 -m pip install openai)", file=sys.stderr)
+    sys.exit(2)
+
+QUESTION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
+]
+
+
+def check_usage(usage, max_completion):
+    assert usage is not None, "no usage"
+    assert usage.prompt_tokens > 0, f"prompt_tokens is {usage.prompt_tokens}"
+    assert 0 < usage.completion_tokens <= max_completion, f"completion_tokens is {usage.completion_tokens}"
+    total = usage.prompt_tokens + usage.completion_tokens
+    assert usage.total_tokens == total, f"total_tokens {usage.total_tokens} != {usage.prompt_tokens} + {usage.completion_tokens}"
+
+
+def main():
+    if len(sys.argv) != 3:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    base_url, model = sys.argv[1], sys.argv[2]
+    client = openai.OpenAI(base_url=base_url, api_key="llamabox", max_retries=0, timeout=300)
+    failures = []
+    found = {}
+
+    def check(name, fn):
+        try:
+            fn()
+        except openai.APIConnectionError as e:  # no server: nothing else can pass
+            print(f"FAIL: {name}: cannot reach {base_url}: {e.__cause__ or e}", flush=True)
+            sys.exit(1)
+        except Exception as e:  # every other failure is reported, then the next check runs
+            failures.append(name)
+            print(f"FAIL: {name}: {type(e).__name__}: {e}", flush=True)
+        else:
+            print(f"ok: {name}", flush=True)
+
+    def models():
+        ids = [m.id for m in client.models.list()]
+        assert model in ids, f"{model!r} is not among the served models {ids}"
+
+    def chat():
+        r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=0)
+        assert r.object == "chat.completion", f"object is {r.object!r}"
+        assert r.model == model, f"model is {r.model!r}"
+        assert len(r.choices) == 1, f"{len(r.choices)} choices"
+        content = r.choices[0].message.content
+        assert isinstance(content, str) and content, f"content is {content!r}"
+        assert r.choices[0].message.role == "assistant", f"role is {r.choices[0].message.role!r}"
+        assert r.choices[0].finish_reason in ("stop", "length"), f"finish_reason is {r.choices[0].finish_reason!r}"
+        check_usage(r.usage, 16)
+        found["chat"] = content
+        found["chat_usage"] = r.usage
+
+    def chat_stream():
+        stream = client.chat.completions.create(
+            model=model,
+            messages=QUESTION,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, finish, usage, chunks = [], None, None, 0
+        for chunk in stream:
+            chunks += 1
+            assert chunk.object == "chat.completion.chunk", f"object is {chunk.object!r}"
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    pieces.append(choice.delta.content)
+                if choice.finish_reason is not None:
+                    finish = choice.finish_reason
+        text = "".join(pieces)
+        assert finish in ("stop", "length"), f"finish_reason is {finish!r}"
+        assert len(pieces) > 1, f"the answer came in {len(pieces)} piece(s), not streamed token by token"
+        if "chat" in found:
+            assert text == found["chat"], f"streamed {text!r} != non-streamed {found['chat']!r}"
+            check_usage(usage, 16)
+            assert usage.completion_tokens == found["chat_usage"].completion_tokens, "streamed usage differs"
+
+    def completion():
+        r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert r.object == "text_completion", f"object is {r.object!r}"
+        text = r.choices[0].text
+        assert isinstance(text, str) and text, f"text is {text!r}"
+        assert r.choices[0].finish_reason in ("stop", "length"), f"finish_reason is {r.choices[0].finish_reason!r}"
+        check_usage(r.usage, 8)
+        found["completion"] = text
+
+    def completion_stream():
+        stream = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True)
+        pieces, finish = [], None
+        for chunk in stream:
+            for choice in chunk.choices:
+                pieces.append(choice.text)
+                finish = choice.finish_reason or finish
+        assert finish in ("stop", "length"), f"finish_reason is {finish!r}"
+        if "completion" in found:
+            assert "".join(pieces) == found["completion"], f"streamed {''.join(pieces)!r} != {found['completion']!r}"
+
+    def embeddings():
+        inputs = ["The llama is in the box.", "A completely different sentence about the sea."]
+        # The client asks for base64 unless told otherwise; check both encodings.
+        r = client.embeddings.create(model=model, input=inputs)
+        vectors = [d.embedding for d in sorted(r.data, key=lambda d: d.index)]
+        assert len(vectors) == 2, f"{len(vectors)} vectors"
+        n = len(vectors[0])
+        assert n > 0 and len(vectors[1]) == n, f"lengths {[len(v) for v in vectors]}"
+        assert all(math.isfinite(x) for v in vectors for x in v), "a value is not finite"
+        assert vectors[0] != vectors[1], "two different inputs gave the same vector"
+        assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens, f"usage {r.usage}"
+        floats = client.embeddings.create(model=model, input=inputs, encoding_format="float")
+        again = [d.embedding for d in sorted(floats.data, key=lambda d: d.index)]
+        assert all(abs(a - b) <= 1e-6 for u, v in zip(vectors, again) for a, b in zip(u, v)), "float and base64 differ"
+
+    def bad_request():
+        try:
+            # Low-level post: the typed method would not send a request without messages.
+            client.post("/chat/completions", body={"model": model}, cast_to=object)
+        except openai.BadRequestError as e:
+            body = e.body if isinstance(e.body, dict) else {}
+            assert body.get("param") == "messages", f"param is {body.get('param')!r} in {e.body!r}"
+        else:
+            raise AssertionError("a chat completion without messages did not fail")
+
+    def unknown_model():
+        try:
+            client.chat.completions.create(model="no-such-model", messages=QUESTION, max_tokens=1)
+        except openai.NotFoundError:
+            pass
+        else:
+            raise AssertionError("an unknown model did not fail with 404")
+
+    check("models", models)
+    check("chat", chat)
+    check("chat-stream", chat_stream)
+    check("completion", completion)
+    check("completion-stream", completion_stream)
+    check("embeddings", embeddings)
+    check("bad-request", bad_request)
+    check("unknown-model", unknown_model)
+    if failures:
+        print(f"{len(failures)} check(s) failed: {', '.join(failures)}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
