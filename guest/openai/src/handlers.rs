@@ -94,11 +94,45 @@ fn chat(body: &Object) -> Result<Reply, ApiError> {
     }
     let messages = messages.into_iter().enumerate().map(|(i, m)| chat_message(i, m)).collect::<Result<Vec<_>, _>>()?;
     let (name, model) = open_model(body)?;
-    let prompt = generate::apply_chat_template(&model, &messages, true, None)?;
-    // parse-special: the template's markers (`<|im_start|>`, ...) become their tokens.
-    let tokens = model.tokenize(&prompt, true, true)?;
+    let prompt = generate::apply_chat_template(&model, &messages, true, None).map_err(|e| too_long(e, "messages"))?;
+    let tokens = chat_tokens(&model, &prompt, &messages)?;
     let run = Run::start(model, tokens, &sampling, "messages")?;
     finish(run, Format { chat: true, id: new_id("chatcmpl"), created: now(), model: name }, &sampling)
+}
+
+/// The templated prompt's tokens. The template's own text is parsed for special tokens
+/// (`<|im_start|>`, ...); the messages' texts are not: a user cannot write a special
+/// token, and long texts escape the host's cap on special parsing. Should the template
+/// have changed a text so that it is not found, the whole prompt is parsed.
+fn chat_tokens(model: &Model, prompt: &str, messages: &[ChatMessage]) -> Result<Vec<i32>, ApiError> {
+    let mut tokens = Vec::new();
+    let mut rest = prompt;
+    for m in messages.iter().filter(|m| !m.content.is_empty()) {
+        let Some(at) = rest.find(&m.content) else {
+            return tokenize(model, prompt, true, true, "messages");
+        };
+        tokens.extend(tokenize(model, &rest[..at], tokens.is_empty(), true, "messages")?);
+        tokens.extend(tokenize(model, &m.content, tokens.is_empty(), false, "messages")?);
+        rest = &rest[at + m.content.len()..];
+    }
+    tokens.extend(tokenize(model, rest, tokens.is_empty(), true, "messages")?);
+    Ok(tokens)
+}
+
+/// `model.tokenize`, with a text over the host's size caps answered as 400 naming `param`.
+fn tokenize(model: &Model, text: &str, add_special: bool, parse_special: bool, param: &str) -> Result<Vec<i32>, ApiError> {
+    if text.is_empty() && !add_special {
+        return Ok(Vec::new());
+    }
+    model.tokenize(text, add_special, parse_special).map_err(|e| too_long(e, param))
+}
+
+/// A host limit on the request's own text is the request's fault: 400, not 503.
+fn too_long(e: HostError, param: &str) -> ApiError {
+    match e {
+        HostError::LimitExceeded(m) => ApiError::invalid(format!("'{param}' is too long: {m}"), Some(param)),
+        e => e.into(),
+    }
 }
 
 /// One message for the chat template: roles as the template knows them, text parts joined.
@@ -138,8 +172,9 @@ fn completion(body: &Object) -> Result<Reply, ApiError> {
     let prompt: api::Prompt = body.require("prompt")?;
     let (name, model) = open_model(body)?;
     let tokens = match prompt {
-        api::Prompt::Text(text) => model.tokenize(&text, true, true)?,
-        api::Prompt::Texts(texts) if texts.len() == 1 => model.tokenize(&texts[0], true, true)?,
+        // Plain text, as OpenAI reads it: special-token text is not parsed (send token ids for that).
+        api::Prompt::Text(text) => tokenize(&model, &text, true, false, "prompt")?,
+        api::Prompt::Texts(texts) if texts.len() == 1 => tokenize(&model, &texts[0], true, false, "prompt")?,
         api::Prompt::Texts(_) => return Err(ApiError::invalid("Only one prompt per request is served", Some("prompt"))),
         api::Prompt::Tokens(tokens) => checked_tokens(&model, tokens, "prompt")?,
     };
@@ -431,8 +466,8 @@ fn embed(body: &Object) -> Result<String, ApiError> {
         return Err(ApiError::invalid(format!("This model's embeddings have {} dimensions", model.n_embd()), Some("dimensions")));
     }
     let inputs = match input {
-        api::EmbeddingInput::Text(text) => vec![model.tokenize(&text, true, false)?],
-        api::EmbeddingInput::Texts(texts) => texts.iter().map(|t| model.tokenize(t, true, false)).collect::<Result<_, _>>()?,
+        api::EmbeddingInput::Text(text) => vec![tokenize(&model, &text, true, false, "input")?],
+        api::EmbeddingInput::Texts(texts) => texts.iter().map(|t| tokenize(&model, t, true, false, "input")).collect::<Result<_, _>>()?,
         api::EmbeddingInput::Tokens(tokens) => vec![checked_tokens(&model, tokens, "input")?],
         api::EmbeddingInput::TokenLists(lists) => {
             lists.into_iter().map(|t| checked_tokens(&model, t, "input")).collect::<Result<_, _>>()?

@@ -20,10 +20,14 @@
 //! - Each request gets its own context sized for prompt + max_tokens, capped by the
 //!   model's training length and `LLAMABOX_N_CTX` (default 4096). Without `max_tokens`
 //!   generation may fill the rest of that context (at most the host's 4096 tokens).
+//! - Chat prompts are the template's text with special tokens parsed, and the messages'
+//!   texts tokenized as plain text (a user cannot write `<|im_end|>` into the prompt);
+//!   a completion's `prompt` is plain text too (token-id prompts are taken as given).
 //! - Request bodies are read up to `LLAMABOX_MAX_BODY_BYTES` (default 1 MiB); larger is 413.
 //! - Errors are OpenAI's `{"error":{"message","type","param","code"}}`: 400 for bad
 //!   requests (naming the `param`), 404 for unknown paths and models, 405 for a wrong
-//!   method, 413 for a body too big, 503 for a host limit (too many contexts, say),
+//!   method, 413 for a body too big, 503 for a host limit on resources (contexts, KV
+//!   cells; a text over the host's size caps is 400),
 //!   500 for other host failures. After a stream has started, an error is sent as a
 //!   last `data: {"error":...}` event.
 
