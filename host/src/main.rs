@@ -78,9 +78,15 @@ enum Command {
         /// Stop each request after this many milliseconds (504).
         #[arg(long, value_name = "MS")]
         deadline_ms: Option<u64>,
+        /// Requests running at once, all plugins together.
+        #[arg(long)]
+        max_concurrent: Option<u32>,
         /// Requests that may wait for a slot (then 503).
         #[arg(long)]
         max_queue: Option<u32>,
+        /// Largest request body in bytes (then 413).
+        #[arg(long, value_name = "BYTES")]
+        max_body_bytes: Option<u64>,
         /// How long a request may wait for a slot (then 503).
         #[arg(long, value_name = "MS")]
         queue_timeout_ms: Option<u64>,
@@ -249,7 +255,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             threads,
             request_threads,
             deadline_ms,
+            max_concurrent,
             max_queue,
+            max_body_bytes,
             queue_timeout_ms,
             shutdown_grace_ms,
             cache,
@@ -270,7 +278,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 plugin.threads = request_threads.unwrap_or(plugin.threads);
                 plugin.deadline_ms = deadline_ms.unwrap_or(plugin.deadline_ms);
             }
+            config.max_concurrent = max_concurrent.unwrap_or(config.max_concurrent);
             config.max_queue = max_queue.unwrap_or(config.max_queue);
+            config.max_body_bytes = max_body_bytes.unwrap_or(config.max_body_bytes);
             config.queue_timeout_ms = queue_timeout_ms.unwrap_or(config.queue_timeout_ms);
             config.shutdown_grace_ms = shutdown_grace_ms.unwrap_or(config.shutdown_grace_ms);
             if config.compile_cache.is_none() {

@@ -54,8 +54,14 @@ impl Admission {
         self.queued.load(Relaxed)
     }
 
-    /// Wait (in the queue, first come first served) for what `plugin` needs.
+    /// What `plugin` needs, at once if it is free, else after waiting in the queue
+    /// (first come first served).
     pub async fn admit(&self, plugin: &PluginAdmission) -> Result<Admitted, Refused> {
+        if self.queued.load(Relaxed) == 0 {
+            if let Some(admitted) = self.try_admit(plugin) {
+                return Ok(admitted);
+            }
+        }
         if self.queued.fetch_add(1, Relaxed) >= self.max_queue {
             self.queued.fetch_sub(1, Relaxed);
             return Err(Refused::QueueFull);
@@ -73,6 +79,17 @@ impl Admission {
             Ok(Some(admitted)) => Ok(admitted),
             Ok(None) | Err(_) => Err(Refused::Timeout),
         }
+    }
+}
+
+impl Admission {
+    /// Everything at once without waiting, or nothing (what was taken goes back).
+    fn try_admit(&self, plugin: &PluginAdmission) -> Option<Admitted> {
+        Some(Admitted {
+            _plugin: plugin.slots.clone().try_acquire_owned().ok()?,
+            _server: self.slots.clone().try_acquire_owned().ok()?,
+            _threads: self.threads.clone().try_acquire_many_owned(plugin.threads).ok()?,
+        })
     }
 }
 
@@ -113,5 +130,15 @@ mod tests {
         let _running = server.admit(&plugin).await.unwrap();
         assert_eq!(server.admit(&plugin).await.err(), Some(Refused::Timeout));
         assert!(server.admit(&PluginAdmission::new(1, 1)).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn without_a_queue_a_free_slot_is_still_taken() {
+        let server = Admission::new(1, 1, 0, Duration::from_millis(50));
+        let plugin = PluginAdmission::new(1, 1);
+        let running = server.admit(&plugin).await.unwrap();
+        assert_eq!(server.admit(&plugin).await.err(), Some(Refused::QueueFull));
+        drop(running);
+        assert!(server.admit(&plugin).await.is_ok());
     }
 }

@@ -1,0 +1,436 @@
+//! `llamabox serve` from the outside, with real clients: the official `openai` Python
+//! client, curl, wrk, and raw sockets that hang up. Every server is started here, on
+//! loopback, with a port the OS picks, and killed when its test ends.
+//!
+//! Hang-ups are made deterministic by the protocol, not by timing: the client waits
+//! for the first event of a streamed answer (the plugin sends it before it starts the
+//! prefill) and only then closes its socket, with thousands of prompt tokens still to
+//! compute; the run's own report (`decoded=`) then proves where native work stopped.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// Time any one step may take before the test fails (a hung server, not a slow one).
+const PATIENCE: Duration = Duration::from_secs(120);
+
+fn openai_plugin() -> PathBuf {
+    common::guest_plugin("llamabox_openai.wasm")
+}
+
+/// A `llamabox serve` child process.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Serve the openai plugin with `models`, plus `flags`; returns once it is ready.
+    fn start(models: &[(&str, &Path)], flags: &[&str]) -> Server {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_llamabox"));
+        command.args(["serve", "--listen", "127.0.0.1:0", "--no-compile-cache", "--plugin"]);
+        command.arg(format!("openai={}", openai_plugin().display()));
+        for (name, path) in models {
+            command.arg("--model").arg(format!("{name}={}", path.display()));
+        }
+        command.args(flags).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = command.spawn().expect("starting llamabox serve");
+        let (stdout, stderr) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
+        collect(child.stdout.take().unwrap(), stdout.clone());
+        collect(child.stderr.take().unwrap(), stderr.clone());
+        let mut server = Server { child, addr: "127.0.0.1:0".parse().unwrap(), stdout, stderr };
+        server.wait_for_line("ready");
+        let out = server.stdout.lock().unwrap().clone();
+        let addr = out.lines().find_map(|l| l.strip_prefix("listening on http://")).expect("no listening line");
+        server.addr = addr.parse().unwrap();
+        server
+    }
+
+    fn wait_for_line(&mut self, line: &str) {
+        let started = Instant::now();
+        while !self.stdout.lock().unwrap().lines().any(|l| l == line) {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("the server exited ({status}) before {line:?}:\n{}\n{}", self.stdout(), self.stderr());
+            }
+            assert!(started.elapsed() < PATIENCE, "no {line:?} line from the server:\n{}", self.stdout());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// The sum of the metric lines named `name` (with labels, if given as `name{..}`).
+    fn metric(&self, name: &str) -> f64 {
+        let (status, text) = curl(&[&self.url("/metrics")]);
+        assert_eq!(status, 200);
+        text.lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Wait until the metric is `want`.
+    fn wait_metric(&self, name: &str, want: f64) {
+        let started = Instant::now();
+        while self.metric(name) != want {
+            assert!(started.elapsed() < PATIENCE, "{name} stayed {} (want {want})", self.metric(name));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The server's `run ended` log line of request `id`, with its fields.
+    fn run_report(&self, id: &str) -> String {
+        let started = Instant::now();
+        loop {
+            let tag = format!("id={id} ");
+            if let Some(line) = self.stderr().lines().find(|l| l.contains(&tag) && l.contains("run ended")) {
+                return line.to_string();
+            }
+            assert!(started.elapsed() < PATIENCE, "no run report for {id}:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn terminate(&mut self) -> ExitStatus {
+        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        assert!(status.success());
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(started.elapsed() < PATIENCE, "the server did not exit after SIGTERM:\n{}", self.stdout());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Resident memory, from /proc.
+    fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Copy a child's output into `into` as it comes.
+fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            let mut text = into.lock().unwrap();
+            text.push_str(&line);
+            text.push('\n');
+        }
+    });
+}
+
+/// curl with `args`; its status code and body.
+fn curl(args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "120", "-w", "\n%{http_code}"])
+        .args(args)
+        .output()
+        .expect("running curl");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let (body, status) = text.rsplit_once('\n').unwrap();
+    (status.parse().unwrap_or(0), body.to_string())
+}
+
+/// POST `body` as JSON with curl.
+fn post(server: &Server, path: &str, body: &Value, extra: &[&str]) -> (u16, String) {
+    post_to(&server.url(path), body, extra)
+}
+
+fn post_to(url: &str, body: &Value, extra: &[&str]) -> (u16, String) {
+    let body = body.to_string();
+    let mut args = vec!["-H", "content-type: application/json", "--data-binary", &body, url];
+    args.extend_from_slice(extra);
+    curl(&args)
+}
+
+/// The text of a chat completion, streamed (SSE deltas joined) or not.
+fn chat_text(response: &str, streamed: bool) -> String {
+    if !streamed {
+        let v: Value = serde_json::from_str(response).unwrap_or_else(|e| panic!("{e}: {response}"));
+        return v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    }
+    assert!(response.trim_end().ends_with("data: [DONE]"), "the stream did not end with [DONE]:\n{response}");
+    response
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .filter_map(|data| serde_json::from_str::<Value>(data).unwrap()["choices"][0]["delta"]["content"].as_str().map(String::from))
+        .collect()
+}
+
+fn chat(prompt: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({"model": "smollm2", "messages": [{"role": "user", "content": prompt}],
+           "max_tokens": max_tokens, "temperature": 0, "stream": stream})
+}
+
+/// A prompt of about `words` × 2 tokens that no two callers share.
+fn long_prompt(words: usize, salt: &str) -> String {
+    (0..words).map(|i| format!("{salt}{i}")).collect::<Vec<_>>().join(" ")
+}
+
+/// A client that sends `body` to `path` as request `id`, reads until the response has
+/// `wait_for` in it, then closes its socket: the hang-up.
+fn hang_up_after(server: &Server, path: &str, id: &str, body: &Value, wait_for: &str) {
+    let body = body.to_string();
+    let mut socket = TcpStream::connect(server.addr).unwrap();
+    socket.set_read_timeout(Some(PATIENCE)).unwrap();
+    write!(
+        socket,
+        "POST {path} HTTP/1.1\r\nhost: llamabox\r\nx-request-id: {id}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains(wait_for) {
+        let n = socket.read(&mut buf).unwrap();
+        assert!(n > 0, "the server closed first: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&seen));
+    drop(socket);
+}
+
+/// `key=value` from a log line.
+fn log_field<'a>(line: &'a str, key: &str) -> &'a str {
+    let start = line.find(&format!(" {key}=")).unwrap_or_else(|| panic!("no {key} in {line}")) + key.len() + 2;
+    line[start..].split_whitespace().next().unwrap()
+}
+
+/// The `openai` Python package, installed once outside the clone.
+fn openai_python_path() -> String {
+    let out = Command::new(common::repo_root().join("scripts/pip-tool.sh")).args(["openai", "3.51.0"]).output().unwrap();
+    assert!(out.status.success(), "installing openai from PyPI: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+#[test]
+fn the_openai_client_and_curl_chat_stream_and_embed() {
+    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
+    let out = Command::new("python3")
+        .arg(common::repo_root().join("tests/serve/openai_client.py"))
+        .args([&server.url("/v1"), "smollm2"])
+        .env("PYTHONPATH", openai_python_path())
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    println!("{report}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the openai client's checks failed:\n{report}");
+    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 5, "{report}");
+
+    // curl: the streamed text is the whole text, and ends the stream properly.
+    let question = "What is a llama? Answer in two sentences.";
+    let (status, whole) = post(&server, "/v1/chat/completions", &chat(question, 32, false), &[]);
+    assert_eq!(status, 200, "{whole}");
+    let (status, streamed) = post(&server, "/v1/chat/completions", &chat(question, 32, true), &["-N"]);
+    assert_eq!(status, 200, "{streamed}");
+    assert_eq!(chat_text(&streamed, true), chat_text(&whole, false));
+
+    // Bad input gets OpenAI-shaped errors from the plugin, unknown paths from the server.
+    let (status, body) = post(&server, "/v1/chat/completions", &json!({"model": "smollm2"}), &[]);
+    assert_eq!(status, 400, "{body}");
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["error"]["message"].is_string());
+    let (status, _) = curl(&["-X", "POST", "-d", "{not json", &server.url("/v1/chat/completions")]);
+    assert_eq!(status, 400);
+    assert_eq!(curl(&[&server.url("/healthz")]).0, 200);
+    assert_eq!(curl(&[&server.url("/readyz")]).0, 200);
+    assert!(server.metric("llamabox_requests_total{plugin=\"openai\",status=\"200\"}") >= 7.0);
+    assert_eq!(server.metric("llamabox_live_workers"), 0.0);
+}
+
+#[test]
+fn a_hang_up_stops_its_own_native_work_and_nobody_elses() {
+    // Two requests run at once (2 threads, 1 each).
+    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2", "--request-threads", "1"]);
+    let question = "Name three animals that live in the Andes.";
+    let (status, alone) = post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]);
+    assert_eq!(status, 200, "{alone}");
+
+    // A streams while B hangs up mid-prefill of a ~3000-token prompt.
+    let prompt = long_prompt(1000, "w");
+    let (status, counted) = post(&server, "/v1/chat/completions", &chat(&prompt, 1, false), &[]);
+    assert_eq!(status, 200, "{counted}");
+    let prompt_tokens = serde_json::from_str::<Value>(&counted).unwrap()["usage"]["prompt_tokens"].as_u64().unwrap();
+    let other = std::thread::scope(|s| {
+        let other = s.spawn(|| post(&server, "/v1/chat/completions", &chat(question, 48, true), &["-N"]));
+        // A different prompt than the one counted, so no cache could help (there is none).
+        hang_up_after(&server, "/v1/chat/completions", "prefill-hang-up", &chat(&long_prompt(1000, "v"), 64, true), "data: ");
+        other.join().unwrap()
+    });
+    let report = server.run_report("prefill-hang-up");
+    println!("{report}");
+    assert_eq!(log_field(&report, "outcome"), "Stopped");
+    assert_eq!(log_field(&report, "generated"), "0");
+    let decoded: u64 = log_field(&report, "decoded").parse().unwrap();
+    assert!(decoded < prompt_tokens, "the prefill ran on after the hang-up: {decoded} of {prompt_tokens} tokens");
+    // The other request is whole, and the same as when it ran alone.
+    assert_eq!(other.0, 200);
+    assert_eq!(chat_text(&other.1, true), chat_text(&alone, false));
+
+    // A hang-up during generation stops it too.
+    hang_up_after(&server, "/v1/chat/completions", "generation-hang-up", &chat(question, 4000, true), "\"content\":\"");
+    let report = server.run_report("generation-hang-up");
+    println!("{report}");
+    assert_eq!(log_field(&report, "outcome"), "Stopped");
+    let generated: u64 = log_field(&report, "generated").parse().unwrap();
+    assert!(generated < 4000, "{report}");
+
+    server.wait_metric("llamabox_cancels_total{cause=\"disconnect\"}", 2.0);
+    assert_eq!(server.metric("llamabox_disconnect_stop_seconds_count"), 2.0);
+    server.wait_metric("llamabox_in_flight", 0.0);
+    assert_eq!(server.metric("llamabox_live_workers"), 0.0);
+}
+
+#[test]
+fn deadlines_queues_and_body_limits_answer_before_any_work_is_lost() {
+    let flags = ["--threads", "1", "--max-queue", "0", "--deadline-ms", "500", "--max-body-bytes", "65536"];
+    let server = Server::start(&[("smollm2", common::real_model())], &flags);
+
+    // Far more work than 500 ms on any CPU: the deadline answers 504 and stops it.
+    let (status, body) = post(&server, "/v1/chat/completions", &chat(&long_prompt(800, "d"), 500, false), &[]);
+    assert_eq!(status, 504, "{body}");
+    server.wait_metric("llamabox_cancels_total{cause=\"deadline\"}", 1.0);
+
+    // One thread, no queue: while a request runs, the next is refused with Retry-After.
+    let holder_body = chat(&long_prompt(1000, "h"), 64, true).to_string();
+    let mut holder = TcpStream::connect(server.addr).unwrap();
+    write!(holder, "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{holder_body}", holder_body.len()).unwrap();
+    let mut first = [0u8; 64];
+    let _ = holder.read(&mut first).unwrap();
+    let out = Command::new("curl")
+        .args(["-sS", "-i", "-H", "content-type: application/json", "--data-binary"])
+        .arg(chat("hi", 4, false).to_string())
+        .arg(server.url("/v1/chat/completions"))
+        .output()
+        .unwrap();
+    let head = String::from_utf8_lossy(&out.stdout).to_lowercase();
+    assert!(head.starts_with("http/1.1 503"), "{head}");
+    assert!(head.contains("retry-after: "), "{head}");
+    drop(holder);
+    assert_eq!(server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"queue_full\"}"), 1.0);
+
+    // A body over the limit: 413 before the plugin runs.
+    let big = "x".repeat(70_000);
+    let (status, _) = post(&server, "/v1/chat/completions", &chat(&big, 4, false), &[]);
+    assert_eq!(status, 413);
+    server.wait_metric("llamabox_in_flight", 0.0);
+    assert_eq!(server.metric("llamabox_live_workers"), 0.0);
+}
+
+#[test]
+fn sigterm_drains_requests_in_flight_then_stops_what_is_left() {
+    let question = "Tell me about llamas.";
+    // A grace period long enough: the request in flight finishes whole.
+    let mut server = Server::start(&[("smollm2", common::real_model())], &["--shutdown-grace-ms", "60000"]);
+    let streamed = std::thread::scope(|s| {
+        let url = server.url("/v1/chat/completions");
+        let streamed = s.spawn(move || post_to(&url, &chat(question, 48, true), &["-N"]));
+        server.wait_metric("llamabox_in_flight", 1.0);
+        let status = server.terminate();
+        assert!(status.success(), "exit status {status}");
+        streamed.join().unwrap()
+    });
+    assert_eq!(streamed.0, 200);
+    assert!(!chat_text(&streamed.1, true).is_empty());
+    let out = server.stdout();
+    assert!(out.contains("draining: 1 requests in flight") && out.trim_end().ends_with("stopped"), "{out}");
+
+    // A short one: what is still running when it ends is stopped, and the exit is clean.
+    let mut server = Server::start(&[("smollm2", common::real_model())], &["--shutdown-grace-ms", "200"]);
+    let streamed = std::thread::scope(|s| {
+        let url = server.url("/v1/chat/completions");
+        let streamed = s.spawn(move || post_to(&url, &chat(&long_prompt(800, "s"), 500, true), &["-N"]));
+        server.wait_metric("llamabox_in_flight", 1.0);
+        let status = server.terminate();
+        assert!(status.success(), "exit status {status}");
+        streamed.join().unwrap()
+    });
+    assert!(!streamed.1.contains("[DONE]"), "the stopped request's stream ended as if whole");
+    let out = server.stdout();
+    assert!(out.contains("grace period over: stopping 1 requests"), "{out}");
+}
+
+/// wrk's completed requests (`N requests in`).
+fn wrk_requests(output: &str) -> u64 {
+    output.lines().find_map(|l| l.trim().split_once(" requests in ")?.0.parse().ok()).unwrap_or_else(|| panic!("{output}"))
+}
+
+#[test]
+fn load_with_wrk_and_hang_ups_leaves_no_worker_and_accounts_for_every_request() {
+    let server = Server::start(&[("tiny", common::tiny_model())], &["--threads", "2", "--request-threads", "1"]);
+    let script = std::env::temp_dir().join(format!("llamabox-wrk-{}.lua", std::process::id()));
+    let body = json!({"model": "tiny", "prompt": "a b c d", "max_tokens": 8, "temperature": 0}).to_string();
+    std::fs::write(&script, format!("wrk.method = \"POST\"\nwrk.headers[\"content-type\"] = \"application/json\"\nwrk.body = {}\n", json!(body))).unwrap();
+    let hang_up_body = json!({"model": "tiny", "prompt": "a b c d", "max_tokens": 3000, "temperature": 0, "stream": true});
+    let mut rss = Vec::new();
+    let (mut completed, mut hang_ups, mut cut_off) = (0u64, 0u64, 0u64);
+    for (round, connections) in [1u32, 4, 8, 8, 8].into_iter().enumerate() {
+        let out = std::thread::scope(|s| {
+            let wrk = s.spawn(|| {
+                Command::new("wrk")
+                    .args(["-t", "1", "-c", &connections.to_string(), "-d", "2s", "--timeout", "10s", "-s"])
+                    .arg(&script)
+                    .arg(server.url("/v1/completions"))
+                    .output()
+                    .expect("running wrk (Debian's wrk package)")
+            });
+            // Abrupt disconnects among the load, each after its stream began.
+            for i in 0..5 {
+                hang_up_after(&server, "/v1/completions", &format!("load-{round}-{i}"), &hang_up_body, "data: ");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            wrk.join().unwrap()
+        });
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        println!("wrk -c {connections}:\n{text}");
+        assert!(out.status.success() && !text.contains("Non-2xx"), "{text}");
+        completed += wrk_requests(&text);
+        hang_ups += 5;
+        cut_off += u64::from(connections);
+        server.wait_metric("llamabox_in_flight", 0.0);
+        assert_eq!(server.metric("llamabox_live_workers"), 0.0, "native threads outlived their requests");
+        // Every request is counted once: wrk's, the hang-ups, and at most one request
+        // per wrk connection cut off when its time was up.
+        let counted = server.metric("llamabox_requests_total");
+        let (low, high) = ((completed + hang_ups) as f64, (completed + hang_ups + cut_off) as f64);
+        assert!(low <= counted && counted <= high, "{counted} requests counted, want {low}..={high}");
+        rss.push(server.rss_kib());
+    }
+    let cancelled = server.metric("llamabox_cancels_total{cause=\"disconnect\"}");
+    assert!(cancelled >= hang_ups as f64, "{cancelled} hang-ups stopped of {hang_ups}");
+    println!("RSS per round (KiB): {rss:?}");
+    // Flat across the repeated rounds at concurrency 8 (allocator noise aside).
+    let (first, last) = (rss[2], *rss.last().unwrap());
+    assert!(last <= first + first / 10 + 8192, "RSS grew from {first} to {last} KiB over repeated rounds: {rss:?}");
+    let _ = std::fs::remove_file(script);
+}
