@@ -8,7 +8,9 @@
 #   3. failed requests during a rolling restart under load (SIGTERM, wait for the exit,
 #      start again, wait for /readyz), through nginx and through HAProxy;
 #   4. client disconnect -> worker return, directly and through each balancer
-#      (deploy/loopback/disconnect.py, reading the replicas' /metrics);
+#      (deploy/loopback/disconnect.py, reading the replicas' /metrics), streamed or not;
+#   5. the same with the one balancer setting that breaks it (nginx
+#      proxy_ignore_client_abort on, HAProxy without abortonclose / http-no-delay);
 # and writes bench/SCALE.md. About 2.5 minutes. Every address is on loopback; every
 # load is bounded in time; every process it starts is stopped by its pid on exit.
 #
@@ -16,13 +18,13 @@
 #   LLAMABOX    the binary (default target/release/llamabox); needs `serve`
 #   PLUGIN      the openai plugin (default target/guest/wasm32-wasip2/release/llamabox_openai.wasm)
 #   MODEL       a GGUF (default: SmolLM2-135M-Instruct Q4_1 from scripts/fetch-model.sh)
-#   DURATION    seconds per throughput / kill phase (default 12)
-#   ROLL_DURATION  seconds of load around each rolling restart (default 35)
+#   DURATION    seconds per throughput / kill phase (default 10)
+#   ROLL_DURATION  seconds of load around each rolling restart (default 30)
 #   ROLL_PAUSE  seconds between one replica's /readyz and the next one's SIGTERM
 #               (default 6: more than nginx's fail_timeout, see docs/DEPLOY.md)
 #   CONNS       concurrent wrk connections (default 4)
 #   MAX_TOKENS  completion tokens per request (default 32)
-#   BASE_PORT   first of the loopback ports used (default 18100; 18100-18111)
+#   BASE_PORT   first of the loopback ports used (default 18100: 18100-18105, 18110-18111, 18200-18205)
 #   OUT         the report (default bench/SCALE.md)
 # Refuses to run while rustc is (a build would take the cores being measured) unless
 # SCALE_ALLOW_BUSY=1.
@@ -31,8 +33,8 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 loop="$root/deploy/loopback"
 LLAMABOX="${LLAMABOX:-$root/target/release/llamabox}"
 PLUGIN="${PLUGIN:-$root/target/guest/wasm32-wasip2/release/llamabox_openai.wasm}"
-DURATION="${DURATION:-12}"
-ROLL_DURATION="${ROLL_DURATION:-35}"
+DURATION="${DURATION:-10}"
+ROLL_DURATION="${ROLL_DURATION:-30}"
 ROLL_PAUSE="${ROLL_PAUSE:-6}"
 CONNS="${CONNS:-4}"
 MAX_TOKENS="${MAX_TOKENS:-32}"
@@ -66,12 +68,13 @@ HAPROXY="$(command -v haproxy)"
 
 PORT_LB1=$BASE_PORT PORT_LB2=$((BASE_PORT + 1)) PORT_HA=$((BASE_PORT + 2))
 PORT_A=$((BASE_PORT + 10)) PORT_B=$((BASE_PORT + 11))
-for port in $PORT_LB1 $PORT_LB2 $PORT_HA $PORT_A $PORT_B; do
+for port in $PORT_LB1 $PORT_LB2 $PORT_HA $PORT_A $PORT_B $((BASE_PORT + 3)) $((BASE_PORT + 4)) $((BASE_PORT + 5)) $((BASE_PORT + 103)); do
   ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null || die "127.0.0.1:$port is in use (BASE_PORT=...)"
 done
 
 tmp="$(mktemp -d /tmp/llamabox-scale.XXXXXX)"
 declare -A pid=()          # replica name -> pid
+declare -A first_event=()  # balancer -> median ms to the first streamed event
 others=()                  # nginx, haproxy, wrk
 cleanup() {
   local p
@@ -189,6 +192,8 @@ wrk_pid=$!; others+=($wrk_pid)
 sleep "$(calc "$DURATION / 3")"
 kill -KILL "${pid[b]}"; wait "${pid[b]}" 2>/dev/null || true; unset "pid[b]"
 wait "$wrk_pid" || true
+# Requests nginx saw fail on b (cut off mid-answer, or refused) and sent on to a.
+kill_retried=$(grep -cE 'prematurely closed|Connection refused|reset by peer' "$tmp/nginx-error.log" || true)
 start_replica b; restart_b=$took
 
 # ---- 3. rolling restarts under load ----
@@ -214,11 +219,57 @@ echo "== rolling restart under ${ROLL_DURATION} s of load: HAProxy"
 roll roll-haproxy "http://127.0.0.1:$PORT_HA"
 
 # ---- 4. client disconnect -> worker return ----
+# Streamed: the client closes after the first event. Not streamed: it closes 300 ms after
+# sending, while the answer is still being generated (the balancer has nothing to write).
 metrics="http://127.0.0.1:$PORT_A,http://127.0.0.1:$PORT_B"
 for path in direct:$PORT_A nginx:$PORT_LB2 haproxy:$PORT_HA; do
   echo "== disconnect after the first event: ${path%%:*}"
   python3 "$loop/disconnect.py" --url "http://127.0.0.1:${path#*:}" --metrics "$metrics" --trials 3 \
     | tee "$tmp/disconnect-${path%%:*}.jsonl"
+  echo "== disconnect before a non-streamed answer: ${path%%:*}"
+  python3 "$loop/disconnect.py" --url "http://127.0.0.1:${path#*:}" --metrics "$metrics" --trials 3 \
+    --no-stream --close-after-ms 300 --max-tokens 300 --timeout 10 | tee "$tmp/disconnect-${path%%:*}-nostream.jsonl"
+done
+
+# ---- 5. the balancer settings that break cancel-on-disconnect, measured ----
+# nginx with proxy_ignore_client_abort on; HAProxy without option abortonclose: a client
+# that leaves before a non-streamed answer. HAProxy without option http-no-delay: time to
+# the first streamed event. Each on its own balancer instance on two more loopback ports.
+PORT_V1=$((BASE_PORT + 3)) PORT_V2=$((BASE_PORT + 4)) PORT_V3=$((BASE_PORT + 5))
+variant() {  # NAME TEMPLATE PORT SED-EXPRESSION: a balancer from TEMPLATE, changed, on PORT
+  local name=$1 template=$2 port=$3 change=$4
+  mkdir -p "$tmp/$name"
+  sed -e "s|@TMP@|$tmp/$name|g; s|@USER@|$(id -un)|g; s|@PORT_LB1@|$((port + 100))|g; s|@PORT_LB2@|$port|g" \
+      -e "s|@PORT_HA@|$port|g; s|@PORT_A@|$PORT_A|g; s|@PORT_B@|$PORT_B|g" -e "$change" "$loop/$template" >"$tmp/$name.conf"
+  if [ "$template" = nginx.conf ]; then
+    mkdir -p "$tmp/$name/client_body" "$tmp/$name/proxy" "$tmp/$name/fastcgi" "$tmp/$name/uwsgi" "$tmp/$name/scgi"
+    "$NGINX" -p "$tmp/$name" -c "$tmp/$name.conf" -e "$tmp/$name/error.log" &
+  else
+    "$HAPROXY" -f "$tmp/$name.conf" -db >"$tmp/$name.log" 2>&1 &
+  fi
+  others+=($!)
+  for ((i = 0; i < 50; i++)); do
+    curl -fsS -o /dev/null "http://127.0.0.1:$port/readyz" 2>/dev/null && return
+    sleep 0.1
+  done
+  die "the $name balancer on :$port does not answer"
+}
+variant nginx-ignore-abort nginx.conf "$PORT_V1" 's/proxy_ignore_client_abort off/proxy_ignore_client_abort on/'
+variant haproxy-no-abortonclose haproxy.cfg "$PORT_V2" '/option abortonclose/d'
+variant haproxy-no-nodelay haproxy.cfg "$PORT_V3" '/option http-no-delay/d'
+grep -q 'proxy_ignore_client_abort on' "$tmp/nginx-ignore-abort.conf" || die "nginx variant unchanged"
+! grep -q 'option abortonclose' "$tmp/haproxy-no-abortonclose.conf" || die "haproxy variant unchanged"
+! grep -q 'option http-no-delay' "$tmp/haproxy-no-nodelay.conf" || die "haproxy variant unchanged"
+for v in nginx-ignore-abort:$PORT_V1 haproxy-no-abortonclose:$PORT_V2; do
+  echo "== disconnect before a non-streamed answer: ${v%%:*}"
+  python3 "$loop/disconnect.py" --url "http://127.0.0.1:${v#*:}" --metrics "$metrics" --trials 2 \
+    --no-stream --close-after-ms 300 --max-tokens 150 --timeout 10 | tee "$tmp/disconnect-${v%%:*}-nostream.jsonl"
+done
+echo "== first streamed event and disconnect: haproxy-no-nodelay"
+python3 "$loop/disconnect.py" --url "http://127.0.0.1:$PORT_V3" --metrics "$metrics" --trials 2 \
+  | tee "$tmp/disconnect-haproxy-no-nodelay.jsonl"
+for v in haproxy haproxy-no-nodelay; do  # median time to the first event
+  first_event[$v]=$(python3 -c 'import json, statistics, sys; print(round(statistics.median(json.loads(l)["first_event_ms"] for l in open(sys.argv[1]) if "first_event_ms" in l), 1))' "$tmp/disconnect-$v.jsonl")
 done
 
 # ---- report ----
@@ -257,6 +308,8 @@ mkdir -p "$(dirname "$OUT")"
   echo "## One replica killed (SIGKILL) under load, nginx (${DURATION} s)"
   echo
   echo "Requests completed: $(field kill requests); failed (socket errors + non-2xx): $(failed kill); statuses: $(statuses kill)."
+  echo "nginx saw $kill_retried attempts fail on the killed replica (cut off mid-answer or refused) and passed them to the"
+  echo "other (\`proxy_next_upstream ... non_idempotent\`: a completion has no side effects)."
   echo "Replica b started again and was ready after ${restart_b} s."
   echo
   echo "## Rolling restart under load (${ROLL_DURATION} s each, ${ROLL_PAUSE} s from one replica's /readyz to the next one's SIGTERM)"
@@ -269,13 +322,44 @@ mkdir -p "$(dirname "$OUT")"
   echo
   echo "## Client disconnect -> worker return"
   echo
-  echo "A streaming chat completion (400 tokens asked); the client closes its socket after the first event;"
-  echo "then every replica's /metrics is polled (every ~2 ms) until llamabox_in_flight and llamabox_live_workers"
-  echo "are back and llamabox_cancels_total{cause=\"disconnect\"} went up. The time includes one poll round."
+  echo "Streamed: a streaming chat completion (400 tokens asked), the client closes its socket after the first event."
+  echo "Not streamed: 300 tokens asked, the client closes 300 ms after sending (no answer yet). Then every replica's"
+  echo "/metrics is polled (every ~2 ms) until llamabox_in_flight and llamabox_live_workers are back; cancelled = "
+  echo "llamabox_cancels_total{cause=\"disconnect\"} went up (otherwise the generation ran to its end). The time"
+  echo "includes one poll round; the last column is the server's own llamabox_disconnect_stop_seconds."
   echo
-  echo "| path | cancelled by disconnect | median ms | max ms | server's own disconnect latency, median ms |"
-  echo "|---|---|---|---|---|"
-  for l in direct nginx haproxy; do echo "| $l | $(disc $l) |"; done
+  echo "| path | request | cancelled by disconnect | median ms | max ms | server: noticed -> stopped, median ms |"
+  echo "|---|---|---|---|---|---|"
+  for l in direct nginx haproxy; do
+    echo "| $l | streamed | $(disc $l) |"
+    echo "| $l | not streamed | $(disc $l-nostream) |"
+  done
+  echo
+  echo "## The settings that break it"
+  echo
+  echo "The same measurement through a balancer with one setting changed (2 trials each; not streamed: 150 tokens asked)."
+  echo "Where nothing was cancelled, the time is the rest of the generation, run to its end for a client that had left."
+  echo
+  echo "| balancer | request | cancelled by disconnect | median ms | max ms | server: noticed -> stopped, median ms |"
+  echo "|---|---|---|---|---|---|"
+  echo "| nginx, proxy_ignore_client_abort on | not streamed | $(disc nginx-ignore-abort-nostream) |"
+  echo "| HAProxy without option abortonclose | not streamed | $(disc haproxy-no-abortonclose-nostream) |"
+  echo "| HAProxy without option http-no-delay | streamed | $(disc haproxy-no-nodelay) |"
+  echo
+  echo "Time to the first streamed event through HAProxy: ${first_event[haproxy]} ms with option http-no-delay,"
+  echo "${first_event[haproxy-no-nodelay]} ms without (medians)."
+  echo
+  echo "## Reading these figures"
+  echo
+  echo "- Two replicas share the $(nproc) cores with nginx, HAProxy, wrk and their own HTTP runtimes and plugin"
+  echo "  instances, so 1 -> 2 replicas gains less than 2x here; on separate machines (or pods with their own cores)"
+  echo "  replicas add up. (A 2-vCPU VM's two cores may share one physical core: in bench/RESULTS*.md one generation"
+  echo "  on 2 threads runs 1.44x one on 1 thread, not 2x.)"
+  echo "- wrk stops with requests in flight at the end of each phase: llamabox sees those clients hang up and"
+  echo "  cancels them (llamabox_cancels_total{cause=\"disconnect\"}); they are not failures."
+  echo "- The rolling restarts wait ${ROLL_PAUSE} s between replicas: nginx's passive checks skip a replica for"
+  echo "  fail_timeout (5 s) after a failure, and with both replicas skipped it answers 502 at once"
+  echo "  (docs/DEPLOY.md, \"Balancers\")."
 } >"$OUT"
 echo "== wrote $OUT"
 cat "$OUT"

@@ -10,10 +10,15 @@ ran to its end instead was not cancelled). If the replicas export a histogram wh
 mentions "disconnect" (the server's own close -> cancel latency), its mean over the trial
 is reported too.
 
+With --no-stream the request asks for one JSON answer at the end, and the client closes
+--close-after-ms after sending it (the generation is running, nothing has been answered
+yet): the case where a balancer has nothing to write to the client, so only its watch on
+the client's connection can notice the close.
+
 Prints one JSON object per trial, then one with the medians. Loopback addresses only.
 
 Usage: python3 disconnect.py --url http://127.0.0.1:PORT --metrics http://127.0.0.1:A,http://127.0.0.1:B
-       [--trials 3] [--max-tokens 400] [--model smollm2] [--rst]
+       [--trials 3] [--max-tokens 400] [--model smollm2] [--rst] [--no-stream --close-after-ms 300]
 """
 
 import argparse
@@ -116,7 +121,7 @@ def trial(args, replicas):
         "messages": [{"role": "user", "content": "Tell me a long story about a llama who learns to sail."}],
         "max_tokens": args.max_tokens,
         "temperature": 0,
-        "stream": True,
+        "stream": not args.no_stream,
     }).encode()
     request = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
@@ -127,31 +132,49 @@ def trial(args, replicas):
     started = time.monotonic()
     sock.sendall(request)
     received = b""
-    while b"data:" not in received.partition(b"\r\n\r\n")[2]:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise RuntimeError(f"connection closed before the first event: {received[:300]!r}")
-        received += chunk
+    if args.no_stream:
+        time.sleep(args.close_after_ms / 1000)
+        sock.setblocking(False)
+        try:
+            received = sock.recv(65536)
+        except BlockingIOError:
+            pass
+        if received:
+            raise RuntimeError(f"answered within --close-after-ms: {received[:300]!r}")
+        status = "(not answered yet)"
+    else:
+        while b"data:" not in received.partition(b"\r\n\r\n")[2]:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise RuntimeError(f"connection closed before the first event: {received[:300]!r}")
+            received += chunk
+        status = received.split(b"\r\n", 1)[0].decode(errors="replace")
     first_bytes = time.monotonic()
-    status = received.split(b"\r\n", 1)[0].decode(errors="replace")
     if args.rst:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
     closed = time.monotonic()
 
+    # Wait for the worker to be back; then, if no disconnect was counted yet, 50 ms more
+    # for the counter (a run that ended by itself, uncancelled, never counts one).
     deadline = closed + args.timeout
     after = None
+    returned = None
     while time.monotonic() < deadline:
         after = snapshot(replicas)
-        if (after["in_flight"] <= before["in_flight"] and after["live_workers"] <= before["live_workers"]
-                and after["disconnects"] > before["disconnects"]):
-            break
+        now = time.monotonic()
+        if after["in_flight"] <= before["in_flight"] and after["live_workers"] <= before["live_workers"]:
+            returned = returned or now
+            if after["disconnects"] > before["disconnects"] or now - returned > 0.05:
+                break
+        else:
+            returned = None
         time.sleep(0.002)
-    returned = time.monotonic()
+    returned = returned or time.monotonic()
     result = {
         "url": args.url,
         "status": status,
-        "first_event_ms": round((first_bytes - started) * 1000, 1),
+        "first_event_ms" if not args.no_stream else "closed_after_ms": round((first_bytes - started) * 1000, 1),
         "close_to_return_ms": round((returned - closed) * 1000, 1),
         "cancelled_by_disconnect": after is not None and after["disconnects"] > before["disconnects"],
         "returned": after is not None and after["in_flight"] <= before["in_flight"]
@@ -174,6 +197,8 @@ def main():
     p.add_argument("--model", default="smollm2")
     p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the worker to return")
     p.add_argument("--rst", action="store_true", help="close with a TCP reset instead of a FIN")
+    p.add_argument("--no-stream", action="store_true", help="ask for one answer at the end; close before it")
+    p.add_argument("--close-after-ms", type=float, default=300.0, help="with --no-stream: when to close")
     args = p.parse_args()
     loopback(args.url)
     replicas = [Metrics(loopback(m)) for m in args.metrics.split(",")]
@@ -187,12 +212,12 @@ def main():
         "url": args.url,
         "trials": len(results),
         "cancelled": sum(r["cancelled_by_disconnect"] for r in results),
-        "median_close_to_return_ms": statistics.median(r["close_to_return_ms"] for r in results),
+        "median_close_to_return_ms": round(statistics.median(r["close_to_return_ms"] for r in results), 1),
         "max_close_to_return_ms": max(r["close_to_return_ms"] for r in results),
     }
     server = [r["server_disconnect_latency_ms"] for r in results if "server_disconnect_latency_ms" in r]
     if server:
-        summary["median_server_disconnect_latency_ms"] = statistics.median(server)
+        summary["median_server_disconnect_latency_ms"] = round(statistics.median(server), 2)
     print(json.dumps({"summary": summary}), flush=True)
 
 
