@@ -30,7 +30,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test bench fuzz soak memcheck mutants clean-models
+.PHONY: deps build guest demo test validate-manifests scale-test bench fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -59,7 +59,21 @@ demo: build guest
 # The host package, and the bench crate's own unit tests (its statistics and report; the
 # benchmarks themselves run only in `make bench`).
 test: deps
+	scripts/validate-manifests.sh
 	$(CARGO) test $(PROFILE) -p llamabox -p llamabox-bench -- --test-threads=1
+
+# Offline checks of deploy/ (part of `make test`; no cluster, no build): every Kubernetes
+# manifest against the API schemas (kubernetes-validate --strict, pinned, installed once
+# from PyPI), serve.toml, CPU request = threads, grace period > preStop + shutdown grace.
+validate-manifests:
+	scripts/validate-manifests.sh
+
+# The loopback scale test (never part of `make test`; about 2.5 minutes): two `llamabox
+# serve` replicas (--threads 1) behind nginx and HAProxy on 127.0.0.1, wrk load, a
+# SIGKILL and rolling restarts under load, client disconnects; writes bench/SCALE.md.
+# LLAMABOX, PLUGIN, MODEL override the binary, the openai plugin and the model.
+scale-test: build guest
+	scripts/scale-test.sh
 
 # Benchmarks (never part of `make test`): at 1 llama.cpp thread and at every core
 # (THREADS, default "1 $(nproc)"), each writing a report: bench/RESULTS.md (1 thread) and
