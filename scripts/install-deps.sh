@@ -3,7 +3,8 @@
 # cmake and a C/C++ toolchain for llama.cpp, libclang for bindgen, ccache for the C++
 # objects, Rust's wasm32-wasip2 target for the guest plugins, and python3 with pip for
 # the Python plugin's toolchain, node and npm for the JavaScript plugin's (the
-# scripts/build-*-plugin.sh install those toolchains from PyPI and npm).
+# scripts/build-*-plugin.sh install those toolchains from PyPI and npm), curl and wrk
+# for the server's tests.
 set -euo pipefail
 
 need=()
@@ -15,6 +16,9 @@ command -v python3 >/dev/null || need+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 command -v node >/dev/null || need+=(nodejs)
 command -v npm >/dev/null || need+=(npm)
+# `llamabox serve`'s tests: curl and wrk are the real clients (tests/serve.rs).
+command -v curl >/dev/null || need+=(curl)
+command -v wrk >/dev/null || need+=(wrk)
 ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"

@@ -380,6 +380,81 @@ fn sigterm_drains_requests_in_flight_then_stops_what_is_left() {
     assert!(out.contains("grace period over: stopping 1 requests"), "{out}");
 }
 
+/// `rgb` (width × height × 3 bytes) as a PNG: one stored (uncompressed) deflate
+/// stream, enough for the plugin's decoder.
+fn png(width: u32, height: u32, rgb: &[u8]) -> Vec<u8> {
+    fn crc32(bytes: &[u8]) -> u32 {
+        !bytes.iter().fold(!0u32, |crc, &b| (0..8).fold(crc ^ u32::from(b), |c, _| (c >> 1) ^ (0xEDB8_8320 & (c & 1).wrapping_neg())))
+    }
+    fn chunk(out: &mut Vec<u8>, kind: &[u8], data: &[u8]) {
+        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        let start = out.len();
+        out.extend_from_slice(kind);
+        out.extend_from_slice(data);
+        let crc = crc32(&out[start..]);
+        out.extend_from_slice(&crc.to_be_bytes());
+    }
+    let rows: Vec<u8> = rgb.chunks(width as usize * 3).flat_map(|row| std::iter::once(0).chain(row.iter().copied())).collect();
+    let mut zlib = vec![0x78, 0x01];
+    let blocks: Vec<&[u8]> = rows.chunks(65_535).collect();
+    for (i, block) in blocks.iter().enumerate() {
+        zlib.push(u8::from(i + 1 == blocks.len()));
+        let len = block.len() as u16;
+        zlib.extend_from_slice(&len.to_le_bytes());
+        zlib.extend_from_slice(&(!len).to_le_bytes());
+        zlib.extend_from_slice(block);
+    }
+    let (a, b) = rows.iter().fold((1u32, 0u32), |(a, b), &x| ((a + u32::from(x)) % 65_521, (b + a + u32::from(x)) % 65_521));
+    zlib.extend_from_slice(&((b << 16) | a).to_be_bytes());
+    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut header = [width.to_be_bytes(), height.to_be_bytes()].concat();
+    header.extend_from_slice(&[8, 2, 0, 0, 0]);
+    chunk(&mut out, b"IHDR", &header);
+    chunk(&mut out, b"IDAT", &zlib);
+    chunk(&mut out, b"IEND", &[]);
+    out
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    bytes
+        .chunks(3)
+        .flat_map(|group| {
+            let n = group.iter().enumerate().fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
+            (0..4).map(move |i| if i <= group.len() { ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char } else { '=' })
+        })
+        .collect()
+}
+
+#[test]
+fn a_hang_up_during_an_image_encode_stops_the_encode() {
+    let projector = format!("eyes={}", common::slow_vision().display());
+    let flags = ["--projector", &projector, "--plugin-env", "LLAMABOX_VISION=tiny=eyes"];
+    let server = Server::start(&[("tiny", common::tiny_model())], &flags);
+    let url = format!("data:image/png;base64,{}", base64(&png(64, 64, &common::gradient(64, 64))));
+    let ask = |stream: bool| {
+        json!({"model": "tiny", "max_tokens": 8, "temperature": 0, "stream": stream, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]}]})
+    };
+    // Served whole: the image's embeddings are part of the prompt.
+    let (status, whole) = post(&server, "/v1/chat/completions", &ask(false), &["-H", "x-request-id: image-whole"]);
+    assert_eq!(status, 200, "{whole}");
+    let text_only = server.run_report("image-whole");
+    let prompt_tokens = serde_json::from_str::<Value>(&whole).unwrap()["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 100, "{prompt_tokens} prompt tokens: the image's are missing ({text_only})");
+
+    // The stream's first event goes out before the encode starts; the hang-up lands in it.
+    hang_up_after(&server, "/v1/chat/completions", "image-hang-up", &ask(true), "data: ");
+    let report = server.run_report("image-hang-up");
+    println!("{report}");
+    assert_eq!(log_field(&report, "outcome"), "Stopped");
+    assert_eq!(log_field(&report, "decoded"), "0", "the prompt was decoded: the encode had finished");
+    assert!(log_field(&report, "cancels").parse::<u64>().unwrap() >= 1, "no native call was cancelled: {report}");
+    server.wait_metric("llamabox_in_flight", 0.0);
+    assert_eq!(server.metric("llamabox_live_workers"), 0.0);
+    assert_eq!(server.metric("llamabox_cancels_total{cause=\"disconnect\"}"), 1.0);
+}
+
 /// wrk's completed requests (`N requests in`).
 fn wrk_requests(output: &str) -> u64 {
     output.lines().find_map(|l| l.trim().split_once(" requests in ")?.0.parse().ok()).unwrap_or_else(|| panic!("{output}"))

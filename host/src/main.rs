@@ -67,6 +67,10 @@ enum Command {
         /// Register a projector (mmproj) as NAME (repeatable).
         #[arg(long = "projector", value_name = "NAME=PATH", value_parser = parse_named)]
         projectors: Vec<(String, PathBuf)>,
+        /// Environment for the plugins (repeatable), e.g. the openai plugin's
+        /// `LLAMABOX_VISION=MODEL=PROJECTOR`.
+        #[arg(long = "plugin-env", value_name = "KEY=VALUE", value_parser = parse_pair)]
+        plugin_env: Vec<(String, String)>,
         /// llama.cpp threads of all requests together (default: every core, or the
         /// config's `threads`).
         #[arg(long)]
@@ -199,6 +203,13 @@ enum Size {
     Slow,
 }
 
+fn parse_pair(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((key, value)) if !key.is_empty() => Ok((key.to_string(), value.to_string())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
+
 fn parse_named(s: &str) -> Result<(String, PathBuf), String> {
     match s.split_once('=') {
         Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok((name.to_string(), PathBuf::from(path))),
@@ -252,6 +263,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             plugins,
             models,
             projectors,
+            plugin_env,
             threads,
             request_threads,
             deadline_ms,
@@ -277,6 +289,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             for plugin in &mut config.plugins {
                 plugin.threads = request_threads.unwrap_or(plugin.threads);
                 plugin.deadline_ms = deadline_ms.unwrap_or(plugin.deadline_ms);
+                plugin.env.extend(plugin_env.iter().cloned());
             }
             config.max_concurrent = max_concurrent.unwrap_or(config.max_concurrent);
             config.max_queue = max_queue.unwrap_or(config.max_queue);

@@ -190,8 +190,8 @@ pub struct RunUsage {
     pub native_time: Duration,
     /// Most KV cells (n-ctx × layers over all contexts) the run held at once.
     pub peak_kv_cells: u64,
-    /// Native calls on text contexts that ended cancelled (by a token, a dropped call,
-    /// the deadline or a stop), whether they had started computing or not.
+    /// Native calls on text and media contexts that ended cancelled (by a token, a
+    /// dropped call, the deadline or a stop), whether they had started computing or not.
     pub cancels: u64,
 }
 

@@ -158,6 +158,12 @@ pub struct ContentPart {
     #[serde(rename = "type")]
     pub kind: String,
     pub text: Option<String>,
+    pub image_url: Option<ImageUrl>,
+}
+
+#[derive(Deserialize)]
+pub struct ImageUrl {
+    pub url: String,
 }
 
 #[derive(Deserialize)]

@@ -2,10 +2,12 @@
 
 use crate::api::{self, ApiError, ChatChoice, ChatCompletion, Delta, Message, Object, OneOrMany, TextChoice, TextCompletion, Usage};
 use crate::http::{self, Body, Gone};
+use crate::vision;
 use crate::llamabox::inference::cancel::CancelToken;
 use crate::llamabox::inference::embeddings::{self, Pooling};
 use crate::llamabox::inference::generate::{self, ChatMessage, FinishReason, GenerateParams, Generation, LogitBias, Penalties, SamplerParams};
 use crate::llamabox::inference::llm::{Context, ContextParams, Model};
+use crate::llamabox::inference::media::{Chunk, Input, MediaContext};
 use crate::llamabox::inference::types::Error as HostError;
 use crate::wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
 
@@ -92,11 +94,17 @@ fn chat(body: &Object) -> Result<Reply, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("'messages' must contain at least one message", Some("messages")));
     }
-    let messages = messages.into_iter().enumerate().map(|(i, m)| chat_message(i, m)).collect::<Result<Vec<_>, _>>()?;
+    let mut images = Vec::new();
+    let messages =
+        messages.into_iter().enumerate().map(|(i, m)| chat_message(i, m, &mut images)).collect::<Result<Vec<_>, _>>()?;
     let (name, model) = open_model(body)?;
     let prompt = generate::apply_chat_template(&model, &messages, true, None).map_err(|e| too_long(e, "messages"))?;
-    let tokens = chat_tokens(&model, &prompt, &messages)?;
-    let run = Run::start(model, tokens, &sampling, "messages")?;
+    let prompt = if images.is_empty() {
+        Prompt::Tokens(chat_tokens(&model, &prompt, &messages)?)
+    } else {
+        media_prompt(&name, &model, &prompt, images)?
+    };
+    let run = Run::start(model, prompt, &sampling, "messages")?;
     finish(run, Format { chat: true, id: new_id("chatcmpl"), created: now(), model: name }, &sampling)
 }
 
@@ -135,8 +143,22 @@ fn too_long(e: HostError, param: &str) -> ApiError {
     }
 }
 
-/// One message for the chat template: roles as the template knows them, text parts joined.
-fn chat_message(i: usize, m: Message) -> Result<ChatMessage, ApiError> {
+/// A prompt with images: chunks of text and images for the model's projector (named in
+/// `LLAMABOX_VISION`). Its text is tokenized whole, special tokens parsed.
+fn media_prompt(name: &str, model: &Model, prompt: &str, images: Vec<Input>) -> Result<Prompt, ApiError> {
+    let Some(projector) = vision::projector_for(name) else {
+        let message = format!("The model '{name}' takes no images here (no projector for it in LLAMABOX_VISION)");
+        return Err(ApiError::invalid(message, Some("messages")));
+    };
+    let media = MediaContext::open(&projector, model)?;
+    let prompt = prompt.replace(vision::MARKER, &media.marker());
+    let chunks = media.tokenize(&prompt, &images).map_err(|e| too_long(e, "messages"))?;
+    Ok(Prompt::Media { chunks, media })
+}
+
+/// One message for the chat template: roles as the template knows them, text parts
+/// joined, each image part a marker (its image pushed onto `images`).
+fn chat_message(i: usize, m: Message, images: &mut Vec<Input>) -> Result<ChatMessage, ApiError> {
     let role = match m.role.as_str() {
         "system" | "developer" => "system",
         "user" => "user",
@@ -152,11 +174,16 @@ fn chat_message(i: usize, m: Message) -> Result<ChatMessage, ApiError> {
         Some(api::Content::Parts(parts)) => {
             let mut text = String::new();
             for (j, part) in parts.into_iter().enumerate() {
-                match (part.kind.as_str(), part.text) {
-                    ("text", Some(t)) => text.push_str(&t),
-                    (kind, _) => {
-                        let param = format!("messages[{i}].content[{j}]");
-                        return Err(ApiError::invalid(format!("Unsupported content part '{kind}': only text parts are served"), Some(&param)));
+                let param = format!("messages[{i}].content[{j}]");
+                match (part.kind.as_str(), part.text, part.image_url) {
+                    ("text", Some(t), _) => text.push_str(&t),
+                    ("image_url", _, Some(image)) => {
+                        images.push(Input::Image(vision::decode(&image.url, &param)?));
+                        text.push_str(vision::MARKER);
+                    }
+                    (kind, _, _) => {
+                        let message = format!("Unsupported content part '{kind}': text and image_url parts are served");
+                        return Err(ApiError::invalid(message, Some(&param)));
                     }
                 }
             }
@@ -178,7 +205,7 @@ fn completion(body: &Object) -> Result<Reply, ApiError> {
         api::Prompt::Texts(_) => return Err(ApiError::invalid("Only one prompt per request is served", Some("prompt"))),
         api::Prompt::Tokens(tokens) => checked_tokens(&model, tokens, "prompt")?,
     };
-    let run = Run::start(model, tokens, &sampling, "prompt")?;
+    let run = Run::start(model, Prompt::Tokens(tokens), &sampling, "prompt")?;
     finish(run, Format { chat: false, id: new_id("cmpl"), created: now(), model: name }, &sampling)
 }
 
@@ -286,22 +313,38 @@ impl Sampling {
     }
 }
 
-/// A generation running on the host, with what it needs alive.
+/// What a generation starts from.
+enum Prompt {
+    Tokens(Vec<i32>),
+    /// Text and images, evaluated into the context before generating.
+    Media { chunks: Vec<Chunk>, media: MediaContext },
+}
+
+/// A generation on the host, with what it needs alive. `begin` starts it: the prefill
+/// (and any image encode) runs after a stream's first event is out, so a client that
+/// hangs up then stops native work in flight.
 struct Run {
-    // Fields drop in order: the generation before its context, model and token.
-    generation: Generation,
-    _cancel: CancelToken,
-    _ctx: Context,
+    // Fields drop in order: the generation before the chunks, contexts, model and token.
+    generation: Option<Generation>,
+    /// Media chunks of the prompt (chunks before their projector's context).
+    media: Option<(Vec<Chunk>, MediaContext)>,
+    params: GenerateParams,
+    n_prompt: u32,
+    cancel: CancelToken,
+    ctx: Context,
     _model: Model,
 }
 
 impl Run {
-    /// A context sized for the prompt and `max_tokens`, and the generation started on it.
-    /// `param` names the prompt's field in errors.
-    fn start(model: Model, prompt: Vec<i32>, sampling: &Sampling, param: &str) -> Result<Run, ApiError> {
+    /// A context sized for the prompt and `max_tokens`, ready to `begin`. `param`
+    /// names the prompt's field in errors.
+    fn start(model: Model, prompt: Prompt, sampling: &Sampling, param: &str) -> Result<Run, ApiError> {
         let cap = std::env::var("LLAMABOX_N_CTX").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(DEFAULT_N_CTX);
         let limit = model.n_ctx_train().min(cap).max(1);
-        let n_prompt = prompt.len() as u32;
+        let n_prompt = match &prompt {
+            Prompt::Tokens(tokens) => tokens.len() as u32,
+            Prompt::Media { chunks, .. } => chunks.iter().map(|c| c.n_tokens()).sum(),
+        };
         if n_prompt == 0 {
             return Err(ApiError::invalid("The prompt is empty", Some(param)));
         }
@@ -322,24 +365,45 @@ impl Run {
         let params = ContextParams { n_ctx: Some(n_prompt + max_tokens), n_batch: None, n_ubatch: None, n_seq_max: None, n_threads: None };
         let ctx = Context::create(&model, params)?;
         let cancel = CancelToken::create()?;
-        let params = GenerateParams { prompt, seq: 0, max_tokens, stop: sampling.stop.clone(), sampler: sampling.sampler(&model)? };
-        let generation = generate::start(&ctx, &params, &cancel)?;
-        Ok(Run { generation, _cancel: cancel, _ctx: ctx, _model: model })
+        let (tokens, media) = match prompt {
+            Prompt::Tokens(tokens) => (tokens, None),
+            Prompt::Media { chunks, media } => (Vec::new(), Some((chunks, media))),
+        };
+        let sampler = sampling.sampler(&model)?;
+        let params = GenerateParams { prompt: tokens, seq: 0, max_tokens, stop: sampling.stop.clone(), sampler };
+        Ok(Run { generation: None, media, params, n_prompt, cancel, ctx, _model: model })
+    }
+
+    /// Evaluate the media prompt, if any, and start generating.
+    fn begin(&mut self) -> Result<(), ApiError> {
+        if self.generation.is_none() {
+            if let Some((chunks, media)) = &self.media {
+                let chunks: Vec<&Chunk> = chunks.iter().collect();
+                media.eval_chunks(&self.ctx, &chunks, 0, &self.cancel)?;
+            }
+            self.generation = Some(generate::start(&self.ctx, &self.params, &self.cancel)?);
+        }
+        Ok(())
     }
 
     /// The next piece's text; `None` once generation has ended.
-    fn next(&self) -> Result<Option<String>, ApiError> {
-        Ok(self.generation.next()?.map(|piece| piece.text))
+    fn next(&mut self) -> Result<Option<String>, ApiError> {
+        self.begin()?;
+        match &self.generation {
+            Some(generation) => Ok(generation.next()?.map(|piece| piece.text)),
+            None => Ok(None),
+        }
     }
 
     /// OpenAI's finish reason and the usage, once generation has ended.
     fn outcome(&self) -> (&'static str, Usage) {
-        let reason = match self.generation.finish_reason() {
+        let reason = match self.generation.as_ref().and_then(|g| g.finish_reason()) {
             Some(FinishReason::MaxTokens) => "length",
             _ => "stop",
         };
-        let u = self.generation.usage();
-        let (prompt_tokens, completion_tokens) = u.map_or((0, 0), |u| (u.prompt_tokens, u.generated_tokens));
+        let completion_tokens = self.generation.as_ref().and_then(|g| g.usage()).map_or(0, |u| u.generated_tokens);
+        // A media prompt was evaluated before the generation: count it here.
+        let prompt_tokens = self.n_prompt;
         (reason, Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens })
     }
 }
@@ -398,7 +462,7 @@ impl Format {
 }
 
 /// Collect the whole answer now, or hand back a stream to send.
-fn finish(run: Run, format: Format, sampling: &Sampling) -> Result<Reply, ApiError> {
+fn finish(mut run: Run, format: Format, sampling: &Sampling) -> Result<Reply, ApiError> {
     if sampling.stream {
         return Ok(Reply::Stream(Stream { run, format, include_usage: sampling.include_usage }));
     }
@@ -420,13 +484,13 @@ struct Stream {
 impl Stream {
     /// Write each piece as it comes. A failed write means the client is gone: stop
     /// at once (dropping the generation cancels it).
-    fn send(self, body: Body) {
+    fn send(mut self, body: Body) {
         if self.events(&body).is_ok() {
             body.finish();
         }
     }
 
-    fn events(&self, body: &Body) -> Result<(), Gone> {
+    fn events(&mut self, body: &Body) -> Result<(), Gone> {
         let format = &self.format;
         if format.chat {
             body.event(&format.role_chunk())?;

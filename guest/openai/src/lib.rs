@@ -38,6 +38,7 @@ wit_bindgen::generate!({
 });
 
 mod api;
+mod vision;
 mod handlers;
 mod http;
 

@@ -101,9 +101,10 @@ impl HostMediaContext for LlamaCtxView<'_> {
         }
         let threads = self.ctx.limits.default_threads;
         let (latency, fixed) = (self.ctx.limits.encode_cancel_latency, self.ctx.limits.encode_fixed_chunk_work);
-        let worker_model = model.clone();
+        let (worker_model, meter) = (model.clone(), self.ctx.meter().clone());
         let started = Worker::start("llamabox-media", &self.ctx.workers, move || {
             let mut media = MediaContext::new(&path, worker_model, threads)?;
+            media.set_meter(meter);
             match fixed {
                 Some(units) => media.set_chunk_work(units),
                 None => media.set_latency_target(latency),

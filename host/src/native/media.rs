@@ -130,6 +130,8 @@ pub struct MediaContext {
     pace: Pace,
     /// A fixed budget instead of the paced one (`set_chunk_work`).
     fixed_chunk_work: Option<u64>,
+    /// Counts encodes that ended cancelled (a run's usage).
+    meter: Arc<super::Meter>,
     /// Declared last: the text model must outlive the media context.
     model: Arc<Model>,
 }
@@ -163,7 +165,20 @@ impl MediaContext {
         let n_embd = model.n_embd_inp() as usize;
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = MediaContextId(NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-        Ok(Self { ptr, id, n_embd, pace: Pace::new(DEFAULT_LATENCY_TARGET), fixed_chunk_work: None, model })
+        Ok(Self {
+            ptr,
+            id,
+            n_embd,
+            pace: Pace::new(DEFAULT_LATENCY_TARGET),
+            fixed_chunk_work: None,
+            meter: Arc::new(super::Meter::new()),
+            model,
+        })
+    }
+
+    /// Count this context's cancelled encodes in `meter` (a run's).
+    pub fn set_meter(&mut self, meter: Arc<super::Meter>) {
+        self.meter = meter;
     }
 
     pub fn id(&self) -> MediaContextId {
@@ -304,6 +319,7 @@ impl MediaContext {
             _ => {}
         }
         if stop.is_some_and(|s| s.is_set()) {
+            self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
         let (ret, reason) = match stop {
@@ -316,6 +332,7 @@ impl MediaContext {
                 self.pace.observe(scope.units, started.elapsed());
                 // mtmd returns 0 for a stopped encode: the scope knows it stopped.
                 if scope.stopped {
+                    self.meter.add_cancel();
                     return Err(Error::Cancelled);
                 }
                 (ret, reason)

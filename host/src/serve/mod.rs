@@ -403,6 +403,7 @@ impl Server {
                     ms = elapsed.as_millis() as u64,
                     decoded = usage.tokens_decoded,
                     generated = usage.tokens_generated,
+                    cancels = usage.cancels,
                     "run ended"
                 );
                 RunEnd::Outcome(report.outcome)
