@@ -560,7 +560,7 @@ enum Call {
     Main,
     /// `wasi:http/incoming-handler.handle` with this request; the response the plugin
     /// sets goes to `respond`.
-    Http { request: hyper::Request<HyperIncomingBody>, respond: ResponseSender },
+    Http { request: Box<hyper::Request<HyperIncomingBody>>, respond: ResponseSender },
 }
 
 /// The response a served plugin sets: status, headers and a body that streams as the
@@ -640,7 +640,7 @@ impl Plugin {
             return Err(Error::WrongKind { wanted: "an HTTP handler", found: self.entry.kind() });
         }
         let request = request.map(|body| body.map_err(Into::into).boxed_unsync());
-        self.run_call(options, wasi, Call::Http { request, respond }).await
+        self.run_call(options, wasi, Call::Http { request: Box::new(request), respond }).await
     }
 
     async fn run_call(&self, options: &RunOptions, wasi: WasiCtxBuilder, call: Call) -> Result<RunReport> {
@@ -712,7 +712,7 @@ impl Plugin {
         store.epoch_deadline_async_yield_and_update(1);
         let ended = match (&self.entry, call) {
             (Entry::Http(pre), Call::Http { request, respond }) => match pre.instantiate_async(&mut store).await {
-                Ok(proxy) => Self::handle(&mut store, &proxy, request, respond).await,
+                Ok(proxy) => Self::handle(&mut store, &proxy, *request, respond).await,
                 Err(e) => Err(e),
             },
             (Entry::Http(_), Call::Main) => return Err(Error::WrongKind { wanted: "a command", found: self.entry.kind() }),

@@ -26,7 +26,7 @@ const MAX_EMBED_TOKENS: u32 = 2048;
 /// What a handler answers: a whole JSON body, or a generation to stream.
 enum Reply {
     Json(String),
-    Stream(Stream),
+    Stream(Box<Stream>),
 }
 
 /// Answer one request.
@@ -464,7 +464,7 @@ impl Format {
 /// Collect the whole answer now, or hand back a stream to send.
 fn finish(mut run: Run, format: Format, sampling: &Sampling) -> Result<Reply, ApiError> {
     if sampling.stream {
-        return Ok(Reply::Stream(Stream { run, format, include_usage: sampling.include_usage }));
+        return Ok(Reply::Stream(Box::new(Stream { run, format, include_usage: sampling.include_usage })));
     }
     let mut text = String::new();
     while let Some(piece) = run.next()? {
