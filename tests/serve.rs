@@ -36,13 +36,21 @@ struct Server {
 impl Server {
     /// Serve the openai plugin with `models`, plus `flags`; returns once it is ready.
     fn start(models: &[(&str, &Path)], flags: &[&str]) -> Server {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_llamabox"));
-        command.args(["serve", "--listen", "127.0.0.1:0", "--no-compile-cache", "--plugin"]);
-        command.arg(format!("openai={}", openai_plugin().display()));
+        let mut args = vec!["--listen".to_string(), "127.0.0.1:0".into(), "--plugin".into()];
+        args.push(format!("openai={}", openai_plugin().display()));
         for (name, path) in models {
-            command.arg("--model").arg(format!("{name}={}", path.display()));
+            args.push("--model".into());
+            args.push(format!("{name}={}", path.display()));
         }
-        command.args(flags).stdout(Stdio::piped()).stderr(Stdio::piped());
+        args.extend(flags.iter().map(|f| f.to_string()));
+        Server::spawn(&args)
+    }
+
+    /// `llamabox serve ARGS` (plus no compile cache); returns once it is ready.
+    fn spawn(args: &[String]) -> Server {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_llamabox"));
+        command.args(["serve", "--no-compile-cache"]).args(args);
+        command.stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = command.spawn().expect("starting llamabox serve");
         let (stdout, stderr) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
         collect(child.stdout.take().unwrap(), stdout.clone());
@@ -453,6 +461,54 @@ fn a_hang_up_during_an_image_encode_stops_the_encode() {
     server.wait_metric("llamabox_in_flight", 0.0);
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
     assert_eq!(server.metric("llamabox_cancels_total{cause=\"disconnect\"}"), 1.0);
+}
+
+#[test]
+fn a_hostile_plugin_gets_answers_for_its_misdeeds_and_the_server_keeps_serving() {
+    let config = std::env::temp_dir().join(format!("llamabox-hostile-{}.toml", std::process::id()));
+    let plugin = common::guest_plugin("llamabox_http_hostile.wasm");
+    let toml = format!(
+        "listen = \"127.0.0.1:0\"\nthreads = 2\n[models]\nslow = {:?}\n\
+         [[plugins]]\nname = \"hostile\"\npath = {:?}\ndeadline_ms = 1000\n[plugins.limits]\nmax_memory_mib = 32\n",
+        common::slow_model().display().to_string(),
+        plugin.display().to_string()
+    );
+    std::fs::write(&config, toml).unwrap();
+    let server = Server::spawn(&["--config".into(), config.display().to_string()]);
+    let get = |path: &str| curl(&[&server.url(path)]).0;
+    assert_eq!(get("/"), 200);
+    assert_eq!(get("/trap"), 500, "a trap before the response");
+    assert_eq!(get("/no-response"), 500, "a handler that set no response");
+    assert_eq!(get("/grow"), 500, "a plugin over its wasm memory limit");
+    assert_eq!(get("/spin"), 504, "a plugin spinning in wasm until the deadline");
+    // Hang-ups stop a plugin that writes forever and one that decodes forever (on the
+    // host: native work in flight; it writes a line after its first decode).
+    for (path, id, wait_for) in [("/endless", "endless", "more"), ("/decode-forever", "decode-forever", "decoding")] {
+        let mut socket = TcpStream::connect(server.addr).unwrap();
+        write!(socket, "GET {path} HTTP/1.1\r\nhost: x\r\nx-request-id: {id}\r\n\r\n").unwrap();
+        let mut seen = Vec::new();
+        while !String::from_utf8_lossy(&seen).contains(wait_for) {
+            let mut buf = [0u8; 256];
+            let n = socket.read(&mut buf).unwrap();
+            assert!(n > 0, "{path}: the server closed first");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        drop(socket);
+        let report = server.run_report(id);
+        assert_eq!(log_field(&report, "outcome"), "Stopped", "{report}");
+    }
+    let decoding = server.run_report("decode-forever");
+    assert!(log_field(&decoding, "cancels").parse::<u64>().unwrap() >= 1, "the decode was not cancelled: {decoding}");
+    // The deadline cuts a stream that never ends: curl sees the body cut short.
+    let out = Command::new("curl").args(["-sS", "-o", "/dev/null", "--max-time", "60"]).arg(server.url("/decode-forever")).output().unwrap();
+    assert_eq!(out.status.code(), Some(18), "curl: {}", String::from_utf8_lossy(&out.stderr));
+    server.wait_metric("llamabox_in_flight", 0.0);
+    assert_eq!(server.metric("llamabox_live_workers"), 0.0);
+    assert_eq!(server.metric("llamabox_cancels_total{cause=\"disconnect\"}"), 2.0);
+    assert_eq!(server.metric("llamabox_cancels_total{cause=\"deadline\"}"), 2.0);
+    assert_eq!(server.metric("llamabox_requests_total"), 8.0);
+    assert_eq!(get("/"), 200, "the server stopped serving");
+    let _ = std::fs::remove_file(config);
 }
 
 /// wrk's completed requests (`N requests in`).

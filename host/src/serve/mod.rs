@@ -20,6 +20,7 @@ pub mod metrics;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::future::Future as _;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -307,7 +308,9 @@ impl Server {
         let mut hang_up = HangUp { server: self.clone(), plugin: index, state: state.clone(), answered: false, completed: false };
         let request = for_plugin(request, served.config.route(), max_body, self.config.listen);
         let (respond, response) = tokio::sync::oneshot::channel();
-        let run = tokio::spawn(self.clone().run_request(index, key, state, admitted, request, respond).in_current_span());
+        let (ended, run_ended) = tokio::sync::oneshot::channel();
+        let replies = Replies { respond, ended };
+        let run = tokio::spawn(self.clone().run_request(index, key, state, admitted, request, replies).in_current_span());
         let response = match response.await {
             Ok(Ok(response)) => response,
             Ok(Err(code)) => {
@@ -336,7 +339,7 @@ impl Server {
         };
         hang_up.answered = true;
         let (parts, body) = response.into_parts();
-        let body = GuardedBody { inner: body, hang_up: Some(hang_up) };
+        let body = GuardedBody { hang_up: Some(hang_up), inner: body, run_ended };
         self.answer(name, &id, Response::from_parts(parts, body.boxed_unsync()))
     }
 
@@ -359,7 +362,7 @@ impl Server {
         state: Arc<RequestState>,
         admitted: Admitted,
         request: Request<PluginBody>,
-        respond: crate::plugin::ResponseSender,
+        replies: Replies,
     ) -> RunEnd {
         let Some(served) = self.plugins.get().and_then(|plugins| plugins.get(index)) else {
             return RunEnd::Failed;
@@ -375,8 +378,11 @@ impl Server {
         let mut wasi = wasmtime_wasi::WasiCtxBuilder::new();
         wasi.envs(&served.env).inherit_stderr();
         let started = Instant::now();
-        let report = served.plugin.serve_http(&options, wasi, request, respond).await;
+        let report = served.plugin.serve_http(&options, wasi, request, replies.respond).await;
         state.finished.store(true, Relaxed);
+        // Whether a body that ended was the plugin's whole body: only if its handler
+        // returned by itself (a stopped run's body ends when its store is dropped).
+        let _ = replies.ended.send(matches!(&report, Ok(r) if matches!(r.outcome, RunOutcome::Success | RunOutcome::Failed(_))));
         drop(admitted);
         let elapsed = started.elapsed();
         let labels = PluginLabels { plugin: served.config.name.clone() };
@@ -424,6 +430,13 @@ impl Server {
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
         ended
     }
+}
+
+/// What a run tells the request it serves: the response head, then whether the
+/// plugin's handler returned by itself (its body, if it ended, is whole).
+struct Replies {
+    respond: crate::plugin::ResponseSender,
+    ended: tokio::sync::oneshot::Sender<bool>,
 }
 
 /// How a request's run ended, for the status of a request that got no response.
@@ -488,10 +501,16 @@ impl Drop for HangUp {
     }
 }
 
-/// A plugin's response body, carrying the request's [`HangUp`] guard.
+/// A plugin's response body, carrying the request's [`HangUp`] guard. Its end waits
+/// for the run's: a body cut short by a deadline or a stop ends in an error (the client
+/// sees an incomplete response), not in a clean end of stream.
 struct GuardedBody {
-    inner: HyperOutgoingBody,
+    // Fields drop in order: the run is stopped before the plugin's body channel closes,
+    // so a plugin never sees its write fail before its run is marked stopped.
     hang_up: Option<HangUp>,
+    inner: HyperOutgoingBody,
+    /// `true` once the plugin's handler returned by itself.
+    run_ended: tokio::sync::oneshot::Receiver<bool>,
 }
 
 impl http_body::Body for GuardedBody {
@@ -501,12 +520,16 @@ impl http_body::Body for GuardedBody {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match polled {
-            Poll::Ready(None) => {
-                if let Some(mut hang_up) = self.hang_up.take() {
-                    hang_up.completed = true;
+            Poll::Ready(None) => match Pin::new(&mut self.run_ended).poll(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Ok(true)) => {
+                    if let Some(mut hang_up) = self.hang_up.take() {
+                        hang_up.completed = true;
+                    }
+                    Poll::Ready(None)
                 }
-                Poll::Ready(None)
-            }
+                Poll::Ready(Ok(false) | Err(_)) => Poll::Ready(Some(Err("the request was stopped before its body ended".into()))),
+            },
             Poll::Ready(Some(frame)) => Poll::Ready(Some(frame.map_err(BoxError::from))),
             Poll::Pending => Poll::Pending,
         }

@@ -1,0 +1,104 @@
+//! A hostile `http-plugin`: each path misbehaves one way, so tests/serve.rs can check
+//! that the server answers, stops the request's work and keeps serving.
+//! - `/trap`: traps before it responds.
+//! - `/no-response`: returns without setting a response.
+//! - `/spin`: loops forever in wasm before it responds (only the deadline ends it).
+//! - `/grow`: allocates until the run's wasm memory limit stops it.
+//! - `/endless`: responds 200, then writes to the body forever.
+//! - `/decode-forever`: responds 200, decodes on the host until stopped, writing one
+//!   line while its first decode is running (a client's hang-up or the deadline must
+//!   stop native work in flight).
+
+wit_bindgen::generate!({
+    path: "../../wit",
+    world: "http-plugin",
+    generate_all,
+});
+
+use exports::wasi::http::incoming_handler::Guest;
+use llamabox::inference::cancel::CancelToken;
+use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
+use wasi::http::types::{Fields, IncomingRequest, OutgoingBody, OutgoingResponse, ResponseOutparam};
+
+struct Plugin;
+
+impl Guest for Plugin {
+    fn handle(request: IncomingRequest, out: ResponseOutparam) {
+        match request.path_with_query().unwrap_or_default().as_str() {
+            "/trap" => core::arch::wasm32::unreachable(),
+            "/no-response" => {}
+            "/spin" => {
+                let mut n = 0u64;
+                loop {
+                    n = std::hint::black_box(n.wrapping_add(1));
+                }
+            }
+            "/grow" => {
+                let mut held: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    held.push(vec![1; 1 << 20]);
+                    std::hint::black_box(&held);
+                }
+            }
+            "/endless" => {
+                let (stream, body) = start(out);
+                while stream.blocking_write_and_flush(b"more\n").is_ok() {}
+                // The stream is the body's child: drop it first.
+                drop(stream);
+                drop(body);
+            }
+            "/decode-forever" => {
+                let (stream, body) = start(out);
+                decode_forever(&stream);
+                drop(stream);
+                drop(body);
+            }
+            _ => {
+                let (stream, body) = start(out);
+                let _ = stream.blocking_write_and_flush(b"paths: /trap /no-response /spin /grow /endless /decode-forever\n");
+                drop(stream);
+                let _ = OutgoingBody::finish(body, None);
+            }
+        }
+    }
+}
+
+/// Send 200 and open the body.
+fn start(out: ResponseOutparam) -> (wasi::io::streams::OutputStream, OutgoingBody) {
+    let response = OutgoingResponse::new(Fields::new());
+    let body = response.body().expect("the first call to body");
+    ResponseOutparam::set(out, Ok(response));
+    let stream = body.write().expect("the first call to write");
+    (stream, body)
+}
+
+/// Decode a full batch again and again on the first model the server lets us open.
+fn decode_forever(stream: &wasi::io::streams::OutputStream) {
+    let models = std::env::var("LLAMABOX_MODELS").unwrap_or_default();
+    let Some(name) = models.split(',').next() else { return };
+    let Ok(model) = Model::open(name) else { return };
+    let params = ContextParams { n_ctx: Some(512), n_batch: Some(512), n_ubatch: None, n_seq_max: None, n_threads: None };
+    let Ok(ctx) = Context::create(&model, params) else { return };
+    let Ok(cancel) = CancelToken::create() else { return };
+    let n = 512;
+    let batch = Batch {
+        tokens: (0..n).map(|i| i % model.n_vocab() as i32).collect(),
+        positions: (0..n).collect(),
+        seq_ids: vec![0; n as usize],
+        logits: vec![false; n as usize],
+    };
+    for n in 0u64.. {
+        let Ok(pending) = ctx.start_decode(&batch, &cancel) else { return };
+        if n == 0 {
+            let _ = stream.blocking_write_and_flush(b"decoding\n");
+        }
+        if pending.finish().is_err() {
+            return;
+        }
+        if ctx.clear().is_err() {
+            return;
+        }
+    }
+}
+
+export!(Plugin);
