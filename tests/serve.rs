@@ -557,6 +557,7 @@ fn load_with_wrk_and_hang_ups_leaves_no_worker_and_accounts_for_every_request() 
         assert!(low <= counted && counted <= high, "{counted} requests counted, want {low}..={high}");
         rss.push(server.rss_kib());
     }
+    assert_eq!(server.metric("llamabox_queue_depth"), 0.0, "queue places leaked");
     let cancelled = server.metric("llamabox_cancels_total{cause=\"disconnect\"}");
     assert!(cancelled >= hang_ups as f64, "{cancelled} hang-ups stopped of {hang_ups}");
     println!("RSS per round (KiB): {rss:?}");

@@ -66,6 +66,9 @@ impl Admission {
             self.queued.fetch_sub(1, Relaxed);
             return Err(Refused::QueueFull);
         }
+        // Leaves the queue however the wait ends, a dropped wait (the client left)
+        // included.
+        let _place = QueuePlace(&self.queued);
         let acquire = async {
             // Semaphores are only closed by dropping them, which this borrow prevents.
             let plugin_slot = plugin.slots.clone().acquire_owned().await.ok()?;
@@ -73,12 +76,19 @@ impl Admission {
             let threads = self.threads.clone().acquire_many_owned(plugin.threads).await.ok()?;
             Some(Admitted { _plugin: plugin_slot, _server: server_slot, _threads: threads })
         };
-        let admitted = tokio::time::timeout(self.timeout, acquire).await;
-        self.queued.fetch_sub(1, Relaxed);
-        match admitted {
+        match tokio::time::timeout(self.timeout, acquire).await {
             Ok(Some(admitted)) => Ok(admitted),
             Ok(None) | Err(_) => Err(Refused::Timeout),
         }
+    }
+}
+
+/// A place in the queue, given back when dropped.
+struct QueuePlace<'a>(&'a AtomicU32);
+
+impl Drop for QueuePlace<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
     }
 }
 
@@ -130,6 +140,21 @@ mod tests {
         let _running = server.admit(&plugin).await.unwrap();
         assert_eq!(server.admit(&plugin).await.err(), Some(Refused::Timeout));
         assert!(server.admit(&PluginAdmission::new(1, 1)).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_wait_that_is_dropped_gives_its_place_back() {
+        let server = Admission::new(1, 1, 1, Duration::from_secs(60));
+        let plugin = PluginAdmission::new(1, 1);
+        let running = server.admit(&plugin).await.unwrap();
+        for _ in 0..3 {
+            // A client that hangs up while it waits: its wait is dropped.
+            let waited = tokio::time::timeout(Duration::from_millis(10), server.admit(&plugin)).await;
+            assert!(waited.is_err());
+            assert_eq!(server.queued(), 0);
+        }
+        drop(running);
+        assert!(server.admit(&plugin).await.is_ok());
     }
 
     #[tokio::test]
