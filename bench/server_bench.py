@@ -544,6 +544,8 @@ def load_run(server, concurrency, n_requests, tag, max_tokens, shared_system=Fal
         "prompt": med([r.prompt_tokens for r in good]),
         "cached": med([r.cached for r in good]),
         "tps": tokens / wall,
+        "latencies": [round(r.latency, 4) for r in results],
+        "ttfts": [round(r.ttft, 4) if r.t_first_token else None for r in results],
         "tokens": tokens,
         "wall": wall,
         "cpu": server.cpu_seconds() - cpu0,
@@ -788,6 +790,9 @@ def main():
             s.stop()
 
     finished_at = datetime.datetime.now(datetime.timezone.utc)
+    with open(os.path.join(tmp, "results.json"), "w") as f:
+        json.dump({f"{name}|" + ("|".join(map(str, k)) if isinstance(k, tuple) else k): v
+                   for name, part in results.items() for k, v in part.items()}, f, indent=1, default=str)
     report = render(args, results, argv, started_at, finished_at, load_start, os.getloadavg(), busy_seen, slots, two)
     notes = ""
     if os.path.exists(args.out):
