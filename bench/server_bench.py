@@ -467,6 +467,45 @@ def cpu_info():
     return model, flags
 
 
+def machine_busy_seconds():
+    """CPU seconds all processes have spent (every core), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds():
+    t = os.times()
+    return t.user + t.system
+
+
+class OtherLoad:
+    """CPU seconds spent by processes other than this one and the measured server."""
+
+    def __init__(self, server):
+        self.server = server
+        self.start = (machine_busy_seconds(), server.cpu_seconds(), own_cpu_seconds())
+
+    def seconds(self):
+        m, s, o = machine_busy_seconds(), self.server.cpu_seconds(), own_cpu_seconds()
+        return max(0.0, (m - self.start[0]) - (s - self.start[1]) - (o - self.start[2]))
+
+
+QUIET = {"budget": 1800.0, "waited": 0.0, "allow": False}
+
+
+def wait_quiet():
+    """Before each measurement: wait while builds or tests run (within the run's budget)."""
+    announced = False
+    while not QUIET["allow"] and busy_processes() and QUIET["waited"] < QUIET["budget"]:
+        if not announced:
+            print(f"  waiting for builds/tests to end (pgrep -f '{BUSY_PATTERN}')", flush=True)
+            announced = True
+        time.sleep(5)
+        QUIET["waited"] += 5
+
+
 def busy_processes():
     out = subprocess.run(["pgrep", "-f", BUSY_PATTERN], capture_output=True, text=True).stdout.split()
     return [p for p in out if int(p) != os.getpid()]
@@ -523,6 +562,8 @@ def load_run(server, concurrency, n_requests, tag, max_tokens, shared_system=Fal
             with lock:
                 results.append(r)
 
+    wait_quiet()
+    other = OtherLoad(server)
     cpu0 = server.cpu_seconds()
     start = time.monotonic()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -549,6 +590,7 @@ def load_run(server, concurrency, n_requests, tag, max_tokens, shared_system=Fal
         "tokens": tokens,
         "wall": wall,
         "cpu": server.cpu_seconds() - cpu0,
+        "other_cpu": other.seconds(),
     }
 
 
@@ -556,6 +598,7 @@ def disconnect_trial(server, phase, tag, close_after_s):
     """One hang-up: close() -> idle, from outside, and the server's own figures."""
     if server.wait_idle() is None:
         raise RuntimeError(f"{server.short} never went idle before a trial")
+    wait_quiet()
     before = server.snapshot()
     if phase == "prefill":
         r = stream_chat(server.port, chat_body(long_document(tag), 16), close_after=close_after_s)
@@ -586,6 +629,7 @@ def isolation_round(server, tag, max_tokens):
     extra = {"cache_prompt": False} if server.kind == "llama-server" else None
     body_b = chat_body("Explain in a few sentences why llamas are good pack animals.", max_tokens, extra)
     server.wait_idle()
+    wait_quiet()
     solo = stream_chat(server.port, body_b)
     server.wait_idle()
     hung = {}
@@ -614,6 +658,8 @@ def goodput(server, seconds, concurrency, tag, max_tokens):
     lock = threading.Lock()
     counter = [0]
     stats = {"completed": 0, "late": 0, "failed": 0, "hung_up": 0, "errors": set(), "latencies": []}
+    wait_quiet()
+    other = OtherLoad(server)
     cpu0 = server.cpu_seconds()
     start = time.monotonic()
     end = start + seconds
@@ -631,17 +677,21 @@ def goodput(server, seconds, concurrency, tag, max_tokens):
                     elif not r.ok:  # failed within 0.3 s
                         stats["failed"] += 1
                         stats["errors"].add(r.error or f"status {r.status}")
+                        time.sleep(0.1)  # a client backs off after an error
                 continue
             r = stream_chat(server.port, story_body(f"{tag}-{i}", max_tokens))
             with lock:
                 if not r.ok:
                     stats["failed"] += 1
                     stats["errors"].add(r.error or f"status {r.status}")
+                    stats["first_failure"] = min(stats.get("first_failure", 1e9), r.t_send - start)
                 elif r.t_end <= end:
                     stats["completed"] += 1
                     stats["latencies"].append(r.latency)
                 else:
                     stats["late"] += 1
+            if not r.ok:
+                time.sleep(0.1)  # a client backs off after an error
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
@@ -650,7 +700,10 @@ def goodput(server, seconds, concurrency, tag, max_tokens):
         t.join()
     stats["cpu"] = server.cpu_seconds() - cpu0
     stats["wall"] = time.monotonic() - start
+    stats["other_cpu"] = other.seconds()
     server.wait_idle(timeout=120)
+    if server.kind == "llamabox":
+        stats["queue_after"] = total(prometheus(server.getter.get("/metrics")[1]), "llamabox_queue_depth")
     stats["sent"] = counter[0]
     stats["per_minute"] = stats["completed"] * 60.0 / seconds
     stats["errors"] = sorted(stats["errors"])[:3]
@@ -680,6 +733,8 @@ def main():
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.per_level, args.goodput_seconds = 1, 2, 8
+    QUIET["budget"], QUIET["allow"] = args.wait_quiet, args.allow_busy
+    builds = {"llamabox": describe_llamabox(args.llamabox), "llama-server": describe_llama_server(args.llama_server)}
 
     waited = 0.0
     while busy_processes() and not args.allow_busy:
@@ -793,7 +848,7 @@ def main():
     with open(os.path.join(tmp, "results.json"), "w") as f:
         json.dump({f"{name}|" + ("|".join(map(str, k)) if isinstance(k, tuple) else k): v
                    for name, part in results.items() for k, v in part.items()}, f, indent=1, default=str)
-    report = render(args, results, argv, started_at, finished_at, load_start, os.getloadavg(), busy_seen, slots, two)
+    report = render(args, results, argv, started_at, finished_at, load_start, os.getloadavg(), busy_seen, slots, two, builds)
     notes = ""
     if os.path.exists(args.out):
         old = open(args.out).read()
@@ -804,7 +859,7 @@ def main():
     print(f"wrote {args.out} ({(finished_at - started_at).total_seconds():.0f} s); server logs in {tmp}")
 
 
-def render(args, results, argv, started_at, finished_at, load_start, load_end, busy_seen, slots, two):
+def render(args, results, argv, started_at, finished_at, load_start, load_end, busy_seen, slots, two, builds):
     model_name, flags = cpu_info()
     simd = [f for f in flags if re.match(r"(sse|ssse|avx|fma|f16c|bmi|amx)", f)]
     L = []
@@ -824,8 +879,13 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
     w(f"- load average at start {' '.join(f'{x:.2f}' for x in load_start)}, at end "
       f"{' '.join(f'{x:.2f}' for x in load_end)}; builds or tests seen running during: "
       f"{', '.join(busy_seen) if busy_seen else 'none'}")
-    w(f"- llamabox: {describe_llamabox(args.llamabox)}; plugin `{args.plugin}`")
-    w(f"- llama-server: {describe_llama_server(args.llama_server)}")
+    w(f"- llamabox: {builds['llamabox']}; plugin `{args.plugin}`")
+    w(f"- llama-server: {builds['llama-server']}")
+    other = [r["other_cpu"] / r["wall"] for runs in results["load"].values() for r in runs]
+    other += [g["other_cpu"] / g["wall"] for g in results["goodput"].values()]
+    w(f"- other processes' CPU while measuring (from /proc/stat, less this script and the measured server), "
+      f"in cores: median {med(other) or 0:.2f}, max {max(other or [0]):.2f} over the throughput runs and goodput "
+      f"windows; waited {QUIET['waited']:.0f} s in all for builds/tests to end before measurements")
     w(f"- model: `{args.model}`")
     w("")
     w("<details><summary>all CPU flags</summary>")
@@ -868,13 +928,14 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
       "first text) / (tokens − 1), the generation pace one client sees. Tokens/s: completion tokens of all "
       "requests / wall time of the run. Prompt: prompt tokens per request as the servers report them "
       "(llama-server: of which reused from its prompt cache). Medians of the rounds (min–max); p50/p99 are "
-      "over one run's requests (nearest rank: with 8 requests p99 is the slowest). The row marked *shared "
+      "over one run's requests (nearest rank: with 8 requests p99 is the slowest). Other load: CPU other "
+      "processes used during the run, in cores (anything well above 0 disturbed it). The row marked *shared "
       "system* sends the same system message first in every request (the user message is unique), so "
       "llama-server's prompt cache skips recomputing it; every other row's requests are unique from their "
       "first message on.")
     w("")
-    w("| concurrency | slots | server | requests | p50 s | p99 s | TTFT p50 s | ms/token | tokens/s | prompt (cached) | failed |")
-    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    w("| concurrency | slots | server | requests | p50 s | p99 s | TTFT p50 s | ms/token | tokens/s | prompt (cached) | failed | other load, cores |")
+    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = [("1slot", 1, 1), ("1slot-shared", 1, 1), ("slots", 1, slots), ("slots", 4, slots), ("slots", 8, slots)]
     summary = {}
     for cfg, c, n_slots in rows:
@@ -893,7 +954,7 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
               f"{spread([r['ttft'] for r in runs], '{:.3f}')} | "
               f"{spread([r['per_token'] * 1000 if r['per_token'] else None for r in runs], '{:.1f}')} | "
               f"{spread([r['tps'] for r in runs], '{:.1f}')} | {prompt} | "
-              f"{failed}{' (' + '; '.join(errs) + ')' if errs else ''} |")
+              f"{failed}{' (' + '; '.join(errs) + ')' if errs else ''} | {spread([r['other_cpu'] / r['wall'] for r in runs])} |")
             summary[(cfg, c, name)] = {k: med([r[k] for r in runs]) for k in ("p50", "p99", "ttft", "tps", "cpu", "per_token")}
     w("")
     w("| concurrency | slots | tokens/s llamabox / llama-server | p50 latency llamabox / llama-server | "
@@ -979,20 +1040,24 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
     w("")
     w(f"Four clients send requests back to back for {args.goodput_seconds:.0f} s; requests 3, 6 and 9 of every "
       f"10 (30%) send a unique ~1510-token prompt and hang up 0.3 s after sending it, the rest are normal "
-      f"chats (max_tokens {args.max_tokens}). Completed: normal chats answered whole within the window. CPU: "
+      f"chats (max_tokens {args.max_tokens}). A client whose request failed waits 0.1 s before its next one. "
+      "Completed: normal chats answered whole within the window. CPU: "
       "the server process's CPU time from the window's start until its last request ended (wall: that time).")
     w("")
     w("| server | requests sent | hung up | completed | completed / minute | finished after the window | "
-      "failed | p50 latency of completed s | CPU s / wall s |")
-    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+      "failed (first at s) | p50 latency of completed s | CPU s / wall s | other load, cores | queue depth once idle |")
+    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in ("llamabox", "llama-server"):
         g = results["goodput"].get(name)
         if not g:
             continue
-        fails = f"{g['failed']}{' (' + '; '.join(g['errors']) + ')' if g['errors'] else ''}"
+        fails = f"{g['failed']}"
+        if g["failed"]:
+            fails += f" (first at {g.get('first_failure', 0):.1f} s: {'; '.join(e[:120] for e in g['errors'])})"
         p50 = f"{pct(g['latencies'], 50):.2f}" if g["latencies"] else "—"
+        queue = f"{g['queue_after']:.0f}" if "queue_after" in g else "—"
         w(f"| {name} | {g['sent']} | {g['hung_up']} | {g['completed']} | {g['per_minute']:.1f} | {g['late']} | "
-          f"{fails} | {p50} | {g['cpu']:.1f} / {g['wall']:.1f} |")
+          f"{fails} | {p50} | {g['cpu']:.1f} / {g['wall']:.1f} | {g['other_cpu'] / g['wall']:.2f} | {queue} |")
     ga, gb = results["goodput"].get("llamabox"), results["goodput"].get("llama-server")
     w("")
     if ga and gb:
