@@ -30,7 +30,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test validate-manifests scale-test bench fuzz soak memcheck mutants clean-models
+.PHONY: deps build guest demo test validate-manifests scale-test bench bench-server fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -95,6 +95,21 @@ bench: deps guest
 	    --out bench/RESULTS$$suffix.md --png bench/cancel-latency$$suffix.png \
 	    $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} $(BENCH_ARGS) || exit 1; \
 	done
+
+# `llamabox serve` side by side with llama.cpp's llama-server (never part of `make test`;
+# about 8 minutes on a quiet 2-core machine): bench/llama-server.sh builds llama-server
+# once (same vendored tree, CPU choice and cache as llama-bench), then
+# bench/server_bench.py starts both on 127.0.0.1 with the same threads, slots, context and
+# greedy requests, and writes bench/SERVER.md (throughput, hang-up -> end of native work,
+# a hang-up beside another request, goodput under hang-ups). It first waits, up to 30
+# minutes, for running builds and tests to end. LLAMABOX, PLUGIN, MODEL override the
+# binary, the openai plugin and the model; SERVER_BENCH_ARGS passes more flags.
+SERVER_BENCH_ARGS ?=
+bench-server: build guest
+	@model="$${MODEL:-$$(scripts/fetch-model.sh)}" && llama_server=$$(CPU=$(CPU) bench/llama-server.sh) && \
+	python3 bench/server_bench.py --llamabox "$${LLAMABOX:-$(HOST)}" \
+	  --plugin "$${PLUGIN:-target/guest/wasm32-wasip2/release/llamabox_openai.wasm}" \
+	  --llama-server "$$llama_server" --model "$$model" --out bench/SERVER.md $(SERVER_BENCH_ARGS)
 
 # Random and adversarial calls, many more than `make test` makes: against the native
 # layer (tests/adversarial.rs, FUZZ_ITERS calls from FUZZ_SEED), then through a real

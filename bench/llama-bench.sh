@@ -10,6 +10,9 @@
 #   LLAMA_BENCH_SAME_FLAGS=1 with CPU=native: GGML_NATIVE=OFF with our native build's
 #     named extensions instead, to tell -march=native apart from the extensions.
 # Cached in ~/.cache/llamabox: the sdist, its unpacked tree and each build are reused.
+# TARGET=llama-server (bench/llama-server.sh) builds llama.cpp's HTTP server instead, into
+# the same build folder with -DLLAMA_BUILD_SERVER=ON added (its embedded web UI left
+# empty: no npm, no download), so ggml and libllama are compiled once for both.
 # Prints the binary's path; exits non-zero (with a reason on stderr) if it can't be had.
 set -euo pipefail
 
@@ -29,7 +32,13 @@ case "$cpu" in
   avx2|portable) isa=(-DGGML_NATIVE=OFF); while read -r flag; do isa+=("-D$flag"); done < <("$(dirname "$0")/../scripts/cpu-flags.sh" "$cpu"); build="$build-$cpu" ;;
   *) echo "CPU must be native, avx2 or portable, not '$cpu'" >&2; exit 2 ;;
 esac
-bin="$build/bin/llama-bench"
+target="${TARGET:-llama-bench}"
+case "$target" in
+  llama-bench) server=(-DLLAMA_BUILD_SERVER=OFF) ;;
+  llama-server) server=(-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF) ;;
+  *) echo "TARGET must be llama-bench or llama-server, not '$target'" >&2; exit 2 ;;
+esac
+bin="$build/bin/$target"
 
 if [ ! -x "$bin" ]; then
   sdist="$cache/sdist/llama_cpp_python-$version.tar.gz"
@@ -38,16 +47,20 @@ if [ ! -x "$bin" ]; then
     python3 -m pip download --no-deps --no-binary :all: --quiet -d "$cache/sdist" "llama-cpp-python==$version" >&2
   fi
   src="$cache/llama_cpp_python-$version"
-  if [ ! -d "$src/vendor/llama.cpp/tools/llama-bench" ]; then
+  if [ ! -d "$src/vendor/llama.cpp/tools/$target" ] && [ ! -d "$src/vendor/llama.cpp/tools/${target#llama-}" ]; then
     tar -xzf "$sdist" -C "$cache"
   fi
-  echo "building llama-bench ($build_type, CPU=$cpu) into $build (a few minutes, once)" >&2
+  echo "building $target ($build_type, CPU=$cpu) into $build (a few minutes, once)" >&2
   cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE="$build_type" \
     -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
     -DBUILD_SHARED_LIBS=OFF -DGGML_OPENMP=OFF "${isa[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
-    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >&2
-  cmake --build "$build" --target llama-bench -j "$(nproc)" >&2
+    "${server[@]}" -DLLAMA_BUILD_APP=OFF >&2
+  cmake --build "$build" --target "$target" -j "$(nproc)" >&2
+fi
+if [ "$target" != llama-bench ]; then
+  echo "$bin"
+  exit 0
 fi
 # llama-simple (llama.cpp's plain greedy loop) beside it: the bench checks that the host's
 # generation loop gives its tokens.
