@@ -18,7 +18,7 @@ mod threads;
 pub use backend::{cpu_features, InstructionLevel};
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use chat::{ChatMessage, ChatTemplate};
-pub use context::{Batch, Context, ContextParams, Pooling, PromptPiece};
+pub use context::{warm_up, Batch, Context, ContextParams, Pooling, PromptPiece};
 pub use generate::{generate, FinishReason, GenerateRequest, Outcome, Piece, Usage};
 pub use meter::Meter;
 pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};

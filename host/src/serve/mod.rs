@@ -127,14 +127,18 @@ impl Server {
         Ok(())
     }
 
-    /// Load every model once and compile every plugin.
+    /// Load (and warm up) every model once and compile every plugin.
     async fn load(&self) -> anyhow::Result<Vec<Served>> {
         let registry = self.host.models();
         for (name, path) in &self.config.models {
             say(&format!("loading model {name} from {}", path.display()));
             let started = Instant::now();
-            registry.open(name).await.map_err(|e| anyhow::anyhow!("model {name:?} ({}): {e}", path.display()))?;
-            say(&format!("loaded model {name} in {:.2} s", started.elapsed().as_secs_f64()));
+            let model = registry.open(name).await.map_err(|e| anyhow::anyhow!("model {name:?} ({}): {e}", path.display()))?;
+            let threads = self.config.threads;
+            tokio::task::spawn_blocking(move || crate::native::warm_up(model, threads))
+                .await?
+                .with_context(|| format!("warming up model {name:?}"))?;
+            say(&format!("loaded and warmed up model {name} in {:.2} s", started.elapsed().as_secs_f64()));
         }
         let mut plugins = Vec::new();
         for config in &self.config.plugins {
