@@ -56,11 +56,13 @@ demo: build guest
 	$(HOST) run $(GUEST) --model $$name=$$model --projector eyes=$$projector -- --model $$name --media eyes \
 	  --threads $$threads --cancel-after-ms 30
 
-# The host package, and the bench crate's own unit tests (its statistics and report; the
-# benchmarks themselves run only in `make bench`).
+# The host package, the bench crate's own unit tests (its statistics and report; the
+# benchmarks themselves run only in `make bench`), and the openai plugin's unit tests (its
+# wire format, natively).
 test: deps
 	scripts/validate-manifests.sh
 	$(CARGO) test $(PROFILE) -p llamabox -p llamabox-bench -- --test-threads=1
+	cd guest && $(CARGO) test --release -p llamabox-openai --target x86_64-unknown-linux-gnu --target-dir ../target/guest
 
 # Offline checks of deploy/ (part of `make test`; no cluster, no build): every Kubernetes
 # manifest against the API schemas (kubernetes-validate --strict, pinned, installed once

@@ -212,17 +212,21 @@ pub struct ModelCard {
     pub owned_by: &'static str,
 }
 
-/// A chat completion, or one chunk of a streamed one (`object` tells which).
+/// A completion, or one chunk of a streamed one (`object` tells which); `C` is the
+/// choice: [`ChatChoice`] or [`TextChoice`].
 #[derive(Serialize)]
-pub struct ChatCompletion<'a> {
+pub struct Completion<'a, C> {
     pub id: &'a str,
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
-    pub choices: Vec<ChatChoice<'a>>,
+    pub choices: Vec<C>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
 }
+
+pub type ChatCompletion<'a> = Completion<'a, ChatChoice<'a>>;
+pub type TextCompletion<'a> = Completion<'a, TextChoice<'a>>;
 
 #[derive(Serialize)]
 pub struct ChatChoice<'a> {
@@ -242,18 +246,6 @@ pub struct Delta<'a> {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<&'a str>,
-}
-
-/// A text completion, or one chunk of a streamed one.
-#[derive(Serialize)]
-pub struct TextCompletion<'a> {
-    pub id: &'a str,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: &'a str,
-    pub choices: Vec<TextChoice<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
 }
 
 #[derive(Serialize)]

@@ -668,7 +668,7 @@ mod tests {
 
     #[test]
     fn chat_messages_map_roles_and_parts() {
-        let m = |json: &str| chat_message(1, serde_json::from_str(json).unwrap());
+        let m = |json: &str| chat_message(1, serde_json::from_str(json).unwrap(), &mut Vec::new());
         assert_eq!(m(r#"{"role":"developer","content":"x"}"#).unwrap().role, "system");
         assert_eq!(m(r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}"#).unwrap().content, "ab");
         assert_eq!(m(r#"{"role":"tool","content":"x"}"#).err().unwrap().param.as_deref(), Some("messages[1].role"));

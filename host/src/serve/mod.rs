@@ -600,7 +600,8 @@ fn text(status: StatusCode, text: &'static str) -> Response<Body> {
 /// The server's own errors, shaped like OpenAI's (`{"error": {"message", "type"}}`).
 fn error(status: StatusCode, message: &str, retry_after: Option<u64>) -> Response<Body> {
     let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
-    let body = format!("{{\"error\":{{\"message\":{},\"type\":\"{kind}\",\"param\":null,\"code\":null}}}}\n", json_string(message));
+    let body = serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": null}});
+    let body = format!("{body}\n");
     let mut response = Response::new(full(body));
     *response.status_mut() = status;
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -608,22 +609,6 @@ fn error(status: StatusCode, message: &str, retry_after: Option<u64>) -> Respons
         response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
     }
     response
-}
-
-/// `text` as a JSON string literal.
-fn json_string(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 2);
-    out.push('"');
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 /// A line on stdout for whoever started the server (and the tests, which wait for
@@ -648,8 +633,12 @@ mod tests {
         assert!(!route_matches("/a/b", "/a"));
     }
 
-    #[test]
-    fn errors_are_json() {
-        assert_eq!(json_string("a \"b\"\n\\"), r#""a \"b\"\u000a\\""#);
+    #[tokio::test]
+    async fn errors_are_json() {
+        let message = "a \"b\"\n\\";
+        let body = error(StatusCode::BAD_REQUEST, message, None).into_body().collect().await.unwrap().to_bytes();
+        let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(parsed["error"]["message"], message);
+        assert_eq!(parsed["error"]["type"], "invalid_request_error");
     }
 }
