@@ -69,6 +69,14 @@ pub struct Context {
     params: ContextParams,
     /// Which rows of the last successful decode have logits; empty after a failed one.
     logit_rows: Vec<bool>,
+    /// What sequence 0 holds, token by token, while that is known: in a context of one
+    /// sequence whose memory came from token decodes only. `None` otherwise.
+    history: Option<Vec<Token>>,
+    /// Tokens an earlier run left at positions `0..` of sequence 0 when the context was
+    /// parked ([`Context::park`]): still in memory, but not part of what the context
+    /// holds, which reads as empty. A prompt [`Context::eval`] starts with them is not
+    /// computed again for that part; anything else removes them first.
+    leftover: Vec<Token>,
     /// The threads every graph of this context runs on; freed after the context.
     _team: ThreadPool,
     /// Where this context's decodes and cancels are counted (its run's meter).
@@ -142,6 +150,11 @@ pub fn warm_up(model: Arc<Model>, n_threads: u32) -> Result<()> {
     context.decode(&Batch::sequence(&[token], 0, 0), None)
 }
 
+/// A history for a new or cleared context: tracked for one sequence only.
+fn fresh_history(params: ContextParams) -> Option<Vec<Token>> {
+    (params.n_seq_max == 1).then(Vec::new)
+}
+
 impl Context {
     pub fn new(model: Arc<Model>, params: ContextParams) -> Result<Self> {
         backend::init();
@@ -184,7 +197,36 @@ impl Context {
                 n_threads,
             }
         };
-        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), _team: team, meter: Arc::default(), model })
+        let history = fresh_history(actual);
+        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), history, leftover: Vec::new(), _team: team, meter: Arc::default(), model })
+    }
+
+    /// Make the context read as new for its next user: empty memory, no logits, a
+    /// meter of its own. What sequence 0 holds is kept as leftover tokens when it is
+    /// known, so that a next prompt starting the same way reuses it ([`Context::eval`]).
+    /// Whoever parks a context decides who may use it next: the leftover is invisible
+    /// to the next user, except in how fast its prompt is evaluated.
+    pub fn park(&mut self) {
+        self.logit_rows.clear();
+        self.meter = Arc::default();
+        if !self.leftover.is_empty() {
+            return; // parked again, untouched since
+        }
+        // SAFETY: a live memory.
+        let end = unsafe { sys::llama_memory_seq_pos_max(self.memory(), 0) };
+        match self.history.take() {
+            Some(tokens) if !tokens.is_empty() && end + 1 == tokens.len() as i32 => {
+                self.leftover = tokens;
+                self.history = Some(Vec::new());
+            }
+            _ => self.clear(),
+        }
+    }
+
+    /// Tokens at the start of sequence 0 kept from before the last [`Context::park`]
+    /// and not yet reused or removed.
+    pub fn leftover(&self) -> &[Token] {
+        &self.leftover
     }
 
     pub fn params(&self) -> ContextParams {
@@ -213,7 +255,41 @@ impl Context {
     /// Highest position of `seq` in memory, -1 when empty.
     pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
         self.check_seq(seq)?;
+        if !self.leftover.is_empty() {
+            return Ok(-1); // the leftover is not part of what the context holds
+        }
         Ok(unsafe { sys::llama_memory_seq_pos_max(self.memory(), seq) })
+    }
+
+    /// Remove the leftover tokens from memory (before anything but a reusing `eval`).
+    fn drop_leftover(&mut self) {
+        if !self.leftover.is_empty() {
+            // SAFETY: a live memory; removing a whole sequence always succeeds.
+            unsafe { sys::llama_memory_seq_rm(self.memory(), 0, 0, -1) };
+            self.leftover.clear();
+        }
+    }
+
+    /// Keep the longest start of the leftover that `pieces` (evaluated into `seq`)
+    /// begins with, at most `most` tokens, and make it part of the sequence again; the
+    /// rest of the leftover goes. Returns how many tokens were kept.
+    fn reuse_leftover(&mut self, pieces: &[PromptPiece], seq: i32) -> usize {
+        let first = match pieces.first() {
+            Some(PromptPiece::Tokens(tokens)) if seq == 0 && !self.leftover.is_empty() => tokens,
+            _ => {
+                self.drop_leftover();
+                return 0;
+            }
+        };
+        // The last row's logits are wanted: a prompt of one piece keeps one row to compute.
+        let most = if pieces.len() == 1 { first.len().saturating_sub(1) } else { first.len() };
+        let kept = self.leftover.iter().zip(first).take_while(|(a, b)| a == b).count().min(most);
+        // SAFETY: a live memory; removing a sequence's tail always succeeds.
+        unsafe { sys::llama_memory_seq_rm(self.memory(), 0, kept as i32, -1) };
+        let mut tokens = std::mem::take(&mut self.leftover);
+        tokens.truncate(kept);
+        self.history = Some(tokens);
+        kept
     }
 
     /// Remove positions `[p0, p1)` of `seq` (`p1 < 0`: to the end). Removing part of a
@@ -223,7 +299,16 @@ impl Context {
         if p0 < 0 {
             return Err(Error::InvalidArgument(format!("p0 {p0} is negative")));
         }
+        self.drop_leftover();
         if unsafe { sys::llama_memory_seq_rm(self.memory(), seq, p0, p1) } {
+            if let Some(tokens) = &mut self.history {
+                let (p0, len) = (p0 as usize, tokens.len());
+                if p1 < 0 || p1 as usize >= len {
+                    tokens.truncate(p0);
+                } else if p0 < len && (p1 as usize) > p0 {
+                    self.history = None; // a hole: no longer a prefix of anything
+                }
+            }
             Ok(())
         } else {
             Err(Error::InvalidArgument(format!("this memory cannot remove [{p0}, {p1}) from sequence {seq}")))
@@ -233,6 +318,8 @@ impl Context {
     pub fn clear(&mut self) {
         unsafe { sys::llama_memory_clear(self.memory(), true) };
         self.logit_rows.clear();
+        self.leftover.clear();
+        self.history = fresh_history(self.params);
     }
 
     /// Logits of `row` of the last successful decode, if that row asked for them.
@@ -313,6 +400,7 @@ impl Context {
             self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
+        self.drop_leftover();
         self.check_batch(batch)?;
         self.all_or_nothing(&batch.seq_ids, |ctx| ctx.decode_checked(batch, stop))
     }
@@ -333,7 +421,11 @@ impl Context {
             seq_id: seq_ptrs.as_mut_ptr(),
             logits: logits.as_mut_ptr(),
         };
-        self.decode_raw(raw, &batch.logits, stop)
+        self.decode_raw(raw, &batch.logits, stop)?;
+        if let Some(tokens) = &mut self.history {
+            tokens.extend_from_slice(&batch.tokens); // one sequence, continued in order
+        }
+        Ok(())
     }
 
     /// Decode media embeddings (`n × n_embd_inp` floats, from a projector) into `seq` at
@@ -353,6 +445,7 @@ impl Context {
             return Err(Error::Cancelled);
         }
         self.check_seq(seq)?;
+        self.drop_leftover();
         self.all_or_nothing(&[seq], |ctx| ctx.embeddings_in(embd, seq, non_causal, logits_last, stop))
     }
 
@@ -360,22 +453,39 @@ impl Context {
     /// embeddings in turn, in n-batch pieces, logits for the very last row. Returns the
     /// sequence's new length. One all-or-nothing call: if any piece fails or is
     /// stopped, memory is as it was before the first.
+    ///
+    /// On a parked context, the part of a leading token piece that equals the
+    /// leftover's start is kept rather than computed again (at least the last row is
+    /// always computed); a failure makes it leftover again.
     pub fn eval(&mut self, pieces: &[PromptPiece], seq: i32, stop: Option<Stop<'_>>) -> Result<i32> {
         if stop.is_some_and(|s| s.is_set()) {
             self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
         self.check_seq(seq)?;
+        let reused = self.reuse_leftover(pieces, seq);
         let last = pieces.len().checked_sub(1);
-        self.all_or_nothing(&[seq], |ctx| {
+        let result = self.all_or_nothing(&[seq], |ctx| {
             pieces.iter().enumerate().try_for_each(|(i, piece)| {
                 let logits_last = Some(i) == last;
                 match piece {
-                    PromptPiece::Tokens(tokens) => ctx.tokens_in(tokens, seq, logits_last, stop),
+                    PromptPiece::Tokens(tokens) => {
+                        let skip = if i == 0 { reused } else { 0 };
+                        ctx.tokens_in(&tokens[skip..], seq, logits_last, stop)
+                    }
                     PromptPiece::Embeddings { embd, non_causal } => ctx.embeddings_in(embd, seq, *non_causal, logits_last, stop),
                 }
             })
-        })?;
+        });
+        if let Err(e) = result {
+            if reused > 0 {
+                // Rolled back to the reused tokens: they are leftover again, and the
+                // context reads as empty, as before the call.
+                self.leftover = self.history.replace(Vec::new()).unwrap_or_default();
+            }
+            return Err(e);
+        }
+        self.meter.add_reused(reused as u64);
         self.seq_pos_max(seq).map(|end| end + 1)
     }
 
@@ -403,6 +513,7 @@ impl Context {
         }
         let n = embd.len() / width;
         let first = self.seq_pos_max(seq)? + 1;
+        self.history = None; // not tokens: nothing a later prompt could match
         if non_causal && n > self.params.n_ubatch as usize {
             return Err(Error::InvalidArgument(format!(
                 "this media chunk has {n} embeddings and must be decoded in one ubatch, but n-ubatch is {}",
@@ -461,6 +572,9 @@ impl Context {
             self.logit_rows.clear();
             // SAFETY: a live memory; any sequence id is accepted by seq_rm.
             let undone = ends.iter().all(|&(seq, end)| unsafe { sys::llama_memory_seq_rm(self.memory(), seq, end + 1, -1) });
+            if let (Some(tokens), Some(&(0, end))) = (&mut self.history, ends.first()) {
+                tokens.truncate((end + 1) as usize);
+            }
             if !undone {
                 // Cannot happen for the memories `new` accepts (a KV cache removes any
                 // tail); if it ever does, say so rather than leave a half-applied call.

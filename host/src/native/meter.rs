@@ -9,6 +9,7 @@ pub struct Meter {
     generated: AtomicU64,
     cancels: AtomicU64,
     peak_kv_cells: AtomicU64,
+    reused: AtomicU64,
 }
 
 impl Meter {
@@ -31,6 +32,11 @@ impl Meter {
         self.cancels.fetch_add(1, Relaxed);
     }
 
+    /// Prompt tokens a parked context already held, kept instead of decoded again.
+    pub fn add_reused(&self, tokens: u64) {
+        self.reused.fetch_add(tokens, Relaxed);
+    }
+
     /// KV cells held now; the meter keeps the largest value it saw.
     pub fn note_kv_cells(&self, held: u64) {
         self.peak_kv_cells.fetch_max(held, Relaxed);
@@ -46,6 +52,10 @@ impl Meter {
 
     pub fn cancels(&self) -> u64 {
         self.cancels.load(Relaxed)
+    }
+
+    pub fn reused(&self) -> u64 {
+        self.reused.load(Relaxed)
     }
 
     pub fn peak_kv_cells(&self) -> u64 {
