@@ -145,6 +145,10 @@ pub struct Worker<S: 'static> {
     /// Resolves when the thread has dropped its state and is about to end.
     exited: Option<oneshot::Receiver<()>>,
     running: Arc<Mutex<Running>>,
+    /// Where the thread is counted now ([`Worker::retrack`]); the thread drops it last.
+    alive: Arc<Mutex<Alive>>,
+    /// Calls queued or running.
+    queued: Arc<AtomicUsize>,
 }
 
 /// Which call is running, so that dropping the worker can stop it.
@@ -167,7 +171,10 @@ impl<S: 'static> Worker<S> {
         let (exit_tx, exit_rx) = oneshot::channel();
         let running = Arc::new(Mutex::new(Running::default()));
         let thread_running = running.clone();
-        let alive = tracker.alive();
+        let alive = Arc::new(Mutex::new(tracker.alive()));
+        let thread_alive = alive.clone();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let thread_queued = queued.clone();
         // The thread works for the caller's run: llama.cpp's log lines from its calls
         // (routed to `tracing` on this thread) carry the run's span.
         let span = tracing::Span::current();
@@ -175,7 +182,7 @@ impl<S: 'static> Worker<S> {
         std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
-                let _alive = alive; // dropped last, after `state`
+                let _alive = thread_alive; // dropped last, after `state`
                 let _in_span = span.entered();
                 let _exit = ExitSignal(Some(exit_tx));
                 let mut state = match init() {
@@ -198,13 +205,14 @@ impl<S: 'static> Worker<S> {
                     }
                     let started = Instant::now();
                     job(&mut state);
-                    Tracker::add_busy(&_alive.0, started);
+                    Tracker::add_busy(&lock(&_alive).0, started);
                     lock(&thread_running).call = None;
+                    thread_queued.fetch_sub(1, SeqCst);
                 }
                 // `state` (the native context) is dropped here, on its own thread.
             })
             .map_err(StartFailed::NoThread)?;
-        let worker = Self { jobs: Some(jobs_tx), exited: Some(exit_rx), running };
+        let worker = Self { jobs: Some(jobs_tx), exited: Some(exit_rx), running, alive, queued };
         match init_rx.recv() {
             Ok(Ok(())) => Ok(worker),
             Ok(Err(e)) => Err(e),
@@ -240,26 +248,44 @@ impl<S: 'static> Worker<S> {
         }
     }
 
+    /// Count the thread in `tracker` from now on instead of where it was counted: an
+    /// idle worker handed from one store to another (or to nobody: `Tracker::default()`)
+    /// between calls. The old trackers see it gone once the new ones count it.
+    pub fn retrack(&self, tracker: &Tracker) {
+        let counted = tracker.alive();
+        let before = std::mem::replace(&mut *lock(&self.alive), counted);
+        drop(before);
+    }
+
+    /// Whether no call is queued or running now.
+    pub fn is_idle(&self) -> bool {
+        self.queued.load(SeqCst) == 0
+    }
+
     /// Queue `f`. It gets the call's own flag, set if the returned [`Call`] is dropped
     /// before it finished or the worker shuts down; pass it to the native call's `Stop`.
+    /// It runs in the caller's `tracing` span.
     pub fn call<R: Send + 'static>(&self, f: impl FnOnce(&mut S, &CancelFlag) -> R + Send + 'static) -> Call<R> {
         let abandoned = CancelFlag::new();
         let (tx, rx) = oneshot::channel();
         let flag = abandoned.clone();
+        let span = tracing::Span::current();
         let job: Job<S> = Box::new(move |state| {
+            let _in_span = span.enter();
             // A caller that is already gone gets no compute.
             if !tx.is_closed() {
                 let _ = tx.send(f(state, &flag));
             }
         });
         if let Some(jobs) = &self.jobs {
+            self.queued.fetch_add(1, SeqCst);
             let _ = jobs.send((job, abandoned.clone()));
         }
         Call { result: rx, abandoned, done: false }
     }
 }
 
-fn lock(m: &Mutex<Running>) -> std::sync::MutexGuard<'_, Running> {
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
@@ -443,6 +469,29 @@ mod tests {
         let worker = Worker::spawn("test", &Tracker::new(), move || Ok::<_, Error>(Reports(events_tx))).unwrap();
         worker.stop().await;
         assert_eq!(events.try_iter().collect::<Vec<_>>(), ["state dropped"]);
+    }
+
+    #[tokio::test]
+    async fn a_retracked_worker_counts_only_where_it_was_moved() {
+        let host = Tracker::new();
+        let (store_a, store_b) = (host.child(), host.child());
+        let worker = Worker::spawn("test", &store_a, || Ok::<_, Error>(0u32)).unwrap();
+        worker.retrack(&Tracker::default()); // idle, counted nowhere
+        store_a.all_stopped().await;
+        assert_eq!((host.live(), store_a.live()), (0, 0));
+        worker.retrack(&store_b);
+        assert_eq!((host.live(), store_b.live()), (1, 1));
+        let call = worker.call(|n, _| {
+            std::thread::sleep(Duration::from_millis(2));
+            *n += 1;
+            *n
+        });
+        assert_eq!(call.await, Some(1));
+        assert!(store_b.busy() >= Duration::from_millis(2), "its calls' time counts where it is now");
+        assert_eq!(store_a.busy(), Duration::ZERO);
+        worker.stop().await;
+        host.all_stopped().await;
+        assert_eq!((host.live(), store_a.live(), store_b.live()), (0, 0, 0));
     }
 
     #[tokio::test]
