@@ -125,8 +125,8 @@ fn bench_plugin() -> std::path::PathBuf {
     common::guest_plugin("llamabox-bench-plugin.wasm")
 }
 
-/// Run the bench plugin with `args`; its report and its stdout and stderr.
-async fn run_bench(plugin: &llamabox::Plugin, options: &RunOptions, args: &[&str]) -> (RunReport, String) {
+/// Run `plugin` with `args`; its report and its stdout and stderr.
+async fn run_reported(plugin: &llamabox::Plugin, options: &RunOptions, args: &[&str]) -> (RunReport, String) {
     let (stdout, stderr) = (MemoryOutputPipe::new(1 << 20), MemoryOutputPipe::new(1 << 20));
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(stdout.clone()).stderr(stderr.clone());
@@ -144,12 +144,12 @@ async fn models_are_added_replaced_and_unloaded_while_the_host_lives() {
     let host = host();
     let plugin = host.load(&bench_plugin()).unwrap();
     let options = RunOptions::default();
-    let (report, out) = run_bench(&plugin, &options, DECODE_16X3).await;
+    let (report, out) = run_reported(&plugin, &options, DECODE_16X3).await;
     assert_eq!(report.outcome, RunOutcome::Failed(1));
     assert!(out.contains("ModelNotFound(\"m\")"), "{out}");
 
     host.models().register("m", common::tiny_model());
-    let (report, _) = run_bench(&plugin, &options, DECODE_16X3).await;
+    let (report, _) = run_reported(&plugin, &options, DECODE_16X3).await;
     assert_eq!(report.outcome, RunOutcome::Success, "a model registered after the load is seen");
 
     // Replacing a name: an open model stays the one it was; the next open loads the new file.
@@ -166,7 +166,7 @@ async fn models_are_added_replaced_and_unloaded_while_the_host_lives() {
     assert!(models.unload("m"));
     assert!(matches!(models.open("m").await, Err(OpenError::NotFound(_))));
     assert_eq!(old.n_layer(), tiny.n_layer, "a model in use stays loaded after its name is gone");
-    let (report, out) = run_bench(&plugin, &options, DECODE_16X3).await;
+    let (report, out) = run_reported(&plugin, &options, DECODE_16X3).await;
     assert_eq!(report.outcome, RunOutcome::Failed(1));
     assert!(out.contains("ModelNotFound(\"m\")"), "{out}");
     assert!(!models.unload("m"), "nothing left to unload");
@@ -180,7 +180,7 @@ async fn a_run_reports_what_it_decoded_generated_and_held() {
     let host = PluginHost::new(registry, Limits::default()).unwrap();
     let plugin = host.load(&bench_plugin()).unwrap();
 
-    let (report, _) = run_bench(&plugin, &RunOptions::default(), DECODE_16X3).await;
+    let (report, _) = run_reported(&plugin, &RunOptions::default(), DECODE_16X3).await;
     assert_eq!(report.outcome, RunOutcome::Success);
     let usage = report.usage;
     assert_eq!(usage.tokens_decoded, 3 * 16);
@@ -191,7 +191,7 @@ async fn a_run_reports_what_it_decoded_generated_and_held() {
     assert!(!usage.native_time.is_zero());
 
     let args = ["host-generate", "--model", "m", "--tokens", "4", "--runs", "1", "--ctx", "64", "--batch", "16"];
-    let (report, out) = run_bench(&plugin, &RunOptions::default(), &args).await;
+    let (report, out) = run_reported(&plugin, &RunOptions::default(), &args).await;
     assert_eq!(report.outcome, RunOutcome::Success);
     let generated: u64 = common::field(&out, "run").split(' ').find_map(|f| f.strip_prefix("generated=")).unwrap().parse().unwrap();
     // A one-token warm-up generation, then the measured one.
@@ -256,7 +256,7 @@ async fn llama_cpp_logs_from_a_runs_threads_carry_its_span() {
     let host = PluginHost::new(registry, Limits::default()).unwrap();
     let plugin = host.load(&bench_plugin()).unwrap();
     let options = RunOptions { group: "tenant-a".into(), ..RunOptions::default() };
-    let (report, _) = run_bench(&plugin, &options, DECODE_16X3).await;
+    let (report, _) = run_reported(&plugin, &options, DECODE_16X3).await;
     assert_eq!(report.outcome, RunOutcome::Success);
     // Loading the model and creating the context log at llama.cpp's INFO level.
     assert!(in_run.load(SeqCst) > 0, "no llama.cpp log line was attributed to the run");
@@ -309,5 +309,63 @@ async fn a_running_context_keeps_its_model_when_the_name_is_replaced() {
     let slow = llamabox::native::TextModelSpec::slow();
     assert!(common::field(&text(&b_out), "model").ends_with(&format!("embd {})", slow.n_embd)), "{}", text(&b_out));
     host.tokens().unshare(&capability);
+    assert_eq!(host.live_workers(), 0);
+}
+
+/// Contexts a run dropped are kept for later runs of its group
+/// (`ModelRegistry::keep_idle_contexts`): the next run skips creating one and reuses
+/// the prompt they share, with the same answer; another group never gets them; they
+/// are not a run's live threads; a lowered setting or a replaced model lets them go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_contexts_serve_later_runs_of_their_group_only() {
+    let registry = ModelRegistry::new();
+    registry.register("tiny", common::tiny_model()).keep_idle_contexts(2);
+    let host = PluginHost::new(registry, Limits::default()).unwrap();
+    let plugin = host.load(common::demo_plugin()).unwrap();
+    let args = ["--model", "tiny", "--prompt", "the same prompt on every run", "--generate", "8", "--host-generate"];
+    let run = |group: &str| {
+        let options = RunOptions { group: group.into(), ..RunOptions::default() };
+        let plugin = &plugin;
+        async move {
+            let (report, out) = run_reported(plugin, &options, &args).await;
+            assert_eq!(report.outcome, RunOutcome::Success, "{out}");
+            (report.usage, out)
+        }
+    };
+    let prompt_tokens = |out: &str| -> u64 { common::field(out, "host-usage").split(' ').nth(1).unwrap().parse().unwrap() };
+
+    let (first, first_out) = run("a").await;
+    assert_eq!(first.tokens_reused, 0);
+    assert_eq!((host.models().idle_contexts(), host.live_workers()), (1, 0), "kept, and not counted as a run's thread");
+    let (again, again_out) = run("a").await;
+    let n = prompt_tokens(&first_out);
+    assert_eq!(again.tokens_reused, n - 1, "all of the prompt but its last token is reused");
+    assert_eq!(again.tokens_decoded, first.tokens_decoded - (n - 1));
+    for ids in ["sampler-ids", "host-generated-ids"] {
+        assert_eq!(common::field(&again_out, ids), common::field(&first_out, ids), "{ids}");
+    }
+    assert_eq!(host.models().idle_contexts(), 1, "taken, then kept again");
+
+    let (other, _) = run("b").await;
+    assert_eq!(other.tokens_reused, 0, "another group's context is never handed over");
+    assert_eq!(host.models().idle_contexts(), 2);
+    run("c").await;
+    assert_eq!(host.models().idle_contexts(), 2, "the least recently kept goes past the setting");
+    let (a_again, _) = run("a").await;
+    assert_eq!(a_again.tokens_reused, 0, "group a's context was the one let go");
+
+    host.models().keep_idle_contexts(1);
+    assert_eq!(host.models().idle_contexts(), 1);
+    // Replacing the model frees its idle contexts, and with them the old weights.
+    let old = Arc::downgrade(&host.models().open("tiny").await.unwrap());
+    host.models().register("tiny", common::tiny_model());
+    assert_eq!(host.models().idle_contexts(), 0);
+    for _ in 0..1000 {
+        if old.strong_count() == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(old.strong_count(), 0, "an idle context kept the replaced model's weights");
     assert_eq!(host.live_workers(), 0);
 }

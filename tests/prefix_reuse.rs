@@ -155,8 +155,52 @@ fn a_cancelled_reusing_prompt_leaves_the_context_as_it_was() {
     assert_eq!(ctx.last_logits().unwrap(), fresh_logits_split(&model, &b, 70));
 }
 
-/// Anything but a reusing prompt removes the leftover first: the context behaves as a
-/// new one would.
+/// A plain decode from position 0 reuses the leftover too, up to its first row with
+/// logits; row numbers stay the caller's.
+#[test]
+fn a_decode_from_the_start_reuses_up_to_its_first_logits_row() {
+    let model = model();
+    let shared = tokens(&model, 40, 15);
+    let (a, b) = (prompt(&shared, &tokens(&model, 10, 16)), prompt(&shared, &tokens(&model, 20, 17)));
+    let mut ctx = parked_after(&model, &a, &[]);
+    let meter = metered(&mut ctx);
+    let batch = Batch::sequence(&b, 0, 0);
+    ctx.decode(&batch, None).unwrap();
+    assert_eq!((meter.reused(), meter.decoded()), (40, 20));
+    let mut replay = Context::new(model.clone(), params(1)).unwrap();
+    eval(&mut replay, &a).unwrap();
+    replay.seq_rm(0, 40, -1).unwrap();
+    replay.decode(&Batch::sequence(&b[40..], 40, 0), None).unwrap();
+    assert_eq!(ctx.logits_ith(59).unwrap(), replay.logits_ith(19).unwrap(), "row 59 of the caller's batch");
+    assert!(ctx.logits_ith(10).is_err(), "a reused row has no logits");
+
+    // Logits wanted from row 5 on: only rows 0..5 can be reused.
+    let mut ctx = parked_after(&model, &a, &[]);
+    let meter = metered(&mut ctx);
+    let mut batch = Batch::sequence(&b, 0, 0);
+    batch.logits = (0..b.len()).map(|r| r >= 5).collect();
+    ctx.decode(&batch, None).unwrap();
+    assert_eq!(meter.reused(), 5);
+    let mut replay = Context::new(model.clone(), params(1)).unwrap();
+    eval(&mut replay, &a).unwrap();
+    replay.seq_rm(0, 5, -1).unwrap();
+    let mut rest = Batch::sequence(&b[5..], 5, 0);
+    rest.logits = vec![true; b.len() - 5];
+    replay.decode(&rest, None).unwrap();
+    for row in [5u32, 30, 59] {
+        assert_eq!(ctx.logits_ith(row).unwrap(), replay.logits_ith(row - 5).unwrap());
+    }
+
+    // Cancelled: reads as new, the kept part is leftover again.
+    let mut ctx = parked_after(&model, &a, &[]);
+    let token = CancelFlag::new();
+    token.trip_after(3);
+    assert_eq!(ctx.decode(&Batch::sequence(&b, 0, 0), Some(Stop::on(&token))), Err(Error::Cancelled));
+    assert_eq!((ctx.seq_pos_max(0).unwrap(), ctx.leftover()), (-1, &shared[..]));
+}
+
+/// Anything but a prompt from position 0 removes the leftover first: the context
+/// behaves as a new one would.
 #[test]
 fn other_calls_on_a_parked_context_see_it_empty() {
     let model = model();
@@ -165,7 +209,7 @@ fn other_calls_on_a_parked_context_see_it_empty() {
 
     let mut ctx = parked_after(&model, &a, &[]);
     assert!(ctx.decode(&Batch::sequence(&b, 50, 0), None).is_err(), "it does not continue the leftover");
-    ctx.decode(&Batch::sequence(&b, 0, 0), None).unwrap();
+    ctx.decode(&Batch::sequence(&b, 0, 0), None).unwrap(); // b starts unlike a: nothing kept
     assert!(ctx.leftover().is_empty());
     assert_eq!(ctx.seq_pos_max(0).unwrap(), 19);
     assert_eq!(ctx.last_logits().unwrap(), fresh_logits(&model, &b));
@@ -177,9 +221,16 @@ fn other_calls_on_a_parked_context_see_it_empty() {
     eval(&mut ctx, &a).unwrap();
     assert_eq!(meter.reused(), 0, "removed means gone, not kept");
 
+    // Clearing a parked context changes nothing it holds (it is empty already), so
+    // what it had stays reusable.
     let mut ctx = parked_after(&model, &a, &[]);
     ctx.clear();
-    assert!(ctx.leftover().is_empty());
+    assert_eq!((ctx.seq_pos_max(0).unwrap(), ctx.leftover()), (-1, &a[..]));
+    let meter = metered(&mut ctx);
+    eval(&mut ctx, &a).unwrap();
+    assert_eq!(meter.reused(), a.len() as u64 - 1);
+    ctx.clear();
+    assert_eq!((ctx.seq_pos_max(0).unwrap(), ctx.leftover().len()), (-1, 0), "an ordinary clear empties it");
 
     // A media piece first (embeddings): not tokens, nothing to match.
     let mut ctx = parked_after(&model, &a, &[]);

@@ -193,6 +193,9 @@ pub struct RunUsage {
     /// Native calls on text and media contexts that ended cancelled (by a token, a
     /// dropped call, the deadline or a stop), whether they had started computing or not.
     pub cancels: u64,
+    /// Prompt tokens not decoded because an idle context from an earlier run of the
+    /// group already held them ([`ModelRegistry::keep_idle_contexts`]).
+    pub tokens_reused: u64,
 }
 
 /// How a run ended and what it used.
@@ -655,6 +658,7 @@ impl Plugin {
             native_time: workers.busy(),
             peak_kv_cells: meter.peak_kv_cells(),
             cancels: meter.cancels(),
+            tokens_reused: meter.reused(),
         };
         tracing::debug!(run = run_id, ?outcome, ?usage, "llamabox run ended");
         Ok(RunReport { outcome, usage, run_id })

@@ -8,6 +8,7 @@ use wasmtime::component::Resource;
 use wasmtime_wasi::p2::DynPollable;
 
 use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
+use super::idle::IdleContexts;
 use super::pending::{finished, Pending};
 use super::{Answer, CancelToken, Error, Held, LlamaCtxView};
 use crate::native::{self, CancelFlag, Context, Model, Stop, Token};
@@ -15,6 +16,8 @@ use crate::worker::{Call, Worker};
 
 pub struct ModelHandle {
     pub(super) model: Arc<Model>,
+    /// Where contexts on this model go when dropped, and come from when created.
+    idle: Arc<IdleContexts>,
 }
 
 pub struct ContextHandle {
@@ -23,6 +26,10 @@ pub struct ContextHandle {
     pub(super) model: Arc<Model>,
     /// What it counts against the store's limits.
     held: Held,
+    /// The settings it was asked with (what an idle context is matched on), and the
+    /// pool it may be parked in when dropped.
+    requested: native::ContextParams,
+    idle: Arc<IdleContexts>,
 }
 
 /// A decode started with `start-decode`.
@@ -77,6 +84,36 @@ impl LlamaCtxView<'_> {
             .call(move |c, abandoned| c.decode(&batch, Some(Stop::on_either(&token, abandoned)))))
     }
 
+    /// A new context on its own worker thread, and the settings llama.cpp gave it.
+    async fn start_context(&mut self, model: Arc<Model>, params: native::ContextParams) -> Result<(Worker<Context>, native::ContextParams), Error> {
+        let meter = self.ctx.meter.clone();
+        let init = move || {
+            let mut context = Context::new(model, params)?;
+            context.set_meter(meter);
+            Ok::<_, native::Error>(context)
+        };
+        let worker = Worker::start("llamabox-context", &self.ctx.workers, init).await?;
+        match worker.call(|c, _| c.params()).await {
+            Some(params) => Ok((worker, params)),
+            None => Err(Error::Backend("context worker stopped".into())),
+        }
+    }
+
+    /// An idle context of this store's group made with `params`, now counted in this
+    /// store and metering its run; `None` if there is none (or its thread is gone).
+    async fn reuse_idle(&mut self, idle: &IdleContexts, params: &native::ContextParams) -> Option<(Worker<Context>, native::ContextParams)> {
+        let worker = idle.take(&self.ctx.group, params)?;
+        worker.retrack(&self.ctx.workers);
+        let meter = self.ctx.meter.clone();
+        let params = worker
+            .call(move |c, _| {
+                c.set_meter(meter);
+                c.params()
+            })
+            .await?;
+        Some((worker, params))
+    }
+
     /// Resolve `params` against the host's defaults and caps. Only host limits are
     /// checked here (`limit-exceeded`); whether the params make sense together is
     /// `native`'s to say (`invalid-argument`).
@@ -104,8 +141,8 @@ impl Host for LlamaCtxView<'_> {}
 impl HostModel for LlamaCtxView<'_> {
     async fn open(&mut self, name: String) -> Answer<Resource<ModelHandle>> {
         use super::registry::OpenError;
-        match self.ctx.registry.open(&name).await {
-            Ok(model) => Ok(Ok(self.table.push(ModelHandle { model })?)),
+        match self.ctx.registry.open_with_idle(&name).await {
+            Ok((model, idle)) => Ok(Ok(self.table.push(ModelHandle { model, idle })?)),
             Err(OpenError::NotFound(name)) => Ok(Err(Error::ModelNotFound(name))),
             Err(e @ OpenError::LoadFailed(_)) => Ok(Err(Error::Backend(e.to_string()))),
         }
@@ -182,14 +219,14 @@ impl HostModel for LlamaCtxView<'_> {
 
 impl HostContext for LlamaCtxView<'_> {
     async fn create(&mut self, model: Resource<ModelHandle>, params: ContextParams) -> Answer<Resource<ContextHandle>> {
-        let model = self.table.get(&model)?.model.clone();
-        let handle_model = model.clone();
-        let params = match self.resolve(params, &model) {
+        let handle = self.table.get(&model)?;
+        let (model, idle) = (handle.model.clone(), handle.idle.clone());
+        let requested = match self.resolve(params, &model) {
             Ok(p) => p,
             Err(e) => return Ok(Err(e)),
         };
         // Charged as llama.cpp allocates: n-ctx after its padding, every layer.
-        let allocated = match params.allocated_n_ctx() {
+        let allocated = match requested.allocated_n_ctx() {
             Ok(n) => n,
             Err(e) => return Ok(Err(e.into())),
         };
@@ -197,24 +234,19 @@ impl HostContext for LlamaCtxView<'_> {
         if let Err(e) = self.ctx.admit(held) {
             return Ok(Err(e));
         }
-        let meter = self.ctx.meter.clone();
-        let init = move || {
-            let mut context = Context::new(model, params)?;
-            context.set_meter(meter);
-            Ok::<_, native::Error>(context)
+        let started = match self.reuse_idle(&idle, &requested).await {
+            Some(reused) => Ok(reused),
+            None => self.start_context(model.clone(), requested).await,
         };
-        let worker = match Worker::start("llamabox-context", &self.ctx.workers, init).await {
-            Ok(worker) => worker,
+        match started {
+            Ok((worker, params)) => {
+                Ok(Ok(self.table.push(ContextHandle { worker, params, model, held, requested, idle })?))
+            }
             Err(e) => {
                 self.ctx.release(held);
-                return Ok(Err(e.into()));
+                Ok(Err(e))
             }
-        };
-        let Some(params) = worker.call(|c, _| c.params()).await else {
-            self.ctx.release(held);
-            return Ok(Err(Error::Backend("context worker stopped".into())));
-        };
-        Ok(Ok(self.table.push(ContextHandle { worker, params, model: handle_model, held })?))
+        }
     }
 
     async fn decode(&mut self, ctx: Resource<ContextHandle>, batch: Batch, cancel: Resource<CancelToken>) -> Answer<()> {
@@ -277,12 +309,19 @@ impl HostContext for LlamaCtxView<'_> {
     }
 
     async fn drop(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<()> {
-        // Stopping the worker stops its running call; its thread frees the native
-        // context after the call has returned, and this waits (off the executor's
-        // threads) until it has, so its memory is back before the budget is.
-        let handle = self.table.delete(ctx)?;
-        handle.worker.stop().await;
-        self.ctx.release(handle.held);
+        let ContextHandle { worker, requested, idle, held, .. } = self.table.delete(ctx)?;
+        // With nothing queued on it (no pending decode or generation), a context can be
+        // parked for a later run of this group: on its own thread, so that when the
+        // call returns it reads as new and no call of this run is left on it.
+        if idle.keeps_any() && worker.is_idle() && worker.call(|c, _| c.park()).await.is_some() {
+            idle.put(self.ctx.group.clone(), requested, worker);
+        } else {
+            // Stopping the worker stops its running call; its thread frees the native
+            // context after the call has returned, and this waits (off the executor's
+            // threads) until it has, so its memory is back before the budget is.
+            worker.stop().await;
+        }
+        self.ctx.release(held);
         Ok(())
     }
 }

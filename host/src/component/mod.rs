@@ -6,6 +6,7 @@ mod async_calls;
 mod cancel;
 mod embeddings;
 mod generate;
+mod idle;
 mod limits;
 mod llm;
 mod media;

@@ -6,18 +6,25 @@
 //! opened a model holds an `Arc` to it, so replacing or unloading a name changes what
 //! the *next* `open` finds; the old weights stay loaded until the last model handle and
 //! context using them are gone.
+//!
+//! Each entry also keeps the contexts runs left idle on its model
+//! ([`ModelRegistry::keep_idle_contexts`], off by default; see `idle.rs`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tokio::sync::OnceCell;
 
+use super::idle::IdleContexts;
 use crate::native::Model;
 
 #[derive(Default)]
 pub struct ModelRegistry {
     inner: RwLock<Inner>,
+    /// Idle contexts each loaded model keeps (shared with subsets and every entry).
+    keep_idle: Arc<AtomicUsize>,
 }
 
 #[derive(Default)]
@@ -32,6 +39,8 @@ struct Inner {
 struct Entry {
     path: PathBuf,
     loaded: OnceCell<Arc<Model>>,
+    /// Contexts on this entry's model that runs left for later runs.
+    idle: Arc<IdleContexts>,
 }
 
 /// Why a registered model could not be opened. The path stays in the host's log; the
@@ -70,9 +79,29 @@ impl ModelRegistry {
     /// Register `path` under `name`, replacing an earlier registration: runs that
     /// already opened the old model keep it; later opens load `path`.
     pub fn register(&self, name: impl Into<String>, path: impl Into<PathBuf>) -> &Self {
-        let entry = Arc::new(Entry { path: path.into(), loaded: OnceCell::new() });
+        let idle = Arc::new(IdleContexts::new(self.keep_idle.clone()));
+        let entry = Arc::new(Entry { path: path.into(), loaded: OnceCell::new(), idle });
         self.write().models.insert(name.into(), entry);
         self
+    }
+
+    /// Keep up to `n` contexts per model that runs dropped (0, the default: free each
+    /// at once), for later runs of the same group that ask for the same settings: they
+    /// skip creating a context and recompute only the part of their prompt that differs
+    /// from the last one's. Each idle context holds its memory (KV cache and compute
+    /// buffers) and a sleeping thread. Lowering it frees the extra ones now. Subsets
+    /// share this setting with the registry they came from.
+    pub fn keep_idle_contexts(&self, n: usize) -> &Self {
+        self.keep_idle.store(n, Relaxed);
+        for entry in self.read().models.values() {
+            entry.idle.shrink();
+        }
+        self
+    }
+
+    /// Contexts kept idle now, over every model registered here.
+    pub fn idle_contexts(&self) -> usize {
+        self.read().models.values().map(|entry| entry.idle.len()).sum()
     }
 
     /// Forget `name`: later opens get not-found. Returns whether it was registered.
@@ -107,7 +136,7 @@ impl ModelRegistry {
             models: names.iter().filter_map(|n| Some((pick(n), inner.models.get(n.as_ref())?.clone()))).collect(),
             projectors: names.iter().filter_map(|n| Some((pick(n), inner.projectors.get(n.as_ref())?.clone()))).collect(),
         };
-        ModelRegistry { inner: RwLock::new(subset) }
+        ModelRegistry { inner: RwLock::new(subset), keep_idle: self.keep_idle.clone() }
     }
 
     /// Names registered now.
@@ -125,6 +154,11 @@ impl ModelRegistry {
 
     /// The model registered as `name`, loading it on first use (off the async executor).
     pub async fn open(&self, name: &str) -> Result<Arc<Model>, OpenError> {
+        self.open_with_idle(name).await.map(|(model, _)| model)
+    }
+
+    /// [`ModelRegistry::open`], with the pool of idle contexts on that model.
+    pub(super) async fn open_with_idle(&self, name: &str) -> Result<(Arc<Model>, Arc<IdleContexts>), OpenError> {
         // The lock is not held across the load: the entry is shared, so a replacement
         // or unload meanwhile does not wait for it.
         let entry = self.read().models.get(name).cloned().ok_or_else(|| OpenError::NotFound(name.to_string()))?;
@@ -147,6 +181,6 @@ impl ModelRegistry {
                 }
             })
             .await?;
-        Ok(model.clone())
+        Ok((model.clone(), entry.idle.clone()))
     }
 }

@@ -69,6 +69,9 @@ pub struct Context {
     params: ContextParams,
     /// Which rows of the last successful decode have logits; empty after a failed one.
     logit_rows: Vec<bool>,
+    /// Rows of that decode that llama.cpp did not compute (reused from the leftover):
+    /// row r's logits are its row r - logit_offset.
+    logit_offset: usize,
     /// What sequence 0 holds, token by token, while that is known: in a context of one
     /// sequence whose memory came from token decodes only. `None` otherwise.
     history: Option<Vec<Token>>,
@@ -198,7 +201,7 @@ impl Context {
             }
         };
         let history = fresh_history(actual);
-        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), history, leftover: Vec::new(), _team: team, meter: Arc::default(), model })
+        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), logit_offset: 0, history, leftover: Vec::new(), _team: team, meter: Arc::default(), model })
     }
 
     /// Make the context read as new for its next user: empty memory, no logits, a
@@ -219,7 +222,7 @@ impl Context {
                 self.leftover = tokens;
                 self.history = Some(Vec::new());
             }
-            _ => self.clear(),
+            _ => self.clear_all(),
         }
     }
 
@@ -270,26 +273,30 @@ impl Context {
         }
     }
 
-    /// Keep the longest start of the leftover that `pieces` (evaluated into `seq`)
-    /// begins with, at most `most` tokens, and make it part of the sequence again; the
-    /// rest of the leftover goes. Returns how many tokens were kept.
-    fn reuse_leftover(&mut self, pieces: &[PromptPiece], seq: i32) -> usize {
-        let first = match pieces.first() {
-            Some(PromptPiece::Tokens(tokens)) if seq == 0 && !self.leftover.is_empty() => tokens,
-            _ => {
-                self.drop_leftover();
-                return 0;
-            }
+    /// Keep the longest start of the leftover that `tokens` (about to be evaluated into
+    /// sequence 0 from position 0) begins with, at most `most` tokens, and make it part
+    /// of the sequence again; the rest of the leftover goes. `None`: nothing to match.
+    /// Returns how many tokens were kept.
+    fn reuse_leftover(&mut self, tokens: Option<&[Token]>, most: usize) -> usize {
+        let Some(tokens) = tokens.filter(|_| !self.leftover.is_empty()) else {
+            self.drop_leftover();
+            return 0;
         };
-        // The last row's logits are wanted: a prompt of one piece keeps one row to compute.
-        let most = if pieces.len() == 1 { first.len().saturating_sub(1) } else { first.len() };
-        let kept = self.leftover.iter().zip(first).take_while(|(a, b)| a == b).count().min(most);
+        let kept = self.leftover.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(most);
         // SAFETY: a live memory; removing a sequence's tail always succeeds.
         unsafe { sys::llama_memory_seq_rm(self.memory(), 0, kept as i32, -1) };
-        let mut tokens = std::mem::take(&mut self.leftover);
-        tokens.truncate(kept);
-        self.history = Some(tokens);
+        let mut history = std::mem::take(&mut self.leftover);
+        history.truncate(kept);
+        self.history = Some(history);
         kept
+    }
+
+    /// After a failed call that reused `kept` tokens: memory is back to those, and they
+    /// are leftover again, so the context reads as empty, as it did before the call.
+    fn restore_leftover(&mut self, kept: usize) {
+        if kept > 0 {
+            self.leftover = self.history.replace(Vec::new()).unwrap_or_default();
+        }
     }
 
     /// Remove positions `[p0, p1)` of `seq` (`p1 < 0`: to the end). Removing part of a
@@ -315,7 +322,17 @@ impl Context {
         }
     }
 
+    /// Empty the context's memory. A leftover is not part of it and stays (a plugin
+    /// that clears a context it just created still reuses it).
     pub fn clear(&mut self) {
+        self.logit_rows.clear();
+        if self.leftover.is_empty() {
+            self.clear_all();
+        }
+    }
+
+    /// Empty memory, leftover included.
+    fn clear_all(&mut self) {
         unsafe { sys::llama_memory_clear(self.memory(), true) };
         self.logit_rows.clear();
         self.leftover.clear();
@@ -329,8 +346,12 @@ impl Context {
                 "row {row} has no logits: the last successful decode did not ask for them"
             )));
         }
-        // SAFETY: row is a row of the last successful decode that has an output.
-        let ptr = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), row as i32) };
+        // Rows with logits come after the reused ones.
+        let computed_row = (row as usize).checked_sub(self.logit_offset).ok_or_else(|| {
+            Error::Backend(format!("row {row} was reused, not computed, and has no logits"))
+        })?;
+        // SAFETY: a row of the last successful decode that has an output.
+        let ptr = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), computed_row as i32) };
         if ptr.is_null() {
             return Err(Error::Backend(format!("llama.cpp has no logits for row {row}")));
         }
@@ -400,9 +421,34 @@ impl Context {
             self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
-        self.drop_leftover();
         self.check_batch(batch)?;
-        self.all_or_nothing(&batch.seq_ids, |ctx| ctx.decode_checked(batch, stop))
+        if self.leftover.is_empty() {
+            return self.all_or_nothing(&batch.seq_ids, |ctx| ctx.decode_checked(batch, stop));
+        }
+        // A parked context (one sequence, so the batch starts it at position 0): rows
+        // before the first that wants logits can be the leftover's, and one row is
+        // always computed.
+        let first_out = batch.logits.iter().position(|&l| l).unwrap_or(batch.len());
+        let kept = self.reuse_leftover(Some(&batch.tokens), first_out.min(batch.len() - 1));
+        let rest = Batch {
+            tokens: batch.tokens[kept..].to_vec(),
+            positions: batch.positions[kept..].to_vec(),
+            seq_ids: batch.seq_ids[kept..].to_vec(),
+            logits: batch.logits[kept..].to_vec(),
+        };
+        match self.all_or_nothing(&rest.seq_ids, |ctx| ctx.decode_checked(&rest, stop)) {
+            Ok(()) => {
+                // Rows are the caller's: row r's logits are llama.cpp's row r - kept.
+                self.logit_rows = batch.logits.clone();
+                self.logit_offset = kept;
+                self.meter.add_reused(kept as u64);
+                Ok(())
+            }
+            Err(e) => {
+                self.restore_leftover(kept);
+                Err(e)
+            }
+        }
     }
 
     /// One `llama_decode` of a batch `check_batch` accepted; no rollback of its own.
@@ -463,7 +509,13 @@ impl Context {
             return Err(Error::Cancelled);
         }
         self.check_seq(seq)?;
-        let reused = self.reuse_leftover(pieces, seq);
+        let first = match pieces.first() {
+            Some(PromptPiece::Tokens(tokens)) if seq == 0 => Some(tokens.as_slice()),
+            _ => None,
+        };
+        // The last row's logits are wanted: a prompt of one piece keeps one row to compute.
+        let most = first.map_or(0, |t| if pieces.len() == 1 { t.len().saturating_sub(1) } else { t.len() });
+        let reused = self.reuse_leftover(first, most);
         let last = pieces.len().checked_sub(1);
         let result = self.all_or_nothing(&[seq], |ctx| {
             pieces.iter().enumerate().try_for_each(|(i, piece)| {
@@ -478,11 +530,7 @@ impl Context {
             })
         });
         if let Err(e) = result {
-            if reused > 0 {
-                // Rolled back to the reused tokens: they are leftover again, and the
-                // context reads as empty, as before the call.
-                self.leftover = self.history.replace(Vec::new()).unwrap_or_default();
-            }
+            self.restore_leftover(reused);
             return Err(e);
         }
         self.meter.add_reused(reused as u64);
@@ -578,7 +626,7 @@ impl Context {
             if !undone {
                 // Cannot happen for the memories `new` accepts (a KV cache removes any
                 // tail); if it ever does, say so rather than leave a half-applied call.
-                unsafe { sys::llama_memory_clear(self.memory(), true) };
+                self.clear_all();
                 return Err(Error::Backend(format!(
                     "a failed call ({}) could not be rolled back: the context's memory was cleared",
                     result.err().map_or_else(String::new, |e| e.to_string())
@@ -600,6 +648,7 @@ impl Context {
         match ret {
             0 => {
                 self.logit_rows = logit_rows.to_vec();
+                self.logit_offset = 0;
                 self.meter.add_decoded(raw.n_tokens.max(0) as u64);
                 Ok(())
             }
