@@ -3,7 +3,8 @@
 # exports them (llama-cpp-sys-2 passes GGML_* variables to llama.cpp's CMake) and
 # scripts/ggml-config.sh checks the configured build against them.
 #   native    every extension this machine's CPU has (from /proc/cpuinfo): AVX-512 and
-#             its VBMI/VNNI/BF16 parts, AVX-VNNI and AMX where present. The build runs
+#             its VBMI/VNNI/BF16 parts and AVX-VNNI where present, but never AMX (below).
+#             The build runs
 #             here and on CPUs with the same extensions. ggml's own GGML_NATIVE=ON
 #             (-march=native) would pick the same instructions; llama-cpp-sys-2 sets
 #             GGML_NATIVE itself (ON only under RUSTFLAGS=-C target-cpu=native, which
@@ -11,10 +12,17 @@
 #   avx2      x86-64-v3: SSE4.2 AVX AVX2 BMI2 FMA F16C (Intel Haswell, AMD Excavator and
 #             later). What .cargo/config.toml sets for a plain `cargo build`.
 #   portable  baseline x86-64 (SSE2): runs on any x86-64 CPU.
+# AMX is always OFF: ggml 0.26.0's AMX matmul (the extra buffer type for quantized
+# weights) dies of SIGILL on an AMX Xeon here (`tilezero` on a tile its config never set
+# up, in the first batched decode of a Q4_1 model; seen 2026-12-01, Sapphire Rapids VM,
+# kernel 6.18). Upstream's open PR 26954 says why: the tile config on the stack is
+# optimised away, and XTILEDATA permission is asked for one thread only. AVX512-VNNI
+# does that work instead.
 # Usage: scripts/cpu-flags.sh native|avx2|portable
 set -euo pipefail
 base="SSE42 AVX AVX2 BMI2 FMA F16C"
-extra="AVX512 AVX512_VBMI AVX512_VNNI AVX512_BF16 AVX_VNNI AMX_TILE AMX_INT8 AMX_BF16"
+extra="AVX512 AVX512_VBMI AVX512_VNNI AVX512_BF16 AVX_VNNI"
+never="AMX_TILE AMX_INT8 AMX_BF16"
 flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2 || true)
 has() { for f in "$@"; do [[ " $flags " == *" $f "* ]] || return 1; done; }
 # The /proc/cpuinfo flags each ggml option compiles for (AVX512 is ggml's F+CD+VL+DQ+BW).
@@ -24,7 +32,6 @@ cpu_has() {
     AVX512) has avx512f avx512cd avx512vl avx512dq avx512bw ;;
     AVX512_VBMI) has avx512f avx512vbmi ;; AVX512_VNNI) has avx512f avx512_vnni ;;
     AVX512_BF16) has avx512f avx512_bf16 ;; AVX_VNNI) has avx_vnni ;;
-    AMX_TILE) has amx_tile ;; AMX_INT8) has amx_tile amx_int8 ;; AMX_BF16) has amx_tile amx_bf16 ;;
     *) return 1 ;;
   esac
 }
@@ -34,3 +41,4 @@ case "${1:-}" in
   portable) for x in $base $extra; do echo "GGML_$x=OFF"; done ;;
   *) echo "usage: $0 native|avx2|portable" >&2; exit 2 ;;
 esac
+for x in $never; do echo "GGML_$x=OFF"; done

@@ -147,6 +147,8 @@ mod tests {
             ("AVX512_VNNI", option_env!("GGML_AVX512_VNNI")),
             ("AVX512_BF16", option_env!("GGML_AVX512_BF16")),
             ("AVX_VNNI", option_env!("GGML_AVX_VNNI")),
+            // Always OFF (scripts/cpu-flags.sh: ggml's AMX kernels die of SIGILL).
+            ("AMX_INT8", option_env!("GGML_AMX_INT8")),
         ];
         for (feature, choice) in chosen {
             let built = features.iter().any(|f| f == feature);
