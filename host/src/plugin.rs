@@ -687,6 +687,13 @@ impl Plugin {
             () = deadline => Ok(RunOutcome::DeadlineExceeded),
             outcome = run => outcome,
         };
+        // The guest runs inside the poll of `run`: a stop that came while it ran, and
+        // ended it (a write to a departed client's body fails), is still a stop.
+        let stopped_meanwhile = options.stop.as_ref().is_some_and(RunStop::is_stopped);
+        let outcome = match outcome {
+            Ok(RunOutcome::Success | RunOutcome::Failed(_)) if stopped_meanwhile => Ok(RunOutcome::Stopped),
+            other => other,
+        };
         workers.all_stopped().await;
         outcome
     }
