@@ -256,8 +256,13 @@ fn the_openai_client_and_curl_chat_stream_and_embed() {
     assert!(out.status.success(), "the openai client's checks failed:\n{report}");
     assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 5, "{report}");
 
-    // curl: the streamed text is the whole text, and ends the stream properly.
+    // curl: the streamed text is the whole text, and ends the stream properly. The
+    // whole one runs twice first, so that the streamed one is computed as the second
+    // was: on the context it left, reusing all of the prompt but its last token (see
+    // openai_client.py).
     let question = "What is a llama? Answer in two sentences.";
+    let (status, first) = post(&server, "/v1/chat/completions", &chat(question, 32, false), &[]);
+    assert_eq!(status, 200, "{first}");
     let (status, whole) = post(&server, "/v1/chat/completions", &chat(question, 32, false), &[]);
     assert_eq!(status, 200, "{whole}");
     let (status, streamed) = post(&server, "/v1/chat/completions", &chat(question, 32, true), &["-N"]);
@@ -276,10 +281,70 @@ fn the_openai_client_and_curl_chat_stream_and_embed() {
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
 }
 
+/// The text of a non-streamed chat completion, and its usage.
+fn answer(response: &str) -> (String, u64, u64) {
+    let v: Value = serde_json::from_str(response).unwrap_or_else(|e| panic!("{e}: {response}"));
+    let usage = &v["usage"];
+    (chat_text(response, false), usage["prompt_tokens"].as_u64().unwrap(), usage["completion_tokens"].as_u64().unwrap())
+}
+
+/// Idle contexts (on by default, `--threads` of them per model): a request after
+/// another of its group with the same system message and context size reuses the
+/// prompt start they share instead of computing it again, and says so in its run's
+/// report and /metrics. A repeated request reuses all of its prompt but the last
+/// token; twice repeated, it is computed alike and answers alike.
+#[test]
+fn a_later_request_reuses_the_prompt_start_it_shares_with_the_last() {
+    let system = "You are a helpful assistant. You answer every question in one short sentence.";
+    let ask = |question: &str| {
+        json!({"model": "smollm2", "max_tokens": 24, "temperature": 0,
+               "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+    };
+    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
+    let send = |question: &str, id: &str| {
+        let (status, body) = post(&server, "/v1/chat/completions", &ask(question), &["-H", &format!("x-request-id: {id}")]);
+        assert_eq!(status, 200, "{body}");
+        let (text, prompt_tokens, completion_tokens) = answer(&body);
+        let report = server.run_report(id);
+        println!("{report}");
+        let reused: u64 = log_field(&report, "reused").parse().unwrap();
+        let decoded: u64 = log_field(&report, "decoded").parse().unwrap();
+        assert_eq!(decoded, prompt_tokens - reused + completion_tokens, "{report}");
+        // Kept once the plugin dropped it, after the response's end.
+        server.wait_metric("llamabox_idle_contexts", 1.0);
+        (text, prompt_tokens, reused)
+    };
+    let (_, _, reused) = send("What do llamas eat?", "first");
+    assert_eq!(reused, 0, "nothing to reuse yet");
+    let (_, prompt_tokens, reused) = send("Where do alpacas live?", "second");
+    assert!(reused > 20 && reused < prompt_tokens, "the system part is reused, the question computed: {reused} of {prompt_tokens}");
+    let (again, _, reused_again) = send("Where do alpacas live?", "third");
+    assert_eq!(reused_again, prompt_tokens - 1, "a repeated prompt is computed for its last token only");
+    let (once_more, _, _) = send("Where do alpacas live?", "fourth");
+    assert_eq!(once_more, again, "computed alike, answered alike");
+    assert_eq!(server.metric("llamabox_tokens_reused_total"), (reused + 2 * reused_again) as f64);
+    assert_eq!(server.metric("llamabox_live_workers"), 0.0, "idle contexts are no run's threads");
+
+    // A request hung up while it reuses a context (prompt + 200 tokens fit the same
+    // 256-cell context): that context is not kept (its run was stopped), and the next
+    // request is answered whole.
+    let story = json!({"model": "smollm2", "max_tokens": 200, "temperature": 0, "stream": true,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Tell me a long story about a llama."}]});
+    hang_up_after(&server, "/v1/chat/completions", "hung-up", &story, "\"content\":\"");
+    assert_eq!(log_field(&server.run_report("hung-up"), "outcome"), "Stopped");
+    server.wait_metric("llamabox_in_flight", 0.0);
+    assert_eq!(server.metric("llamabox_idle_contexts"), 0.0);
+    let (text, _, reused) = send("Where do alpacas live?", "after");
+    assert!(!text.is_empty());
+    assert_eq!(reused, 0, "the stopped run's context was freed, not kept");
+}
+
 #[test]
 fn a_hang_up_stops_its_own_native_work_and_nobody_elses() {
-    // Two requests run at once (2 threads, 1 each).
-    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2", "--request-threads", "1"]);
+    // Two requests run at once (2 threads, 1 each). No idle contexts: B's answer alone
+    // and beside A's hang-up must be computed alike, bit for bit.
+    let flags = ["--threads", "2", "--request-threads", "1", "--idle-contexts", "0"];
+    let server = Server::start(&[("smollm2", common::real_model())], &flags);
     let question = "Name three animals that live in the Andes.";
     let (status, alone) = post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]);
     assert_eq!(status, 200, "{alone}");
@@ -291,7 +356,7 @@ fn a_hang_up_stops_its_own_native_work_and_nobody_elses() {
     let prompt_tokens = serde_json::from_str::<Value>(&counted).unwrap()["usage"]["prompt_tokens"].as_u64().unwrap();
     let other = std::thread::scope(|s| {
         let other = s.spawn(|| post(&server, "/v1/chat/completions", &chat(question, 48, true), &["-N"]));
-        // A different prompt than the one counted, so no cache could help (there is none).
+        // A different prompt than the one counted, so no cache could help.
         hang_up_after(&server, "/v1/chat/completions", "prefill-hang-up", &chat(&long_prompt(1000, "v"), 64, true), "data: ");
         other.join().unwrap()
     });

@@ -97,6 +97,11 @@ enum Command {
         /// On SIGTERM, how long requests in flight may take before they are stopped.
         #[arg(long, value_name = "MS")]
         shutdown_grace_ms: Option<u64>,
+        /// Contexts each model keeps idle for later requests of the same group, which
+        /// then skip creating one and reuse the start of the prompt they share with the
+        /// last (default: --threads; 0: none).
+        #[arg(long, value_name = "N")]
+        idle_contexts: Option<u32>,
         #[command(flatten)]
         cache: CacheFlags,
     },
@@ -272,6 +277,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             max_body_bytes,
             queue_timeout_ms,
             shutdown_grace_ms,
+            idle_contexts,
             cache,
         } => {
             let mut config = match config {
@@ -296,6 +302,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.max_body_bytes = max_body_bytes.unwrap_or(config.max_body_bytes);
             config.queue_timeout_ms = queue_timeout_ms.unwrap_or(config.queue_timeout_ms);
             config.shutdown_grace_ms = shutdown_grace_ms.unwrap_or(config.shutdown_grace_ms);
+            config.idle_contexts = idle_contexts.or(config.idle_contexts);
             if config.compile_cache.is_none() {
                 config.compile_cache = cache.options().compile_cache;
             }

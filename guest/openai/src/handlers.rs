@@ -13,6 +13,12 @@ use crate::wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
 
 /// Context size cap when `LLAMABOX_N_CTX` does not set one (the model's training length caps it too).
 const DEFAULT_N_CTX: u32 = 4096;
+
+/// Contexts are sized in steps of llama.cpp's own padding (it allocates multiples of
+/// 256 cells anyway), so requests of similar length ask for the same settings and the
+/// host can hand one request's idle context to the next, which then reuses the start
+/// of the prompt they share (the chat template's system part, earlier turns).
+const CONTEXT_STEP: u32 = 256;
 /// The host's default `max-generate-tokens`.
 const MAX_GENERATE_TOKENS: u32 = 4096;
 /// The host's default `max-stop-strings` and `max-stop-bytes`.
@@ -362,7 +368,8 @@ impl Run {
             None if n_prompt >= limit => return Err(too_long(n_prompt + 1)),
             None => (limit - n_prompt).min(MAX_GENERATE_TOKENS),
         };
-        let params = ContextParams { n_ctx: Some(n_prompt + max_tokens), n_batch: None, n_ubatch: None, n_seq_max: None, n_threads: None };
+        let n_ctx = (n_prompt + max_tokens).next_multiple_of(CONTEXT_STEP).min(limit);
+        let params = ContextParams { n_ctx: Some(n_ctx), n_batch: None, n_ubatch: None, n_seq_max: None, n_threads: None };
         let ctx = Context::create(&model, params)?;
         let cancel = CancelToken::create()?;
         let (tokens, media) = match prompt {

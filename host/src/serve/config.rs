@@ -41,6 +41,14 @@ pub struct ServeConfig {
     /// Compiled plugins are kept here between starts (see `HostOptions::compile_cache`).
     #[serde(default)]
     pub compile_cache: Option<PathBuf>,
+    /// Contexts each model keeps idle between requests, for later requests of the same
+    /// group asking for the same context size: they skip creating one and recompute
+    /// only the part of their prompt that differs from the last one's (see
+    /// `ModelRegistry::keep_idle_contexts`). Each holds its KV cache and compute
+    /// buffers. Default: `threads`, at most as many as could be busy at once; 0 frees
+    /// every context after its request.
+    #[serde(default)]
+    pub idle_contexts: Option<u32>,
     /// Models by name, loaded once at start.
     #[serde(default)]
     pub models: BTreeMap<String, PathBuf>,
@@ -149,6 +157,7 @@ impl ServeConfig {
             max_body_bytes: default_max_body_bytes(),
             shutdown_grace_ms: default_shutdown_grace_ms(),
             compile_cache: None,
+            idle_contexts: None,
             models: BTreeMap::new(),
             projectors: BTreeMap::new(),
             plugins: plugins
@@ -178,6 +187,7 @@ impl ServeConfig {
         if self.threads == 0 || self.max_concurrent == 0 {
             bail!("threads and max_concurrent must be at least 1");
         }
+        self.idle_contexts.get_or_insert(self.threads);
         let only = self.plugins.len() == 1;
         let mut routes = std::collections::HashSet::new();
         for plugin in &mut self.plugins {
@@ -269,6 +279,9 @@ threads = 2
         assert_eq!(config.plugins[1].route(), "/other");
         assert_eq!(config.plugins[0].limits(&Limits::default()).max_n_ctx, 4096);
         assert_eq!(config.plugins[1].limits(&Limits::default()).max_threads, 2);
+        assert_eq!(config.idle_contexts, Some(2), "as many idle contexts as could be busy");
+        let none = ServeConfig::from_toml(&FULL.replace("threads = 2\n[models]", "threads = 2\nidle_contexts = 0\n[models]")).unwrap();
+        assert_eq!(none.idle_contexts, Some(0));
     }
 
     #[test]

@@ -85,9 +85,11 @@ pub struct Metrics {
     pub queue_depth: Gauge,
     pub in_flight: Gauge,
     pub live_workers: Gauge,
+    pub idle_contexts: Gauge,
     pub request_seconds: HistogramFamily<PluginLabels>,
     pub tokens_generated: Family<PluginLabels, Counter>,
     pub tokens_decoded: Family<PluginLabels, Counter>,
+    pub tokens_reused: Family<PluginLabels, Counter>,
     pub generated_tokens_per_second: HistogramFamily<PluginLabels>,
     pub disconnect_stop_seconds: Histogram,
 }
@@ -113,6 +115,8 @@ impl Metrics {
         registry.register("in_flight", "Requests whose plugin is running", in_flight.clone());
         let live_workers = Gauge::default();
         registry.register("live_workers", "Native threads working for plugin runs", live_workers.clone());
+        let idle_contexts = Gauge::default();
+        registry.register("idle_contexts", "Contexts kept idle for later requests of their group", idle_contexts.clone());
         let request_seconds: HistogramFamily<PluginLabels> =
             Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.005, 2.0, 16)));
         registry.register("request_duration_seconds", "Time from admission to the run's end", request_seconds.clone());
@@ -120,6 +124,12 @@ impl Metrics {
         registry.register("tokens_generated", "Tokens the host's generation delivered", Family::clone(&tokens_generated));
         let tokens_decoded = Family::default();
         registry.register("tokens_decoded", "Rows llama.cpp decoded (prompts and generated tokens)", Family::clone(&tokens_decoded));
+        let tokens_reused = Family::default();
+        registry.register(
+            "tokens_reused",
+            "Prompt tokens an idle context already held from its group's last request, not decoded again",
+            Family::clone(&tokens_reused),
+        );
         let generated_tokens_per_second: HistogramFamily<PluginLabels> =
             Family::new_with_constructor(|| Histogram::new(exponential_buckets(4.0, 2.0, 10)));
         registry.register(
@@ -141,9 +151,11 @@ impl Metrics {
             queue_depth,
             in_flight,
             live_workers,
+            idle_contexts,
             request_seconds,
             tokens_generated,
             tokens_decoded,
+            tokens_reused,
             generated_tokens_per_second,
             disconnect_stop_seconds,
         }

@@ -91,6 +91,7 @@ impl Server {
             anyhow::ensure!(path.is_file(), "projector {name:?}: file {} not found", path.display());
             registry.register_projector(name.clone(), path.clone());
         }
+        registry.keep_idle_contexts(config.idle_contexts.unwrap_or(config.threads) as usize);
         let options = HostOptions { compile_cache: config.compile_cache.clone() };
         let host = Arc::new(PluginHost::with_options(registry, Limits::default(), options)?);
         let server = Arc::new(Server {
@@ -248,6 +249,7 @@ impl Server {
                 "/metrics" => {
                     self.metrics.queue_depth.set(self.admission.queued().into());
                     self.metrics.live_workers.set(self.host.live_workers() as i64);
+                    self.metrics.idle_contexts.set(self.host.models().idle_contexts() as i64);
                     let mut response = Response::new(full(self.metrics.encode()));
                     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(metrics::CONTENT_TYPE));
                     return response;
@@ -398,6 +400,7 @@ impl Server {
                 let usage = report.usage;
                 metrics.tokens_generated.get_or_create(&labels).inc_by(usage.tokens_generated);
                 metrics.tokens_decoded.get_or_create(&labels).inc_by(usage.tokens_decoded);
+                metrics.tokens_reused.get_or_create(&labels).inc_by(usage.tokens_reused);
                 if usage.tokens_generated > 0 {
                     let rate = usage.tokens_generated as f64 / elapsed.as_secs_f64().max(1e-6);
                     metrics.generated_tokens_per_second.get_or_create(&labels).observe(rate);
@@ -412,6 +415,7 @@ impl Server {
                     outcome = ?report.outcome,
                     ms = elapsed.as_millis() as u64,
                     decoded = usage.tokens_decoded,
+                    reused = usage.tokens_reused,
                     generated = usage.tokens_generated,
                     cancels = usage.cancels,
                     "run ended"
