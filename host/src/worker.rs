@@ -490,7 +490,7 @@ mod tests {
         assert!(store_b.busy() >= Duration::from_millis(2), "its calls' time counts where it is now");
         assert_eq!(store_a.busy(), Duration::ZERO);
         worker.stop().await;
-        host.all_stopped().await;
+        store_b.all_stopped().await; // the innermost count goes last
         assert_eq!((host.live(), store_a.live(), store_b.live()), (0, 0, 0));
     }
 
