@@ -3,7 +3,7 @@
 # real model from PyPI once).
 #
 # CPU=native (default): ggml for every x86 extension this machine's CPU has (AVX-512,
-# VNNI, AMX where present). CPU=avx2: SSE4.2/AVX/AVX2/BMI2/FMA/F16C (x86-64-v3, what a
+# VNNI where present; never AMX, see scripts/cpu-flags.sh). CPU=avx2: SSE4.2/AVX/AVX2/BMI2/FMA/F16C (x86-64-v3, what a
 # plain `cargo build` gets from .cargo/config.toml). CPU=portable: baseline x86-64
 # (SSE2), runs on any x86-64 CPU, slower. scripts/cpu-flags.sh names each choice's
 # GGML_* flags. Switching rebuilds llama.cpp (scripts/ggml-config.sh); ccache keeps every

@@ -174,7 +174,6 @@ impl<S: 'static> Worker<S> {
         let alive = Arc::new(Mutex::new(tracker.alive()));
         let thread_alive = alive.clone();
         let queued = Arc::new(AtomicUsize::new(0));
-        let thread_queued = queued.clone();
         // The thread works for the caller's run: llama.cpp's log lines from its calls
         // (routed to `tracing` on this thread) carry the run's span.
         let span = tracing::Span::current();
@@ -207,7 +206,6 @@ impl<S: 'static> Worker<S> {
                     job(&mut state);
                     Tracker::add_busy(&lock(&_alive).0, started);
                     lock(&thread_running).call = None;
-                    thread_queued.fetch_sub(1, SeqCst);
                 }
                 // `state` (the native context) is dropped here, on its own thread.
             })
@@ -270,11 +268,15 @@ impl<S: 'static> Worker<S> {
         let (tx, rx) = oneshot::channel();
         let flag = abandoned.clone();
         let span = tracing::Span::current();
+        let queued = self.queued.clone();
         let job: Job<S> = Box::new(move |state| {
             let _in_span = span.enter();
             // A caller that is already gone gets no compute.
-            if !tx.is_closed() {
-                let _ = tx.send(f(state, &flag));
+            let result = (!tx.is_closed()).then(|| f(state, &flag));
+            // Before the caller hears back: whoever has the result sees the worker idle.
+            queued.fetch_sub(1, SeqCst);
+            if let Some(result) = result {
+                let _ = tx.send(result);
             }
         });
         if let Some(jobs) = &self.jobs {
@@ -492,6 +494,20 @@ mod tests {
         worker.stop().await;
         store_b.all_stopped().await; // the innermost count goes last
         assert_eq!((host.live(), store_a.live(), store_b.live()), (0, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_worker_is_idle_as_soon_as_its_callers_have_their_results() {
+        let worker = Worker::spawn("test", &Tracker::new(), || Ok::<_, Error>(())).unwrap();
+        assert!(worker.is_idle());
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let held = worker.call(move |_, _| release_rx.recv().unwrap());
+        let queued = worker.call(|_, _| ());
+        assert!(!worker.is_idle(), "a call is running and one is queued");
+        release_tx.send(()).unwrap();
+        held.await.unwrap();
+        queued.await.unwrap();
+        assert!(worker.is_idle(), "no window after the last result in which it looks busy");
     }
 
     #[tokio::test]
