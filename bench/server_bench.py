@@ -405,6 +405,7 @@ class Server:
                 "disconnects": total(s, "llamabox_cancels_total", 'cause="disconnect"'),
                 "decoded": total(s, "llamabox_tokens_decoded_total"),
                 "generated": total(s, "llamabox_tokens_generated_total"),
+                "reused": total(s, "llamabox_tokens_reused_total"),
             }
         status, text = self.getter.get("/slots")
         slots = json.loads(text)
@@ -565,6 +566,8 @@ def load_run(server, concurrency, n_requests, tag, max_tokens, shared_system=Fal
     wait_quiet()
     other = OtherLoad(server)
     cpu0 = server.cpu_seconds()
+    # llamabox reports prompt tokens it reused from idle contexts in /metrics only.
+    reused0 = server.snapshot().get("reused") if server.kind == "llamabox" else None
     start = time.monotonic()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
@@ -574,6 +577,10 @@ def load_run(server, concurrency, n_requests, tag, max_tokens, shared_system=Fal
     wall = time.monotonic() - start
     good = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in good)
+    if reused0 is not None and results:
+        reused = server.snapshot()["reused"] - reused0
+        for r in good:
+            r.cached = reused / len(results)  # the run's mean per request
     return {
         "n": len(results),
         "failed": len(results) - len(good),
@@ -904,7 +911,11 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
       f"at once, each on its own context and {two} thread(s); llama-server `-np {slots}`: {slots} sequences batched "
       f"into one decode on all {args.threads} threads). Requests beyond that wait in each server's queue.")
     w(f"- Context: {args.n_ctx} tokens per request on both (llama-server `-c {args.n_ctx} × slots`, split per slot; "
-      f"llamabox `LLAMABOX_N_CTX={args.n_ctx}`, the openai plugin's cap; it sizes each context to prompt + max_tokens).")
+      f"llamabox `LLAMABOX_N_CTX={args.n_ctx}`, the openai plugin's cap; it sizes each context to prompt + max_tokens, "
+      "rounded up to 256 cells).")
+    w("- Prompt reuse: llama-server's prompt cache (a slot keeps its last prompt's KV) against llamabox's idle "
+      "contexts (each model keeps up to `--threads` contexts that requests dropped, for the next request of "
+      "the same tenant and context size, which reuses the longest common token prefix). Both on by default.")
     w(f"- Requests: chat completions, `stream: true` with usage, `temperature: 0` (greedy on both), "
       f"`max_tokens: {args.max_tokens}` for normal chats, the same explicit system message (so both apply "
       "the same ChatML text: without one, llama-server's Jinja template adds SmolLM2's default system "
@@ -927,7 +938,8 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
     w("Latency: request sent → `[DONE]`. TTFT: request sent → first event with text. ms/token: (`[DONE]` − "
       "first text) / (tokens − 1), the generation pace one client sees. Tokens/s: completion tokens of all "
       "requests / wall time of the run. Prompt: prompt tokens per request as the servers report them "
-      "(llama-server: of which reused from its prompt cache). Medians of the rounds (min–max); p50/p99 are "
+      "(in parentheses, of which reused: llama-server's prompt cache, per its usage; llamabox's idle contexts, "
+      "the run's mean per request from /metrics). Medians of the rounds (min–max); p50/p99 are "
       "over one run's requests (nearest rank: with 8 requests p99 is the slowest). Other load: CPU other "
       "processes used during the run, in cores (anything well above 0 disturbed it). The row marked *shared "
       "system* sends the same system message first in every request (the user message is unique), so "
