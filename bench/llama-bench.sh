@@ -4,7 +4,9 @@
 # llama-cpp-python==0.3.36 (the crate llama-cpp-sys-2 ships llama.cpp without
 # tools/llama-bench), with no OpenMP and static libraries, as our crate build, and:
 #   CPU=native (default): GGML_NATIVE=ON (-march=native), the way llama.cpp's users
-#     build it for their machine;
+#     build it for their machine; on a CPU with AMX, with the compiler's __AMX_*__
+#     macros undefined, so ggml leaves out its AMX kernels, which die of SIGILL there
+#     as in our build (scripts/cpu-flags.sh; llama-server crashed in its first prompt);
 #   CPU=avx2 / CPU=portable: GGML_NATIVE=OFF with the same GGML_* extensions as our
 #     build of that choice (scripts/cpu-flags.sh).
 #   LLAMA_BENCH_SAME_FLAGS=1 with CPU=native: GGML_NATIVE=OFF with our native build's
@@ -27,7 +29,14 @@ build="$cache/llama-bench-build"
 cpu="${CPU:-native}"
 [ "$cpu" = native ] && [ -n "${LLAMA_BENCH_SAME_FLAGS:-}" ] && cpu=native-flags
 case "$cpu" in
-  native) isa=(-DGGML_NATIVE=ON); build="$build-native" ;;
+  native)
+    isa=(-DGGML_NATIVE=ON); build="$build-native"
+    if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+      # -U cancels a built-in macro wherever it stands, so -march=native after it does
+      # not bring the kernels back (ggml compiles them under __AMX_INT8__).
+      no_amx="-U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__"
+      isa+=("-DCMAKE_C_FLAGS=$no_amx" "-DCMAKE_CXX_FLAGS=$no_amx"); build="$build-no-amx"
+    fi ;;
   native-flags) isa=(-DGGML_NATIVE=OFF); while read -r flag; do isa+=("-D$flag"); done < <("$(dirname "$0")/../scripts/cpu-flags.sh" native); build="$build-native-flags" ;;
   avx2|portable) isa=(-DGGML_NATIVE=OFF); while read -r flag; do isa+=("-D$flag"); done < <("$(dirname "$0")/../scripts/cpu-flags.sh" "$cpu"); build="$build-$cpu" ;;
   *) echo "CPU must be native, avx2 or portable, not '$cpu'" >&2; exit 2 ;;

@@ -449,8 +449,8 @@ def describe_llama_server(bin_path):
     try:
         with open(os.path.join(build, "CMakeCache.txt")) as f:
             for line in f:
-                m = re.match(r"(GGML_NATIVE|GGML_OPENMP|BUILD_SHARED_LIBS|CMAKE_BUILD_TYPE|LLAMA_CURL|LLAMA_OPENSSL):[A-Z]+=(.*)", line)
-                if m:
+                m = re.match(r"(GGML_NATIVE|GGML_OPENMP|BUILD_SHARED_LIBS|CMAKE_BUILD_TYPE|CMAKE_C_FLAGS|LLAMA_CURL|LLAMA_OPENSSL):[A-Z]+=(.*)", line)
+                if m and m.group(2):
                     flags.append(f"{m.group(1)}={m.group(2)}")
     except OSError:
         pass

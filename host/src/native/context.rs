@@ -77,8 +77,9 @@ pub struct Context {
     history: Option<Vec<Token>>,
     /// Tokens an earlier run left at positions `0..` of sequence 0 when the context was
     /// parked ([`Context::park`]): still in memory, but not part of what the context
-    /// holds, which reads as empty. A prompt [`Context::eval`] starts with them is not
-    /// computed again for that part; anything else removes them first.
+    /// holds, which reads as empty. A prompt evaluated or decoded from position 0 that
+    /// starts with them is not computed again for that part; anything else removes
+    /// them first.
     leftover: Vec<Token>,
     /// The threads every graph of this context runs on; freed after the context.
     _team: ThreadPool,
@@ -255,7 +256,7 @@ impl Context {
         }
     }
 
-    /// Highest position of `seq` in memory, -1 when empty.
+    /// Highest position of `seq` in memory, -1 when empty (a leftover is not counted).
     pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
         self.check_seq(seq)?;
         if !self.leftover.is_empty() {
@@ -264,7 +265,7 @@ impl Context {
         Ok(unsafe { sys::llama_memory_seq_pos_max(self.memory(), seq) })
     }
 
-    /// Remove the leftover tokens from memory (before anything but a reusing `eval`).
+    /// Remove the leftover tokens from memory (before any call that does not reuse them).
     fn drop_leftover(&mut self) {
         if !self.leftover.is_empty() {
             // SAFETY: a live memory; removing a whole sequence always succeeds.

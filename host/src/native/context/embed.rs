@@ -145,7 +145,7 @@ impl Context {
             self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
-        self.clear();
+        self.clear_all(); // from nothing, leftover included: the same input, the same vector
         // SAFETY: a live context; switched back below before returning.
         unsafe { sys::llama_set_embeddings(ctx, true) };
         let decoded = self.decode(batch, stop);
@@ -170,7 +170,7 @@ impl Context {
             (0..if pooled_seqs > 0 { pooled_seqs } else { batch.len() }).map(read).collect::<Result<Vec<_>>>()
         });
         unsafe { sys::llama_set_embeddings(ctx, false) };
-        self.clear();
+        self.clear_all();
         rows
     }
 }
