@@ -737,6 +737,8 @@ def main():
     ap.add_argument("--wait-quiet", type=float, default=1800,
                     help=f"wait up to this many seconds for no process matching '{BUSY_PATTERN}'")
     ap.add_argument("--allow-busy", action="store_true", help="measure even if builds or tests are running")
+    ap.add_argument("--llamabox-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for `llamabox serve` (repeatable), e.g. --llamabox-arg=--idle-contexts=0")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.per_level, args.goodput_seconds = 1, 2, 8
@@ -764,7 +766,7 @@ def main():
         lb = Server("llamabox", [args.llamabox, "serve", "--listen", "127.0.0.1:0", "--plugin", f"openai={args.plugin}",
                                  "--model", f"{MODEL_NAME}={args.model}", "--threads", str(args.threads),
                                  "--request-threads", str(request_threads),
-                                 "--plugin-env", f"LLAMABOX_N_CTX={args.n_ctx}"],
+                                 "--plugin-env", f"LLAMABOX_N_CTX={args.n_ctx}", *args.llamabox_arg],
                     os.path.join(tmp, f"llamabox-{label}.log"))
         port = free_port()
         ls = Server("llama-server", [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
