@@ -18,7 +18,9 @@ use tokio::sync::{oneshot, Notify};
 
 use crate::native::CancelFlag;
 
-type Job<S> = Box<dyn FnOnce(&mut S) + Send>;
+/// A queued call. It runs on the worker's state and calls `finished` once its work is
+/// done, before its caller hears back, so the caller sees the time counted.
+type Job<S> = Box<dyn FnOnce(&mut S, &dyn Fn()) + Send>;
 
 /// Counts threads (workers, and blocking calls run with [`Tracker::blocking`]) from
 /// their start to the end of their native state's drop. A store has one (its run
@@ -203,8 +205,7 @@ impl<S: 'static> Worker<S> {
                         running.call = Some(call);
                     }
                     let started = Instant::now();
-                    job(&mut state);
-                    Tracker::add_busy(&lock(&_alive).0, started);
+                    job(&mut state, &|| Tracker::add_busy(&lock(&_alive).0, started));
                     lock(&thread_running).call = None;
                 }
                 // `state` (the native context) is dropped here, on its own thread.
@@ -269,11 +270,14 @@ impl<S: 'static> Worker<S> {
         let flag = abandoned.clone();
         let span = tracing::Span::current();
         let queued = self.queued.clone();
-        let job: Job<S> = Box::new(move |state| {
+        let job: Job<S> = Box::new(move |state, finished| {
             let _in_span = span.enter();
             // A caller that is already gone gets no compute.
             let result = (!tx.is_closed()).then(|| f(state, &flag));
-            // Before the caller hears back: whoever has the result sees the worker idle.
+            // Before the caller hears back: whoever has the result sees the call's time
+            // counted (in the run it was for, not one the worker is handed to next) and
+            // the worker idle.
+            finished();
             queued.fetch_sub(1, SeqCst);
             if let Some(result) = result {
                 let _ = tx.send(result);
