@@ -196,7 +196,7 @@ impl<S: 'static> Worker<S> {
                         return;
                     }
                 };
-                for (job, call) in jobs_rx {
+                while let Some((job, call)) = next_job(&jobs_rx) {
                     {
                         let mut running = lock(&thread_running);
                         if running.shutting_down {
@@ -288,6 +288,28 @@ impl<S: 'static> Worker<S> {
             let _ = jobs.send((job, abandoned.clone()));
         }
         Call { result: rx, abandoned, done: false }
+    }
+}
+
+/// How long a worker that finished a call keeps looking for the next one before it
+/// sleeps. A guest's calls come in runs (`decode`, then `logits-ith`, then the next
+/// `decode` after its sampling), and waking a sleeping thread costs tens of µs on a VM:
+/// a few % of a generated token at a few hundred tokens/s (bench/RESULTS-t2.md, guest
+/// loop). Spinning costs a core for at most this long after each call, far less than
+/// ggml's own idle polling.
+const SPIN_FOR_NEXT_CALL: Duration = Duration::from_micros(200);
+
+/// The next call for a worker: spin a while for it, then sleep until it comes. `None`
+/// once the `Worker` is gone.
+fn next_job<T>(jobs: &mpsc::Receiver<T>) -> Option<T> {
+    let started = Instant::now();
+    loop {
+        match jobs.try_recv() {
+            Ok(job) => return Some(job),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) if started.elapsed() < SPIN_FOR_NEXT_CALL => std::hint::spin_loop(),
+            Err(mpsc::TryRecvError::Empty) => return jobs.recv().ok(),
+        }
     }
 }
 
