@@ -52,7 +52,7 @@ struct Cli {
     #[arg(long, default_value_t = 1)]
     threads: u32,
     /// How long idle llama.cpp threads spin before sleeping (`native::set_idle_poll`;
-    /// llamabox's default 0, llama-bench's default 50, which it keeps here).
+    /// llamabox's default 1, llama-bench's default 50, which it keeps here).
     #[arg(long, default_value_t = llamabox::native::DEFAULT_IDLE_POLL)]
     idle_poll: u32,
     /// Timed runs per column (after a warm-up).

@@ -219,7 +219,14 @@ pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::Enc
     );
     let _ = writeln!(out, "- CPU: {}, {} cores (a shared VM: figures move by several % between runs)", m.cpu, m.cores);
     let _ = writeln!(out, "- ggml CPU features: {} (build: {})", m.ggml_features.join(" "), m.build_config);
-    let _ = writeln!(out, "- threads: {} for every llama.cpp call; load average at start {}, at end {}", s.threads, cx.load_start, cx.load_end);
+    let _ = writeln!(
+        out,
+        "- threads: {} for every llama.cpp call, idle poll {} (llama-bench: 50); load average at start {}, at end {}",
+        s.threads,
+        llamabox::native::idle_poll(),
+        cx.load_start,
+        cx.load_end
+    );
     let _ = writeln!(out, "- llamabox's llama.cpp: ggml {}, {}", cx.linked.ggml_version, cx.linked.detail);
     if let Some(r) = cx.reference {
         let _ = writeln!(out, "- llama-bench's llama.cpp: ggml {}, {}", r.ggml_version, r.detail);

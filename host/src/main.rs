@@ -38,8 +38,9 @@ enum Command {
         #[command(flatten)]
         cache: CacheFlags,
         /// How long idle llama.cpp threads spin for the next graph before sleeping
-        /// (0-100, llama.cpp's tools use 50). 0 (the default) frees the cores between
-        /// calls; more saves a wake-up per token when one context owns the cores.
+        /// (0-100, each unit a few ms; llama.cpp's tools use 50). 1 (the default) keeps
+        /// a generation's threads awake between tokens and frees the cores within ms;
+        /// 0 frees them at once and pays a wake-up per token.
         #[arg(long, value_name = "LEVEL", default_value_t = native::DEFAULT_IDLE_POLL, value_parser = clap::value_parser!(u32).range(0..=100))]
         idle_poll: u32,
         /// Arguments passed to the plugin, after `--`.

@@ -13,8 +13,9 @@ use llama_cpp_sys_2 as sys;
 
 use super::{Error, Result};
 
-/// The default of [`set_idle_poll`]: idle threads sleep at once.
-pub const DEFAULT_IDLE_POLL: u32 = 0;
+/// The default of [`set_idle_poll`]: idle threads spin one unit (a few ms), longer than
+/// the gap between two tokens of a generation, far shorter than llama.cpp's 50.
+pub const DEFAULT_IDLE_POLL: u32 = 1;
 
 static IDLE_POLL: AtomicU32 = AtomicU32::new(DEFAULT_IDLE_POLL);
 
@@ -22,11 +23,14 @@ static IDLE_POLL: AtomicU32 = AtomicU32::new(DEFAULT_IDLE_POLL);
 /// before they sleep, in ggml's units (0–100; each unit is 131072 `pause` rounds, a few
 /// ms; llama.cpp's tools default to 50).
 ///
-/// Spinning saves a wake-up (tens of µs) per graph, and costs a core for as long as it
-/// spins, whether or not another graph comes. A plugin host runs many contexts that sit
-/// idle between a guest's calls, and every spinning thread takes a core from the others,
-/// so the default is 0: generation pays one wake-up per token (bench/RESULTS.md has what
-/// that costs). A host that runs one busy context per core may spin.
+/// Spinning saves a wake-up (tens of µs on a VM) per graph, and costs a core for as long
+/// as it spins, whether or not another graph comes. Generation computes a graph every
+/// few ms, so one unit (131072 `pause`s: ~7 ms on a Sapphire Rapids Xeon, less on AMD
+/// Zen) keeps a generating context's threads awake from token to token; 0 made
+/// generation at 2 threads ~5% slower than llama-bench here (bench/RESULTS-t2.md). A
+/// plugin host runs many contexts that sit idle between a guest's calls, and a spinning
+/// thread takes a core from the others: one unit frees it within milliseconds, 50
+/// (llama.cpp's tools) only after a tenth of a second or more.
 pub fn set_idle_poll(level: u32) {
     IDLE_POLL.store(level.min(100), Relaxed);
 }
