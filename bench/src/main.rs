@@ -55,6 +55,10 @@ struct Cli {
     /// llamabox's default 1, llama-bench's default 50, which it keeps here).
     #[arg(long, default_value_t = llamabox::native::DEFAULT_IDLE_POLL)]
     idle_poll: u32,
+    /// More plugins to time start-up of (compiling, cached, a run to its argument check):
+    /// large ones, CPython or a JS engine inside. Repeatable.
+    #[arg(long)]
+    startup_plugin: Vec<std::path::PathBuf>,
     /// Timed runs per column (after a warm-up).
     #[arg(long, default_value_t = 5)]
     runs: usize,
@@ -115,7 +119,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let boundary = guest.boundary(boundary_model, cli.boundary_iters)?;
     let instantiation = guest.instantiation(30)?;
     progress(format_args!("plugin start-up, compiled and cached"));
-    let startup = vec![startup::measure(&cli.plugin, "guest/bench-plugin (Rust)", &cli.model_dir, cli.runs)?];
+    let mut startup = vec![startup::measure(&cli.plugin, "guest/bench-plugin (Rust)", &cli.model_dir, cli.runs, false)?];
+    for plugin in &cli.startup_plugin {
+        let label = plugin.file_name().map_or_else(|| plugin.display().to_string(), |n| n.to_string_lossy().into_owned());
+        startup.push(startup::measure(plugin, &label, &cli.model_dir, cli.runs, true)?);
+    }
     progress(format_args!("media encode on a generated projector"));
     // llama-simple always runs llama.cpp's default 4 threads (it has no option): once per
     // `make bench`, in the 1-thread run; on a 2-core machine it takes minutes.
@@ -143,8 +151,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 
     let date = today();
-    let build = llamabox::native::InstructionLevel::of(&machine.ggml_features).name();
-    let headline = builds::Headline::of(build, &machine.cpu, &machine.ggml_features, &date, shape, &results, &encode);
+    // CPU=native and CPU=extensions link the same instructions, compiled with and without
+    // -march=native: two builds.
+    let level = llamabox::native::InstructionLevel::of(&machine.ggml_features);
+    let build = match level {
+        llamabox::native::InstructionLevel::Avx512 if !machine.build_config.starts_with("-march=native") => {
+            format!("{}-extensions", level.name())
+        }
+        _ => level.name().to_string(),
+    };
+    let headline = builds::Headline::of(&build, &machine.cpu, &machine.ggml_features, &date, shape, &results, &encode);
     let builds = builds::save_and_collect(&cli.out, &headline)?;
     let cx = report::RunInfo {
         machine: &machine,
