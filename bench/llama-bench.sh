@@ -27,9 +27,9 @@ build_type="${LLAMA_BENCH_BUILD_TYPE:-Release}"
 build="$cache/llama-bench-build"
 [ "$build_type" = Release ] || build="$build-$build_type"
 cpu="${CPU:-native}"
-# CPU=extensions (our build without -march=native) is compared with llama.cpp as its users
+# CPU=native-march (our build with -march=native) is compared with llama.cpp as its users
 # build it, as CPU=native is.
-[ "$cpu" = extensions ] && cpu=native
+[ "$cpu" = native-march ] && cpu=native
 [ "$cpu" = native ] && [ -n "${LLAMA_BENCH_SAME_FLAGS:-}" ] && cpu=native-flags
 case "$cpu" in
   native)

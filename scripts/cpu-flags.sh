@@ -4,15 +4,19 @@
 # scripts/ggml-config.sh checks the configured build against them.
 #   native    every extension this machine's CPU has (from /proc/cpuinfo): AVX-512 and
 #             its VBMI/VNNI/BF16 parts and AVX-VNNI where present, but never AMX (below),
-#             and C flags (`--cflags`) that compile ggml with -march=native, as
-#             GGML_NATIVE=ON does for llama.cpp's users: the extensions alone left
-#             prompt processing of an f32 model ~3.5% behind (llama-bench built both
-#             ways, 2 threads, Sapphire Rapids: 3426 vs 3552 t/s; -march=native also
-#             tunes for the CPU and brings AVX512-FP16). llama-cpp-sys-2 sets
-#             GGML_NATIVE=ON only under RUSTFLAGS=-C target-cpu=native, which would
+#             named one by one. The build runs here and on CPUs with the same extensions.
+#   native-march  the same, and ggml compiled with -march=native (C flags from
+#             `--cflags`), as GGML_NATIVE=ON builds llama.cpp for its users. llama-cpp-sys-2
+#             sets GGML_NATIVE=ON only under RUSTFLAGS=-C target-cpu=native, which would
 #             rebuild all Rust code (and the wasm guests) too, so the flag goes to the C
 #             compiler instead (cc's CFLAGS_<target>, which the cmake crate passes on).
-#             The build runs here and on CPUs with the same extensions.
+#             Not the default: GCC's choices for the CPU were slower where it mattered.
+#             On a Sapphire Rapids VM (2026-12-01) -march=native ran f32 prompt
+#             processing 3.5% faster (llama-bench built both ways, 2 threads: 3552 vs
+#             3426 t/s) but `llamabox serve` with two 1-thread contexts 8-17% slower
+#             (SmolLM2 Q4_1, tokens/s at concurrency 1/4/8: 44.2/88.7/91.3 vs
+#             48.0/97.4/109.8); on the earlier AMD EPYC VM the named extensions ran f32
+#             prompt processing 22% faster. Measure both on your CPU.
 #   avx2      x86-64-v3: SSE4.2 AVX AVX2 BMI2 FMA F16C (Intel Haswell, AMD Excavator and
 #             later). What .cargo/config.toml sets for a plain `cargo build`.
 #   portable  baseline x86-64 (SSE2): runs on any x86-64 CPU.
@@ -22,13 +26,9 @@
 # kernel 6.18). Upstream's open PR 26954 says why: the tile config on the stack is
 # optimised away, and XTILEDATA permission is asked for one thread only. AVX512-VNNI
 # does that work instead.
-#   extensions  native's extensions, named one by one, without -march=native (the build
-#             before -march=native): on the project's earlier AMD EPYC VM this one ran
-#             prompt processing of the f32 model 22% faster than -march=native
-#             (llama-bench built both ways, 1 thread), on the Sapphire Rapids VM 3.5%
-#             slower. Measure both on your CPU (`make bench CPU=...`).
-# Usage: scripts/cpu-flags.sh native|extensions|avx2|portable [--cflags]
-#   --cflags: the C/C++ flags of the choice on one line instead (empty but for native).
+# Usage: scripts/cpu-flags.sh native|native-march|avx2|portable [--cflags]
+#   --cflags: the C/C++ flags of the choice on one line instead (empty but for
+#   native-march).
 set -euo pipefail
 base="SSE42 AVX AVX2 BMI2 FMA F16C"
 extra="AVX512 AVX512_VBMI AVX512_VNNI AVX512_BF16 AVX_VNNI"
@@ -49,16 +49,16 @@ if [ "${2:-}" = --cflags ]; then
   case "${1:-}" in
     # -U cancels a built-in macro wherever it stands, so -march=native does not bring
     # ggml's AMX kernels back (they compile under __AMX_INT8__).
-    native) echo "-march=native$(has amx_tile && echo ' -U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__')" ;;
-    extensions|avx2|portable) echo ;;
-    *) echo "usage: $0 native|extensions|avx2|portable [--cflags]" >&2; exit 2 ;;
+    native-march) echo "-march=native$(has amx_tile && echo ' -U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__')" ;;
+    native|avx2|portable) echo ;;
+    *) echo "usage: $0 native|native-march|avx2|portable [--cflags]" >&2; exit 2 ;;
   esac
   exit 0
 fi
 case "${1:-}" in
-  native|extensions) for x in $base $extra; do if cpu_has "$x"; then echo "GGML_$x=ON"; else echo "GGML_$x=OFF"; fi; done ;;
+  native|native-march) for x in $base $extra; do if cpu_has "$x"; then echo "GGML_$x=ON"; else echo "GGML_$x=OFF"; fi; done ;;
   avx2) for x in $base; do echo "GGML_$x=ON"; done; for x in $extra; do echo "GGML_$x=OFF"; done ;;
   portable) for x in $base $extra; do echo "GGML_$x=OFF"; done ;;
-  *) echo "usage: $0 native|extensions|avx2|portable" >&2; exit 2 ;;
+  *) echo "usage: $0 native|native-march|avx2|portable" >&2; exit 2 ;;
 esac
 for x in $never; do echo "GGML_$x=OFF"; done

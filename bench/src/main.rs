@@ -151,14 +151,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 
     let date = today();
-    // CPU=native and CPU=extensions link the same instructions, compiled with and without
-    // -march=native: two builds.
+    // CPU=native and CPU=native-march link the same instructions, compiled without and
+    // with -march=native: two builds.
     let level = llamabox::native::InstructionLevel::of(&machine.ggml_features);
-    let build = match level {
-        llamabox::native::InstructionLevel::Avx512 if !machine.build_config.starts_with("-march=native") => {
-            format!("{}-extensions", level.name())
-        }
-        _ => level.name().to_string(),
+    let build = match machine.build_config.starts_with("-march=native") {
+        true => format!("{}-march-native", level.name()),
+        false => level.name().to_string(),
     };
     let headline = builds::Headline::of(&build, &machine.cpu, &machine.ggml_features, &date, shape, &results, &encode);
     let builds = builds::save_and_collect(&cli.out, &headline)?;
