@@ -154,9 +154,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     // CPU=native and CPU=native-march link the same instructions, compiled without and
     // with -march=native: two builds.
     let level = llamabox::native::InstructionLevel::of(&machine.ggml_features);
-    let build = match machine.build_config.starts_with("-march=native") {
-        true => format!("{}-march-native", level.name()),
-        false => level.name().to_string(),
+    let build = if machine.build_config.starts_with("-march=native") {
+        format!("{}-march-native", level.name())
+    } else {
+        level.name().to_string()
     };
     let headline = builds::Headline::of(&build, &machine.cpu, &machine.ggml_features, &date, shape, &results, &encode);
     let builds = builds::save_and_collect(&cli.out, &headline)?;

@@ -31,7 +31,7 @@ const PROBE_ARG: &str = "--llamabox-bench-start-up-probe";
 
 /// Time runs of `plugin` that exit at their argument check. A non-zero exit is what the
 /// probe expects; a trap, or a plugin that goes on to succeed, is an error.
-pub fn probe_runs(plugin: &llamabox::Plugin, runs: usize) -> anyhow::Result<Samples> {
+fn probe_runs(plugin: &llamabox::Plugin, runs: usize) -> anyhow::Result<Samples> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let run = || -> anyhow::Result<()> {
         let mut wasi = WasiCtxBuilder::new();
