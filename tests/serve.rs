@@ -353,7 +353,7 @@ fn a_hang_up_stops_its_own_native_work_and_nobody_elses() {
     let prompt = long_prompt(1000, "w");
     let (status, counted) = post(&server, "/v1/chat/completions", &chat(&prompt, 1, false), &[]);
     assert_eq!(status, 200, "{counted}");
-    let prompt_tokens = serde_json::from_str::<Value>(&counted).unwrap()["usage"]["prompt_tokens"].as_u64().unwrap();
+    let (_, prompt_tokens, _) = answer(&counted);
     let other = std::thread::scope(|s| {
         let other = s.spawn(|| post(&server, "/v1/chat/completions", &chat(question, 48, true), &["-N"]));
         // A different prompt than the one counted, so no cache could help.
@@ -513,7 +513,7 @@ fn a_hang_up_during_an_image_encode_stops_the_encode() {
     let (status, whole) = post(&server, "/v1/chat/completions", &ask(false), &["-H", "x-request-id: image-whole"]);
     assert_eq!(status, 200, "{whole}");
     let text_only = server.run_report("image-whole");
-    let prompt_tokens = serde_json::from_str::<Value>(&whole).unwrap()["usage"]["prompt_tokens"].as_u64().unwrap();
+    let (_, prompt_tokens, _) = answer(&whole);
     assert!(prompt_tokens > 100, "{prompt_tokens} prompt tokens: the image's are missing ({text_only})");
 
     // The stream's first event goes out before the encode starts; the hang-up lands in it.

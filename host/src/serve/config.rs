@@ -187,7 +187,6 @@ impl ServeConfig {
         if self.threads == 0 || self.max_concurrent == 0 {
             bail!("threads and max_concurrent must be at least 1");
         }
-        self.idle_contexts.get_or_insert(self.threads);
         let only = self.plugins.len() == 1;
         let mut routes = std::collections::HashSet::new();
         for plugin in &mut self.plugins {
@@ -218,6 +217,13 @@ impl ServeConfig {
             }
         }
         Ok(())
+    }
+
+    /// Contexts each model keeps idle: the setting, or `threads` (as many as could be
+    /// busy at once). Derived here, not filled in by `check`, so a `--threads` given
+    /// after a config file moves the default with it.
+    pub fn idle_contexts(&self) -> u32 {
+        self.idle_contexts.unwrap_or(self.threads)
     }
 
     pub fn queue_timeout(&self) -> Duration {
@@ -279,9 +285,12 @@ threads = 2
         assert_eq!(config.plugins[1].route(), "/other");
         assert_eq!(config.plugins[0].limits(&Limits::default()).max_n_ctx, 4096);
         assert_eq!(config.plugins[1].limits(&Limits::default()).max_threads, 2);
-        assert_eq!(config.idle_contexts, Some(2), "as many idle contexts as could be busy");
+        assert_eq!(config.idle_contexts(), 2, "as many idle contexts as could be busy");
+        let mut more = config.clone();
+        more.threads = 8;
+        assert_eq!(more.idle_contexts(), 8, "follows threads set after the file (a flag)");
         let none = ServeConfig::from_toml(&FULL.replace("threads = 2\n[models]", "threads = 2\nidle_contexts = 0\n[models]")).unwrap();
-        assert_eq!(none.idle_contexts, Some(0));
+        assert_eq!(none.idle_contexts(), 0);
     }
 
     #[test]

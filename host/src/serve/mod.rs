@@ -91,7 +91,7 @@ impl Server {
             anyhow::ensure!(path.is_file(), "projector {name:?}: file {} not found", path.display());
             registry.register_projector(name.clone(), path.clone());
         }
-        registry.keep_idle_contexts(config.idle_contexts.unwrap_or(config.threads) as usize);
+        registry.keep_idle_contexts(config.idle_contexts() as usize);
         let options = HostOptions { compile_cache: config.compile_cache.clone() };
         let host = Arc::new(PluginHost::with_options(registry, Limits::default(), options)?);
         let server = Arc::new(Server {
