@@ -3,7 +3,8 @@
 # real model from PyPI once).
 #
 # CPU=native (default): ggml for every x86 extension this machine's CPU has (AVX-512,
-# VNNI where present; never AMX, see scripts/cpu-flags.sh). CPU=native-march: the same,
+# VNNI where present; never AMX, see scripts/cpu-flags.sh), tuned for it (-mtune=native,
+# which picks no instructions). CPU=native-march: the same,
 # compiled with -march=native as GGML_NATIVE=ON does (faster on some CPUs and workloads,
 # slower on others: scripts/cpu-flags.sh has the figures). CPU=avx2: SSE4.2/AVX/AVX2/BMI2/FMA/F16C (x86-64-v3, what a
 # plain `cargo build` gets from .cargo/config.toml). CPU=portable: baseline x86-64
@@ -24,9 +25,9 @@ export CMAKE_CXX_COMPILER_LAUNCHER := ccache
 # GGML_SSE42=ON GGML_AVX512=OFF ...: llama-cpp-sys-2 passes GGML_* to llama.cpp's CMake.
 GGML_FLAGS := $(shell scripts/cpu-flags.sh $(CPU))
 $(foreach flag,$(GGML_FLAGS),$(eval export $(flag)))
-# CPU=native-march: -march=native too, as GGML_NATIVE=ON builds llama.cpp (cc, which
-# the cmake crate asks for llama.cpp's C/C++ flags, appends these; other crates' C code
-# gets them too, and runs on this machine as well).
+# CPU=native: -mtune=native; CPU=native-march: -march=native, as GGML_NATIVE=ON builds
+# llama.cpp (cc, which the cmake crate asks for llama.cpp's C/C++ flags, appends these;
+# other crates' C code gets them too, and runs on this machine as well).
 export CFLAGS_x86_64_unknown_linux_gnu := $(shell scripts/cpu-flags.sh $(CPU) --cflags)
 export CXXFLAGS_x86_64_unknown_linux_gnu := $(CFLAGS_x86_64_unknown_linux_gnu)
 
@@ -89,8 +90,10 @@ scale-test: build guest
 # bench/RESULTS-t<N>.md, with their cancel-latency figures; CPU=avx2|portable add the
 # choice to the names. Each report also shows the other CPU builds measured on this CPU
 # model at its thread count. BENCH_ARGS for more flags (`cargo run -p llamabox-bench --
-# --help`). Builds llama.cpp's llama-bench once per CPU choice into ~/.cache/llamabox for
-# the comparison (CPU=native: GGML_NATIVE=ON, as llama.cpp's users build it), and the
+# --help`). Builds llama.cpp's llama-bench into ~/.cache/llamabox for the comparison, twice:
+# with GGML_NATIVE=ON, as llama.cpp's users build it, and with this build's own flags
+# (the named extensions of CPU=native, or those of avx2/portable; CPU=native-march is
+# the first one), so the report tells the code's share of a difference from the flags'; the
 # Python and JavaScript plugins (as the tests do) for the start-up figures of large
 # plugins. About 9 minutes per thread count on a quiet 2-core machine.
 THREADS ?= 1 $(shell nproc)
@@ -98,7 +101,9 @@ BENCH_ARGS ?=
 BENCH_SUFFIX := $(if $(filter native,$(CPU)),,-$(CPU))
 bench: deps guest
 	@model=$$(scripts/fetch-model.sh) || { model=; echo "the real model could not be fetched: benchmarking the generated model only"; }; \
-	llama_bench=$$(CPU=$(CPU) bench/llama-bench.sh) || { llama_bench=; echo "llama-bench could not be built: leaving out that comparison"; }; \
+	llama_bench=$$(CPU=native bench/llama-bench.sh) || { llama_bench=; echo "llama-bench could not be built: leaving out that comparison"; }; \
+	same_flags=; [ -z "$$llama_bench" ] || [ $(CPU) = native-march ] || same_flags=$$(CPU=$(CPU) LLAMA_BENCH_SAME_FLAGS=1 bench/llama-bench.sh) || \
+	  { same_flags=; echo "llama-bench with our flags could not be built: leaving out that comparison"; }; \
 	large=; for lang in python js; do wasm=target/guest/polyglot/$$lang-plugin.wasm; \
 	  { [ -s $$wasm ] || scripts/build-$$lang-plugin.sh $$wasm; } && large="$$large --startup-plugin $$wasm" || \
 	    echo "the $$lang plugin could not be built: leaving it out of the start-up figures"; done; \
@@ -106,7 +111,8 @@ bench: deps guest
 	  suffix="$(BENCH_SUFFIX)$$([ $$t = 1 ] || echo -t$$t)"; \
 	  $(CARGO) run $(PROFILE) -p llamabox-bench -- --threads $$t \
 	    --out bench/RESULTS$$suffix.md --png bench/cancel-latency$$suffix.png \
-	    $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} $$large $(BENCH_ARGS) || exit 1; \
+	    $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} \
+	    $${same_flags:+--llama-bench-same-flags "$$same_flags"} $$large $(BENCH_ARGS) || exit 1; \
 	done
 
 # `llamabox serve` side by side with llama.cpp's llama-server (never part of `make test`;

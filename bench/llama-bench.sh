@@ -10,7 +10,8 @@
 #   CPU=avx2 / CPU=portable: GGML_NATIVE=OFF with the same GGML_* extensions as our
 #     build of that choice (scripts/cpu-flags.sh).
 #   LLAMA_BENCH_SAME_FLAGS=1 with CPU=native: GGML_NATIVE=OFF with our native build's
-#     named extensions instead, to tell -march=native apart from the extensions.
+#     named extensions and C flags (-mtune=native) instead: our build's flags, so that
+#     a difference from it is the code's.
 # Cached in ~/.cache/llamabox: the sdist, its unpacked tree and each build are reused.
 # TARGET=llama-server (bench/llama-server.sh) builds llama.cpp's HTTP server instead, into
 # the same build folder with -DLLAMA_BUILD_SERVER=ON added (its embedded web UI left
@@ -40,7 +41,10 @@ case "$cpu" in
       no_amx="-U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__"
       isa+=("-DCMAKE_C_FLAGS=$no_amx" "-DCMAKE_CXX_FLAGS=$no_amx"); build="$build-no-amx"
     fi ;;
-  native-flags) isa=(-DGGML_NATIVE=OFF); while read -r flag; do isa+=("-D$flag"); done < <("$(dirname "$0")/../scripts/cpu-flags.sh" native); build="$build-native-flags" ;;
+  native-flags)
+    isa=(-DGGML_NATIVE=OFF); while read -r flag; do isa+=("-D$flag"); done < <("$(dirname "$0")/../scripts/cpu-flags.sh" native)
+    cflags=$("$(dirname "$0")/../scripts/cpu-flags.sh" native --cflags)
+    isa+=("-DCMAKE_C_FLAGS=$cflags" "-DCMAKE_CXX_FLAGS=$cflags"); build="$build-native-flags${cflags:+-mtune}" ;;
   avx2|portable) isa=(-DGGML_NATIVE=OFF); while read -r flag; do isa+=("-D$flag"); done < <("$(dirname "$0")/../scripts/cpu-flags.sh" "$cpu"); build="$build-$cpu" ;;
   *) echo "CPU must be native, avx2 or portable, not '$cpu'" >&2; exit 2 ;;
 esac

@@ -4,13 +4,21 @@
 # scripts/ggml-config.sh checks the configured build against them.
 #   native    every extension this machine's CPU has (from /proc/cpuinfo): AVX-512 and
 #             its VBMI/VNNI/BF16 parts and AVX-VNNI where present, but never AMX (below),
-#             named one by one. The build runs here and on CPUs with the same extensions.
+#             named one by one, with code scheduled for this CPU (-mtune=native, from
+#             `--cflags`: tuning picks no instructions, so the build still runs on any
+#             CPU with the same extensions). On a Sapphire Rapids VM (2026-12-01,
+#             llama-bench built three ways, 4 rotating rounds) named + -mtune=native
+#             against -march=native: f32 pp512 +4.9% (1 thread), +0.0% (2 threads),
+#             SmolLM2 Q4_1 pp512 +1.0%, +1.0%, tg128 f32 +9.0%, +3.3%, SmolLM2 +5.3%,
+#             +13.7%; named without -mtune: pp512 f32 -2.0%, -2.9%.
 #   native-march  the same, and ggml compiled with -march=native (C flags from
 #             `--cflags`), as GGML_NATIVE=ON builds llama.cpp for its users. llama-cpp-sys-2
 #             sets GGML_NATIVE=ON only under RUSTFLAGS=-C target-cpu=native, which would
 #             rebuild all Rust code (and the wasm guests) too, so the flag goes to the C
 #             compiler instead (cc's CFLAGS_<target>, which the cmake crate passes on).
-#             Not the default: GCC's choices for the CPU were slower where it mattered.
+#             Not the default: GCC's choices for the CPU were slower where it mattered
+#             (its AVX512-FP16 half-precision kernels among them: named + -mavx512fp16
+#             ran f32 pp512 -3.0% and SmolLM2 pp512 -2.2% against -march=native).
 #             On a Sapphire Rapids VM (2026-12-01) -march=native ran f32 prompt
 #             processing 3.5% faster (llama-bench built both ways, 2 threads: 3552 vs
 #             3426 t/s) but `llamabox serve` with two 1-thread contexts 8-17% slower
@@ -27,8 +35,8 @@
 # optimised away, and XTILEDATA permission is asked for one thread only. AVX512-VNNI
 # does that work instead.
 # Usage: scripts/cpu-flags.sh native|native-march|avx2|portable [--cflags]
-#   --cflags: the C/C++ flags of the choice on one line instead (empty but for
-#   native-march).
+#   --cflags: the C/C++ flags of the choice on one line instead (empty for avx2 and
+#   portable, which run on other CPUs and keep the compiler's generic tuning).
 set -euo pipefail
 base="SSE42 AVX AVX2 BMI2 FMA F16C"
 extra="AVX512 AVX512_VBMI AVX512_VNNI AVX512_BF16 AVX_VNNI"
@@ -50,7 +58,8 @@ if [ "${2:-}" = --cflags ]; then
     # -U cancels a built-in macro wherever it stands, so -march=native does not bring
     # ggml's AMX kernels back (they compile under __AMX_INT8__).
     native-march) echo "-march=native$(has amx_tile && echo ' -U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__')" ;;
-    native|avx2|portable) echo ;;
+    native) echo "-mtune=native" ;;
+    avx2|portable) echo ;;
     *) echo "usage: $0 native|native-march|avx2|portable [--cflags]" >&2; exit 2 ;;
   esac
   exit 0

@@ -22,7 +22,7 @@ for cache in target/release/build/llama-cpp-sys-2-*/out/build/CMakeCache.txt; do
   have=$(grep -m1 "^CMAKE_C_FLAGS:STRING=" "$cache" | cut -d= -f2- || true)
   # cc appends CFLAGS_<target> after its own flags: the choice's come last.
   if [ -n "$cflags" ] && [[ "$have" != *" $cflags" ]]; then rebuild "C flags '$have'" "'$cflags' last"; fi
-  if [ -z "$cflags" ] && [[ "$have" == *-march=native* ]]; then rebuild "C flags '$have'" "no -march=native"; fi
+  if [ -z "$cflags" ] && [[ "$have" == *-m*=native* ]]; then rebuild "C flags '$have'" "none for this machine"; fi
   for flag in "$@"; do
     # An option never set in the cache is OFF in ggml's CMake.
     have=$(grep -m1 "^${flag%%=*}:BOOL=" "$cache" | cut -d= -f2 || true)

@@ -88,9 +88,12 @@ impl Guest {
         self.last_run(&self.args("decode", model, &extra), "logits")
     }
 
-    /// One timed greedy generation (the plugin warms up with a one-token one).
-    pub fn generate(&self, model: &BenchModel) -> anyhow::Result<(Duration, u64)> {
-        let extra = [("--tokens", self.shape.gen_tokens.to_string()), ("--runs", "1".into())];
+    /// One timed greedy generation by the guest's own loop (the plugin warms up with a
+    /// one-token one), picking each token in wasm from the logits it reads, or with the
+    /// host's greedy sampler (`host_sampler`).
+    pub fn generate(&self, model: &BenchModel, host_sampler: bool) -> anyhow::Result<(Duration, u64)> {
+        let sample = if host_sampler { "host" } else { "wasm" };
+        let extra = [("--tokens", self.shape.gen_tokens.to_string()), ("--runs", "1".into()), ("--sample", sample.into())];
         self.last_run(&self.args("generate", model, &extra), "tokens")
     }
 

@@ -6,7 +6,7 @@ pub struct Machine {
     pub cores: usize,
     /// Features the linked ggml CPU backend was compiled for.
     pub ggml_features: Vec<String>,
-    /// How the build chose them: the C compiler's -march and the GGML_* CPU options in the
+    /// How the build chose them: the C compiler's -march and -mtune and the GGML_* CPU options in the
     /// linked llama.cpp's CMake cache (what `make CPU=...` passed), the ones that are ON.
     pub build_config: String,
 }
@@ -33,14 +33,13 @@ impl Machine {
                     .filter_map(|l| l.strip_suffix(":BOOL=ON"))
                     .filter(|k| k.starts_with("GGML_") && CPU_OPTIONS.contains(&&k[5..]))
                     .collect();
-                // -march=native (CPU=native) or the compiler's default: cc appends the
-                // choice's flags last, so the last -march is the one that counts.
-                let march = cache
-                    .lines()
-                    .find_map(|l| l.strip_prefix("CMAKE_C_FLAGS:STRING="))
-                    .and_then(|flags| flags.split_whitespace().rfind(|f| f.starts_with("-march=")))
-                    .unwrap_or("no -march");
-                format!("{march}, {} ON, the rest off", on.join(" "))
+                // cc's -march=x86-64, then the choice's flags (-mtune=native for
+                // CPU=native, -march=native for native-march): the last of each counts.
+                let flags = cache.lines().find_map(|l| l.strip_prefix("CMAKE_C_FLAGS:STRING=")).unwrap_or("");
+                let last = |prefix: &str| flags.split_whitespace().rfind(|f| f.starts_with(prefix));
+                let march = last("-march=").unwrap_or("no -march");
+                let mtune = last("-mtune=").map_or(String::new(), |t| format!(" {t}"));
+                format!("{march}{mtune}, {} ON, the rest off", on.join(" "))
             },
         );
         Self { cpu, cores, ggml_features, build_config }

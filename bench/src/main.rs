@@ -48,6 +48,11 @@ struct Cli {
     /// comparison is left out.
     #[arg(long)]
     llama_bench: Option<PathBuf>,
+    /// A second llama-bench, built with the compile flags of the llama.cpp linked here
+    /// (`LLAMA_BENCH_SAME_FLAGS=1 bench/llama-bench.sh`): against it, a difference is
+    /// our code's; against `--llama-bench` (GGML_NATIVE=ON), the flags' share is in it.
+    #[arg(long, requires = "llama_bench")]
+    llama_bench_same_flags: Option<PathBuf>,
     /// Threads of every llama.cpp context (ggml's threads spin: keep to free cores).
     #[arg(long, default_value_t = 1)]
     threads: u32,
@@ -102,6 +107,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let shape = Shape { prompt_tokens: cli.prompt_tokens, gen_tokens: cli.gen_tokens, threads: cli.threads };
     let linked = reference::linked_llama_cpp();
     let reference = cli.llama_bench.as_deref().map(reference::llama_bench_tree).transpose()?;
+    let reference_same_flags = cli.llama_bench_same_flags.as_deref().map(reference::llama_bench_tree).transpose()?;
 
     let mut models = vec![workload::synthetic_model(&cli.model_dir)?];
     if let Some(path) = &cli.real_model {
@@ -170,6 +176,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         date,
         linked: &linked,
         reference: reference.as_ref(),
+        reference_same_flags: reference_same_flags.as_ref(),
         boundary: &boundary,
         instantiation: &instantiation,
         startup: &startup,
@@ -184,11 +191,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One step of a prompt-decode round: one of our ways, or llama-bench's pp test.
+/// One step of a prompt-decode round: one of our ways, or a llama-bench's pp test (its
+/// index in `measure_model`'s list).
 #[derive(Clone, Copy)]
 enum DecodeStep {
     Ours(Way),
-    LlamaBench,
+    LlamaBench(usize),
 }
 
 /// One step of a generation round.
@@ -196,8 +204,9 @@ enum DecodeStep {
 enum GenStep {
     Native,
     Guest,
+    GuestHostSampler,
     HostLoop,
-    LlamaBench,
+    LlamaBench(usize),
 }
 
 /// Every measurement on one model.
@@ -205,60 +214,61 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
     let (cpu, load_before) = (machine::CpuShare::start(), machine::load_average());
     let loaded = Model::load(&model.path).with_context(|| format!("loading {}", model.path.display()))?;
     let mut native = Native::new(Arc::new(loaded), shape)?;
-    let llama_bench = cli.llama_bench.as_ref().map(|bin| LlamaBench {
-        bin: bin.clone(),
-        model: model.path.clone(),
-        threads: shape.threads,
-    });
+    // As users build llama.cpp, then (if given) with our flags: both take turns with ours.
+    let llama_benches: Vec<LlamaBench> = [&cli.llama_bench, &cli.llama_bench_same_flags]
+        .into_iter()
+        .flatten()
+        .map(|bin| LlamaBench { bin: bin.clone(), model: model.path.clone(), threads: shape.threads })
+        .collect();
     let no_digest = |time| (time, 0);
 
     let mut steps: Vec<DecodeStep> = Way::ALL.map(DecodeStep::Ours).into();
-    steps.extend(llama_bench.as_ref().map(|_| DecodeStep::LlamaBench));
+    steps.extend((0..llama_benches.len()).map(DecodeStep::LlamaBench));
     native.prompt_decode(false)?; // warm-ups: the guest and llama-bench warm up per run
     native.prompt_decode(true)?;
     let mut decode = stats::in_rounds(cli.runs, &steps, |step, round| {
         if matches!(step, DecodeStep::Ours(Way::Plain)) {
             progress(format_args!("{}: prompt decode, round {}/{}", model.label, round + 1, cli.runs));
         }
-        match (step, &llama_bench) {
-            (DecodeStep::Ours(Way::Plain), _) => native.prompt_decode(false),
-            (DecodeStep::Ours(Way::Cancellable), _) => native.prompt_decode(true),
-            (DecodeStep::Ours(Way::GuestBlocking), _) => guest.prompt_decode(model, "blocking"),
-            (DecodeStep::Ours(Way::GuestPending), _) => guest.prompt_decode(model, "pending"),
-            (DecodeStep::LlamaBench, Some(lb)) => lb.prompt(shape.prompt_tokens).map(no_digest),
-            (DecodeStep::LlamaBench, None) => unreachable!("llama-bench steps only when it is given"),
+        match step {
+            DecodeStep::Ours(Way::Plain) => native.prompt_decode(false),
+            DecodeStep::Ours(Way::Cancellable) => native.prompt_decode(true),
+            DecodeStep::Ours(Way::GuestBlocking) => guest.prompt_decode(model, "blocking"),
+            DecodeStep::Ours(Way::GuestPending) => guest.prompt_decode(model, "pending"),
+            DecodeStep::LlamaBench(i) => llama_benches[i].prompt(shape.prompt_tokens).map(no_digest),
         }
     })?;
-    let reference_prompt = llama_bench.as_ref().and_then(|_| decode.pop()).map(|runs| runs.times);
+    let reference_prompts = decode.split_off(Way::ALL.len());
     let decode: [Runs; 4] = decode.try_into().map_err(|_| anyhow::anyhow!("one result per decode way"))?;
     let nodes = native.prompt_nodes()?;
 
-    let mut steps = vec![GenStep::Native, GenStep::Guest, GenStep::HostLoop];
-    steps.extend(llama_bench.as_ref().map(|_| GenStep::LlamaBench));
+    let mut steps = vec![GenStep::Native, GenStep::Guest, GenStep::GuestHostSampler, GenStep::HostLoop];
+    steps.extend((0..llama_benches.len()).map(GenStep::LlamaBench));
     native.generate()?; // warm-up
     let mut bytes_per_token = Vec::new();
     let mut generation = stats::in_rounds(cli.runs, &steps, |step, round| {
         if matches!(step, GenStep::Native) {
             progress(format_args!("{}: generation, round {}/{}", model.label, round + 1, cli.runs));
         }
-        match (step, &llama_bench) {
-            (GenStep::Native, _) => native.generate(),
-            (GenStep::Guest, _) => guest.generate(model),
-            (GenStep::HostLoop, _) => guest.host_generate(model).map(|(time, digest, bytes)| {
+        match step {
+            GenStep::Native => native.generate(),
+            GenStep::Guest => guest.generate(model, false),
+            GenStep::GuestHostSampler => guest.generate(model, true),
+            GenStep::HostLoop => guest.host_generate(model).map(|(time, digest, bytes)| {
                 bytes_per_token.push(bytes);
                 (time, digest)
             }),
-            (GenStep::LlamaBench, Some(lb)) => lb.generation(shape.gen_tokens).map(no_digest),
-            (GenStep::LlamaBench, None) => unreachable!("llama-bench steps only when it is given"),
+            GenStep::LlamaBench(i) => llama_benches[i].generation(shape.gen_tokens).map(no_digest),
         }
     })?
     .into_iter();
-    let (gen_native, gen_guest) = (generation.next().unwrap_or_default(), generation.next().unwrap_or_default());
-    let gen_host = generation.next().unwrap_or_default();
-    let reference = match (reference_prompt, generation.next()) {
-        (Some(prompt), Some(gen)) => Some(Reference { prompt, generation: gen.times }),
-        _ => None,
-    };
+    let mut next = || generation.next().unwrap_or_default();
+    let (gen_native, gen_guest, gen_guest_sampler, gen_host) = (next(), next(), next(), next());
+    let mut references = reference_prompts
+        .into_iter()
+        .zip(generation)
+        .map(|(prompt, gen)| Reference { prompt: prompt.times, generation: gen.times });
+    let (llama_bench, llama_bench_same_flags) = (references.next(), references.next());
 
     progress(format_args!("{}: {} cancels", model.label, cli.cancels));
     let plain = &decode[Way::Plain as usize];
@@ -272,10 +282,12 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
         nodes,
         gen_native,
         gen_guest,
+        gen_guest_sampler,
         gen_host,
         host_bytes_per_token: bytes_per_token.iter().copied().fold(0.0, f64::max),
         n_vocab: native.model.n_vocab(),
-        llama_bench: reference,
+        llama_bench,
+        llama_bench_same_flags,
         cancel,
         cpu_share: cpu.share(),
         load: (load_before, machine::load_average()),

@@ -88,6 +88,28 @@ pub(crate) fn crate_cmake_cache() -> Option<String> {
     std::fs::read_to_string(newest.1).ok()
 }
 
+/// How a CMake cache builds ggml for the CPU: `GGML_NATIVE=ON`, or the GGML_* extensions
+/// it turned on, and its C flags where it has any.
+fn cpu_flags(cache: &str) -> String {
+    let on = |v: &str| matches!(v, "ON" | "on" | "1" | "TRUE" | "true");
+    let mut parts = Vec::new();
+    if cache_value(cache, "GGML_NATIVE:BOOL").is_some_and(on) {
+        parts.push("GGML_NATIVE=ON".to_string());
+    } else {
+        let named: Vec<&str> = cache
+            .lines()
+            .filter_map(|l| l.split_once(":BOOL=").filter(|(k, v)| k.starts_with("GGML_") && on(v)).map(|(k, _)| k))
+            .filter(|k| k.starts_with("GGML_AVX") || k.starts_with("GGML_AMX") || ["GGML_SSE42", "GGML_FMA", "GGML_F16C", "GGML_BMI2"].contains(k))
+            .map(|k| k.trim_start_matches("GGML_"))
+            .collect();
+        parts.push(format!("GGML_NATIVE=OFF, {}", if named.is_empty() { "no extensions".into() } else { named.join(" ") }));
+    }
+    if let Some(flags) = cache_value(cache, "CMAKE_C_FLAGS:STRING").map(str::trim).filter(|f| !f.is_empty()) {
+        parts.push(format!("C flags {flags}"));
+    }
+    parts.join(", ")
+}
+
 /// The value of `KEY:TYPE=value` in a CMake cache.
 fn cache_value<'a>(cache: &'a str, key: &str) -> Option<&'a str> {
     cache.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
@@ -120,7 +142,7 @@ pub fn llama_bench_tree(bin: &Path) -> anyhow::Result<Provenance> {
     let build_type = cache_value(&cache, "CMAKE_BUILD_TYPE:STRING").unwrap_or("?");
     Ok(Provenance {
         ggml_version,
-        detail: format!("llama.cpp {commit} vendored in PyPI sdist {sdist_name}, CMake {build_type}"),
+        detail: format!("llama.cpp {commit} vendored in PyPI sdist {sdist_name}, CMake {build_type}, {}", cpu_flags(&cache)),
     })
 }
 
@@ -171,4 +193,19 @@ pub fn greedy_agreement(llama_bench: &Path, model_path: &Path, tokens: u32) -> a
         true
     })?;
     Ok(Agreement { tokens, ours: ours.trim().to_string(), llama_simple })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_flags;
+
+    #[test]
+    fn cpu_flags_name_native_or_the_extensions_with_any_c_flags() {
+        let native = "GGML_AVX512:BOOL=OFF\nGGML_NATIVE:BOOL=ON\nCMAKE_C_FLAGS:STRING=-U__AMX_TILE__\n";
+        assert_eq!(cpu_flags(native), "GGML_NATIVE=ON, C flags -U__AMX_TILE__");
+        let named = "GGML_NATIVE:BOOL=OFF\nGGML_AVX2:BOOL=ON\nGGML_AVX512:BOOL=ON\nGGML_AMX_INT8:BOOL=OFF\n\
+                     GGML_CPU:BOOL=ON\nGGML_FMA:BOOL=ON\nCMAKE_C_FLAGS:STRING=-mtune=native\n";
+        assert_eq!(cpu_flags(named), "GGML_NATIVE=OFF, AVX2 AVX512 FMA, C flags -mtune=native");
+        assert_eq!(cpu_flags("CMAKE_C_FLAGS:STRING=\n"), "GGML_NATIVE=OFF, no extensions");
+    }
 }

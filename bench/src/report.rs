@@ -51,13 +51,19 @@ pub struct ModelResults {
     /// Computing graph nodes of one prompt decode.
     pub nodes: u64,
     pub gen_native: Runs,
+    /// The guest's own loop, each token from the logits it reads (argmax in wasm).
     pub gen_guest: Runs,
+    /// The guest's own loop, each token from the host's sampler (`sampler.sample`).
+    pub gen_guest_sampler: Runs,
     /// The host's generation loop driven from the guest (`generate.start` + `next`).
     pub gen_host: Runs,
     /// Bytes into the guest per generated token on that path (text and token ids).
     pub host_bytes_per_token: f64,
     pub n_vocab: u32,
+    /// llama-bench as llama.cpp's users build it (GGML_NATIVE=ON).
     pub llama_bench: Option<Reference>,
+    /// llama-bench built with the compile flags of our llama.cpp.
+    pub llama_bench_same_flags: Option<Reference>,
     pub cancel: CancelLatency,
     /// Share of a core the process got while measuring this model, and the load
     /// averages before and after.
@@ -66,6 +72,23 @@ pub struct ModelResults {
 }
 
 impl ModelResults {
+    /// The llama-benches measured, each with how it was built.
+    pub fn references(&self) -> impl Iterator<Item = (&'static str, &Reference)> {
+        let users = self.llama_bench.as_ref().map(|r| ("as users build it", r));
+        users.into_iter().chain(self.llama_bench_same_flags.as_ref().map(|r| ("same flags", r)))
+    }
+
+    /// The generation ways, each with the bytes it moves into the guest per token (none
+    /// for native).
+    pub fn generation_ways(&self) -> [(&'static str, &Runs, Option<f64>); 4] {
+        [
+            ("native", &self.gen_native, None),
+            ("guest loop (wasm argmax)", &self.gen_guest, Some(self.n_vocab as f64 * 4.0)),
+            ("guest loop (host sampler)", &self.gen_guest_sampler, Some(4.0)),
+            ("host loop, from the guest", &self.gen_host, Some(self.host_bytes_per_token)),
+        ]
+    }
+
     pub fn runs(&self, way: Way) -> &Runs {
         &self.decode[way as usize]
     }
@@ -163,6 +186,7 @@ pub struct RunInfo<'a> {
     pub date: String,
     pub linked: &'a Provenance,
     pub reference: Option<&'a Provenance>,
+    pub reference_same_flags: Option<&'a Provenance>,
     pub boundary: &'a Boundary,
     pub instantiation: &'a Samples,
     pub startup: &'a [crate::startup::Startup],
@@ -231,6 +255,13 @@ pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::Enc
     if let Some(r) = cx.reference {
         let _ = writeln!(out, "- llama-bench's llama.cpp: ggml {}, {}", r.ggml_version, r.detail);
     }
+    if let Some(r) = cx.reference_same_flags {
+        let _ = writeln!(
+            out,
+            "- llama-bench with llamabox's flags (the \"same flags\" rows): ggml {}, {}",
+            r.ggml_version, r.detail
+        );
+    }
     for r in models {
         let share = r.cpu_share.map_or("unknown".into(), |c| format!("{c:.2}"));
         let _ = writeln!(
@@ -290,6 +321,7 @@ fn llama_bench_table(out: &mut String, s: &Shape, models: &[ModelResults]) {
     let _ = writeln!(out, "## Against llama.cpp's llama-bench, tokens/s\n");
     let mut t = Table::new(&[
         "model",
+        "llama-bench built",
         &format!("llamabox {pp}"),
         &format!("llama-bench {pp}"),
         "llamabox speed vs llama-bench",
@@ -298,17 +330,19 @@ fn llama_bench_table(out: &mut String, s: &Shape, models: &[ModelResults]) {
         "llamabox speed vs llama-bench",
     ]);
     for r in models {
-        let Some(lb) = &r.llama_bench else { continue };
-        let (p, g) = (s.prompt_tokens as f64, s.gen_tokens as f64);
-        t.row(vec![
-            r.model.label.clone(),
-            r.plain().rate(p).to_string(),
-            lb.prompt.rate(p).to_string(),
-            Comparison::of(r.plain(), &lb.prompt).speed_cell(),
-            r.gen_native.times.rate(g).to_string(),
-            lb.generation.rate(g).to_string(),
-            Comparison::of(&r.gen_native.times, &lb.generation).speed_cell(),
-        ]);
+        for (built, lb) in r.references() {
+            let (p, g) = (s.prompt_tokens as f64, s.gen_tokens as f64);
+            t.row(vec![
+                r.model.label.clone(),
+                built.into(),
+                r.plain().rate(p).to_string(),
+                lb.prompt.rate(p).to_string(),
+                Comparison::of(r.plain(), &lb.prompt).speed_cell(),
+                r.gen_native.times.rate(g).to_string(),
+                lb.generation.rate(g).to_string(),
+                Comparison::of(&r.gen_native.times, &lb.generation).speed_cell(),
+            ]);
+        }
     }
     if t.rows.is_empty() {
         let _ = writeln!(out, "Not measured: no llama-bench (bench/llama-bench.sh builds it).\n");
@@ -320,7 +354,9 @@ fn llama_bench_table(out: &mut String, s: &Shape, models: &[ModelResults]) {
         "llamabox {pp} is the plain native decode above; llamabox {tg} is the native generation below (it also \
          reads the logits and takes the argmax for each token, which llama-bench does not). llama-bench ran \
          `-p {p} -n 0` and `-p 0 -n {g}` with `-t {t} -r 1` once per round, in turn with our ways, with its \
-         defaults otherwise (flash attention auto, n-ubatch 512: as llamabox's contexts).\n",
+         defaults otherwise (flash attention auto, n-ubatch 512: as llamabox's contexts). \"as users build it\": \
+         GGML_NATIVE=ON (-march=native); \"same flags\": llamabox's own compile flags, so that a difference there \
+         is the code's and the rest of the first row's difference is the compile flags'.\n",
         p = s.prompt_tokens,
         g = s.gen_tokens,
         t = s.threads
@@ -331,41 +367,40 @@ fn generation_table(out: &mut String, s: &Shape, models: &[ModelResults]) {
     let _ = writeln!(out, "## Greedy generation: {} tokens, tokens/s\n", s.gen_tokens);
     let mut t = Table::new(&[
         "model",
-        "native",
-        "guest loop",
-        "guest loop vs native",
-        "host loop, from the guest",
-        "host loop vs native",
-        "host loop vs llama-bench",
-        "bytes into the guest per token: guest loop / host loop",
-        "same tokens",
+        "way",
+        "tokens/s",
+        "vs native",
+        "vs llama-bench (as users build it)",
+        "vs llama-bench (same flags)",
+        "bytes into the guest per token",
+        "same tokens as native",
     ]);
     let g = s.gen_tokens as f64;
     for r in models {
         let d = r.gen_native.digests.first().copied();
-        let same = d.is_some_and(|d| r.gen_guest.all_equal(d) && r.gen_native.all_equal(d) && r.gen_host.all_equal(d));
-        let vs_llama = r.llama_bench.as_ref().map_or("—".into(), |lb| Comparison::of(&r.gen_host.times, &lb.generation).speed_cell());
-        // The guest loop lowers n-vocab f32 logits per token; the host loop a piece.
-        let n_vocab_bytes = r.n_vocab as f64 * 4.0;
-        t.row(vec![
-            r.model.label.clone(),
-            r.gen_native.times.rate(g).to_string(),
-            r.gen_guest.times.rate(g).to_string(),
-            Comparison::of(&r.gen_guest.times, &r.gen_native.times).speed_cell(),
-            r.gen_host.times.rate(g).to_string(),
-            Comparison::of(&r.gen_host.times, &r.gen_native.times).speed_cell(),
-            vs_llama,
-            format!("{n_vocab_bytes:.0} / {:.1}", r.host_bytes_per_token),
-            yes_no(same),
-        ]);
+        let versus = |runs: &Runs, lb: Option<&Reference>| lb.map_or("—".into(), |lb| Comparison::of(&runs.times, &lb.generation).speed_cell());
+        for (way, runs, bytes) in r.generation_ways() {
+            t.row(vec![
+                r.model.label.clone(),
+                way.into(),
+                runs.times.rate(g).to_string(),
+                if std::ptr::eq(runs, &r.gen_native) { "—".into() } else { Comparison::of(&runs.times, &r.gen_native.times).speed_cell() },
+                versus(runs, r.llama_bench.as_ref()),
+                versus(runs, r.llama_bench_same_flags.as_ref()),
+                bytes.map_or("—".into(), |b| format!("{b:.1}")),
+                yes_no(d.is_some_and(|d| runs.all_equal(d))),
+            ]);
+        }
     }
     t.render(out);
     let _ = writeln!(
         out,
-        "Guest loop, per token: a one-token `decode`, `logits-ith` (n_vocab floats), argmax in wasm; after an \
-         8-token prompt. Host loop: `generate.start` with a greedy sampler, then `next` until done; decode, sample \
-         and accept run on the context's thread, the guest receives each piece (its time is the host's \
-         generation time, from the end of the prefill). Native: the guest loop's calls made directly.\n"
+        "After an 8-token prompt, per token: native, a one-token `decode`, then `logits-ith` and argmax, called \
+         directly; guest loop (wasm argmax), the same calls from the plugin, the logits (n_vocab floats) lowered \
+         into it and the argmax in wasm; guest loop (host sampler), a one-token `decode` and `sampler.sample` \
+         (greedy), so only the token id crosses; host loop, `generate.start` with a greedy sampler, then `next` \
+         until done: decode, sample and accept run on the context's thread, the guest receives each piece (its \
+         time is the host's generation time, from the end of the prefill).\n"
     );
 }
 
@@ -560,20 +595,20 @@ fn targets(out: &mut String, s: &Shape, models: &[ModelResults]) {
                 c.verdict(0.02, time_slowdown)
             );
         }
-        if let Some(lb) = &r.llama_bench {
+        for (built, lb) in r.references() {
             let c = Comparison::of(r.plain(), &lb.prompt);
             let _ = writeln!(
                 out,
-                "- {name}: pp{} tokens/s within 3% of llama-bench: {}: {}",
+                "- {name}: pp{} tokens/s within 3% of llama-bench ({built}): {}: {}",
                 s.prompt_tokens,
                 c.speed_cell(),
                 c.verdict(0.03, speed_slowdown)
             );
-            for (way, runs) in [("native", &r.gen_native), ("guest loop", &r.gen_guest), ("host loop from a guest", &r.gen_host)] {
+            for (way, runs, _) in r.generation_ways() {
                 let c = Comparison::of(&runs.times, &lb.generation);
                 let _ = writeln!(
                     out,
-                    "- {name}: tg{} tokens/s within 3% of llama-bench ({way}, {} threads): {}: {}",
+                    "- {name}: tg{} tokens/s within 3% of llama-bench ({built}; {way}, {} threads): {}: {}",
                     s.gen_tokens,
                     s.threads,
                     c.speed_cell(),

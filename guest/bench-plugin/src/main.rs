@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! llamabox-bench-plugin decode   --model M --tokens N --runs R --mode blocking|pending ...
-//! llamabox-bench-plugin generate --model M --tokens N --runs R ...
+//! llamabox-bench-plugin generate --model M --tokens N --runs R [--sample wasm|host] ...
 //! llamabox-bench-plugin host-generate --model M --tokens N --runs R ...
 //! llamabox-bench-plugin boundary --model M --tokens N --iters I ...
 //! llamabox-bench-plugin noop
@@ -20,7 +20,7 @@ wit_bindgen::generate!({
 });
 
 use llamabox::inference::cancel::CancelToken;
-use llamabox::inference::generate::{self, GenerateParams};
+use llamabox::inference::generate::{self, GenerateParams, Sampler};
 use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
 use llamabox::inference::types::Error;
 use wasi::clocks::monotonic_clock;
@@ -40,6 +40,8 @@ struct Options {
     tokens: u32,
     runs: u32,
     pending: bool,
+    /// `generate`: pick each token on the host (`sampler.sample`) instead of in wasm.
+    host_sampler: bool,
     iters: u32,
     threads: u32,
     ctx: u32,
@@ -63,6 +65,7 @@ impl Options {
             tokens: 512,
             runs: 5,
             pending: false,
+            host_sampler: false,
             iters: 10_000,
             threads: 1,
             ctx: 1024,
@@ -83,6 +86,11 @@ impl Options {
                     "blocking" => o.pending = false,
                     "pending" => o.pending = true,
                     _ => return Err(format!("--mode: expected blocking|pending, got {value:?}")),
+                },
+                "--sample" => match value.as_str() {
+                    "wasm" => o.host_sampler = false,
+                    "host" => o.host_sampler = true,
+                    _ => return Err(format!("--sample: expected wasm|host, got {value:?}")),
                 },
                 _ => return Err(format!("unknown argument {flag:?}")),
             }
@@ -115,7 +123,7 @@ fn run(o: &Options) -> Result<(), Error> {
     let n_vocab = model.n_vocab();
     match o.mode {
         Mode::Decode => decode(o, &ctx, n_vocab),
-        Mode::Generate => generate(o, &ctx, n_vocab),
+        Mode::Generate => generate(o, &model, &ctx, n_vocab),
         Mode::HostGenerate => host_generate(o, &ctx, n_vocab),
         Mode::Boundary => boundary(o, &ctx, n_vocab),
         Mode::Noop => Ok(()),
@@ -146,30 +154,38 @@ fn decode(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
 }
 
 /// Greedy generation of `--tokens` tokens after an 8-token prompt, as a plugin does it:
-/// one-token decode, `logits-ith` (n_vocab floats out), argmax. A one-token generation
-/// warms the context up first (as llama-bench's tg warm-up), untimed.
-fn generate(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
-    greedy(ctx, n_vocab, 1)?;
+/// one-token decode, then the next token from the row's logits: `logits-ith` (n_vocab
+/// floats out) and argmax in wasm, or with `--sample host` the host's greedy sampler
+/// (`sampler.sample`: no logits cross). A one-token generation warms the context up
+/// first (as llama-bench's tg warm-up), untimed.
+fn generate(o: &Options, model: &Model, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
+    let sampler = o.host_sampler.then(|| Sampler::create(model, &generate::greedy_sampler())).transpose()?;
+    let pick = |row: u32| match &sampler {
+        Some(sampler) => sampler.sample(ctx, row),
+        None => Ok(argmax(&ctx.logits_ith(row)?)),
+    };
+    greedy(ctx, n_vocab, 1, &pick)?;
     for _ in 0..o.runs {
-        let (ns, generated) = greedy(ctx, n_vocab, o.tokens)?;
+        let (ns, generated) = greedy(ctx, n_vocab, o.tokens, &pick)?;
         println!("run: ns={ns} tokens={:016x}", fnv1a64_tokens(&generated));
     }
     Ok(())
 }
 
-/// Decode the prompt on a cleared context, then generate `n` tokens; the nanoseconds
-/// from the first generated token's decode to the last one's logits, and the tokens.
-fn greedy(ctx: &Context, n_vocab: u32, n: u32) -> Result<(u64, Vec<i32>), Error> {
+/// Decode the prompt on a cleared context, then generate `n` tokens, each picked from
+/// its decode's one row by `pick`; the nanoseconds from the first generated token's
+/// decode to the last one's pick, and the tokens.
+fn greedy(ctx: &Context, n_vocab: u32, n: u32, pick: &dyn Fn(u32) -> Result<i32, Error>) -> Result<(u64, Vec<i32>), Error> {
     let token = CancelToken::new();
     ctx.clear()?;
     ctx.decode(&sequence(&bench_tokens(PROMPT_TOKENS, n_vocab), 0), &token)?;
-    let mut next = argmax(&ctx.logits_ith(PROMPT_TOKENS - 1)?);
+    let mut next = pick(PROMPT_TOKENS - 1)?;
     let mut generated = Vec::with_capacity(n as usize);
     let start = monotonic_clock::now();
     for pos in PROMPT_TOKENS..PROMPT_TOKENS + n {
         generated.push(next);
         ctx.decode(&sequence(&[next], pos as i32), &token)?;
-        next = argmax(&ctx.logits_ith(0)?);
+        next = pick(0)?;
     }
     Ok((monotonic_clock::now() - start, generated))
 }
