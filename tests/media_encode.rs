@@ -39,7 +39,7 @@ fn chunked_encode_is_bitwise_identical_to_plain_and_stops_at_boundary_k() {
         (common::tiny_audio(), MediaInput::Audio { samples: common::tone(8_000) }),
     ] {
         let mut m = media(projector, &model);
-        m.set_chunk_work(1); // a boundary after every attention op
+        m.set_chunk_work(1); // a boundary after every matmul and attention op
         let chunk = media_chunk(&mut m, input);
         let plain = m.encode(&chunk, None).unwrap();
         assert_eq!(plain.len(), chunk.n_tokens() * model.n_embd_inp() as usize);

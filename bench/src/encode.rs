@@ -176,11 +176,11 @@ pub fn table(out: &mut String, r: &EncodeResults) {
     );
     let _ = writeln!(
         out,
-        "The encode polls the cancel byte only at boundaries: after an attention op, once the context's work budget \
-         is spent or at the next attention op once the byte is set. Each media context measures its own speed on \
+        "The encode polls the cancel byte only at boundaries: after a matmul or attention op, once the context's work \
+         budget is spent or at the next such op once the byte is set. Each media context measures its own speed on \
          its encodes and sets the budget to speed × latency target (default 10 ms, the row above). The scheduler \
          picks each range before computing it, so a cancel waits for the range in flight: at most about \
-         max(target, one encoder layer). Store → return runs from just before the store on another thread to \
+         max(target, one matmul). Store → return runs from just before the store on another thread to \
          `encode` returning `Cancelled`.\n"
     );
     if r.targets.is_empty() {

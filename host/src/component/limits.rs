@@ -61,7 +61,7 @@ pub struct Limits {
     /// How long a cancelled media encode may run on (store → return), about: each media
     /// context paces its stop points to this from its own measured speed. Shorter stops
     /// sooner and synchronises more often (each stop point costs tens of µs); it cannot
-    /// go below one encoder layer.
+    /// go below one matmul or attention op of the encoder.
     pub encode_cancel_latency: std::time::Duration,
     /// Fixed work units between encode stop points instead of pacing them to
     /// `encode_cancel_latency`: stop points then fall on the same graph nodes in every

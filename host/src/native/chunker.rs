@@ -5,13 +5,18 @@
 //! output?" (`ask`). On the first yes it computes up to that node, then calls back
 //! with `ask == false`; answering false there stops the graph. So every yes is a point
 //! where an encode can stop, and every yes costs a synchronisation. We say yes only:
-//! - after attention (FLASH_ATTN_EXT or SOFT_MAX): never inside a run of ops the CPU
-//!   backend might fuse, so chunked output stays bitwise identical to unchunked;
+//! - after a matrix multiplication or attention (MUL_MAT, FLASH_ATTN_EXT, SOFT_MAX):
+//!   never inside a run of ops the CPU backend fuses (ggml 0.26.0's CPU backend fuses
+//!   only RMS_NORM + MUL, `ggml_cpu_try_fuse_ops`), so chunked output stays bitwise
+//!   identical to unchunked (tests/media_encode.rs cuts after every such op). A matmul
+//!   is a fraction of an encoder layer, so a cancel waits for at most that much more
+//!   than the budget; stopping only after attention made it a whole layer (13 ms of a
+//!   generated projector at 1 thread: a 5 ms target was out of reach);
 //! - once per budget of work units, set by [`Pace`] from how fast this media context
 //!   computes, so that a cancel waits about one latency target and boundaries cost
 //!   nothing measurable;
-//! - or at the next attention op once a cancel is seen, so a cancel never waits for
-//!   the work budget to fill.
+//! - or at the next such op once a cancel is seen, so a cancel never waits for the
+//!   work budget to fill.
 
 use std::time::Duration;
 
@@ -19,9 +24,9 @@ use llama_cpp_sys_2 as sys;
 
 /// Work units between two boundaries before a media context has measured its own
 /// speed (its first encode). clip's F32 matmuls run at ~4 G units/s on two cores of
-/// this project's CI machine, so 2.5e8 units is ~60 ms. Boundaries also need an
-/// attention op, so a chunk is never less than one encoder layer, which bounds the
-/// latency when a layer is bigger than the budget. A boundary costs a synchronisation
+/// this project's CI machine, so 2.5e8 units is ~60 ms. Boundaries also need a matmul
+/// or attention op, so a chunk is never less than one of those, which bounds the
+/// latency when one is bigger than the budget. A boundary costs a synchronisation
 /// and, on clip's CPU backend, a fresh thread pool: tens of microseconds.
 pub const CHUNK_WORK: u64 = 250_000_000;
 
@@ -94,7 +99,7 @@ impl NodeWork {
             sys::GGML_OP_MUL_MAT => out_elements.saturating_mul(mul_mat_inner),
             _ => out_elements,
         };
-        let boundary_allowed = matches!(op, sys::GGML_OP_FLASH_ATTN_EXT | sys::GGML_OP_SOFT_MAX);
+        let boundary_allowed = matches!(op, sys::GGML_OP_MUL_MAT | sys::GGML_OP_FLASH_ATTN_EXT | sys::GGML_OP_SOFT_MAX);
         Self { units, boundary_allowed }
     }
 }
@@ -137,7 +142,7 @@ mod tests {
     use super::*;
 
     const ATTN: NodeWork = NodeWork { units: 10, boundary_allowed: true };
-    const MATMUL: NodeWork = NodeWork { units: 60, boundary_allowed: false };
+    const NORM: NodeWork = NodeWork { units: 60, boundary_allowed: false };
 
     #[test]
     fn work_units_by_op() {
@@ -148,25 +153,26 @@ mod tests {
         }
         assert!(NodeWork::of(sys::GGML_OP_SOFT_MAX, 1, 0).boundary_allowed);
         assert!(NodeWork::of(sys::GGML_OP_FLASH_ATTN_EXT, 1, 0).boundary_allowed);
-        assert!(!NodeWork::of(sys::GGML_OP_MUL_MAT, 1, 1).boundary_allowed, "never a boundary after MUL_MAT");
+        assert!(NodeWork::of(sys::GGML_OP_MUL_MAT, 1, 1).boundary_allowed);
+        assert!(!NodeWork::of(sys::GGML_OP_RMS_NORM, 1, 1).boundary_allowed, "never between RMS_NORM and the MUL fused with it");
         assert!(!NodeWork::of(sys::GGML_OP_ADD, 1, 1).boundary_allowed);
     }
 
     #[test]
-    fn boundary_only_after_attention_once_the_budget_is_spent() {
+    fn boundary_only_after_an_allowed_op_once_the_budget_is_spent() {
         let mut c = Chunker::with_budget(100);
-        assert!(!c.ask(MATMUL, false));
+        assert!(!c.ask(NORM, false));
         assert!(!c.ask(ATTN, false), "70 < 100: no boundary yet");
-        assert!(!c.ask(MATMUL, false), "budget spent, but MUL_MAT may not end a chunk");
-        assert!(c.ask(ATTN, false), "first attention op after the budget");
+        assert!(!c.ask(NORM, false), "budget spent, but RMS_NORM may not end a chunk");
+        assert!(c.ask(ATTN, false), "first allowed op after the budget");
         assert!(c.at_boundary(false));
     }
 
     #[test]
     fn budget_resets_at_each_boundary() {
         let mut c = Chunker::with_budget(100);
-        c.ask(MATMUL, false);
-        c.ask(MATMUL, false);
+        c.ask(NORM, false);
+        c.ask(NORM, false);
         assert!(c.ask(ATTN, false));
         assert!(c.at_boundary(false));
         assert!(!c.ask(ATTN, false), "10 spent since the boundary");
@@ -187,15 +193,15 @@ mod tests {
         }
         assert_eq!(pace.budget(), MIN_BUDGET, "never below the floor");
         let mut c = Chunker::with_budget(100);
-        c.ask(MATMUL, false);
+        c.ask(NORM, false);
         c.ask(ATTN, false);
         assert_eq!(c.total(), 70, "every node's units count toward the speed");
     }
 
     #[test]
-    fn cancel_stops_at_the_next_attention_op_without_waiting_for_the_budget() {
+    fn cancel_stops_at_the_next_allowed_op_without_waiting_for_the_budget() {
         let mut c = Chunker::with_budget(1_000_000);
-        assert!(!c.ask(MATMUL, true), "MUL_MAT is never a boundary, cancelled or not");
+        assert!(!c.ask(NORM, true), "RMS_NORM is never a boundary, cancelled or not");
         assert!(c.ask(ATTN, true));
         assert!(!c.at_boundary(true), "a cancelled encode stops at the boundary");
     }

@@ -196,14 +196,15 @@ impl MediaContext {
 
     /// Fixed work units between boundaries where an encode can stop, instead of the
     /// budget paced to the latency target: smaller stops sooner after a cancel and
-    /// synchronises more often. For tests that need a boundary at every attention op.
+    /// synchronises more often. For tests that need a boundary at every matmul and
+    /// attention op.
     pub fn set_chunk_work(&mut self, units: u64) {
         self.fixed_chunk_work = Some(units.max(1));
     }
 
     /// How long a cancelled encode may run on after the cancel (store → return), about
     /// (default 10 ms). The context measures its own speed on every encode and places
-    /// boundaries that far apart; it cannot go below one encoder layer.
+    /// boundaries that far apart; it cannot go below one matmul or attention op.
     pub fn set_latency_target(&mut self, target: Duration) {
         self.pace = Pace::new(target.max(Duration::from_micros(100)));
         self.fixed_chunk_work = None;
@@ -539,9 +540,9 @@ mod tests {
         let token = CancelFlag::new();
         token.cancel();
         let mut attn = node(sys::GGML_OP_SOFT_MAX);
-        let mut matmul = node(sys::GGML_OP_MUL_MAT);
+        let mut norm = node(sys::GGML_OP_RMS_NORM);
         let ((), report) = in_encode_scope(Stop::on(&token), Chunker::with_budget(u64::MAX), || {
-            assert!(!call(&mut matmul, true), "never a boundary after MUL_MAT");
+            assert!(!call(&mut norm, true), "never a boundary after RMS_NORM");
             assert!(call(&mut attn, true), "a cancel asks at the next attention op");
             assert!(!call(&mut attn, false), "and stops there");
             // Another thread has no scope: its callbacks are idle.
@@ -549,7 +550,7 @@ mod tests {
                 s.spawn(|| assert!(!call(&mut node(sys::GGML_OP_SOFT_MAX), true)));
             });
         });
-        assert_eq!(report, ScopeReport { stopped: true, boundaries: 1, units: 16 }, "units: SOFT_MAX 4x4 (the MUL_MAT has no source here)");
+        assert_eq!(report, ScopeReport { stopped: true, boundaries: 1, units: 32 }, "units: RMS_NORM and SOFT_MAX, 4x4 each");
         assert!(!call(&mut attn, true), "the scope is gone with its call");
     }
 
