@@ -13,7 +13,7 @@ fn stderr(out: &Output) -> String {
 }
 
 #[test]
-fn info_names_the_cpu_features_ggml_was_built_for() {
+fn info_names_the_cpu_features_and_flags_ggml_was_built_for() {
     let out = llamabox(&["info"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8_lossy(&out.stdout);
@@ -23,7 +23,11 @@ fn info_names_the_cpu_features_ggml_was_built_for() {
         .unwrap_or_else(|| panic!("unexpected output: {text}"));
     let features: Vec<String> = features.split_whitespace().map(String::from).collect();
     assert_eq!(features, llamabox::native::cpu_features(), "{text}");
-    let expected = llamabox::native::InstructionLevel::of(&features).to_string();
+    let level = llamabox::native::InstructionLevel::of(&features);
+    let expected = match llamabox::native::build_c_flags() {
+        "" => level.to_string(),
+        flags => format!("{level}, C flags {flags}"),
+    };
     assert_eq!(build.trim(), expected, "{text}");
 }
 

@@ -315,7 +315,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Info => {
             let features = native::cpu_features();
             let level = native::InstructionLevel::of(&features);
-            println!("ggml CPU features: {}\nbuild: {level}", features.join(" "));
+            let flags = match native::build_c_flags() {
+                "" => String::new(),
+                flags => format!(", C flags {flags}"),
+            };
+            println!("ggml CPU features: {}\nbuild: {level}{flags}", features.join(" "));
             Ok(ExitCode::SUCCESS)
         }
         Command::SynthModel { out, size, seed } => {

@@ -77,6 +77,17 @@ pub fn cpu_features() -> Vec<String> {
         .collect()
 }
 
+/// The C flags this build added for the machine it was built on, as the Makefile gave
+/// them to cc, which compiles llama.cpp with them (and scripts/ggml-config.sh rebuilds it
+/// when they change): `-mtune=native` for `CPU=native`, `-march=native ...` for
+/// `CPU=native-march`; empty for avx2, portable and plain cargo builds.
+pub fn build_c_flags() -> &'static str {
+    match option_env!("CFLAGS_x86_64_unknown_linux_gnu") {
+        Some(flags) => flags.trim(),
+        None => "",
+    }
+}
+
 /// The widest vector instructions a ggml build uses: what its speed mostly depends on,
 /// and what the Makefile's `CPU` choices differ in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

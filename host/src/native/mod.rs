@@ -15,7 +15,7 @@ pub mod sampler;
 pub mod synthetic;
 mod threads;
 
-pub use backend::{cpu_features, InstructionLevel};
+pub use backend::{build_c_flags, cpu_features, InstructionLevel};
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use context::{warm_up, Batch, Context, ContextParams, Pooling, PromptPiece};
