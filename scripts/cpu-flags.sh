@@ -10,21 +10,21 @@
 #             llama-bench built three ways, 4 rotating rounds) named + -mtune=native
 #             against -march=native: f32 pp512 +4.9% (1 thread), +0.0% (2 threads),
 #             SmolLM2 Q4_1 pp512 +1.0%, +1.0%, tg128 f32 +9.0%, +3.3%, SmolLM2 +5.3%,
-#             +13.7%; named without -mtune: pp512 f32 -2.0%, -2.9%.
+#             +13.7%; named without -mtune: pp512 f32 -2.0%, -2.9%; named +
+#             -mavx512fp16 (the half-precision kernels -march=native adds here): f32
+#             pp512 -3.0%, SmolLM2 -2.2%. So the tuning, not the instructions, was what
+#             -march=native had over the named build.
 #   native-march  the same, and ggml compiled with -march=native (C flags from
 #             `--cflags`), as GGML_NATIVE=ON builds llama.cpp for its users. llama-cpp-sys-2
 #             sets GGML_NATIVE=ON only under RUSTFLAGS=-C target-cpu=native, which would
 #             rebuild all Rust code (and the wasm guests) too, so the flag goes to the C
 #             compiler instead (cc's CFLAGS_<target>, which the cmake crate passes on).
-#             Not the default: GCC's choices for the CPU were slower where it mattered
-#             (its AVX512-FP16 half-precision kernels among them: named + -mavx512fp16
-#             ran f32 pp512 -3.0% and SmolLM2 pp512 -2.2% against -march=native).
-#             On a Sapphire Rapids VM (2026-12-01) -march=native ran f32 prompt
-#             processing 3.5% faster (llama-bench built both ways, 2 threads: 3552 vs
-#             3426 t/s) but `llamabox serve` with two 1-thread contexts 8-17% slower
-#             (SmolLM2 Q4_1, tokens/s at concurrency 1/4/8: 44.2/88.7/91.3 vs
-#             48.0/97.4/109.8); on the earlier AMD EPYC VM the named extensions ran f32
-#             prompt processing 22% faster. Measure both on your CPU.
+#             Not the default: on the same VM, against the named extensions without
+#             -mtune, it ran f32 prompt processing 3.5% faster (2 threads: 3552 vs 3426
+#             t/s) but `llamabox serve` with two 1-thread contexts 8-17% slower (SmolLM2
+#             Q4_1, tokens/s at concurrency 1/4/8: 44.2/88.7/91.3 vs 48.0/97.4/109.8); on
+#             the earlier AMD EPYC VM the named extensions ran f32 prompt processing 22%
+#             faster. Measure both on your CPU.
 #   avx2      x86-64-v3: SSE4.2 AVX AVX2 BMI2 FMA F16C (Intel Haswell, AMD Excavator and
 #             later). What .cargo/config.toml sets for a plain `cargo build`.
 #   portable  baseline x86-64 (SSE2): runs on any x86-64 CPU.

@@ -11,12 +11,6 @@ pub struct Machine {
     pub build_config: String,
 }
 
-/// ggml's x86 CPU options (scripts/cpu-flags.sh) and GGML_NATIVE.
-const CPU_OPTIONS: [&str; 15] = [
-    "NATIVE", "SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI",
-    "AMX_TILE", "AMX_INT8", "AMX_BF16",
-];
-
 impl Machine {
     pub fn read() -> Self {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
@@ -25,17 +19,14 @@ impl Machine {
             .unwrap_or_else(|| "unknown CPU".into());
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let ggml_features = llamabox::native::cpu_features();
-        let build_config = crate::reference::crate_cmake_cache().map_or_else(
+        use crate::reference::{cache_value, crate_cmake_cache, ggml_cpu_options_on};
+        let build_config = crate_cmake_cache().map_or_else(
             || "unknown (no CMake cache beside this binary)".into(),
             |cache| {
-                let on: Vec<&str> = cache
-                    .lines()
-                    .filter_map(|l| l.strip_suffix(":BOOL=ON"))
-                    .filter(|k| k.starts_with("GGML_") && CPU_OPTIONS.contains(&&k[5..]))
-                    .collect();
+                let on: Vec<String> = ggml_cpu_options_on(&cache).map(|o| format!("GGML_{o}")).collect();
                 // cc's -march=x86-64, then the choice's flags (-mtune=native for
                 // CPU=native, -march=native for native-march): the last of each counts.
-                let flags = cache.lines().find_map(|l| l.strip_prefix("CMAKE_C_FLAGS:STRING=")).unwrap_or("");
+                let flags = cache_value(&cache, "CMAKE_C_FLAGS:STRING").unwrap_or("");
                 let last = |prefix: &str| flags.split_whitespace().rfind(|f| f.starts_with(prefix));
                 let march = last("-march=").unwrap_or("no -march");
                 let mtune = last("-mtune=").map_or(String::new(), |t| format!(" {t}"));

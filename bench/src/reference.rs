@@ -91,18 +91,12 @@ pub(crate) fn crate_cmake_cache() -> Option<String> {
 /// How a CMake cache builds ggml for the CPU: `GGML_NATIVE=ON`, or the GGML_* extensions
 /// it turned on, and its C flags where it has any.
 fn cpu_flags(cache: &str) -> String {
-    let on = |v: &str| matches!(v, "ON" | "on" | "1" | "TRUE" | "true");
     let mut parts = Vec::new();
-    if cache_value(cache, "GGML_NATIVE:BOOL").is_some_and(on) {
+    let on: Vec<&str> = ggml_cpu_options_on(cache).collect();
+    if on.contains(&"NATIVE") {
         parts.push("GGML_NATIVE=ON".to_string());
     } else {
-        let named: Vec<&str> = cache
-            .lines()
-            .filter_map(|l| l.split_once(":BOOL=").filter(|(k, v)| k.starts_with("GGML_") && on(v)).map(|(k, _)| k))
-            .filter(|k| k.starts_with("GGML_AVX") || k.starts_with("GGML_AMX") || ["GGML_SSE42", "GGML_FMA", "GGML_F16C", "GGML_BMI2"].contains(k))
-            .map(|k| k.trim_start_matches("GGML_"))
-            .collect();
-        parts.push(format!("GGML_NATIVE=OFF, {}", if named.is_empty() { "no extensions".into() } else { named.join(" ") }));
+        parts.push(format!("GGML_NATIVE=OFF, {}", if on.is_empty() { "no extensions".into() } else { on.join(" ") }));
     }
     if let Some(flags) = cache_value(cache, "CMAKE_C_FLAGS:STRING").map(str::trim).filter(|f| !f.is_empty()) {
         parts.push(format!("C flags {flags}"));
@@ -110,8 +104,23 @@ fn cpu_flags(cache: &str) -> String {
     parts.join(", ")
 }
 
+/// ggml's x86 CPU options (scripts/cpu-flags.sh) and GGML_NATIVE.
+const CPU_OPTIONS: [&str; 15] = [
+    "NATIVE", "SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI",
+    "AMX_TILE", "AMX_INT8", "AMX_BF16",
+];
+
+/// The ggml CPU options (without `GGML_`) a CMake cache has on, in its order.
+pub(crate) fn ggml_cpu_options_on(cache: &str) -> impl Iterator<Item = &str> {
+    cache.lines().filter_map(|l| {
+        let (key, value) = l.split_once(":BOOL=")?;
+        let option = key.strip_prefix("GGML_").filter(|o| CPU_OPTIONS.contains(o))?;
+        matches!(value, "ON" | "on" | "1" | "TRUE" | "true").then_some(option)
+    })
+}
+
 /// The value of `KEY:TYPE=value` in a CMake cache.
-fn cache_value<'a>(cache: &'a str, key: &str) -> Option<&'a str> {
+pub(crate) fn cache_value<'a>(cache: &'a str, key: &str) -> Option<&'a str> {
     cache.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
 }
 
