@@ -9,6 +9,7 @@ use llamabox::{Limits, ModelRegistry, PluginHost, RunOutcome};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
 
+use crate::machine::ThreadSched;
 use crate::stats::{timed, Samples};
 use crate::workload::{BenchModel, Shape};
 
@@ -16,6 +17,26 @@ pub struct Guest {
     plugin: llamabox::plugin::Plugin,
     runtime: tokio::runtime::Runtime,
     shape: Shape,
+}
+
+/// How a plugin generates: its own token loop (picking each token in wasm from the
+/// logits it reads, or with the host's sampler), or the host's loop driven from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GuestGeneration {
+    WasmArgmax,
+    HostSampler,
+    HostLoop,
+}
+
+/// One plugin generation run.
+pub struct GenerationRun {
+    /// The guest's time for its token loop (the host loop: the host's generation time).
+    pub time: Duration,
+    pub digest: u64,
+    /// The scheduler's counts for the guest's thread over the plugin run.
+    pub executor: Option<ThreadSched>,
+    /// The host loop's bytes into the guest per token (text and token ids).
+    pub bytes_per_token: Option<f64>,
 }
 
 /// Per-call costs measured inside the guest.
@@ -88,27 +109,30 @@ impl Guest {
         self.last_run(&self.args("decode", model, &extra), "logits")
     }
 
-    /// One timed greedy generation by the guest's own loop (the plugin warms up with a
-    /// one-token one), picking each token in wasm from the logits it reads, or with the
-    /// host's greedy sampler (`host_sampler`).
-    pub fn generate(&self, model: &BenchModel, host_sampler: bool) -> anyhow::Result<(Duration, u64)> {
-        let sample = if host_sampler { "host" } else { "wasm" };
-        let extra = [("--tokens", self.shape.gen_tokens.to_string()), ("--runs", "1".into()), ("--sample", sample.into())];
-        self.last_run(&self.args("generate", model, &extra), "tokens")
-    }
-
-    /// One greedy generation of `gen_tokens` by the host's generation loop (`generate`
-    /// interface), driven from the guest: the time (scaled to `gen_tokens` should the
-    /// model end generation early), the token digest, and bytes crossing into the guest
-    /// per token (text piece plus token ids).
-    pub fn host_generate(&self, model: &BenchModel) -> anyhow::Result<(Duration, u64, f64)> {
-        let extra = [("--tokens", self.shape.gen_tokens.to_string()), ("--runs", "1".into())];
-        let line = self.last_run_line(&self.args("host-generate", model, &extra))?;
+    /// One timed greedy generation of `tokens` tokens the plugin's way `way` (the plugin
+    /// warms up with a one-token one first), with what the scheduler counted for the
+    /// thread that ran the guest (this one: the runtime is current-thread) over the whole
+    /// plugin run.
+    pub fn generation(&self, model: &BenchModel, way: GuestGeneration, tokens: u32) -> anyhow::Result<GenerationRun> {
+        let mut extra = vec![("--tokens", tokens.to_string()), ("--runs", "1".into())];
+        let (mode, sample) = match way {
+            GuestGeneration::WasmArgmax => ("generate", Some("wasm")),
+            GuestGeneration::HostSampler => ("generate", Some("host")),
+            GuestGeneration::HostLoop => ("host-generate", None),
+        };
+        extra.extend(sample.map(|s| ("--sample", s.to_string())));
+        let before = ThreadSched::now();
+        let line = self.last_run_line(&self.args(mode, model, &extra))?;
+        let executor = ThreadSched::now().zip(before).map(|(after, before)| after.since(before));
         let (time, digest) = run_fields(&line, "tokens")?;
+        if !matches!(way, GuestGeneration::HostLoop) {
+            return Ok(GenerationRun { time, digest, executor, bytes_per_token: None });
+        }
+        // The host loop may meet an end-of-generation token early: scale to `tokens`.
         let generated: f64 = field(&line, "generated")?.parse().with_context(|| format!("bad count in {line:?}"))?;
         let bytes: f64 = field(&line, "bytes-per-token")?.parse().with_context(|| format!("bad bytes in {line:?}"))?;
-        let full = time.mul_f64(self.shape.gen_tokens as f64 / generated.max(1.0));
-        Ok((full, digest, bytes))
+        let full = time.mul_f64(tokens as f64 / generated.max(1.0));
+        Ok(GenerationRun { time: full, digest, executor, bytes_per_token: Some(bytes) })
     }
 
     /// The last of the plugin's `run: ns=N <digest_key>=HEX` lines.

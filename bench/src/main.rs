@@ -27,7 +27,8 @@ use anyhow::{ensure, Context as _};
 use clap::Parser;
 use llamabox::native::Model;
 
-use guest::Guest;
+use guest::{Guest, GuestGeneration};
+use machine::ThreadSched;
 use native::Native;
 use reference::LlamaBench;
 use report::{ModelResults, Reference, Way};
@@ -67,6 +68,11 @@ struct Cli {
     /// Timed runs per column (after a warm-up).
     #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// Rounds of the generation rows. A token is 3–16 ms, so a run is short and its time
+    /// moves with the machine's load of the moment: the median of many rounds is what
+    /// separates a few-percent gap from noise here.
+    #[arg(long, default_value_t = 15)]
+    gen_runs: usize,
     /// Decodes cancelled at random points, per model.
     #[arg(long, default_value_t = 20)]
     cancels: usize,
@@ -99,7 +105,7 @@ fn main() {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    ensure!(cli.runs >= 1 && cli.threads >= 1, "--runs and --threads must be at least 1");
+    ensure!(cli.runs >= 1 && cli.gen_runs >= 1 && cli.threads >= 1, "--runs, --gen-runs and --threads must be at least 1");
     llamabox::native::set_idle_poll(cli.idle_poll);
     ensure!((2..=2048).contains(&cli.prompt_tokens), "--prompt-tokens must be in [2, 2048]");
     let load_start = machine::load_average();
@@ -171,6 +177,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         machine: &machine,
         shape,
         runs: cli.runs,
+        gen_runs: cli.gen_runs,
         load_start,
         load_end: machine::load_average(),
         date,
@@ -203,11 +210,11 @@ enum DecodeStep {
 #[derive(Clone, Copy)]
 enum GenStep {
     Native,
-    Guest,
-    GuestHostSampler,
-    HostLoop,
+    Guest(GuestGeneration),
     LlamaBench(usize),
 }
+
+const GUEST_GENERATIONS: [GuestGeneration; 3] = [GuestGeneration::WasmArgmax, GuestGeneration::HostSampler, GuestGeneration::HostLoop];
 
 /// Every measurement on one model.
 fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> anyhow::Result<ModelResults> {
@@ -242,21 +249,22 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
     let decode: [Runs; 4] = decode.try_into().map_err(|_| anyhow::anyhow!("one result per decode way"))?;
     let nodes = native.prompt_nodes()?;
 
-    let mut steps = vec![GenStep::Native, GenStep::Guest, GenStep::GuestHostSampler, GenStep::HostLoop];
+    let mut steps = vec![GenStep::Native];
+    steps.extend(GUEST_GENERATIONS.map(GenStep::Guest));
     steps.extend((0..llama_benches.len()).map(GenStep::LlamaBench));
     native.generate()?; // warm-up
     let mut bytes_per_token = Vec::new();
-    let mut generation = stats::in_rounds(cli.runs, &steps, |step, round| {
+    let mut executor: [Vec<ThreadSched>; 3] = Default::default();
+    let mut generation = stats::in_rounds(cli.gen_runs, &steps, |step, round| {
         if matches!(step, GenStep::Native) {
-            progress(format_args!("{}: generation, round {}/{}", model.label, round + 1, cli.runs));
+            progress(format_args!("{}: generation, round {}/{}", model.label, round + 1, cli.gen_runs));
         }
         match step {
             GenStep::Native => native.generate(),
-            GenStep::Guest => guest.generate(model, false),
-            GenStep::GuestHostSampler => guest.generate(model, true),
-            GenStep::HostLoop => guest.host_generate(model).map(|(time, digest, bytes)| {
-                bytes_per_token.push(bytes);
-                (time, digest)
+            GenStep::Guest(way) => guest.generation(model, way, shape.gen_tokens).map(|run| {
+                bytes_per_token.extend(run.bytes_per_token);
+                executor[way as usize].extend(run.executor);
+                (run.time, run.digest)
             }),
             GenStep::LlamaBench(i) => llama_benches[i].generation(shape.gen_tokens).map(no_digest),
         }
@@ -269,6 +277,7 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
         .zip(generation)
         .map(|(prompt, gen)| Reference { prompt: prompt.times, generation: gen.times });
     let (llama_bench, llama_bench_same_flags) = (references.next(), references.next());
+    let executor_per_token = executor_per_token(guest, model, shape, &executor)?;
 
     progress(format_args!("{}: {} cancels", model.label, cli.cancels));
     let plain = &decode[Way::Plain as usize];
@@ -285,6 +294,7 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
         gen_guest_sampler,
         gen_host,
         host_bytes_per_token: bytes_per_token.iter().copied().fold(0.0, f64::max),
+        executor_per_token,
         n_vocab: native.model.n_vocab(),
         llama_bench,
         llama_bench_same_flags,
@@ -292,6 +302,29 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
         cpu_share: cpu.share(),
         load: (load_before, machine::load_average()),
     })
+}
+
+/// Per generated token, what the scheduler counted for the guest's thread, for each
+/// guest way: the median of its timed runs less the median of three one-token runs
+/// (instantiation, the context, the prefill and the warm-up are in both).
+fn executor_per_token(
+    guest: &Guest,
+    model: &BenchModel,
+    shape: Shape,
+    runs: &[Vec<ThreadSched>; 3],
+) -> anyhow::Result<[Option<ThreadSched>; 3]> {
+    let mut out = [None; 3];
+    for way in GUEST_GENERATIONS {
+        let mut base = Vec::new();
+        for _ in 0..3 {
+            base.extend(guest.generation(model, way, 1)?.executor);
+        }
+        let per_token = ThreadSched::median(&runs[way as usize])
+            .zip(ThreadSched::median(&base))
+            .map(|(full, base)| full.per(base, f64::from(shape.gen_tokens.saturating_sub(1).max(1))));
+        out[way as usize] = per_token;
+    }
+    Ok(out)
 }
 
 fn progress(what: std::fmt::Arguments) {

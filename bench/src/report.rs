@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 
 use crate::builds::Headline;
 use crate::guest::Boundary;
-use crate::machine::Machine;
+use crate::machine::{Machine, ThreadSched};
 use crate::native::CancelLatency;
 use crate::reference::Provenance;
 use crate::stats::{num, Runs, Samples};
@@ -59,6 +59,9 @@ pub struct ModelResults {
     pub gen_host: Runs,
     /// Bytes into the guest per generated token on that path (text and token ids).
     pub host_bytes_per_token: f64,
+    /// Per token, the scheduler's counts for the thread that ran the guest, for the guest
+    /// loop (wasm argmax), the guest loop on the host sampler and the host loop.
+    pub executor_per_token: [Option<ThreadSched>; 3],
     pub n_vocab: u32,
     /// llama-bench as llama.cpp's users build it (GGML_NATIVE=ON).
     pub llama_bench: Option<Reference>,
@@ -78,14 +81,15 @@ impl ModelResults {
         users.into_iter().chain(self.llama_bench_same_flags.as_ref().map(|r| ("same flags", r)))
     }
 
-    /// The generation ways, each with the bytes it moves into the guest per token (none
-    /// for native).
-    pub fn generation_ways(&self) -> [(&'static str, &Runs, Option<f64>); 4] {
+    /// The generation ways, native first.
+    pub fn generation_ways(&self) -> [GenerationWay<'_>; 4] {
+        let [wasm, sampler, host] = self.executor_per_token;
+        let way = |label, runs, bytes_per_token, executor| GenerationWay { label, runs, bytes_per_token, executor };
         [
-            ("native", &self.gen_native, None),
-            ("guest loop (wasm argmax)", &self.gen_guest, Some(self.n_vocab as f64 * 4.0)),
-            ("guest loop (host sampler)", &self.gen_guest_sampler, Some(4.0)),
-            ("host loop, from the guest", &self.gen_host, Some(self.host_bytes_per_token)),
+            way("native", &self.gen_native, None, None),
+            way("guest loop (wasm argmax)", &self.gen_guest, Some(self.n_vocab as f64 * 4.0), wasm),
+            way("guest loop (host sampler)", &self.gen_guest_sampler, Some(4.0), sampler),
+            way("host loop, from the guest", &self.gen_host, Some(self.host_bytes_per_token), host),
         ]
     }
 
@@ -113,6 +117,16 @@ impl ModelResults {
     pub fn mean_node_secs(&self) -> f64 {
         self.plain().median() / self.nodes.max(1) as f64
     }
+}
+
+/// One row of the generation table.
+pub struct GenerationWay<'a> {
+    pub label: &'static str,
+    pub runs: &'a Runs,
+    /// Bytes into the guest per token; none for native.
+    pub bytes_per_token: Option<f64>,
+    /// Per token, the guest's thread: none for native.
+    pub executor: Option<ThreadSched>,
 }
 
 /// Times of one side against another's.
@@ -181,6 +195,8 @@ pub struct RunInfo<'a> {
     pub machine: &'a Machine,
     pub shape: Shape,
     pub runs: usize,
+    /// Rounds of the generation rows.
+    pub gen_runs: usize,
     pub load_start: String,
     pub load_end: String,
     pub date: String,
@@ -235,11 +251,11 @@ pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::Enc
     let _ = writeln!(out, "# llamabox benchmarks\n");
     let _ = writeln!(
         out,
-        "Written by `make bench` (bench/src) on {}. {} rounds: each round runs every way once, in rotating \
-         order, so run i of every way comes from round i. Times: median (min–max). Comparisons: median of the \
+        "Written by `make bench` (bench/src) on {}. {} rounds ({} for generation): each round runs every way \
+         once, in rotating order, so run i of every way comes from round i. Times: median (min–max). Comparisons: median of the \
          round-by-round ratios, and the fastest run against the fastest run. Every run decodes the same tokens \
          on a cleared context.\n",
-        cx.date, cx.runs
+        cx.date, cx.runs, cx.gen_runs
     );
     let _ = writeln!(out, "- CPU: {}, {} cores (a shared VM: figures move by several % between runs)", m.cpu, m.cores);
     let _ = writeln!(out, "- ggml CPU features: {} (build: {})", m.ggml_features.join(" "), m.build_config);
@@ -291,7 +307,7 @@ pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::Enc
     crate::startup::table(&mut out, cx.startup, cx.instantiation);
     crate::encode::table(&mut out, encode);
     builds_table(&mut out, cx.builds);
-    targets(&mut out, s, models);
+    targets(&mut out, s, models, encode);
     out
 }
 
@@ -373,21 +389,33 @@ fn generation_table(out: &mut String, s: &Shape, models: &[ModelResults]) {
         "vs llama-bench (as users build it)",
         "vs llama-bench (same flags)",
         "bytes into the guest per token",
+        "guest's thread per token: on a CPU, waiting for one, wake-ups",
         "same tokens as native",
     ]);
     let g = s.gen_tokens as f64;
     for r in models {
         let d = r.gen_native.digests.first().copied();
+        let native_token_ns = r.gen_native.times.median() / g * 1e9;
         let versus = |runs: &Runs, lb: Option<&Reference>| lb.map_or("—".into(), |lb| Comparison::of(&runs.times, &lb.generation).speed_cell());
-        for (way, runs, bytes) in r.generation_ways() {
+        for way in r.generation_ways() {
+            let runs = way.runs;
             t.row(vec![
                 r.model.label.clone(),
-                way.into(),
+                way.label.into(),
                 runs.times.rate(g).to_string(),
                 if std::ptr::eq(runs, &r.gen_native) { "—".into() } else { Comparison::of(&runs.times, &r.gen_native.times).speed_cell() },
                 versus(runs, r.llama_bench.as_ref()),
                 versus(runs, r.llama_bench_same_flags.as_ref()),
-                bytes.map_or("—".into(), |b| format!("{b:.1}")),
+                way.bytes_per_token.map_or("—".into(), |b| format!("{b:.1}")),
+                way.executor.map_or("—".into(), |e| {
+                    format!(
+                        "{} µs ({:.1}% of a native token), {} µs, {:.1}",
+                        num(e.on_cpu_ns / 1e3),
+                        e.on_cpu_ns / native_token_ns * 100.0,
+                        num(e.waiting_ns / 1e3),
+                        e.switches_in
+                    )
+                }),
                 yes_no(d.is_some_and(|d| runs.all_equal(d))),
             ]);
         }
@@ -400,7 +428,12 @@ fn generation_table(out: &mut String, s: &Shape, models: &[ModelResults]) {
          into it and the argmax in wasm; guest loop (host sampler), a one-token `decode` and `sampler.sample` \
          (greedy), so only the token id crosses; host loop, `generate.start` with a greedy sampler, then `next` \
          until done: decode, sample and accept run on the context's thread, the guest receives each piece (its \
-         time is the host's generation time, from the end of the prefill).\n"
+         time is the host's generation time, from the end of the prefill).\n\n\
+         The guest's thread (the executor: lifting, lowering, the plugin's own code; ggml runs on the context's \
+         threads) is counted by the kernel (/proc/thread-self/schedstat): per token, the median of the timed runs \
+         less that of one-token runs. In the guest's own loops that time is on the token's critical path (the \
+         next decode waits for it); in the host loop it is not, but at threads = cores it is taken from a core \
+         that ggml's threads would use. \"Waiting\" is time runnable without a core.\n"
     );
 }
 
@@ -570,7 +603,7 @@ fn builds_table(out: &mut String, builds: &[Headline]) {
 
 /// The design's targets, each with met / missed / inconclusive and by how much. Why a
 /// target was missed needs judgement: that goes in the notes kept below the report.
-fn targets(out: &mut String, s: &Shape, models: &[ModelResults]) {
+fn targets(out: &mut String, s: &Shape, models: &[ModelResults], encode: &crate::encode::EncodeResults) {
     let _ = writeln!(out, "## Targets\n");
     for r in models {
         let name = &r.model.label;
@@ -604,12 +637,13 @@ fn targets(out: &mut String, s: &Shape, models: &[ModelResults]) {
                 c.speed_cell(),
                 c.verdict(0.03, speed_slowdown)
             );
-            for (way, runs, _) in r.generation_ways() {
-                let c = Comparison::of(&runs.times, &lb.generation);
+            for way in r.generation_ways() {
+                let c = Comparison::of(&way.runs.times, &lb.generation);
                 let _ = writeln!(
                     out,
-                    "- {name}: tg{} tokens/s within 3% of llama-bench ({built}; {way}, {} threads): {}: {}",
+                    "- {name}: tg{} tokens/s within 3% of llama-bench ({built}; {}, {} threads): {}: {}",
                     s.gen_tokens,
+                    way.label,
                     s.threads,
                     c.speed_cell(),
                     c.verdict(0.03, speed_slowdown)
@@ -628,6 +662,7 @@ fn targets(out: &mut String, s: &Shape, models: &[ModelResults]) {
             if nodes <= 2.0 { "met (counted as met up to 2 mean nodes)".to_string() } else { format!("**missed**: {nodes:.1} mean nodes") },
         );
     }
+    crate::encode::targets(out, encode);
     out.push('\n');
 }
 
