@@ -27,8 +27,8 @@ use llama_cpp_sys_2 as sys;
 /// this project's CI machine, so 2.5e8 units is ~60 ms. Boundaries also need a matmul
 /// or attention op, so a chunk is never less than one of those, which bounds the
 /// latency when one is bigger than the budget. A boundary costs a synchronisation
-/// and, on clip's CPU backend, a fresh thread pool: ~30 µs at 1 thread, ~140 µs at 2
-/// on the 2-vCPU bench VM (bench/RESULTS-t2.md, notes).
+/// and, on clip's CPU backend, a fresh thread pool: ~16 µs at 1 thread, ~80 µs at 2
+/// on the 2-vCPU bench VM (bench/RESULTS-t2.md, one boundary's cost).
 pub const CHUNK_WORK: u64 = 250_000_000;
 
 /// The default wait a cancel may see before an encode returns (store → return).
