@@ -139,12 +139,12 @@ mod tests {
             x = x.wrapping_mul(31).wrapping_add(i);
         }
         std::hint::black_box(x);
-        let spent = ThreadSched::now().unwrap().since(before);
+        let spent = ThreadSched::now().expect("Linux keeps schedstat").since(before);
         assert!(spent.on_cpu_ns > 0.0, "{spent:?}");
         let base = ThreadSched { on_cpu_ns: 100.0, waiting_ns: 10.0, switches_in: 1.0 };
         let run = ThreadSched { on_cpu_ns: 1100.0, waiting_ns: 5.0, switches_in: 11.0 };
         assert_eq!(run.per(base, 10.0), ThreadSched { on_cpu_ns: 100.0, waiting_ns: 0.0, switches_in: 1.0 });
-        let m = ThreadSched::median(&[run, base, run]).unwrap();
+        let m = ThreadSched::median(&[run, base, run]).expect("three samples have a median");
         assert_eq!(m, run);
         assert!(ThreadSched::median(&[]).is_none());
     }

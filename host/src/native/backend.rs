@@ -82,10 +82,7 @@ pub fn cpu_features() -> Vec<String> {
 /// when they change): `-mtune=native` for `CPU=native`, `-march=native ...` for
 /// `CPU=native-march`; empty for avx2, portable and plain cargo builds.
 pub fn build_c_flags() -> &'static str {
-    match option_env!("CFLAGS_x86_64_unknown_linux_gnu") {
-        Some(flags) => flags.trim(),
-        None => "",
-    }
+    option_env!("CFLAGS_x86_64_unknown_linux_gnu").map_or("", str::trim)
 }
 
 /// The widest vector instructions a ggml build uses: what its speed mostly depends on,
