@@ -281,7 +281,20 @@ fn bad_sampler_parameters_and_grammars_are_named_errors() {
     let unparsable = bad(grammar("root ::= [0-9", None));
     assert!(unparsable.starts_with("grammar: "), "{unparsable}");
     assert!(bad(grammar("digits ::= [0-9]+", None)).contains("root"), "a grammar without its start rule");
-    assert!(bad(grammar("root ::= root \"a\"", None)).contains("left recursion"));
+    // llguidance's Earley matcher takes left recursion, which llama.cpp refused.
+    let mut left = Sampler::new(model.clone(), &grammar("root ::= root \"a\" | \"a\"", None), &caps).unwrap();
+    let mut no_end = vec![0.0; model.n_vocab() as usize];
+    no_end[model.eos().unwrap() as usize] = f32::NEG_INFINITY;
+    for _ in 0..3 {
+        let t = left.sample(&no_end).unwrap();
+        assert!(model.token_to_piece(t, false).unwrap().iter().all(|&b| b == b'a'), "only a's");
+    }
+    // A temperature that underflows samples greedily (it once drew a banned token and
+    // blamed a grammar that was not there).
+    let mut logits = vec![0.0f32; model.n_vocab() as usize];
+    logits[7] = 1.0;
+    let mut tiny_t = Sampler::new(model.clone(), &SamplerParams { temperature: Some(1e-45), seed: Some(1), ..d() }, &caps).unwrap();
+    assert_eq!(tiny_t.sample(&logits).unwrap(), 7);
     assert!(bad(grammar("root ::= undefined-rule", None)).starts_with("grammar: "));
     // llama.cpp would generate 2^64 - 3 rules for this one: refused up front.
     assert!(bad(grammar("root ::= \"a\"{5,2}", None)).contains("maximum below its minimum"));
@@ -427,7 +440,7 @@ fn context_after_an_image(model: &Arc<Model>) -> Context {
     let mut media = MediaContext::new(common::tiny_vision(), model.clone(), 1).unwrap();
     let caps = MediaCaps { max_image_side: 4096, max_audio_samples: 1 << 20 };
     let image = MediaInput::Image { width: 64, height: 64, rgb: common::gradient(64, 64) };
-    let chunks = media.tokenize(&format!("Describe this: {}", MediaContext::marker()), &[image], caps).unwrap();
+    let chunks = media.tokenize(&format!("Describe this: {}", MediaContext::marker()), &[image], caps, usize::MAX).unwrap();
     assert!(chunks.iter().any(|c| c.kind() == ChunkKind::Image));
     let mut ctx = Context::new(model.clone(), params()).unwrap();
     for (i, chunk) in chunks.iter().enumerate() {
@@ -561,4 +574,61 @@ async fn guest_cancels_a_generation_from_its_timer_and_memory_holds_what_was_del
     assert!(finish == "cancelled" || finish == "max-tokens", "{finish}");
     assert_eq!(common::field(&out, "cancel-generation-memory"), "consistent");
     assert_eq!(common::field(&out, "after-cancel"), "ok");
+}
+
+/// The grammars that stalled or crashed llama.cpp's matcher (issue 23), through the
+/// sampler: each is refused with a reason or samples tokens, and no call runs long.
+/// llama.cpp took 14 s to create the first (N = 16; N = 20 ran past 120 s) and ×4.8 per
+/// token on the second; llguidance's limits bound both.
+#[test]
+fn grammar_bombs_are_refused_or_bounded_per_token() {
+    let model = load(common::tiny_model());
+    let caps = SamplerCaps::default();
+    let chain = |n: usize| {
+        let mut g = String::from("root ::= r0\n");
+        for i in 0..n {
+            g += &format!("r{i} ::= r{} \"x\" | r{} \"y\"\n", i + 1, i + 1);
+        }
+        g + &format!("r{n} ::= \"x\" | \"y\"\n")
+    };
+    let doubling = "root ::= x\nx ::= \"a\" x \"b\" | \"a\" x \"c\" | \"\"\n".to_string();
+    let hidden_nesting = format!("root ::= x # comment\rx ::= {}\"a\"{}", "(".repeat(8155), ")".repeat(8155));
+    let hidden_repeats = format!("root ::= x # comment\rx ::= {}", "\"a\"{0,2000} ".repeat(1359));
+    let (a, x) = (token_for(&model, b"a"), token_for(&model, b"x"));
+    let mut slowest = std::time::Duration::ZERO;
+    for (name, text, favoured) in [("chain16", chain(16), x), ("chain20", chain(20), x), ("doubling", doubling, a), ("hidden-nesting", hidden_nesting, a), ("hidden-repeats", hidden_repeats, a)] {
+        let started = std::time::Instant::now();
+        let p = SamplerParams { grammar: Some(Grammar { text, root: None }), ..SamplerParams::default() };
+        let mut sampler = match Sampler::new(model.clone(), &p, &caps) {
+            Ok(s) => s,
+            Err(Error::InvalidArgument(m)) => {
+                println!("{name}: refused in {:?}: {m}", started.elapsed());
+                assert!(name.starts_with("hidden"), "{name} should compile: {m}");
+                continue;
+            }
+            Err(e) => panic!("{name}: {e:?}"),
+        };
+        slowest = slowest.max(started.elapsed());
+        let mut logits = vec![0.0f32; model.n_vocab() as usize];
+        logits[favoured as usize] = 30.0;
+        let mut sampled = 0;
+        for _ in 0..200 {
+            let step = std::time::Instant::now();
+            let picked = sampler.sample(&logits);
+            slowest = slowest.max(step.elapsed());
+            match picked {
+                Ok(_) => sampled += 1,
+                Err(Error::InvalidArgument(m)) => {
+                    println!("{name}: stopped after {sampled} tokens: {m}");
+                    break;
+                }
+                Err(e) => panic!("{name}: {e:?}"),
+            }
+        }
+        println!("{name}: {sampled} tokens in {:?}", started.elapsed());
+        assert!(sampled > 0, "{name}: a grammar that compiled samples at least one token");
+    }
+    println!("slowest grammar call: {slowest:?}");
+    // A bound, not a benchmark: the calls this replays took 14 s to minutes.
+    assert!(slowest < std::time::Duration::from_secs(2), "a grammar call took {slowest:?}");
 }

@@ -206,10 +206,14 @@ fn deliver(pieces: &mpsc::Sender<native::Piece>, mut piece: native::Piece, stop:
 }
 
 impl LlamaCtxView<'_> {
-    /// Host policy and llama.cpp's checks; the sampler is built here so that a bad
-    /// parameter or grammar fails the call that passed it.
-    fn sampler_for(&self, model: &Arc<Model>, params: SamplerParams) -> Result<Sampler, Error> {
-        Ok(Sampler::new(model.clone(), &native_sampler_params(params), &self.ctx.limits.sampler_caps())?)
+    /// Host policy and the sampler's own checks; the sampler is built here, so that a
+    /// bad parameter or grammar fails the call that passed it. Compiling a grammar
+    /// (and a model's first grammar, its token trie) is bounded work, done off the
+    /// executor.
+    async fn sampler_for(&mut self, model: &Arc<Model>, params: SamplerParams) -> Answer<Sampler> {
+        let (model, caps) = (model.clone(), self.ctx.limits.sampler_caps());
+        let params = native_sampler_params(params);
+        self.off_executor(move || Sampler::new(model, &params, &caps)).await
     }
 
     fn check_generate(&self, params: &GenerateParams) -> Result<(), Error> {
@@ -291,7 +295,7 @@ impl Host for LlamaCtxView<'_> {
         if let Err(e) = self.check_generate(&params) {
             return Ok(Err(e));
         }
-        let mut sampler = match self.sampler_for(&model, params.sampler) {
+        let mut sampler = match self.sampler_for(&model, params.sampler).await? {
             Ok(s) => s,
             Err(e) => return Ok(Err(e)),
         };
@@ -329,15 +333,19 @@ impl Host for LlamaCtxView<'_> {
         template: Option<String>,
     ) -> Answer<String> {
         let max = self.ctx.limits.max_text_bytes;
-        let bytes: usize = messages.iter().map(|m| m.role.len() + m.content.len()).sum();
-        if bytes > max {
-            return Ok(Err(Error::LimitExceeded(format!("messages of {bytes} bytes are above max-text-bytes {max}"))));
-        }
-        let model = &self.table.get(&model)?.model;
-        let template = template.map_or(native::ChatTemplate::Model, native::ChatTemplate::Named);
         let messages: Vec<native::ChatMessage> =
             messages.into_iter().map(|m| native::ChatMessage { role: m.role, content: m.content }).collect();
-        Ok(model.apply_chat_template(&template, &messages, add_assistant_prompt).map_err(Error::from))
+        let cost = native::chat::messages_cost(&messages);
+        if cost > max {
+            return Ok(Err(Error::LimitExceeded(format!(
+                "{} messages cost {cost} bytes ({} each for the template's markers), above max-text-bytes {max}",
+                messages.len(),
+                native::chat::MESSAGE_OVERHEAD
+            ))));
+        }
+        let model = self.table.get(&model)?.model.clone();
+        let template = template.map_or(native::ChatTemplate::Model, native::ChatTemplate::Named);
+        self.off_executor(move || model.apply_chat_template(&template, &messages, add_assistant_prompt)).await
     }
 
     async fn builtin_chat_templates(&mut self) -> wasmtime::Result<Vec<String>> {
@@ -352,7 +360,7 @@ impl Host for LlamaCtxView<'_> {
 impl HostSampler for LlamaCtxView<'_> {
     async fn create(&mut self, model: Resource<ModelHandle>, params: SamplerParams) -> Answer<Resource<SamplerHandle>> {
         let model = self.table.get(&model)?.model.clone();
-        let sampler = match self.sampler_for(&model, params) {
+        let sampler = match self.sampler_for(&model, params).await? {
             Ok(s) => s,
             Err(e) => return Ok(Err(e)),
         };
@@ -373,12 +381,16 @@ impl HostSampler for LlamaCtxView<'_> {
         Ok(finished(call.await))
     }
 
+    /// Off the executor: a grammar's step is bounded by its limits, but milliseconds.
     async fn accept(&mut self, sampler: Resource<SamplerHandle>, token: Token) -> Answer<()> {
-        Ok(lock(&self.table.get(&sampler)?.sampler).accept(token).map_err(Error::from))
+        let sampler = self.table.get(&sampler)?.sampler.clone();
+        self.off_executor(move || lock(&sampler).accept(token)).await
     }
 
     async fn reset(&mut self, sampler: Resource<SamplerHandle>) -> wasmtime::Result<()> {
-        lock(&self.table.get(&sampler)?.sampler).reset();
+        // Resetting fails only for a grammar already failed for good (over its limits),
+        // which the next `sample` or `accept` reports.
+        let _ = lock(&self.table.get(&sampler)?.sampler).reset();
         Ok(())
     }
 

@@ -12,6 +12,17 @@ use llama_cpp_sys_2 as sys;
 use super::model::Model;
 use super::{backend, Error, Result};
 
+/// Bytes a message costs beyond its role and content, charged against text limits:
+/// the markers a template wraps each message in (ChatML's `<|im_start|>` + `<|im_end|>`
+/// and newlines are 25 bytes, Llama 3's headers and `<|eot_id|>` 47, Gemma's turn markers
+/// 32). Without it a million empty messages cost nothing and formatted to 24-48 MB.
+pub const MESSAGE_OVERHEAD: usize = 64;
+
+/// What `messages` cost against a text limit: their bytes plus each one's overhead.
+pub fn messages_cost(messages: &[ChatMessage]) -> usize {
+    messages.iter().map(|m| m.role.len() + m.content.len() + MESSAGE_OVERHEAD).fold(0, usize::saturating_add)
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChatMessage {
     pub role: String,
@@ -74,8 +85,7 @@ impl Model {
             .collect::<Result<_>>()?;
         let raw: Vec<sys::llama_chat_message> =
             owned.iter().map(|(role, content)| sys::llama_chat_message { role: role.as_ptr(), content: content.as_ptr() }).collect();
-        let total: usize = messages.iter().map(|m| m.role.len() + m.content.len()).sum();
-        let mut buf = vec![0u8; (total * 2 + 256).min(i32::MAX as usize)];
+        let mut buf = vec![0u8; messages_cost(messages).saturating_mul(2).saturating_add(256).min(i32::MAX as usize)];
         loop {
             // SAFETY: valid C strings that outlive the call; `buf` has `len` bytes.
             let n = unsafe {

@@ -7,6 +7,7 @@ pub mod chat;
 pub mod chunker;
 pub mod context;
 pub mod generate;
+mod grammar;
 pub mod media;
 mod meter;
 pub mod model;
@@ -23,7 +24,7 @@ pub use generate::{generate, FinishReason, GenerateRequest, Outcome, Piece, Usag
 pub use meter::Meter;
 pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};
 pub use model::{Model, Token};
-pub use sampler::{Grammar, Penalties, Sampler, SamplerCaps, SamplerParams};
+pub use sampler::{Grammar, Penalties, Sampler, SamplerCaps, SamplerParams, MIN_TEMPERATURE};
 #[cfg(feature = "synthetic")]
 pub use synthetic::{ProjectorKind, ProjectorSpec, TextModelSpec};
 pub use threads::{idle_poll, set_idle_poll, DEFAULT_IDLE_POLL};
@@ -39,6 +40,9 @@ pub enum Error {
     /// No room in the context's memory for the batch.
     #[error("context is full")]
     ContextFull,
+    /// A budget the caller set would be exceeded; nothing is kept.
+    #[error("limit exceeded: {0}")]
+    LimitExceeded(String),
     #[error("{0}")]
     Backend(String),
 }

@@ -2,17 +2,19 @@
 //! parameters: everything llama.cpp would assert on, throw through its C API (an abort
 //! from Rust's side) or misbehave on is refused up front with `InvalidArgument`.
 //!
-//! The chain is built in a fixed order, the one llama.cpp's own tools use: logit bias,
-//! penalties, grammar (on the whole vocabulary, so the truncating samplers only ever
-//! see tokens the grammar allows), top-k, typical, top-p, min-p, temperature, then the
-//! final pick: greedy when the temperature is 0, else a seeded draw.
+//! A grammar is matched by llguidance ([`super::grammar`]), whose work per token is
+//! bounded; it bans the tokens it does not allow before the chain runs (on the whole
+//! vocabulary, so the truncating samplers only ever see tokens the grammar allows,
+//! as in llama.cpp's own order). The chain is then, in llama.cpp's tools' order: logit
+//! bias, penalties, top-k, typical, top-p, min-p, temperature, and the final pick:
+//! greedy when the temperature is 0, else a seeded draw.
 
-use std::ffi::CString;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
+use super::grammar::{parse_gbnf, Constraint, GrammarCaps};
 use super::model::{Model, Token};
 use super::{backend, Error, Result};
 
@@ -20,7 +22,8 @@ use super::{backend, Error, Result};
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SamplerParams {
     /// 0 (or `None`): greedy, the highest logit wins. Otherwise logits are divided by
-    /// this before a seeded draw. Finite and >= 0.
+    /// this before a seeded draw. Finite and >= 0; below [`MIN_TEMPERATURE`] it samples
+    /// greedily (the draw's limit as the temperature goes to 0).
     pub temperature: Option<f32>,
     /// Keep the `k` most likely tokens (>= 1).
     pub top_k: Option<u32>,
@@ -58,14 +61,21 @@ pub struct Grammar {
     pub root: Option<String>,
 }
 
+/// Temperatures below this sample greedily. llama.cpp's temperature stage divides the
+/// logits by it: near 1e-38 that overflows to infinities, the softmax turns them into
+/// NaN, and the draw picked a banned token ("the grammar excludes every token" with no
+/// grammar). Above f32's epsilon no logit can overflow, and the draw is already greedy
+/// in all but exact ties.
+pub const MIN_TEMPERATURE: f32 = f32::EPSILON;
+
 /// Caps that keep one sampler's memory and the grammar parser's recursion bounded.
 /// The component layer sets them from host policy.
 #[derive(Clone, Copy, Debug)]
 pub struct SamplerCaps {
-    /// Longest grammar in bytes: llama.cpp's grammar parser and matcher recurse over
-    /// nested groups and rule chains, and their depth grows with the text.
+    /// Longest grammar in bytes: parsing and compiling it is linear in its size.
     pub max_grammar_bytes: usize,
-    /// Deepest nesting of `(` groups in a grammar (each level is parser recursion).
+    /// Deepest nesting of `(` groups in a grammar (each level is parser recursion, here
+    /// and in llguidance's reader).
     pub max_grammar_nesting: usize,
     pub max_logit_bias: usize,
     /// Largest `penalties.last-n` (the sampler allocates a ring of that many tokens).
@@ -74,26 +84,35 @@ pub struct SamplerCaps {
 
 impl Default for SamplerCaps {
     fn default() -> Self {
-        Self { max_grammar_bytes: 16 << 10, max_grammar_nesting: 64, max_logit_bias: 1024, max_penalty_last_n: 4096 }
+        let grammar = GrammarCaps::default();
+        Self {
+            max_grammar_bytes: grammar.max_bytes,
+            max_grammar_nesting: grammar.max_nesting,
+            max_logit_bias: 1024,
+            max_penalty_last_n: 4096,
+        }
     }
 }
 
-/// A llama.cpp sampler chain for one model's vocabulary. Keeps state between tokens
-/// (the penalties' history, the grammar's position, the draw's random state), so one
-/// sampler follows one stream of tokens.
+impl SamplerCaps {
+    fn grammar(&self) -> GrammarCaps {
+        GrammarCaps { max_bytes: self.max_grammar_bytes, max_nesting: self.max_grammar_nesting, ..GrammarCaps::default() }
+    }
+}
+
+/// A llama.cpp sampler chain for one model's vocabulary, and the grammar's matcher.
+/// Keeps state between tokens (the penalties' history, the grammar's position, the
+/// draw's random state), so one sampler follows one stream of tokens.
 pub struct Sampler {
     chain: NonNull<sys::llama_sampler>,
-    /// The grammar stage, owned by `chain` (valid while it lives), to check a token
-    /// before accepting it: llama.cpp throws (an abort) on a token its grammar rejects.
-    grammar: Option<NonNull<sys::llama_sampler>>,
+    grammar: Option<Constraint>,
     /// Candidates, reused between calls (n-vocab entries).
     candidates: Vec<sys::llama_token_data>,
-    /// Declared last: the vocabulary the grammar stage points into must outlive it.
     model: Arc<Model>,
 }
 
 // SAFETY: a sampler chain is plain state used by one thread at a time (`&mut self` for
-// every call); nothing in it is tied to the thread that made it.
+// every call); nothing in it is tied to the thread that made it. The matcher is Send.
 unsafe impl Send for Sampler {}
 
 fn invalid<T>(what: String) -> Result<T> {
@@ -150,100 +169,15 @@ impl SamplerParams {
                 return invalid(format!("logit bias {bias} for token {token} must be finite or -inf"));
             }
         }
-        if let Some(g) = &self.grammar {
-            check_grammar(g, caps)?;
-        }
         Ok(())
     }
 }
 
-/// Size, NUL bytes and nesting: what would crash or overflow llama.cpp's parser rather
-/// than fail it. Whether the grammar parses is llama.cpp's call.
-fn check_grammar(g: &Grammar, caps: &SamplerCaps) -> Result<()> {
-    if g.text.len() > caps.max_grammar_bytes {
-        return invalid(format!("grammar of {} bytes is above the limit {}", g.text.len(), caps.max_grammar_bytes));
-    }
-    if g.text.trim().is_empty() {
-        return invalid("grammar is empty".into());
-    }
-    let root = g.root.as_deref().unwrap_or("root");
-    if g.text.contains('\0') || root.contains('\0') {
-        return invalid("grammar contains a NUL byte".into());
-    }
-    if root.is_empty() {
-        return invalid("grammar root rule name is empty".into());
-    }
-    // Group nesting outside literals, comments and character classes: each `(` is one
-    // level of recursion in llama.cpp's parser (parse_sequence -> parse_alternates).
-    let (mut depth, mut deepest, mut repeated) = (0usize, 0usize, 0u64);
-    let mut chars = g.text.chars();
-    while let Some(c) = chars.next() {
-        match c {
-            '"' | '[' => {
-                let close = if c == '"' { '"' } else { ']' };
-                while let Some(d) = chars.next() {
-                    if d == '\\' {
-                        chars.next();
-                    } else if d == close {
-                        break;
-                    }
-                }
-            }
-            '#' => {
-                for d in chars.by_ref() {
-                    if d == '\n' {
-                        break;
-                    }
-                }
-            }
-            '(' => {
-                depth += 1;
-                deepest = deepest.max(depth);
-            }
-            ')' => depth = depth.saturating_sub(1),
-            '{' => {
-                let body: String = chars.by_ref().take_while(|&d| d != '}').collect();
-                repeated = repeated.saturating_add(check_repetition(&body)?);
-            }
-            _ => {}
-        }
-    }
-    if deepest > caps.max_grammar_nesting {
-        return invalid(format!("grammar nests groups {deepest} deep, above the limit {}", caps.max_grammar_nesting));
-    }
-    if repeated > MAX_GRAMMAR_REPETITIONS {
-        return invalid(format!(
-            "grammar repetitions {{m,n}} add up to {repeated} copies, above the limit {MAX_GRAMMAR_REPETITIONS}"
-        ));
-    }
-    Ok(())
-}
-
-/// Copies of a symbol all `{m,n}` of a grammar may ask for together. llama.cpp expands
-/// each into up to max(m, n) rules or symbols (it caps one at 2000, not their sum), so
-/// 16 KiB of `"a"{0,2000}` would become millions of rules: hundreds of MB.
-const MAX_GRAMMAR_REPETITIONS: u64 = 4096;
-
-/// The copies one `{m,n}` / `{m}` / `{m,}` asks for. `{m,n}` with n < m is refused:
-/// llama.cpp's parser computes n - m in unsigned 64 bits and would generate rules until
-/// the host runs out of memory. Anything malformed llama.cpp refuses by itself.
-fn check_repetition(body: &str) -> Result<u64> {
-    let count = |s: &str| s.trim().parse::<u64>().ok();
-    Ok(match body.split_once(',') {
-        Some((min, max)) if max.trim().is_empty() => count(min).map_or(0, |m| m.saturating_add(1)),
-        Some((min, max)) => match (count(min), count(max)) {
-            (Some(min), Some(max)) if max < min => {
-                return invalid(format!("grammar repetition {{{}}} has a maximum below its minimum", body.trim()))
-            }
-            (min, max) => min.max(max).unwrap_or(0),
-        },
-        None => count(body).unwrap_or(0),
-    })
-}
-
 impl Sampler {
-    /// Build the chain. Parameters are checked first; a grammar llama.cpp cannot parse
-    /// is `InvalidArgument` with llama.cpp's reason.
+    /// Build the chain and compile the grammar. Parameters are checked first; a grammar
+    /// that does not parse, or is over a cap, is `InvalidArgument` with the reason.
+    /// Bounded work (the grammar's size is capped), but the first grammar of a model
+    /// also builds that model's token trie: call it off the executor.
     pub fn new(model: Arc<Model>, params: &SamplerParams, caps: &SamplerCaps) -> Result<Self> {
         backend::init();
         params.check(&model, caps)?;
@@ -269,10 +203,9 @@ impl Sampler {
             add(&sampler, unsafe { sys::llama_sampler_init_penalties(n_vocab, p.last_n as i32, p.repeat, p.frequency, p.presence) })?;
         }
         if let Some(g) = &params.grammar {
-            let stage = sampler.grammar_stage(g)?;
-            sampler.grammar = Some(add(&sampler, stage)?);
+            sampler.grammar = Some(compile(&sampler.model, g, &caps.grammar())?);
         }
-        let greedy = params.temperature.is_none_or(|t| t == 0.0);
+        let greedy = params.temperature.is_none_or(|t| t < MIN_TEMPERATURE);
         if !greedy {
             // SAFETY (all below): parameters checked in range above.
             if let Some(k) = params.top_k {
@@ -306,24 +239,6 @@ impl Sampler {
         Ok(sampler)
     }
 
-    /// Parse the grammar into a stage (not yet owned by the chain). llama.cpp logs why a
-    /// grammar fails (its parser's detail goes to stderr); the last error line it logged
-    /// on this thread becomes the message.
-    fn grammar_stage(&self, g: &Grammar) -> Result<*mut sys::llama_sampler> {
-        let text = CString::new(g.text.as_str()).map_err(|_| Error::InvalidArgument("grammar contains a NUL byte".into()))?;
-        let root = CString::new(g.root.as_deref().unwrap_or("root"))
-            .map_err(|_| Error::InvalidArgument("grammar root contains a NUL byte".into()))?;
-        // SAFETY: valid C strings and the model's vocabulary; a parse failure returns
-        // null (the parser catches its own exceptions).
-        let (stage, reason) = backend::with_errors(|| unsafe {
-            sys::llama_sampler_init_grammar(self.model.vocab_ptr(), text.as_ptr(), root.as_ptr())
-        });
-        if stage.is_null() {
-            return invalid(format!("grammar: {reason}"));
-        }
-        Ok(stage)
-    }
-
     pub fn model(&self) -> &Arc<Model> {
         &self.model
     }
@@ -336,6 +251,20 @@ impl Sampler {
         }
         self.candidates.clear();
         self.candidates.extend(logits.iter().enumerate().map(|(id, &logit)| sys::llama_token_data { id: id as Token, logit, p: 0.0 }));
+        if let Some(grammar) = &mut self.grammar {
+            let mask = grammar.mask()?;
+            let mut any = false;
+            for c in &mut self.candidates {
+                if mask.is_allowed(c.id as u32) {
+                    any = true;
+                } else {
+                    c.logit = f32::NEG_INFINITY;
+                }
+            }
+            if !any {
+                return invalid("no token is allowed here: the grammar allows none".into());
+            }
+        }
         let mut array = sys::llama_token_data_array {
             data: self.candidates.as_mut_ptr(),
             size: self.candidates.len(),
@@ -349,14 +278,17 @@ impl Sampler {
         // SAFETY: `data` points at `size` entries (llama.cpp's contract for apply).
         let picked = picked.map(|i| unsafe { *array.data.add(i) });
         match picked {
-            // A -inf pick means every token was banned (by the grammar or a bias):
-            // accepting it would make the grammar throw.
+            // A -inf pick means every token was banned (by the bias, and the grammar).
             Some(t) if t.logit != f32::NEG_INFINITY && self.model.is_valid(t.id) => {
-                // SAFETY: the token passed the grammar stage of this very apply.
+                if let Some(grammar) = &mut self.grammar {
+                    grammar.accept(t.id)?;
+                }
+                // SAFETY: a token in the vocabulary.
                 unsafe { sys::llama_sampler_accept(self.chain.as_ptr(), t.id) };
                 Ok(t.id)
             }
-            _ => invalid("no token is allowed here (the grammar or logit bias excludes every token)".into()),
+            _ if self.grammar.is_some() => invalid("no token is allowed here: every token the grammar allows has logit -inf (banned by the row or the logit bias)".into()),
+            _ => invalid("no token is allowed here: every logit is -inf (banned by the row or the logit bias)".into()),
         }
     }
 
@@ -365,62 +297,45 @@ impl Sampler {
     /// refused (llama.cpp would abort).
     pub fn accept(&mut self, token: Token) -> Result<()> {
         self.model.check_tokens(&[token])?;
-        if let Some(grammar) = self.grammar {
-            let mut one = sys::llama_token_data { id: token, logit: 0.0, p: 0.0 };
-            let mut array = sys::llama_token_data_array { data: &mut one, size: 1, selected: -1, sorted: false };
-            // SAFETY: the grammar stage lives as long as the chain; one valid candidate.
-            unsafe { sys::llama_sampler_apply(grammar.as_ptr(), &mut array) };
-            if one.logit == f32::NEG_INFINITY {
+        if let Some(grammar) = &mut self.grammar {
+            if !grammar.allows(token) {
                 return invalid(format!("token {token} is not allowed by the grammar here"));
             }
+            grammar.accept(token)?;
         }
-        // SAFETY: token in vocabulary and, if there is a grammar, allowed by it.
+        // SAFETY: a token in the vocabulary.
         unsafe { sys::llama_sampler_accept(self.chain.as_ptr(), token) };
         Ok(())
     }
 
     /// Forget the history: penalties, grammar position, and the draw restarts from its seed.
-    pub fn reset(&mut self) {
-        unsafe { sys::llama_sampler_reset(self.chain.as_ptr()) }
+    pub fn reset(&mut self) -> Result<()> {
+        if let Some(grammar) = &mut self.grammar {
+            grammar.reset()?;
+        }
+        // SAFETY: the chain is live; resetting touches only its own state.
+        unsafe { sys::llama_sampler_reset(self.chain.as_ptr()) };
+        Ok(())
     }
 }
 
 impl Drop for Sampler {
     fn drop(&mut self) {
-        // SAFETY: the chain owns (and frees) every stage, the grammar stage included.
+        // SAFETY: the chain owns (and frees) every stage.
         unsafe { sys::llama_sampler_free(self.chain.as_ptr()) }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn caps() -> SamplerCaps {
-        SamplerCaps::default()
+/// Parse `g` as GBNF (exactly as llama.cpp would) and compile it for `model`.
+fn compile(model: &Model, g: &Grammar, caps: &GrammarCaps) -> Result<Constraint> {
+    let root = g.root.as_deref().unwrap_or("root");
+    if root.is_empty() {
+        return invalid("grammar root rule name is empty".into());
     }
-
-    fn grammar(text: &str) -> Grammar {
-        Grammar { text: text.into(), root: None }
-    }
-
-    #[test]
-    fn grammar_nesting_and_size_are_capped_before_llama_cpp_sees_them() {
-        let deep = format!("root ::= {}\"a\"{}", "(".repeat(65), ")".repeat(65));
-        let err = check_grammar(&grammar(&deep), &caps()).unwrap_err();
-        assert!(err.to_string().contains("nests groups 65 deep"), "{err}");
-        // Parentheses inside literals, classes and comments are not nesting.
-        let quoted = format!("root ::= \"{}\" [(] # {}\n", "(".repeat(100), "(".repeat(100));
-        check_grammar(&grammar(&quoted), &caps()).unwrap();
-        let big = format!("root ::= \"{}\"", "a".repeat(16 << 10));
-        assert!(check_grammar(&grammar(&big), &caps()).unwrap_err().to_string().contains("above the limit"));
-        assert!(check_grammar(&grammar("  "), &caps()).is_err());
-        let backwards = check_grammar(&grammar("root ::= \"a\"{ 5 , 2 }"), &caps()).unwrap_err();
-        assert!(backwards.to_string().contains("maximum below its minimum"), "{backwards}");
-        check_grammar(&grammar("root ::= \"a\"{2,5} \"{9,1}\" [{] \"b\"{3} \"c\"{1,}"), &caps()).unwrap();
-        let many = "root ::= x\n".to_string() + &"x ::= \"a\"{0,2000}\n".repeat(3);
-        assert!(check_grammar(&grammar(&many), &caps()).unwrap_err().to_string().contains("add up to 6000"));
-        check_grammar(&grammar(&("root ::= x\n".to_string() + &"x ::= \"a\"{0,2000}\n".repeat(2))), &caps()).unwrap();
-        assert!(check_grammar(&grammar("root ::= \"\0\""), &caps()).is_err());
-    }
+    let resolve = |text: &str| match model.tokenize(text, false, true).as_deref() {
+        Ok([token]) => Some(*token as u32),
+        _ => None,
+    };
+    let gbnf = parse_gbnf(&g.text, root, caps, &resolve)?;
+    Constraint::new(model.grammar_env()?, gbnf.to_lark())
 }
