@@ -105,7 +105,7 @@ fn random_decodes_memory_ops_and_media_inputs_never_crash_or_leak_state() {
                 let rgb = vec![(i % 251) as u8; if rng.below(4) == 0 { bytes + 1 } else { bytes }];
                 let markers = rng.below(3) as usize;
                 let prompt = format!("x{}", MediaContext::marker().repeat(markers));
-                vision.tokenize(&prompt, &[MediaInput::Image { width: w, height: h, rgb }], caps).map(drop)
+                vision.tokenize(&prompt, &[MediaInput::Image { width: w, height: h, rgb }], caps, usize::MAX).map(drop)
             }
         };
         match &result {

@@ -27,7 +27,7 @@ fn image(w: u32, h: u32) -> MediaInput {
 /// The single media chunk of `prompt` + one input.
 fn media_chunk(m: &mut MediaContext, input: MediaInput) -> Arc<llamabox::native::Chunk> {
     let prompt = format!("look: {}", MediaContext::marker());
-    let chunks = m.tokenize(&prompt, &[input], CAPS).unwrap();
+    let chunks = m.tokenize(&prompt, &[input], CAPS, usize::MAX).unwrap();
     chunks.into_iter().find(|c| c.kind() != ChunkKind::Text).expect("a media chunk")
 }
 
@@ -131,14 +131,44 @@ fn bad_media_inputs_are_refused_with_a_reason() {
     ];
     for (use_audio, prompt, inputs, reason) in cases {
         let m = if use_audio { &mut audio } else { &mut vision };
-        match m.tokenize(&prompt, &inputs, CAPS) {
+        match m.tokenize(&prompt, &inputs, CAPS, usize::MAX) {
             Err(Error::InvalidArgument(msg)) => assert!(msg.contains(reason), "{msg:?} should mention {reason:?}"),
             other => panic!("expected invalid-argument ({reason}), got {:?}", other.map(|c| c.len())),
         }
     }
-    let chunks = vision.tokenize(&one, &[image(4, 4)], CAPS).unwrap();
+    let chunks = vision.tokenize(&one, &[image(4, 4)], CAPS, usize::MAX).unwrap();
     assert_eq!(chunks.iter().map(|c| c.kind()).collect::<Vec<_>>(), [ChunkKind::Text, ChunkKind::Image]);
     assert!(matches!(vision.encode(&chunks[0], None), Err(Error::InvalidArgument(_))), "text chunks have nothing to encode");
+}
+
+/// Many inputs are tokenized one at a time against the caller's budget: refused at the
+/// input that crosses it (memory never runs far ahead of the charge), and under it
+/// the same chunks, text in the same tokens, as the prompt's own parts.
+#[test]
+fn media_chunks_are_charged_input_by_input() {
+    let model = model();
+    let mut vision = media(common::tiny_vision(), &model);
+    let marker = MediaContext::marker();
+    let prompt = format!("one {marker} two {marker}{marker} three");
+    let inputs = vec![image(4, 4), image(8, 8), image(2, 2)];
+    let chunks = vision.tokenize(&prompt, &inputs, CAPS, usize::MAX).unwrap();
+    let kinds: Vec<ChunkKind> = chunks.iter().map(|c| c.kind()).collect();
+    use ChunkKind::{Image, Text};
+    assert_eq!(kinds, [Text, Image, Text, Image, Image, Text]);
+    assert_eq!(chunks[0].text_tokens(), model.tokenize("one ", true, true).unwrap(), "the first part starts the text");
+    assert_eq!(chunks[2].text_tokens(), model.tokenize(" two ", false, true).unwrap());
+    assert_eq!(chunks[5].text_tokens(), model.tokenize(" three", false, true).unwrap());
+    let first_part = chunks[0].native_bytes() + chunks[1].native_bytes();
+    let total: usize = chunks.iter().map(|c| c.native_bytes()).sum();
+    match vision.tokenize(&prompt, &inputs, CAPS, total - 1) {
+        Err(Error::LimitExceeded(m)) => assert!(m.starts_with("max-chunk-bytes") && m.contains("up to its end"), "{m}"),
+        other => panic!("expected limit-exceeded, got {:?}", other.map(|c| c.len())),
+    }
+    match vision.tokenize(&prompt, &inputs, CAPS, first_part) {
+        Err(Error::LimitExceeded(m)) => assert!(m.contains("up to media input 1"), "refused at the second image: {m}"),
+        other => panic!("expected limit-exceeded, got {:?}", other.map(|c| c.len())),
+    }
+    assert_eq!(vision.tokenize(&prompt, &inputs, CAPS, total).unwrap().len(), 6, "a budget that fits is enough");
 }
 
 fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
@@ -174,7 +204,7 @@ fn eval_is_one_all_or_nothing_call_over_text_and_media_pieces() {
     let model = model();
     let mut m = media(common::tiny_vision(), &model);
     let prompt = format!("look: {} and tell", MediaContext::marker());
-    let chunks = m.tokenize(&prompt, &[image(16, 16)], CAPS).unwrap();
+    let chunks = m.tokenize(&prompt, &[image(16, 16)], CAPS, usize::MAX).unwrap();
     let pieces = m.encode_for_eval(&chunks, None).unwrap();
     assert_eq!(pieces.len(), 3);
     let params = ContextParams { n_ctx: 512, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 1 };

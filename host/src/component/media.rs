@@ -163,7 +163,8 @@ impl HostMediaContext for LlamaCtxView<'_> {
                 Input::Audio(samples) => MediaInput::Audio { samples },
             })
             .collect();
-        let call = self.media(&media)?.worker.call(move |m, _| m.tokenize(&prompt, &inputs, caps));
+        let budget = self.ctx.chunk_bytes_left();
+        let call = self.media(&media)?.worker.call(move |m, _| m.tokenize(&prompt, &inputs, caps, budget));
         let chunks = match finished(call.await) {
             Ok(chunks) => chunks,
             Err(e) => return Ok(Err(e)),
@@ -251,6 +252,9 @@ async fn eval_chunks(
     seq: i32,
     token: &CancelFlag,
 ) -> Result<i32, Error> {
+    // Whether the tokens fit is known before anything is encoded.
+    let n_tokens = chunks.iter().map(|c| c.n_tokens()).fold(0, usize::saturating_add);
+    finished(context.call(move |c, _| c.check_room(seq, n_tokens)).await)?;
     let encode_token = token.clone();
     let encoded = media.call(move |m, abandoned| m.encode_for_eval(&chunks, Some(Stop::on_either(&encode_token, abandoned))));
     let pieces = finished(encoded.await)?;

@@ -199,6 +199,11 @@ impl LlamaCtx {
         Ok(())
     }
 
+    /// Native bytes this store's media chunks may still hold under max-chunk-bytes.
+    pub(crate) fn chunk_bytes_left(&self) -> usize {
+        usize::try_from(self.limits.max_chunk_bytes.saturating_sub(self.usage.chunk_bytes)).unwrap_or(usize::MAX)
+    }
+
     /// Stop counting `held` (its resource was dropped).
     pub(crate) fn release(&mut self, held: Held) {
         self.count(held, false);
@@ -265,6 +270,7 @@ impl From<crate::native::Error> for Error {
             N::Cancelled => Error::Cancelled,
             N::InvalidArgument(m) => Error::InvalidArgument(m),
             N::ContextFull => Error::ContextFull,
+            N::LimitExceeded(m) => Error::LimitExceeded(m),
             N::Backend(m) => Error::Backend(m),
         }
     }

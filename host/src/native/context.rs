@@ -256,6 +256,20 @@ impl Context {
         }
     }
 
+    /// `ContextFull` unless `n_tokens` more cells fit after what `seq` holds, in the
+    /// cells one sequence may use. Checked before computing anything: llama.cpp finds
+    /// out one n-batch piece at a time, after computing the pieces before (an eval of
+    /// 10 000 media chunks into n-ctx 8192 failed after 281 s of encoding).
+    pub fn check_room(&self, seq: i32, n_tokens: usize) -> Result<()> {
+        let held = usize::try_from(self.seq_pos_max(seq)? + 1).unwrap_or(0);
+        // SAFETY: a live context; reads a number.
+        let per_seq = unsafe { sys::llama_n_ctx_seq(self.ptr.as_ptr()) } as usize;
+        if held.saturating_add(n_tokens) > per_seq {
+            return Err(Error::ContextFull);
+        }
+        Ok(())
+    }
+
     /// Highest position of `seq` in memory, -1 when empty (a leftover is not counted).
     pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
         self.check_seq(seq)?;
@@ -510,6 +524,12 @@ impl Context {
             return Err(Error::Cancelled);
         }
         self.check_seq(seq)?;
+        let width = (self.model.n_embd_inp() as usize).max(1);
+        let rows = |p: &PromptPiece| match p {
+            PromptPiece::Tokens(tokens) => tokens.len(),
+            PromptPiece::Embeddings { embd, .. } => embd.len() / width,
+        };
+        self.check_room(seq, pieces.iter().map(rows).fold(0, usize::saturating_add))?;
         let first = match pieces.first() {
             Some(PromptPiece::Tokens(tokens)) if seq == 0 => Some(tokens.as_slice()),
             _ => None,

@@ -247,16 +247,51 @@ impl MediaContext {
     }
 
     /// Split `prompt` into text and media chunks; media inputs fill the markers in order.
-    pub fn tokenize(&mut self, prompt: &str, inputs: &[MediaInput], caps: MediaCaps) -> Result<Vec<Arc<Chunk>>> {
+    /// The chunks may hold at most `budget` native bytes ([`Chunk::native_bytes`]): the
+    /// prompt is tokenized one media input at a time (text up to and including its
+    /// marker, as mtmd splits it anyway), and tokenizing stops with `LimitExceeded` at
+    /// the input that crosses the budget, so memory never runs more than one input
+    /// ahead of what is charged (1000 tiny images were refused only after a 1.3 GB peak).
+    pub fn tokenize(&mut self, prompt: &str, inputs: &[MediaInput], caps: MediaCaps, budget: usize) -> Result<Vec<Arc<Chunk>>> {
         let invalid = |m: String| Err(Error::InvalidArgument(m));
-        let markers = prompt.matches(Self::marker()).count();
+        let marker = Self::marker();
+        let markers = prompt.matches(marker).count();
         if markers != inputs.len() {
             return invalid(format!("the prompt has {markers} media markers but {} inputs were given", inputs.len()));
         }
+        let (mut chunks, mut held, mut rest) = (Vec::new(), 0usize, prompt);
+        for i in 0..=inputs.len() {
+            let (segment, media) = match rest.find(marker) {
+                Some(at) if i < inputs.len() => (&rest[..at + marker.len()], &inputs[i..=i]),
+                _ => (rest, &inputs[..0]),
+            };
+            rest = &rest[segment.len()..];
+            // Only the first part of an empty prompt may be empty (mtmd still gives it
+            // the start-of-text token).
+            if segment.is_empty() && i > 0 {
+                continue;
+            }
+            let part = self.tokenize_part(segment, media, i, caps, i == 0)?;
+            held = part.iter().map(|c| c.native_bytes()).fold(held, usize::saturating_add);
+            if held > budget {
+                let upto = if media.is_empty() { "its end".to_string() } else { format!("media input {i}") };
+                return Err(Error::LimitExceeded(format!(
+                    "max-chunk-bytes: the prompt's chunks up to {upto} hold {held} bytes, above the {budget} left"
+                )));
+            }
+            chunks.extend(part);
+        }
+        Ok(chunks)
+    }
+
+    /// mtmd's tokenizer on one part of a prompt (`first`: the part that starts it, and
+    /// gets the model's start-of-text token); `index` numbers its input in messages.
+    fn tokenize_part(&mut self, prompt: &str, inputs: &[MediaInput], index: usize, caps: MediaCaps, first: bool) -> Result<Vec<Arc<Chunk>>> {
+        let invalid = |m: String| Err(Error::InvalidArgument(m));
         let text = CString::new(prompt).map_err(|_| Error::InvalidArgument("prompt contains a NUL byte".into()))?;
-        let bitmaps = inputs.iter().enumerate().map(|(i, input)| self.bitmap(i, input, caps)).collect::<Result<Vec<_>>>()?;
+        let bitmaps = inputs.iter().map(|input| self.bitmap(index, input, caps)).collect::<Result<Vec<_>>>()?;
         let raw: Vec<*const sys::mtmd_bitmap> = bitmaps.iter().map(|b| b.0.as_ptr().cast_const()).collect();
-        let input = sys::mtmd_input_text { text: text.as_ptr(), text_len: prompt.len(), add_special: true, parse_special: true };
+        let input = sys::mtmd_input_text { text: text.as_ptr(), text_len: prompt.len(), add_special: first, parse_special: true };
         let list = ChunkList::new()?;
         let (ret, reason) = backend::with_errors(|| unsafe {
             sys::mtmd_tokenize(self.ptr.as_ptr(), list.0.as_ptr(), &input, raw.as_ptr(), raw.len())
