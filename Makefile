@@ -38,7 +38,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test validate-manifests scale-test bench bench-server fuzz soak memcheck mutants clean-models
+.PHONY: deps build guest demo test validate-manifests scale-test bench bench-grammar bench-server fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -115,6 +115,13 @@ bench: deps guest
 	    $${same_flags:+--llama-bench-same-flags "$$same_flags"} $$large $(BENCH_ARGS) || exit 1; \
 	done
 
+# Grammar-constrained sampling on the real model (never part of `make test`; a few
+# minutes): llamabox's llguidance matcher against llama.cpp's GBNF matcher on the same
+# logits, per-token cost and whether they pick the same tokens; writes bench/GRAMMAR.md.
+bench-grammar: deps
+	@model=$$(scripts/fetch-model.sh) && \
+	$(CARGO) run $(PROFILE) -p llamabox-bench -- --real-model "$$model" --grammar-report bench/GRAMMAR.md $(BENCH_ARGS)
+
 # `llamabox serve` side by side with llama.cpp's llama-server (never part of `make test`;
 # about 8 minutes on a quiet 2-core machine): bench/llama-server.sh builds llama-server
 # once (same vendored tree, CPU choice and cache as llama-bench), then
@@ -132,16 +139,21 @@ bench-server: build guest
 
 # Random and adversarial calls, many more than `make test` makes: against the native
 # layer (tests/adversarial.rs, FUZZ_ITERS calls from FUZZ_SEED), then through a real
-# guest (tests/guest_fuzz.rs, the fuzz plugin: FUZZ_SEEDS runs of FUZZ_CALLS calls).
+# guest (tests/guest_fuzz.rs, the fuzz plugin: FUZZ_SEEDS runs of FUZZ_CALLS calls and
+# of FUZZ_GRAMMARS hostile grammars), then our GBNF reader against llama.cpp's on
+# 5000 generated grammars (native/grammar.rs, differential).
 FUZZ_ITERS ?= 50000
 FUZZ_SEED ?= $(shell date +%s)
 FUZZ_SEEDS ?= 200
 FUZZ_CALLS ?= 400
+FUZZ_GRAMMARS ?= 300
 fuzz: deps guest
 	LLAMABOX_FUZZ_ITERS=$(FUZZ_ITERS) LLAMABOX_FUZZ_SEED=$(FUZZ_SEED) \
 	  $(CARGO) test $(PROFILE) -p llamabox --test adversarial -- --nocapture
 	LLAMABOX_FUZZ_SEEDS=$(FUZZ_SEEDS) LLAMABOX_FUZZ_CALLS=$(FUZZ_CALLS) LLAMABOX_FUZZ_SEED=$(FUZZ_SEED) \
-	  $(CARGO) test $(PROFILE) -p llamabox --test guest_fuzz -- --nocapture
+	  LLAMABOX_FUZZ_GRAMMARS=$(FUZZ_GRAMMARS) $(CARGO) test $(PROFILE) -p llamabox --test guest_fuzz -- --nocapture
+	LLAMABOX_GRAMMAR_CASES=5000 LLAMABOX_GRAMMAR_SEED=$(FUZZ_SEED) \
+	  $(CARGO) test $(PROFILE) -p llamabox --lib grammar -- --nocapture
 
 # Many plugin instances decoding with random cancels (tests/soak.rs), longer than in
 # `make test`: prints the outcome counts and resident memory after warm-up and at the end.

@@ -360,6 +360,14 @@ fn chat_templates_from_the_model_or_by_name_and_named_errors() {
     assert!(named(slow.apply_chat_template(&ChatTemplate::Model, &messages, true)).contains("no chat template"));
     let nul = vec![ChatMessage { role: "user".into(), content: "a\0b".into() }];
     assert!(named(tiny.apply_chat_template(&ChatTemplate::Model, &nul, true)).contains("NUL"));
+    // Empty messages are not free: what a template adds per message is charged (a
+    // million of them once cost 0 bytes and formatted to 24-48 MB).
+    for name in ["chatml", "llama3", "gemma", "mistral-v7", "phi3", "deepseek3"] {
+        let empty = vec![ChatMessage { role: "user".into(), content: String::new() }; 500];
+        let Ok(text) = tiny.apply_chat_template(&ChatTemplate::Named(name.into()), &empty, true) else { continue };
+        let cost = llamabox::native::chat::messages_cost(&empty);
+        assert!(text.len() <= cost, "{name}: {} bytes formatted from {cost} charged", text.len());
+    }
 }
 
 #[test]

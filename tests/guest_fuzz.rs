@@ -4,7 +4,8 @@
 //! plugin's own summary (no trap), no native thread left, and the host still serving.
 //!
 //! `make test` runs a short seeded pass; `make fuzz` runs many seeds with more calls
-//! (`LLAMABOX_FUZZ_SEEDS`, `LLAMABOX_FUZZ_CALLS`, `LLAMABOX_FUZZ_SEED` for the first).
+//! (`LLAMABOX_FUZZ_SEEDS`, `LLAMABOX_FUZZ_CALLS`, `LLAMABOX_FUZZ_SEED` for the first)
+//! and more hostile grammars (`LLAMABOX_FUZZ_GRAMMARS` per seed).
 
 mod common;
 
@@ -20,11 +21,16 @@ fn env(name: &str, default: u64) -> u64 {
 
 /// Run the fuzz plugin once; its output.
 async fn fuzz_run(host: &PluginHost, plugin: &llamabox::Plugin, seed: u64, calls: u64) -> (RunOutcome, String) {
+    fuzz_run_with(host, plugin, seed, &["--calls", &calls.to_string()]).await
+}
+
+async fn fuzz_run_with(host: &PluginHost, plugin: &llamabox::Plugin, seed: u64, args: &[&str]) -> (RunOutcome, String) {
     let out = MemoryOutputPipe::new(1 << 20);
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(out.clone()).stderr(out.clone());
-    let (seed, calls) = (seed.to_string(), calls.to_string());
-    wasi.args(&["fuzz", "--seed", &seed, "--calls", &calls, "--models", "tiny,tiny-again", "--projectors", "eyes,ears"]);
+    let seed = seed.to_string();
+    wasi.args(&["fuzz", "--seed", &seed, "--models", "tiny,tiny-again", "--projectors", "eyes,ears"]);
+    wasi.args(args);
     // Generous: a run that hangs is a finding too, and fails here instead of hanging.
     let options = RunOptions { deadline: Some(Duration::from_secs(120)), ..RunOptions::default() };
     let outcome = plugin.run_with(&options, wasi).await.unwrap_or_else(|e| panic!("seed {seed}: the plugin trapped: {e:?}"));
@@ -61,4 +67,31 @@ async fn random_wit_call_sequences_through_a_real_guest_never_crash_the_host() {
     }
     println!("guest fuzz: {seeds} seeds from {first}, {total_calls} calls, 0 crashes, {} contexts left idle", host.models().idle_contexts());
     assert!(total_calls >= seeds * calls / 2, "most steps make a call");
+}
+
+/// Hostile grammars (guest/fuzz/src/grammars.rs: the attacks that stalled or crashed
+/// llama.cpp's matcher, nesting hidden after CR, repetition floods, escapes, random
+/// mutations) through `sampler.create`, `accept` and `generate.start`: every call
+/// answers `ok` or a named error, and the slowest stays far below any deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_grammars_through_a_real_guest_are_bounded() {
+    let registry = ModelRegistry::new();
+    registry.register("tiny", common::tiny_model()).register("tiny-again", common::tiny_model());
+    let limits = Limits { max_threads: 1, default_threads: 1, ..Limits::default() };
+    let host = PluginHost::new(registry, limits).unwrap();
+    let plugin = host.load(&common::guest_plugin("llamabox-fuzz.wasm")).unwrap();
+    let first = env("LLAMABOX_FUZZ_SEED", 1);
+    let seeds = env("LLAMABOX_FUZZ_SEEDS", 2);
+    let cases = env("LLAMABOX_FUZZ_GRAMMARS", 40).to_string();
+    let mut slowest = 0;
+    for seed in first..first + seeds {
+        let (outcome, out) = fuzz_run_with(&host, &plugin, seed, &["--calls", "0", "--grammars", &cases]).await;
+        assert_eq!(outcome, RunOutcome::Success, "seed {seed}:\n{out}");
+        assert!(out.lines().all(|l| !l.starts_with("fuzz-backend")), "seed {seed}: a grammar reached a backend error:\n{out}");
+        let ms: u64 = common::field(&out, "fuzz-grammar-slowest-ms").parse().unwrap();
+        println!("seed {seed}: {cases} grammars, slowest call {ms} ms: {}", common::field(&out, "fuzz-outcomes"));
+        slowest = slowest.max(ms);
+    }
+    // A bound, not a benchmark: the attacks this replays took 14 s to minutes per call.
+    assert!(slowest < 5_000, "a grammar call took {slowest} ms");
 }

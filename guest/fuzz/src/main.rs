@@ -6,12 +6,15 @@
 //!
 //! `--seed N --calls M --models a,b --projectors x,y`. Every call must return `Ok` or
 //! a named error; the host must never trap the plugin or abort. Prints `fuzz-*` lines.
+//! `--grammars N` runs N hostile grammars (grammars.rs) instead of the call sequence.
 
 wit_bindgen::generate!({
     path: "../../wit",
     world: "plugin",
     generate_all,
 });
+
+mod grammars;
 
 use std::collections::BTreeMap;
 
@@ -84,10 +87,11 @@ struct Options {
     calls: u64,
     models: Vec<String>,
     projectors: Vec<String>,
+    grammars: u64,
 }
 
 fn parse() -> Result<Options, String> {
-    let mut o = Options { seed: 1, calls: 200, models: vec!["default".into()], projectors: Vec::new() };
+    let mut o = Options { seed: 1, calls: 200, models: vec!["default".into()], projectors: Vec::new(), grammars: 0 };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or(format!("{flag} needs a value"))?;
@@ -97,6 +101,7 @@ fn parse() -> Result<Options, String> {
             "--calls" => o.calls = value.parse().map_err(|_| format!("--calls: {value:?}"))?,
             "--models" => o.models = list(&value),
             "--projectors" => o.projectors = list(&value),
+            "--grammars" => o.grammars = value.parse().map_err(|_| format!("--grammars: {value:?}"))?,
             _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
@@ -159,6 +164,14 @@ fn main() {
     let mut rng = Rng(o.seed);
     let mut held = Held::default();
     let mut tally = Tally::default();
+    if o.grammars > 0 {
+        let model = Model::open(&o.models[0]).unwrap_or_else(|e| panic!("model {}: {e:?}", o.models[0]));
+        let ctx = Context::create(&model, ContextParams { n_ctx: Some(512), n_batch: None, n_ubatch: None, n_seq_max: None, n_threads: Some(1) })
+            .unwrap_or_else(|e| panic!("context: {e:?}"));
+        let slowest = (0..o.grammars).map(|_| grammars::case(&mut rng, &model, &ctx, &mut tally)).max().unwrap_or(0);
+        println!("fuzz-grammar-cases: {}", o.grammars);
+        println!("fuzz-grammar-slowest-ms: {slowest}");
+    }
     for _ in 0..o.calls {
         step(&o, &mut rng, &mut held, &mut tally);
     }
