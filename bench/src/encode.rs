@@ -82,7 +82,7 @@ pub fn measure(
     let (w, h) = (320u32, 240u32);
     let rgb = (0..h).flat_map(|y| (0..w).flat_map(move |x| [(x * 255 / w) as u8, (y * 255 / h) as u8, 96])).collect();
     let caps = MediaCaps { max_image_side: 1024, max_audio_samples: 0 };
-    let chunks = media.tokenize(MediaContext::marker(), &[MediaInput::Image { width: w, height: h, rgb }], caps)?;
+    let chunks = media.tokenize(MediaContext::marker(), &[MediaInput::Image { width: w, height: h, rgb }], caps, usize::MAX)?;
     let chunk = chunks.into_iter().find(|c| c.kind() == ChunkKind::Image).context("no image chunk")?;
 
     let reference = media.encode(&chunk, None)?; // also warms up

@@ -9,6 +9,7 @@
 
 mod builds;
 mod encode;
+mod grammar;
 mod guest;
 mod machine;
 mod native;
@@ -92,6 +93,10 @@ struct Cli {
     /// The cancel-latency figure.
     #[arg(long, default_value = "bench/cancel-latency.png")]
     png: PathBuf,
+    /// Only compare grammar-constrained sampling (llguidance vs llama.cpp's matcher) on
+    /// `--real-model` and write that report here (`make bench-grammar`).
+    #[arg(long, requires = "real_model")]
+    grammar_report: Option<PathBuf>,
 }
 
 /// Everything below this line in RESULTS.md is written by hand and kept across runs.
@@ -106,6 +111,12 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     ensure!(cli.runs >= 1 && cli.gen_runs >= 1 && cli.threads >= 1, "--runs, --gen-runs and --threads must be at least 1");
+    if let (Some(out), Some(model)) = (&cli.grammar_report, &cli.real_model) {
+        let report = grammar::report(model, 64, cli.runs.max(3), Duration::from_secs(5))?;
+        std::fs::write(out, &report).with_context(|| format!("writing {}", out.display()))?;
+        println!("{report}");
+        return Ok(());
+    }
     llamabox::native::set_idle_poll(cli.idle_poll);
     ensure!((2..=2048).contains(&cli.prompt_tokens), "--prompt-tokens must be in [2, 2048]");
     let load_start = machine::load_average();
