@@ -640,3 +640,37 @@ fn grammar_bombs_are_refused_or_bounded_per_token() {
     // A bound, not a benchmark: the calls this replays took 14 s to minutes.
     assert!(slowest < std::time::Duration::from_secs(2), "a grammar call took {slowest:?}");
 }
+
+/// JSON Schema through llguidance: a generation under a schema is JSON that validates
+/// (compact, whatever the weights say), and schemas over the caps or malformed are
+/// refused with a reason.
+#[test]
+fn a_json_schema_constrains_generation_to_valid_json() {
+    let model = load(common::tiny_model());
+    let schema = r#"{"type":"object","properties":{"ok":{"type":"boolean"},"n":{"type":"integer","minimum":0,"maximum":9},"tag":{"enum":["a","b"]}},"required":["ok","n","tag"],"additionalProperties":false}"#;
+    for seed in 0..4 {
+        let p = SamplerParams { json_schema: Some(schema.into()), temperature: Some(1.0), seed: Some(seed), ..SamplerParams::default() };
+        let mut ctx = Context::new(model.clone(), params()).unwrap();
+        let (outcome, pieces) = run(&mut ctx, &p, &request(prompt(&model), 48), &CancelFlag::new());
+        assert_eq!(outcome.unwrap().finish, FinishReason::EndOfGeneration, "the schema's object ends the generation");
+        let text = text_of(&pieces);
+        let value: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        let object = value.as_object().unwrap();
+        assert!(object["ok"].is_boolean() && (0..=9).contains(&object["n"].as_i64().unwrap()), "{text}");
+        assert!(["a", "b"].contains(&object["tag"].as_str().unwrap()) && object.len() == 3, "{text}");
+        assert!(!text.contains(' '), "compact: {text:?}");
+    }
+    let caps = SamplerCaps::default();
+    let bad = |schema: &str| match Sampler::new(model.clone(), &SamplerParams { json_schema: Some(schema.into()), ..SamplerParams::default() }, &caps) {
+        Err(Error::InvalidArgument(m)) => m,
+        other => panic!("{schema}: expected invalid-argument, got {:?}", other.map(|_| ())),
+    };
+    assert!(bad("{").contains("not JSON"));
+    assert!(bad("[1]").contains("object or a boolean"));
+    assert!(bad(r#"{"x-guidance":{"lenient":true}}"#).contains("x-guidance"));
+    let deep = "{\"type\":\"array\",\"items\":".repeat(40) + "{}" + &"}".repeat(40);
+    assert!(bad(&deep).contains("levels deep"));
+    assert!(bad(&format!("{{\"enum\":[\"{}\"]}}", "a".repeat(20_000))).contains("above the limit"));
+    let both = SamplerParams { json_schema: Some("{}".into()), grammar: Some(Grammar { text: "root ::= \"a\"".into(), root: None }), ..SamplerParams::default() };
+    assert!(matches!(Sampler::new(model.clone(), &both, &caps), Err(Error::InvalidArgument(m)) if m.contains("cannot both")));
+}

@@ -116,6 +116,18 @@ impl Object {
         }
     }
 
+    /// A 400 naming the first field that is not in `honoured` and is not off (`null`,
+    /// `false`, `[]`): a field this server would otherwise ignore, leaving the client
+    /// believing it got JSON, a tool call or logprobs.
+    pub fn refuse_unknown(&self, honoured: &[&str]) -> Result<(), ApiError> {
+        let off = |v: &Value| matches!(v, Value::Null | Value::Bool(false)) || v.as_array().is_some_and(Vec::is_empty);
+        match self.0.iter().find(|(name, value)| !honoured.contains(&name.as_str()) && !off(value)) {
+            Some((name, _)) => Err(ApiError::invalid(format!("Unsupported parameter: '{name}' is not supported by this server"), Some(name))
+                .with_code("unsupported_parameter")),
+            None => Ok(()),
+        }
+    }
+
     pub fn require<T: DeserializeOwned>(&self, name: &str) -> Result<T, ApiError> {
         self.get(name)?.ok_or_else(|| ApiError::invalid(format!("Missing required parameter: '{name}'"), Some(name)))
     }
@@ -164,6 +176,34 @@ pub struct ContentPart {
 #[derive(Deserialize)]
 pub struct ImageUrl {
     pub url: String,
+}
+
+/// `response_format`: plain text, any JSON object, or JSON valid against a schema.
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+/// `response_format.json_schema`. `name`, `description` and `strict` are read (so a
+/// misspelt field is refused, not ignored) but change nothing: the output always
+/// follows the schema here (it is a grammar), strict or not.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JsonSchemaFormat {
+    #[allow(dead_code)]
+    pub name: String,
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub description: Option<String>,
+    /// Absent: any JSON value.
+    #[serde(default)]
+    pub schema: Option<Value>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub strict: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -314,6 +354,19 @@ mod tests {
         assert_eq!(base64(b"foo"), "Zm9v");
         assert_eq!(base64(b"foobar"), "Zm9vYmFy");
         assert_eq!(base64(&1.0f32.to_le_bytes()), "AACAPw==");
+    }
+
+    #[test]
+    fn fields_this_server_would_ignore_are_refused_by_name() {
+        let body = Object::parse(br#"{"model": "m", "logprobs": false, "tools": [], "echo": null, "top_logprobs": 3}"#).unwrap();
+        let e = body.refuse_unknown(&["model"]).unwrap_err();
+        assert_eq!((e.status, e.param.as_deref(), e.code), (400, Some("top_logprobs"), Some("unsupported_parameter")));
+        Object::parse(br#"{"model": "m", "logprobs": false}"#).unwrap().refuse_unknown(&["model"]).unwrap();
+        let format = |json: &str| serde_json::from_str::<ResponseFormat>(json).map(|_| ()).map_err(|e| e.to_string());
+        format(r#"{"type": "json_object"}"#).unwrap();
+        format(r#"{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": true}}"#).unwrap();
+        assert!(format(r#"{"type": "xml"}"#).is_err());
+        assert!(format(r#"{"type": "json_schema", "json_schema": {"name": "x", "schemas": {}}}"#).is_err(), "a misspelt field is not ignored");
     }
 
     #[test]

@@ -26,6 +26,8 @@ const MAX_STOP_STRINGS: usize = 8;
 const MAX_STOP_BYTES: usize = 256;
 /// Recent tokens that presence and frequency penalties look at.
 const PENALTY_LAST_N: u32 = 64;
+/// The host's max-penalty-last-n by default.
+const MAX_REPEAT_LAST_N: u32 = 4096;
 /// Longest embedding input, in tokens (the host's default `max-n-batch`).
 const MAX_EMBED_TOKENS: u32 = 2048;
 
@@ -95,7 +97,7 @@ fn models() -> String {
 
 /// `POST /v1/chat/completions`.
 fn chat(body: &Object) -> Result<Reply, ApiError> {
-    let sampling = Sampling::read(body)?;
+    let sampling = Sampling::read(body, &["messages"])?;
     let messages: Vec<Message> = body.require("messages")?;
     if messages.is_empty() {
         return Err(ApiError::invalid("'messages' must contain at least one message", Some("messages")));
@@ -201,7 +203,7 @@ fn chat_message(i: usize, m: Message, images: &mut Vec<Input>) -> Result<ChatMes
 
 /// `POST /v1/completions`.
 fn completion(body: &Object) -> Result<Reply, ApiError> {
-    let sampling = Sampling::read(body)?;
+    let sampling = Sampling::read(body, &["prompt"])?;
     let prompt: api::Prompt = body.require("prompt")?;
     let (name, model) = open_model(body)?;
     let tokens = match prompt {
@@ -224,6 +226,22 @@ fn checked_tokens(model: &Model, tokens: Vec<i32>, param: &str) -> Result<Vec<i3
     }
 }
 
+/// Fields chat and text completions both honour (OpenAI's, llama-server's sampler
+/// extras, and `user`, which OpenAI uses only to attribute abuse). Any other field is
+/// refused by name unless it is off.
+const SAMPLING_FIELDS: &[&str] = &[
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
+    "frequency_penalty", "logit_bias", "stream", "stream_options", "n", "user", "response_format", "top_k", "min_p",
+    "typical_p", "repeat_penalty", "repeat_last_n", "grammar", "json_schema", "ignore_eos",
+];
+
+/// How output is constrained: a GBNF grammar or a JSON Schema (text), or neither.
+enum Constraint {
+    None,
+    Grammar(String),
+    JsonSchema(String),
+}
+
 /// The sampling fields chat and text completions share.
 struct Sampling {
     max_tokens: Option<u32>,
@@ -236,10 +254,22 @@ struct Sampling {
     logit_bias: Vec<(String, f32)>,
     stream: bool,
     include_usage: bool,
+    /// llama-server's extras: 0 / 1.0 / 0 mean off, as there.
+    top_k: u32,
+    min_p: f32,
+    typical_p: f32,
+    repeat_penalty: f32,
+    repeat_last_n: u32,
+    ignore_eos: bool,
+    constraint: Constraint,
 }
 
 impl Sampling {
-    fn read(body: &Object) -> Result<Self, ApiError> {
+    /// The shared fields of `body`, after refusing any field outside `SAMPLING_FIELDS`
+    /// and `own` (the endpoint's own fields).
+    fn read(body: &Object, own: &[&str]) -> Result<Self, ApiError> {
+        let honoured: Vec<&str> = SAMPLING_FIELDS.iter().chain(own).copied().collect();
+        body.refuse_unknown(&honoured)?;
         let in_range = |name: &str, value: Option<f32>, default: f32, lo: f32, hi: f32| match value {
             Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::invalid(format!("'{name}' must be between {lo} and {hi}"), Some(name))),
             v => Ok(v.unwrap_or(default)),
@@ -272,7 +302,22 @@ impl Sampling {
         }
         let stream = body.get("stream")?.unwrap_or(false);
         let options: Option<api::StreamOptions> = body.get("stream_options")?;
+        let repeat_last_n: u32 = body.get("repeat_last_n")?.unwrap_or(PENALTY_LAST_N);
+        if repeat_last_n > MAX_REPEAT_LAST_N {
+            return Err(ApiError::invalid(format!("'repeat_last_n' must be at most {MAX_REPEAT_LAST_N}"), Some("repeat_last_n")));
+        }
+        let repeat_penalty = body.get::<f32>("repeat_penalty")?.unwrap_or(1.0);
+        if !(repeat_penalty > 0.0 && repeat_penalty.is_finite()) {
+            return Err(ApiError::invalid("'repeat_penalty' must be above 0", Some("repeat_penalty")));
+        }
         Ok(Sampling {
+            top_k: body.get("top_k")?.unwrap_or(0),
+            min_p: in_range("min_p", body.get("min_p")?, 0.0, 0.0, 1.0)?,
+            typical_p: in_range("typical_p", body.get("typical_p")?, 1.0, 0.0, 1.0)?,
+            repeat_penalty,
+            repeat_last_n,
+            ignore_eos: body.get("ignore_eos")?.unwrap_or(false),
+            constraint: constraint(body)?,
             max_tokens,
             temperature: in_range("temperature", body.get("temperature")?, 1.0, 0.0, 2.0)?,
             top_p: in_range("top_p", body.get("top_p")?, 1.0, 0.0, 1.0)?,
@@ -296,16 +341,30 @@ impl Sampling {
             } else if self.top_p < 1.0 {
                 p.top_p = Some(self.top_p);
             }
+            p.top_k = p.top_k.or((self.top_k > 0).then_some(self.top_k));
+            p.min_p = (self.min_p > 0.0).then_some(self.min_p);
+            p.typical_p = (self.typical_p > 0.0 && self.typical_p < 1.0).then_some(self.typical_p);
             // OpenAI's seed is any integer; the host's is 32 bits (the low ones are kept).
             p.seed = self.seed.map(|s| s as u32);
         }
-        if self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 {
+        let penalised = self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repeat_penalty != 1.0;
+        if penalised && self.repeat_last_n > 0 {
             p.penalties = Some(Penalties {
-                last_n: PENALTY_LAST_N,
-                repeat: 1.0,
+                last_n: self.repeat_last_n,
+                repeat: self.repeat_penalty,
                 frequency: self.frequency_penalty,
                 presence: self.presence_penalty,
             });
+        }
+        match &self.constraint {
+            Constraint::None => {}
+            Constraint::Grammar(text) => p.grammar = Some(generate::Grammar { text: text.clone(), root: None }),
+            Constraint::JsonSchema(schema) => p.json_schema = Some(schema.clone()),
+        }
+        if self.ignore_eos {
+            // Every end-of-generation token, as llama-server bans them.
+            let ends = (0..model.n_vocab() as i32).filter(|&t| model.is_eog(t));
+            p.logit_bias.extend(ends.map(|token| LogitBias { token, bias: f32::NEG_INFINITY }));
         }
         for (token, bias) in &self.logit_bias {
             let invalid = || ApiError::invalid(format!("'{token}' in logit_bias is not a token id"), Some("logit_bias"));
@@ -316,6 +375,25 @@ impl Sampling {
             p.logit_bias.push(LogitBias { token, bias });
         }
         Ok(p)
+    }
+}
+
+/// `response_format`, llama-server's `grammar` and `json_schema`: at most one of them.
+fn constraint(body: &Object) -> Result<Constraint, ApiError> {
+    let format: Option<api::ResponseFormat> = body.get("response_format")?;
+    let grammar: Option<String> = body.get("grammar")?;
+    let schema: Option<serde_json::Value> = body.get("json_schema")?;
+    let from_format = match format {
+        None | Some(api::ResponseFormat::Text) => None,
+        Some(api::ResponseFormat::JsonObject) => Some(serde_json::json!({ "type": "object" })),
+        // No schema: any JSON value.
+        Some(api::ResponseFormat::JsonSchema { json_schema }) => Some(json_schema.schema.unwrap_or(serde_json::Value::Bool(true))),
+    };
+    match (from_format, grammar, schema) {
+        (None, None, None) => Ok(Constraint::None),
+        (None, Some(text), None) => Ok(Constraint::Grammar(text)),
+        (Some(schema), None, None) | (None, None, Some(schema)) => Ok(Constraint::JsonSchema(schema.to_string())),
+        _ => Err(ApiError::invalid("Use one of 'response_format', 'grammar' and 'json_schema'", Some("response_format"))),
     }
 }
 
@@ -523,6 +601,7 @@ impl Stream {
 
 /// `POST /v1/embeddings`.
 fn embed(body: &Object) -> Result<String, ApiError> {
+    body.refuse_unknown(&["model", "input", "encoding_format", "dimensions", "user"])?;
     let input: api::EmbeddingInput = body.require("input")?;
     let base64 = match body.get::<String>("encoding_format")?.as_deref() {
         None | Some("float") => false,
@@ -651,7 +730,7 @@ mod tests {
 
     #[test]
     fn sampling_fields_are_checked() {
-        let read = |json: &str| Sampling::read(&Object::parse(json.as_bytes()).unwrap());
+        let read = |json: &str| Sampling::read(&Object::parse(json.as_bytes()).unwrap(), &["messages"]);
         let s = read(r#"{"max_tokens":16,"temperature":0,"stop":"\n","stream":true,"stream_options":{"include_usage":true}}"#).unwrap();
         assert_eq!((s.max_tokens, s.temperature, s.stop.clone(), s.stream, s.include_usage), (Some(16), 0.0, vec!["\n".to_string()], true, true));
         let s = read(r#"{"max_tokens":16,"max_completion_tokens":4,"stop":["a","b"]}"#).unwrap();
@@ -667,10 +746,33 @@ mod tests {
             (r#"{"presence_penalty":5}"#, "presence_penalty"),
             (r#"{"logit_bias":{"1":200}}"#, "logit_bias"),
             (r#"{"stream":"yes"}"#, "stream"),
+            (r#"{"logprobs":true}"#, "logprobs"),
+            (r#"{"tools":[{"type":"function"}]}"#, "tools"),
+            (r#"{"suffix":"x"}"#, "suffix"),
+            (r#"{"best_of":2}"#, "best_of"),
+            (r#"{"prompt":"x"}"#, "prompt"),
+            (r#"{"response_format":{"type":"xml"}}"#, "response_format"),
+            (r#"{"response_format":{"type":"json_object"},"grammar":"root ::= [0-9]"}"#, "response_format"),
+            (r#"{"min_p":2}"#, "min_p"),
+            (r#"{"repeat_penalty":0}"#, "repeat_penalty"),
+            (r#"{"repeat_last_n":100000}"#, "repeat_last_n"),
         ] {
             let e = read(json).err().unwrap_or_else(|| panic!("{json} was accepted"));
             assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{json}");
         }
+    }
+
+    #[test]
+    fn structured_output_and_llama_server_extras_reach_the_sampler() {
+        let read = |json: &str| Sampling::read(&Object::parse(json.as_bytes()).unwrap(), &["messages"]).unwrap();
+        let s = read(r#"{"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"integer"}}}}"#);
+        assert!(matches!(&s.constraint, Constraint::JsonSchema(text) if text == r#"{"type":"integer"}"#));
+        assert!(matches!(read(r#"{"response_format":{"type":"json_object"}}"#).constraint, Constraint::JsonSchema(t) if t == r#"{"type":"object"}"#));
+        assert!(matches!(read(r#"{"response_format":{"type":"text"}}"#).constraint, Constraint::None));
+        assert!(matches!(read(r#"{"grammar":"root ::= [0-9]"}"#).constraint, Constraint::Grammar(_)));
+        assert!(matches!(read(r#"{"json_schema":{"type":"boolean"}}"#).constraint, Constraint::JsonSchema(_)));
+        let s = read(r#"{"top_k":5,"min_p":0.1,"typical_p":0.5,"repeat_penalty":1.3,"repeat_last_n":32,"ignore_eos":true}"#);
+        assert_eq!((s.top_k, s.min_p, s.typical_p, s.repeat_penalty, s.repeat_last_n, s.ignore_eos), (5, 0.1, 0.5, 1.3, 32, true));
     }
 
     #[test]

@@ -248,6 +248,7 @@ fn native_sampler_params(p: SamplerParams) -> native::SamplerParams {
         seed: p.seed,
         logit_bias: p.logit_bias.into_iter().map(|b| (b.token, b.bias)).collect(),
         grammar: p.grammar.map(|g| native::Grammar { text: g.text, root: g.root }),
+        json_schema: p.json_schema,
     }
 }
 
@@ -281,6 +282,7 @@ impl Host for LlamaCtxView<'_> {
             seed: None,
             logit_bias: Vec::new(),
             grammar: None,
+            json_schema: None,
         })
     }
 

@@ -774,6 +774,32 @@ impl GrammarEnv {
     }
 }
 
+/// Deepest nesting of objects and arrays in a JSON Schema: llguidance's schema compiler
+/// recurses per level (serde_json's own parse limit is 128).
+pub const MAX_SCHEMA_DEPTH: usize = 32;
+
+/// How deep objects and arrays nest in `value`, counted without recursion.
+fn json_depth(value: &serde_json::Value) -> usize {
+    let mut stack = vec![(value, 1)];
+    let mut deepest = 0;
+    while let Some((v, depth)) = stack.pop() {
+        deepest = deepest.max(depth);
+        match v {
+            serde_json::Value::Array(items) => stack.extend(items.iter().map(|i| (i, depth + 1))),
+            serde_json::Value::Object(map) => stack.extend(map.values().map(|i| (i, depth + 1))),
+            _ => {}
+        }
+    }
+    deepest
+}
+
+/// The sampler that holds a constraint moves between threads (`unsafe impl Send for
+/// Sampler` relies on this): checked here, by the compiler.
+const _: fn() = || {
+    fn send<T: Send>() {}
+    send::<Constraint>();
+};
+
 /// A grammar's state while a stream of tokens is sampled.
 pub struct Constraint {
     matcher: Matcher,
@@ -783,7 +809,40 @@ pub struct Constraint {
 impl Constraint {
     /// Compile `lark` (llguidance syntax) for the model whose environment this is.
     pub(crate) fn new(env: &GrammarEnv, lark: String) -> Result<Self> {
-        let parser = env.factory.create_parser(TopLevelGrammar::from_lark(lark));
+        Self::compile(env, TopLevelGrammar::from_lark(lark))
+    }
+
+    /// Output that is JSON valid against `schema` (JSON Schema text), compact: no
+    /// whitespace outside strings, as OpenAI's structured output writes it. Capped like
+    /// a grammar (`caps.max_bytes`) and [`MAX_SCHEMA_DEPTH`] levels deep.
+    pub(crate) fn json_schema(env: &GrammarEnv, schema: &str, caps: &GrammarCaps) -> Result<Self> {
+        if schema.len() > caps.max_bytes {
+            return Err(Error::InvalidArgument(format!("json-schema of {} bytes is above the limit {}", schema.len(), caps.max_bytes)));
+        }
+        let mut value: serde_json::Value =
+            serde_json::from_str(schema).map_err(|e| Error::InvalidArgument(format!("json-schema is not JSON: {e}")))?;
+        let depth = json_depth(&value);
+        if depth > MAX_SCHEMA_DEPTH {
+            return Err(Error::InvalidArgument(format!("json-schema nests {depth} levels deep, above the limit {MAX_SCHEMA_DEPTH}")));
+        }
+        match &mut value {
+            serde_json::Value::Object(map) if map.contains_key("x-guidance") => {
+                return Err(Error::InvalidArgument("json-schema: x-guidance is set by the host".into()));
+            }
+            serde_json::Value::Object(map) => {
+                map.insert("x-guidance".into(), serde_json::json!({ "whitespace_flexible": false }));
+            }
+            serde_json::Value::Bool(_) => {}
+            _ => return Err(Error::InvalidArgument("json-schema must be a JSON object or a boolean".into())),
+        }
+        Self::compile(env, TopLevelGrammar::from_json_schema(value)).map_err(|e| match e {
+            Error::InvalidArgument(m) => Error::InvalidArgument(m.replacen("grammar: ", "json-schema: ", 1)),
+            e => e,
+        })
+    }
+
+    fn compile(env: &GrammarEnv, grammar: TopLevelGrammar) -> Result<Self> {
+        let parser = env.factory.create_parser(grammar);
         let matcher = Matcher::new(parser);
         if let Some(e) = matcher.get_error() {
             return err(e);

@@ -40,6 +40,8 @@ pub struct SamplerParams {
     pub logit_bias: Vec<(Token, f32)>,
     /// A GBNF grammar the output must follow, and its start rule (`root` if `None`).
     pub grammar: Option<Grammar>,
+    /// A JSON Schema the output must be valid JSON for (not with `grammar`).
+    pub json_schema: Option<String>,
 }
 
 /// Repetition penalties over the last `last_n` tokens the sampler accepted.
@@ -112,7 +114,8 @@ pub struct Sampler {
 }
 
 // SAFETY: a sampler chain is plain state used by one thread at a time (`&mut self` for
-// every call); nothing in it is tied to the thread that made it. The matcher is Send.
+// every call); nothing in it is tied to the thread that made it. The grammar's matcher
+// is Send (asserted at compile time in grammar.rs).
 unsafe impl Send for Sampler {}
 
 fn invalid<T>(what: String) -> Result<T> {
@@ -202,9 +205,12 @@ impl Sampler {
             // SAFETY: checked ranges; allocates a ring of `last_n` (capped) tokens.
             add(&sampler, unsafe { sys::llama_sampler_init_penalties(n_vocab, p.last_n as i32, p.repeat, p.frequency, p.presence) })?;
         }
-        if let Some(g) = &params.grammar {
-            sampler.grammar = Some(compile(&sampler.model, g, &caps.grammar())?);
-        }
+        sampler.grammar = match (&params.grammar, &params.json_schema) {
+            (Some(_), Some(_)) => return invalid("a grammar and a json-schema cannot both constrain one sampler".into()),
+            (Some(g), None) => Some(compile(&sampler.model, g, &caps.grammar())?),
+            (None, Some(schema)) => Some(Constraint::json_schema(sampler.model.grammar_env()?, schema, &caps.grammar())?),
+            (None, None) => None,
+        };
         let greedy = params.temperature.is_none_or(|t| t < MIN_TEMPERATURE);
         if !greedy {
             // SAFETY (all below): parameters checked in range above.
