@@ -25,6 +25,9 @@ pub struct PluginLabels {
 pub enum Cause {
     /// The client hung up.
     Disconnect,
+    /// The client stopped reading its response (taken for gone: see
+    /// `ServeConfig::write_stall_timeout_ms`).
+    WriteStall,
     /// Its deadline passed.
     Deadline,
     /// The server shut down with it still running after the grace period.
@@ -44,6 +47,10 @@ pub enum Refusal {
     QueueFull,
     QueueTimeout,
     BodyTooLarge,
+    /// The body did not arrive within the body timeout (408).
+    BodyTimeout,
+    /// Its client had its most requests in progress already (429).
+    ClientLimit,
     Draining,
 }
 
@@ -57,6 +64,7 @@ impl EncodeLabelValue for Cause {
     fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
         encoder.write_str(match self {
             Cause::Disconnect => "disconnect",
+            Cause::WriteStall => "write_stall",
             Cause::Deadline => "deadline",
             Cause::Shutdown => "shutdown",
             Cause::Plugin => "plugin",
@@ -70,6 +78,8 @@ impl EncodeLabelValue for Refusal {
             Refusal::QueueFull => "queue_full",
             Refusal::QueueTimeout => "queue_timeout",
             Refusal::BodyTooLarge => "body_too_large",
+            Refusal::BodyTimeout => "body_timeout",
+            Refusal::ClientLimit => "client_limit",
             Refusal::Draining => "draining",
         })
     }
