@@ -97,6 +97,8 @@ fn stalled_bodies_hold_no_slot_and_get_408_and_bodies_over_the_cap_get_413() {
         let mut first = connect_from(attacker(n), server.addr, None);
         first.write_all(head.as_bytes()).unwrap();
         stalled.push(first);
+        // The server has the first in progress before the second comes.
+        server.wait_metric("llamabox_reading_bodies", f64::from(n + 1));
         let mut second = connect_from(attacker(n), server.addr, None);
         second.write_all(head.as_bytes()).unwrap();
         let error = refusal(&mut second, "429");
@@ -112,6 +114,7 @@ fn stalled_bodies_hold_no_slot_and_get_408_and_bodies_over_the_cap_get_413() {
         assert!(text.contains(&format!("did not arrive within {BODY_TIMEOUT_MS} ms")), "{text}");
     }
     let waited = started.elapsed();
+    assert_eq!(server.metric("llamabox_reading_bodies"), 0.0);
     assert!(waited >= Duration::from_millis(BODY_TIMEOUT_MS), "408 after {waited:?}");
     println!("figure: 4 stalled bodies answered 408 within {:.2} s of the first", waited.as_secs_f64());
     assert_eq!(server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"body_timeout\"}"), 4.0);

@@ -93,6 +93,7 @@ pub struct Metrics {
     pub refused: Family<RefusalLabels, Counter>,
     pub cancels: Family<CauseLabels, Counter>,
     pub queue_depth: Gauge,
+    pub reading_bodies: Gauge,
     pub in_flight: Gauge,
     pub live_workers: Gauge,
     pub idle_contexts: Gauge,
@@ -121,6 +122,8 @@ impl Metrics {
         registry.register("cancels", "Runs stopped with native work in flight, by cause (plugin: calls a plugin cancelled)", Family::clone(&cancels));
         let queue_depth = Gauge::default();
         registry.register("queue_depth", "Requests waiting for a slot", queue_depth.clone());
+        let reading_bodies = Gauge::default();
+        registry.register("reading_bodies", "Requests whose body is being read, before admission", reading_bodies.clone());
         let in_flight = Gauge::default();
         registry.register("in_flight", "Requests whose plugin is running", in_flight.clone());
         let live_workers = Gauge::default();
@@ -159,6 +162,7 @@ impl Metrics {
             refused,
             cancels,
             queue_depth,
+            reading_bodies,
             in_flight,
             live_workers,
             idle_contexts,

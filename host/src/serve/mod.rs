@@ -331,6 +331,7 @@ impl Server {
         // The whole body before a slot: a client that stalls mid-body holds no slot.
         let (parts, body) = request.into_parts();
         let timeout = self.config.body_timeout();
+        let reading = Reading::new(&self.metrics.reading_bodies);
         let body = match tokio::time::timeout(timeout, Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX)).collect()).await {
             Ok(Ok(body)) => body.to_bytes(),
             Ok(Err(e)) if e.is::<LengthLimitError>() => {
@@ -348,6 +349,7 @@ impl Server {
                 return self.answer(name, &id, closing(error(StatusCode::REQUEST_TIMEOUT, &message, None)));
             }
         };
+        drop(reading);
         let admitted = match self.admission.admit(&served.admission).await {
             Ok(admitted) => admitted,
             Err(refused) => {
@@ -504,6 +506,23 @@ struct Peer {
     ip: IpAddr,
     /// Closes the connection (its task drops it): for a client that stopped reading.
     close: Arc<tokio::sync::Notify>,
+}
+
+/// A request whose body is being read, counted in a gauge until dropped (however the
+/// read ends, a client gone mid-body included).
+struct Reading(prometheus_client::metrics::gauge::Gauge);
+
+impl Reading {
+    fn new(gauge: &prometheus_client::metrics::gauge::Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// What a running request holds until its run ends.
