@@ -766,7 +766,11 @@ def main():
         lb = Server("llamabox", [args.llamabox, "serve", "--listen", "127.0.0.1:0", "--plugin", f"openai={args.plugin}",
                                  "--model", f"{MODEL_NAME}={args.model}", "--threads", str(args.threads),
                                  "--request-threads", str(request_threads),
-                                 "--plugin-env", f"LLAMABOX_N_CTX={args.n_ctx}", *args.llamabox_arg],
+                                 "--plugin-env", f"LLAMABOX_N_CTX={args.n_ctx}",
+                                 # One load generator is one client; and llama-server's queue
+                                 # has no timeout: queue as the earlier reports did (30 s).
+                                 "--max-client-requests", "0", "--queue-timeout-ms", "30000",
+                                 *args.llamabox_arg],
                     os.path.join(tmp, f"llamabox-{label}.log"))
         port = free_port()
         ls = Server("llama-server", [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),

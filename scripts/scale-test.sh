@@ -97,8 +97,10 @@ now() { date +%s.%N; }
 # (Not run in $(...): the replica must be this shell's child.)
 start_replica() {
   local name=$1 port t0 i; port=$(port_of "$1"); t0=$(now)
+  # --max-client-requests 0: behind nginx and HAProxy every request comes from 127.0.0.1,
+  # one client to the replica; the balancer is what sees the clients.
   "$LLAMABOX" serve --listen "127.0.0.1:$port" --plugin "openai=$PLUGIN" --model "smollm2=$MODEL" \
-    --threads 1 >>"$tmp/replica-$name.log" 2>&1 &
+    --threads 1 --max-client-requests 0 >>"$tmp/replica-$name.log" 2>&1 &
   pid[$name]=$!
   for ((i = 0; i < 1200; i++)); do
     kill -0 "${pid[$name]}" 2>/dev/null || { tail -20 "$tmp/replica-$name.log" >&2; die "replica $name exited while starting"; }

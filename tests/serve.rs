@@ -9,231 +9,13 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::Duration;
 
+use common::serve::*;
 use serde_json::{json, Value};
-
-/// Time any one step may take before the test fails (a hung server, not a slow one).
-const PATIENCE: Duration = Duration::from_secs(120);
-
-fn openai_plugin() -> PathBuf {
-    common::guest_plugin("llamabox_openai.wasm")
-}
-
-/// A `llamabox serve` child process.
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-    stdout: Arc<Mutex<String>>,
-    stderr: Arc<Mutex<String>>,
-}
-
-impl Server {
-    /// Serve the openai plugin with `models`, plus `flags`; returns once it is ready.
-    fn start(models: &[(&str, &Path)], flags: &[&str]) -> Server {
-        let mut args = vec!["--listen".to_string(), "127.0.0.1:0".into(), "--plugin".into()];
-        args.push(format!("openai={}", openai_plugin().display()));
-        for (name, path) in models {
-            args.push("--model".into());
-            args.push(format!("{name}={}", path.display()));
-        }
-        args.extend(flags.iter().map(|f| f.to_string()));
-        Server::spawn(&args)
-    }
-
-    /// `llamabox serve ARGS` (plus no compile cache); returns once it is ready.
-    fn spawn(args: &[String]) -> Server {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_llamabox"));
-        command.args(["serve", "--no-compile-cache"]).args(args);
-        command.stdout(Stdio::piped()).stderr(Stdio::piped());
-        let mut child = command.spawn().expect("starting llamabox serve");
-        let (stdout, stderr) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
-        collect(child.stdout.take().unwrap(), stdout.clone());
-        collect(child.stderr.take().unwrap(), stderr.clone());
-        let mut server = Server { child, addr: "127.0.0.1:0".parse().unwrap(), stdout, stderr };
-        server.wait_for_line("ready");
-        let out = server.stdout.lock().unwrap().clone();
-        let addr = out.lines().find_map(|l| l.strip_prefix("listening on http://")).expect("no listening line");
-        server.addr = addr.parse().unwrap();
-        server
-    }
-
-    fn wait_for_line(&mut self, line: &str) {
-        let started = Instant::now();
-        while !self.stdout.lock().unwrap().lines().any(|l| l == line) {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("the server exited ({status}) before {line:?}:\n{}\n{}", self.stdout(), self.stderr());
-            }
-            assert!(started.elapsed() < PATIENCE, "no {line:?} line from the server:\n{}", self.stdout());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
-    }
-
-    fn stdout(&self) -> String {
-        self.stdout.lock().unwrap().clone()
-    }
-
-    fn stderr(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-
-    /// The sum of the metric lines named `name` (with labels, if given as `name{..}`).
-    fn metric(&self, name: &str) -> f64 {
-        let (status, text) = curl(&[&self.url("/metrics")]);
-        assert_eq!(status, 200);
-        text.lines()
-            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    }
-
-    /// Wait until the metric is `want`.
-    fn wait_metric(&self, name: &str, want: f64) {
-        let started = Instant::now();
-        while self.metric(name) != want {
-            assert!(started.elapsed() < PATIENCE, "{name} stayed {} (want {want})", self.metric(name));
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// The server's `run ended` log line of request `id`, with its fields.
-    fn run_report(&self, id: &str) -> String {
-        let started = Instant::now();
-        loop {
-            let tag = format!("id={id} ");
-            if let Some(line) = self.stderr().lines().find(|l| l.contains(&tag) && l.contains("run ended")) {
-                return line.to_string();
-            }
-            assert!(started.elapsed() < PATIENCE, "no run report for {id}:\n{}", self.stderr());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn terminate(&mut self) -> ExitStatus {
-        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
-        assert!(status.success());
-        let started = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(started.elapsed() < PATIENCE, "the server did not exit after SIGTERM:\n{}", self.stdout());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Resident memory, from /proc.
-    fn rss_kib(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-        line.split_whitespace().nth(1).unwrap().parse().unwrap()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Copy a child's output into `into` as it comes.
-fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
-    std::thread::spawn(move || {
-        for line in BufReader::new(stream).lines().map_while(Result::ok) {
-            let mut text = into.lock().unwrap();
-            text.push_str(&line);
-            text.push('\n');
-        }
-    });
-}
-
-/// curl with `args`; its status code and body.
-fn curl(args: &[&str]) -> (u16, String) {
-    let out = Command::new("curl")
-        .args(["-sS", "--max-time", "120", "-w", "\n%{http_code}"])
-        .args(args)
-        .output()
-        .expect("running curl");
-    let text = String::from_utf8(out.stdout).unwrap();
-    let (body, status) = text.rsplit_once('\n').unwrap();
-    (status.parse().unwrap_or(0), body.to_string())
-}
-
-/// POST `body` as JSON with curl.
-fn post(server: &Server, path: &str, body: &Value, extra: &[&str]) -> (u16, String) {
-    post_to(&server.url(path), body, extra)
-}
-
-fn post_to(url: &str, body: &Value, extra: &[&str]) -> (u16, String) {
-    let body = body.to_string();
-    let mut args = vec!["-H", "content-type: application/json", "--data-binary", &body, url];
-    args.extend_from_slice(extra);
-    curl(&args)
-}
-
-/// The text of a chat completion, streamed (SSE deltas joined) or not.
-fn chat_text(response: &str, streamed: bool) -> String {
-    if !streamed {
-        let v: Value = serde_json::from_str(response).unwrap_or_else(|e| panic!("{e}: {response}"));
-        return v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
-    }
-    assert!(response.trim_end().ends_with("data: [DONE]"), "the stream did not end with [DONE]:\n{response}");
-    response
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|data| *data != "[DONE]")
-        .filter_map(|data| serde_json::from_str::<Value>(data).unwrap()["choices"][0]["delta"]["content"].as_str().map(String::from))
-        .collect()
-}
-
-fn chat(prompt: &str, max_tokens: u32, stream: bool) -> Value {
-    json!({"model": "smollm2", "messages": [{"role": "user", "content": prompt}],
-           "max_tokens": max_tokens, "temperature": 0, "stream": stream})
-}
-
-/// A prompt of about `words` × 2 tokens that no two callers share.
-fn long_prompt(words: usize, salt: &str) -> String {
-    (0..words).map(|i| format!("{salt}{i}")).collect::<Vec<_>>().join(" ")
-}
-
-/// A client that sends `body` to `path` as request `id`, reads until the response has
-/// `wait_for` in it, then closes its socket: the hang-up.
-fn hang_up_after(server: &Server, path: &str, id: &str, body: &Value, wait_for: &str) {
-    let body = body.to_string();
-    let mut socket = TcpStream::connect(server.addr).unwrap();
-    socket.set_read_timeout(Some(PATIENCE)).unwrap();
-    write!(
-        socket,
-        "POST {path} HTTP/1.1\r\nhost: llamabox\r\nx-request-id: {id}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains(wait_for) {
-        let n = socket.read(&mut buf).unwrap();
-        assert!(n > 0, "the server closed first: {}", String::from_utf8_lossy(&seen));
-        seen.extend_from_slice(&buf[..n]);
-    }
-    assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&seen));
-    drop(socket);
-}
-
-/// `key=value` from a log line.
-fn log_field<'a>(line: &'a str, key: &str) -> &'a str {
-    let start = line.find(&format!(" {key}=")).unwrap_or_else(|| panic!("no {key} in {line}")) + key.len() + 2;
-    line[start..].split_whitespace().next().unwrap()
-}
 
 /// The `openai` Python package, installed once outside the clone.
 fn openai_python_path() -> String {
@@ -341,9 +123,10 @@ fn a_later_request_reuses_the_prompt_start_it_shares_with_the_last() {
 
 #[test]
 fn a_hang_up_stops_its_own_native_work_and_nobody_elses() {
-    // Two requests run at once (2 threads, 1 each). No idle contexts: B's answer alone
-    // and beside A's hang-up must be computed alike, bit for bit.
-    let flags = ["--threads", "2", "--request-threads", "1", "--idle-contexts", "0"];
+    // Two requests run at once (2 threads, 1 each), both from 127.0.0.1: a client may
+    // run both. No idle contexts: B's answer alone and beside A's hang-up must be
+    // computed alike, bit for bit.
+    let flags = ["--threads", "2", "--request-threads", "1", "--idle-contexts", "0", "--max-client-requests", "2"];
     let server = Server::start(&[("smollm2", common::real_model())], &flags);
     let question = "Name three animals that live in the Andes.";
     let (status, alone) = post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]);
@@ -386,7 +169,8 @@ fn a_hang_up_stops_its_own_native_work_and_nobody_elses() {
 
 #[test]
 fn deadlines_queues_and_body_limits_answer_before_any_work_is_lost() {
-    let flags = ["--threads", "1", "--max-queue", "0", "--deadline-ms", "500", "--max-body-bytes", "65536"];
+    // Two requests from one client (127.0.0.1) meet the queue, not the per-client cap.
+    let flags = ["--threads", "1", "--max-queue", "0", "--deadline-ms", "500", "--max-body-bytes", "65536", "--max-client-requests", "2"];
     let server = Server::start(&[("smollm2", common::real_model())], &flags);
 
     // Far more work than 500 ms on any CPU: the deadline answers 504 and stops it.
@@ -583,7 +367,9 @@ fn wrk_requests(output: &str) -> u64 {
 
 #[test]
 fn load_with_wrk_and_hang_ups_leaves_no_worker_and_accounts_for_every_request() {
-    let server = Server::start(&[("tiny", common::tiny_model())], &["--threads", "2", "--request-threads", "1"]);
+    // wrk's connections are all one client (127.0.0.1): no per-client cap.
+    let flags = ["--threads", "2", "--request-threads", "1", "--max-client-requests", "0"];
+    let server = Server::start(&[("tiny", common::tiny_model())], &flags);
     let script = std::env::temp_dir().join(format!("llamabox-wrk-{}.lua", std::process::id()));
     let body = json!({"model": "tiny", "prompt": "a b c d", "max_tokens": 8, "temperature": 0}).to_string();
     std::fs::write(&script, format!("wrk.method = \"POST\"\nwrk.headers[\"content-type\"] = \"application/json\"\nwrk.body = {}\n", json!(body))).unwrap();

@@ -95,6 +95,17 @@ enum Command {
         /// How long a request may wait for a slot (then 503).
         #[arg(long, value_name = "MS")]
         queue_timeout_ms: Option<u64>,
+        /// How long a client may take to send its whole request body (then 408).
+        #[arg(long, value_name = "MS")]
+        body_timeout_ms: Option<u64>,
+        /// How long a response may wait for its client to read on: then the client is
+        /// taken for gone (its request stopped, its connection closed).
+        #[arg(long, value_name = "MS")]
+        write_stall_timeout_ms: Option<u64>,
+        /// Requests one client (IP address) may have in progress at once, then 429
+        /// (default: half of what can run at once, at least 1; 0: no cap).
+        #[arg(long, value_name = "N")]
+        max_client_requests: Option<u32>,
         /// On SIGTERM, how long requests in flight may take before they are stopped.
         #[arg(long, value_name = "MS")]
         shutdown_grace_ms: Option<u64>,
@@ -277,6 +288,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             max_queue,
             max_body_bytes,
             queue_timeout_ms,
+            body_timeout_ms,
+            write_stall_timeout_ms,
+            max_client_requests,
             shutdown_grace_ms,
             idle_contexts,
             cache,
@@ -302,6 +316,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.max_queue = max_queue.unwrap_or(config.max_queue);
             config.max_body_bytes = max_body_bytes.unwrap_or(config.max_body_bytes);
             config.queue_timeout_ms = queue_timeout_ms.unwrap_or(config.queue_timeout_ms);
+            config.body_timeout_ms = body_timeout_ms.unwrap_or(config.body_timeout_ms);
+            config.write_stall_timeout_ms = write_stall_timeout_ms.unwrap_or(config.write_stall_timeout_ms);
+            config.max_client_requests = max_client_requests.or(config.max_client_requests);
             config.shutdown_grace_ms = shutdown_grace_ms.unwrap_or(config.shutdown_grace_ms);
             config.idle_contexts = idle_contexts.or(config.idle_contexts);
             if config.compile_cache.is_none() {

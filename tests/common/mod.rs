@@ -1,6 +1,8 @@
 //! Shared by the integration tests: generated models, the built guest, a plugin runner.
 #![allow(dead_code)] // each test binary uses its own part of this module
 
+pub mod serve;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;

@@ -30,6 +30,12 @@ const PENALTY_LAST_N: u32 = 64;
 const MAX_REPEAT_LAST_N: u32 = 4096;
 /// Longest embedding input, in tokens (the host's default `max-n-batch`).
 const MAX_EMBED_TOKENS: u32 = 2048;
+/// What one request may embed: the host's default `max-embed-inputs` and
+/// `max-embed-tokens` (per run, which is per request here). Checked here first, so that
+/// a request over them is refused before any of it is computed; the host refuses only
+/// the call that would go over, after the ones before it ran.
+const MAX_EMBED_INPUTS: usize = 256;
+const MAX_EMBED_TOTAL_TOKENS: usize = 8192;
 
 /// What a handler answers: a whole JSON body, or a generation to stream.
 enum Reply {
@@ -611,6 +617,12 @@ fn embed(body: &Object) -> Result<String, ApiError> {
         }
     };
     let dimensions: Option<u32> = body.get("dimensions")?;
+    let count = match &input {
+        api::EmbeddingInput::Text(_) | api::EmbeddingInput::Tokens(_) => 1,
+        api::EmbeddingInput::Texts(texts) => texts.len(),
+        api::EmbeddingInput::TokenLists(lists) => lists.len(),
+    };
+    priced(count, 0)?;
     let (name, model) = open_model(body)?;
     if dimensions.is_some_and(|d| d != model.n_embd()) {
         return Err(ApiError::invalid(format!("This model's embeddings have {} dimensions", model.n_embd()), Some("dimensions")));
@@ -626,6 +638,7 @@ fn embed(body: &Object) -> Result<String, ApiError> {
     if inputs.is_empty() || inputs.iter().any(Vec::is_empty) {
         return Err(ApiError::invalid("'input' must be non-empty (and so must each of its items)", Some("input")));
     }
+    priced(inputs.len(), inputs.iter().map(Vec::len).sum())?;
     let longest = inputs.iter().map(Vec::len).max().unwrap_or(0) as u32;
     let limit = model.n_ctx_train().min(MAX_EMBED_TOKENS);
     if longest > limit {
@@ -653,6 +666,20 @@ fn embed(body: &Object) -> Result<String, ApiError> {
     Ok(api::to_json(&api::EmbeddingList { object: "list", data, model: &name, usage }))
 }
 
+/// Whether `inputs` inputs of `tokens` tokens in all are within what one request may
+/// embed; else a 400 naming the limit.
+fn priced(inputs: usize, tokens: usize) -> Result<(), ApiError> {
+    if inputs > MAX_EMBED_INPUTS {
+        let message = format!("'input' has {inputs} items: one request may embed at most {MAX_EMBED_INPUTS} (max-embed-inputs)");
+        return Err(ApiError::invalid(message, Some("input")));
+    }
+    if tokens > MAX_EMBED_TOTAL_TOKENS {
+        let message = format!("'input' is {tokens} tokens: one request may embed at most {MAX_EMBED_TOTAL_TOKENS} (max-embed-tokens)");
+        return Err(ApiError::invalid(message, Some("input")));
+    }
+    Ok(())
+}
+
 /// One normalized vector. Mean pooling, unless the model pools by itself (a dedicated
 /// embedding model): then the pooling it accepts, remembered in `pooling`.
 fn embed_one(ctx: &Context, tokens: &[i32], pooling: &mut Pooling, cancel: &CancelToken) -> Result<Vec<f32>, ApiError> {
@@ -667,6 +694,11 @@ fn embed_one(ctx: &Context, tokens: &[i32], pooling: &mut Pooling, cancel: &Canc
                 return Ok(vectors.remove(0));
             }
             Err(HostError::InvalidArgument(m)) if m.contains("pools its embeddings itself") => last_error = Some(HostError::InvalidArgument(m)),
+            // The host's embedding budget (max-embed-inputs/-tokens): the request asked
+            // for more than it allows, which is the request's fault (400, not 503).
+            Err(HostError::LimitExceeded(m)) if m.starts_with("max-embed-") => {
+                return Err(ApiError::invalid(format!("'input' is more than this server embeds per request: {m}"), Some("input")))
+            }
             Err(e) => return Err(e.into()),
         }
     }
@@ -691,6 +723,16 @@ mod tests {
 
     fn format(chat: bool) -> Format {
         Format { chat, id: "x-1".into(), created: 7, model: "m".into() }
+    }
+
+    #[test]
+    fn embeddings_are_priced_before_they_run() {
+        assert!(priced(MAX_EMBED_INPUTS, MAX_EMBED_TOTAL_TOKENS).is_ok());
+        let many = priced(60_000, 0).unwrap_err();
+        assert_eq!((many.status, many.param.as_deref()), (400, Some("input")));
+        assert!(many.message.contains("max-embed-inputs") && many.message.contains("60000"), "{}", many.message);
+        let long = priced(1, MAX_EMBED_TOTAL_TOKENS + 1).unwrap_err();
+        assert!(long.status == 400 && long.message.contains("max-embed-tokens"), "{}", long.message);
     }
 
     #[test]

@@ -27,7 +27,8 @@
 //! - Errors are OpenAI's `{"error":{"message","type","param","code"}}`: 400 for bad
 //!   requests (naming the `param`), 404 for unknown paths and models, 405 for a wrong
 //!   method, 413 for a body too big, 503 for a host limit on resources (contexts, KV
-//!   cells; a text over the host's size caps is 400),
+//!   cells; a text over the host's size caps is 400, and so are embeddings over what one
+//!   request may embed: 256 inputs, 8192 tokens, checked before any is computed),
 //!   500 for other host failures. After a stream has started, an error is sent as a
 //!   last `data: {"error":...}` event.
 

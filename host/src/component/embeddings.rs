@@ -6,8 +6,30 @@ use wasmtime::component::Resource;
 use super::bindings::llamabox::inference::embeddings::{Host, Pooling};
 use super::llm::ContextHandle;
 use super::pending::finished;
-use super::{Answer, CancelToken, LlamaCtxView};
+use super::{Answer, CancelToken, Error, LlamaCtxView};
 use crate::native::{self, Stop, Token};
+
+impl LlamaCtxView<'_> {
+    /// Charge `inputs` more inputs of `tokens` tokens in all to this store's embedding
+    /// budget, before any of it is computed; or name the limit it would go over.
+    fn charge_embeddings(&mut self, inputs: usize, tokens: usize) -> Result<(), Error> {
+        let (usage, limits) = (&mut self.ctx.usage, &self.ctx.limits);
+        let inputs = u32::try_from(inputs).unwrap_or(u32::MAX);
+        let tokens = u64::try_from(tokens).unwrap_or(u64::MAX);
+        let over = |name: &str, done: u64, more: u64, max: u64| {
+            Err(Error::LimitExceeded(format!("{name}: this plugin embedded {done} of {max} already, and asked for {more} more")))
+        };
+        if usage.embedded_inputs.saturating_add(inputs) > limits.max_embed_inputs {
+            return over("max-embed-inputs", usage.embedded_inputs.into(), inputs.into(), limits.max_embed_inputs.into());
+        }
+        if usage.embedded_tokens.saturating_add(tokens) > limits.max_embed_tokens {
+            return over("max-embed-tokens", usage.embedded_tokens, tokens, limits.max_embed_tokens);
+        }
+        usage.embedded_inputs += inputs;
+        usage.embedded_tokens += tokens;
+        Ok(())
+    }
+}
 
 impl Host for LlamaCtxView<'_> {
     async fn embed(
@@ -18,6 +40,9 @@ impl Host for LlamaCtxView<'_> {
         normalize: bool,
         cancel: Resource<CancelToken>,
     ) -> Answer<Vec<Vec<f32>>> {
+        if let Err(e) = self.charge_embeddings(inputs.len(), inputs.iter().map(Vec::len).sum()) {
+            return Ok(Err(e));
+        }
         let token = self.table.get(&cancel)?.flag.clone();
         let pooling = match pooling {
             Pooling::Mean => native::Pooling::Mean,
@@ -37,6 +62,9 @@ impl Host for LlamaCtxView<'_> {
         normalize: bool,
         cancel: Resource<CancelToken>,
     ) -> Answer<Vec<Vec<f32>>> {
+        if let Err(e) = self.charge_embeddings(1, tokens.len()) {
+            return Ok(Err(e));
+        }
         let token = self.table.get(&cancel)?.flag.clone();
         let call = self
             .table

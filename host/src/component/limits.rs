@@ -86,6 +86,16 @@ pub struct Limits {
     /// Samplers alive at once per store: each holds n-vocab candidates (12 bytes per
     /// token) and possibly a parsed grammar.
     pub max_samplers: u32,
+    /// Inputs one store may embed over its life (`embed` and `embed-rows` together):
+    /// each costs a call on the context's worker whatever its length (~15 ms for a
+    /// one-token input with SmolLM2 on this project's 2-core VM: 256 took 3.85 s; the
+    /// 60 000 of issue 23, a 300 KB request, were ~13 minutes of work). A call that
+    /// would go over is refused before it computes anything.
+    pub max_embed_inputs: u32,
+    /// Tokens one store may embed over its life: what embedding costs grows with. The
+    /// default, one full `max_n_ctx`, costs about what one full prompt does (~44 s on
+    /// one core at SmolLM2's 187 tokens/s), within the server's default deadline.
+    pub max_embed_tokens: u64,
 }
 
 impl Default for Limits {
@@ -122,6 +132,8 @@ impl Default for Limits {
             max_logit_bias: 1024,
             max_penalty_last_n: 4096,
             max_samplers: 16,
+            max_embed_inputs: 256,
+            max_embed_tokens: 8192,
         }
     }
 }

@@ -112,6 +112,9 @@ struct Usage {
     kv_cells: u64,
     chunk_bytes: u64,
     samplers: u32,
+    /// Inputs and tokens embedded so far (never given back: see `max_embed_inputs`).
+    embedded_inputs: u32,
+    embedded_tokens: u64,
 }
 
 /// Something a plugin holds that counts against a limit.

@@ -1,9 +1,12 @@
 //! Admission control: a request runs only with a slot of the server, a slot of its
 //! plugin and its plugin's llama.cpp threads out of the server's thread budget. Requests
-//! wait for those in a bounded queue, each for at most the queue timeout.
+//! wait for those in a bounded queue, each for at most the queue timeout. Before any of
+//! that, each client may have only so many requests in progress ([`Clients`]).
 
+use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -109,6 +112,73 @@ impl PluginAdmission {
     }
 }
 
+/// Requests in progress per client, so that no one client can hold every slot (or fill
+/// the queue ahead of everyone else).
+pub struct Clients {
+    max: Option<u32>,
+    counts: Arc<Mutex<HashMap<IpAddr, u32>>>,
+}
+
+/// One request's place among its client's; given back when dropped.
+pub struct ClientPermit {
+    counts: Arc<Mutex<HashMap<IpAddr, u32>>>,
+    client: IpAddr,
+}
+
+impl Clients {
+    /// At most `max` requests per client at once (`None`: no cap, none counted).
+    pub fn new(max: Option<u32>) -> Self {
+        Self { max, counts: Arc::new(Mutex::new(HashMap::new())) }
+    }
+
+    /// A place for one more request of `peer` (`None` when nothing is counted), or
+    /// `Err(max)` if it has `max` in progress already.
+    pub fn enter(&self, peer: IpAddr) -> Result<Option<ClientPermit>, u32> {
+        let Some(max) = self.max else { return Ok(None) };
+        let client = client_of(peer);
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let count = counts.entry(client).or_insert(0);
+        if *count >= max {
+            return Err(max);
+        }
+        *count += 1;
+        Ok(Some(ClientPermit { counts: self.counts.clone(), client }))
+    }
+
+    /// Clients with a request in progress now.
+    pub fn active(&self) -> usize {
+        self.counts.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+impl Drop for ClientPermit {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = counts.get_mut(&self.client) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.client);
+            }
+        }
+    }
+}
+
+/// Who a peer address is, as a client: an IPv4 address (IPv4-mapped IPv6 included), or
+/// an IPv6 /64, the block one host or home network is given (any address in it is as
+/// easy for that client to use as the next).
+fn client_of(peer: IpAddr) -> IpAddr {
+    match peer {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,5 +235,34 @@ mod tests {
         assert_eq!(server.admit(&plugin).await.err(), Some(Refused::QueueFull));
         drop(running);
         assert!(server.admit(&plugin).await.is_ok());
+    }
+
+    #[test]
+    fn each_client_has_its_own_cap_and_gets_its_places_back() {
+        let clients = Clients::new(Some(2));
+        let a: IpAddr = "127.0.0.2".parse().unwrap();
+        let b: IpAddr = "127.0.0.3".parse().unwrap();
+        let first = clients.enter(a).unwrap();
+        let _second = clients.enter(a).unwrap();
+        assert_eq!(clients.enter(a).err(), Some(2), "a third of a's is refused");
+        assert!(clients.enter(b).unwrap().is_some(), "b is not a");
+        drop(first);
+        let _again = clients.enter(a).expect("a's place came back");
+        let mapped: IpAddr = "::ffff:127.0.0.2".parse().unwrap();
+        assert!(clients.enter(mapped).is_err(), "an IPv4-mapped address is its IPv4 client");
+        let v6 = |s: &str| s.parse::<IpAddr>().unwrap();
+        let (_x, _y) = (clients.enter(v6("2001:db8:1:2::1")).unwrap(), clients.enter(v6("2001:db8:1:2::ffff")).unwrap());
+        assert!(clients.enter(v6("2001:db8:1:2:abcd::1")).is_err(), "one /64 is one client");
+        assert!(clients.enter(v6("2001:db8:1:3::1")).is_ok());
+        assert!(Clients::new(None).enter(a).unwrap().is_none(), "no cap: nothing counted");
+    }
+
+    #[test]
+    fn a_client_whose_requests_all_ended_is_forgotten() {
+        let clients = Clients::new(Some(1));
+        let permit = clients.enter("127.0.0.2".parse().unwrap()).unwrap();
+        assert_eq!(clients.active(), 1);
+        drop(permit);
+        assert_eq!(clients.active(), 0);
     }
 }

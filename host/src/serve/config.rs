@@ -34,6 +34,24 @@ pub struct ServeConfig {
     /// Largest request body; a larger one is answered 413.
     #[serde(default = "default_max_body_bytes")]
     pub max_body_bytes: u64,
+    /// How long a client may take to send its whole request body (from the end of its
+    /// head), else 408. The body is read before the request takes a slot, so a client
+    /// that stalls mid-body holds only its connection and this much time.
+    #[serde(default = "default_body_timeout_ms")]
+    pub body_timeout_ms: u64,
+    /// How long a response may wait for its client to take the next piece of its body;
+    /// then the client is taken for gone: its request is stopped as if it had hung up
+    /// (`cause="write_stall"`) and its connection closed.
+    #[serde(default = "default_write_stall_timeout_ms")]
+    pub write_stall_timeout_ms: u64,
+    /// Requests one client (an IPv4 address, an IPv6 /64) may have in progress at once,
+    /// from its request head to the end of its run (reading its body, queued, running);
+    /// one more is answered 429 at once. Default: half of what can run at once
+    /// (`min(max_concurrent, threads)`), at least 1, so that no one client can hold
+    /// every slot. 0: no per-client cap (behind a proxy every request comes from the
+    /// proxy's address: let the proxy cap its clients).
+    #[serde(default)]
+    pub max_client_requests: Option<u32>,
     /// On SIGTERM, how long in-flight requests may take to finish before they are
     /// stopped (native work included).
     #[serde(default = "default_shutdown_grace_ms")]
@@ -102,6 +120,8 @@ pub struct LimitOverrides {
     pub max_memory_mib: Option<usize>,
     pub max_contexts: Option<u32>,
     pub max_generate_tokens: Option<u32>,
+    pub max_embed_inputs: Option<u32>,
+    pub max_embed_tokens: Option<u64>,
 }
 
 fn all_cores() -> u32 {
@@ -113,17 +133,36 @@ fn default_max_concurrent() -> u32 {
 fn default_max_queue() -> u32 {
     64
 }
+/// 5 s: a waiting client is better off with a 503 + Retry-After soon (its balancer can
+/// try another replica) than after half a minute; a few chat completions end within it.
 fn default_queue_timeout_ms() -> u64 {
-    30_000
+    5_000
 }
 fn default_max_body_bytes() -> u64 {
     1 << 20
 }
+/// 10 s: a 1 MiB body (the cap) arrives in well under a second on any link a client
+/// would use for inference; a client still sending after 10 s is stalled or hostile.
+fn default_body_timeout_ms() -> u64 {
+    10_000
+}
+/// 30 s: a client that reads at all takes the next piece within round trips (the
+/// kernel's buffers hold what it has not read yet); 30 s without taking one is a dead
+/// or hostile reader holding a slot. Half nginx's `send_timeout` (60 s).
+fn default_write_stall_timeout_ms() -> u64 {
+    30_000
+}
 fn default_shutdown_grace_ms() -> u64 {
     10_000
 }
+/// 120 s: the most work the default limits allow one request, with SmolLM2-135M on one
+/// core of this project's 2-core VM (bench/RESULTS.md): a full 8192-token context with
+/// 4096 of it generated (`max_generate_tokens`) is ~22 s of prompt at 187 tokens/s and
+/// ~51 s of generation at 81 tokens/s; 120 s leaves room for the slower steps of a
+/// long context. Every second more is a second a runaway request holds its slot (300 s
+/// did). Raise it for larger models.
 fn default_deadline_ms() -> u64 {
-    300_000
+    120_000
 }
 fn default_group() -> String {
     "default".into()
@@ -155,6 +194,9 @@ impl ServeConfig {
             max_queue: default_max_queue(),
             queue_timeout_ms: default_queue_timeout_ms(),
             max_body_bytes: default_max_body_bytes(),
+            body_timeout_ms: default_body_timeout_ms(),
+            write_stall_timeout_ms: default_write_stall_timeout_ms(),
+            max_client_requests: None,
             shutdown_grace_ms: default_shutdown_grace_ms(),
             compile_cache: None,
             idle_contexts: None,
@@ -186,6 +228,9 @@ impl ServeConfig {
         }
         if self.threads == 0 || self.max_concurrent == 0 {
             bail!("threads and max_concurrent must be at least 1");
+        }
+        if self.body_timeout_ms == 0 || self.write_stall_timeout_ms == 0 {
+            bail!("body_timeout_ms and write_stall_timeout_ms must be at least 1");
         }
         let only = self.plugins.len() == 1;
         let mut routes = std::collections::HashSet::new();
@@ -226,6 +271,25 @@ impl ServeConfig {
         self.idle_contexts.unwrap_or(self.threads)
     }
 
+    /// Requests one client may have in progress: the setting, or half of what can run
+    /// at once (at least 1); `None` for no cap (a setting of 0). Derived, like
+    /// `idle_contexts`, so a `--threads` given after a config file moves it.
+    pub fn max_client_requests(&self) -> Option<u32> {
+        match self.max_client_requests {
+            Some(0) => None,
+            Some(n) => Some(n),
+            None => Some((self.max_concurrent.min(self.threads) / 2).max(1)),
+        }
+    }
+
+    pub fn body_timeout(&self) -> Duration {
+        Duration::from_millis(self.body_timeout_ms)
+    }
+
+    pub fn write_stall_timeout(&self) -> Duration {
+        Duration::from_millis(self.write_stall_timeout_ms)
+    }
+
     pub fn queue_timeout(&self) -> Duration {
         Duration::from_millis(self.queue_timeout_ms)
     }
@@ -253,6 +317,8 @@ impl PluginConfig {
         limits.max_wasm_memory = o.max_memory_mib.map_or(limits.max_wasm_memory, |mib| mib << 20);
         limits.max_contexts = o.max_contexts.unwrap_or(limits.max_contexts);
         limits.max_generate_tokens = o.max_generate_tokens.unwrap_or(limits.max_generate_tokens);
+        limits.max_embed_inputs = o.max_embed_inputs.unwrap_or(limits.max_embed_inputs);
+        limits.max_embed_tokens = o.max_embed_tokens.unwrap_or(limits.max_embed_tokens);
         limits
     }
 }
@@ -291,6 +357,22 @@ threads = 2
         assert_eq!(more.idle_contexts(), 8, "follows threads set after the file (a flag)");
         let none = ServeConfig::from_toml(&FULL.replace("threads = 2\n[models]", "threads = 2\nidle_contexts = 0\n[models]")).unwrap();
         assert_eq!(none.idle_contexts(), 0);
+    }
+
+    #[test]
+    fn each_client_gets_half_of_what_can_run_at_once() {
+        let mut config = ServeConfig::from_toml(FULL).unwrap();
+        assert_eq!(config.max_client_requests(), Some(1), "2 threads: 1 each");
+        config.threads = 8;
+        assert_eq!(config.max_client_requests(), Some(4));
+        config.max_concurrent = 3;
+        assert_eq!(config.max_client_requests(), Some(1), "bounded by max_concurrent too");
+        config.threads = 1;
+        assert_eq!(config.max_client_requests(), Some(1), "never 0");
+        config.max_client_requests = Some(0);
+        assert_eq!(config.max_client_requests(), None, "0 turns it off");
+        config.max_client_requests = Some(5);
+        assert_eq!(config.max_client_requests(), Some(5));
     }
 
     #[test]

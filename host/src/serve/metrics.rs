@@ -25,6 +25,9 @@ pub struct PluginLabels {
 pub enum Cause {
     /// The client hung up.
     Disconnect,
+    /// The client stopped reading its response (taken for gone: see
+    /// `ServeConfig::write_stall_timeout_ms`).
+    WriteStall,
     /// Its deadline passed.
     Deadline,
     /// The server shut down with it still running after the grace period.
@@ -44,6 +47,10 @@ pub enum Refusal {
     QueueFull,
     QueueTimeout,
     BodyTooLarge,
+    /// The body did not arrive within the body timeout (408).
+    BodyTimeout,
+    /// Its client had its most requests in progress already (429).
+    ClientLimit,
     Draining,
 }
 
@@ -57,6 +64,7 @@ impl EncodeLabelValue for Cause {
     fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
         encoder.write_str(match self {
             Cause::Disconnect => "disconnect",
+            Cause::WriteStall => "write_stall",
             Cause::Deadline => "deadline",
             Cause::Shutdown => "shutdown",
             Cause::Plugin => "plugin",
@@ -70,6 +78,8 @@ impl EncodeLabelValue for Refusal {
             Refusal::QueueFull => "queue_full",
             Refusal::QueueTimeout => "queue_timeout",
             Refusal::BodyTooLarge => "body_too_large",
+            Refusal::BodyTimeout => "body_timeout",
+            Refusal::ClientLimit => "client_limit",
             Refusal::Draining => "draining",
         })
     }
@@ -83,6 +93,7 @@ pub struct Metrics {
     pub refused: Family<RefusalLabels, Counter>,
     pub cancels: Family<CauseLabels, Counter>,
     pub queue_depth: Gauge,
+    pub reading_bodies: Gauge,
     pub in_flight: Gauge,
     pub live_workers: Gauge,
     pub idle_contexts: Gauge,
@@ -111,6 +122,8 @@ impl Metrics {
         registry.register("cancels", "Runs stopped with native work in flight, by cause (plugin: calls a plugin cancelled)", Family::clone(&cancels));
         let queue_depth = Gauge::default();
         registry.register("queue_depth", "Requests waiting for a slot", queue_depth.clone());
+        let reading_bodies = Gauge::default();
+        registry.register("reading_bodies", "Requests whose body is being read, before admission", reading_bodies.clone());
         let in_flight = Gauge::default();
         registry.register("in_flight", "Requests whose plugin is running", in_flight.clone());
         let live_workers = Gauge::default();
@@ -149,6 +162,7 @@ impl Metrics {
             refused,
             cancels,
             queue_depth,
+            reading_bodies,
             in_flight,
             live_workers,
             idle_contexts,

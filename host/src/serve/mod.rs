@@ -9,6 +9,11 @@
 //!   and in an encode alike, and it stops that request only;
 //! - admission (slots, a thread budget, a bounded queue: [`admission`]), deadlines
 //!   (504), body limits (413);
+//! - no client can stall or starve the others: a request's body is read whole, within
+//!   the body timeout (408) and the body cap (413), before it takes a slot; a client
+//!   that stops reading its response is taken for gone after the write-stall timeout
+//!   (its run stopped, its connection closed); each client (IP address) has only so
+//!   many requests in progress at once (429);
 //! - `/healthz`, `/readyz`, Prometheus `/metrics` ([`metrics`]), request ids in logs;
 //! - a drain on shutdown: stop accepting, let requests finish within the grace period,
 //!   then stop the rest in flight.
@@ -19,7 +24,7 @@ pub mod metrics;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::future::Future as _;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -37,7 +42,7 @@ use tracing::Instrument as _;
 
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use crate::{HostOptions, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome, RunStop};
-use admission::{Admission, Admitted, PluginAdmission, Refused};
+use admission::{Admission, Admitted, ClientPermit, Clients, PluginAdmission, Refused};
 pub use config::{PluginConfig, ServeConfig};
 use metrics::{Cause, Metrics, PluginLabels, Refusal};
 
@@ -50,6 +55,14 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// After the grace period, how long stopped runs may take to unwind before exit. Runs
 /// stop within milliseconds (one graph node or encode chunk); this bounds a bug.
 const STOP_WAIT: Duration = Duration::from_secs(10);
+/// Each connection's kernel send buffer (Linux doubles the figure): what a client that
+/// stopped reading can leave unread in the kernel before its response stops moving and
+/// the write-stall timeout starts. Left to autotuning it may grow to tcp_wmem's 4 MiB,
+/// minutes of a token stream; 64 KiB still carries 0.6 MB/s over a 100 ms round trip,
+/// more than any response here needs.
+const SEND_BUFFER: u32 = 64 << 10;
+/// Connections the kernel may hold accepted-but-not-yet-taken (listen(2)'s backlog).
+const BACKLOG: u32 = 1024;
 
 /// A running server. Cheap to share: connections hold an `Arc` of it.
 pub struct Server {
@@ -58,6 +71,8 @@ pub struct Server {
     /// Set once every model is loaded and every plugin compiled (`/readyz`).
     plugins: OnceLock<Vec<Served>>,
     admission: Admission,
+    /// Requests in progress per client.
+    clients: Clients,
     metrics: Metrics,
     draining: AtomicBool,
     /// Requests whose run has not ended, to stop them at shutdown.
@@ -80,7 +95,7 @@ impl Server {
     /// Serve `config` until `shutdown` resolves, then drain (see the module docs).
     /// Prints `listening on http://ADDR` once bound, progress while loading, then `ready`.
     pub async fn run(config: ServeConfig, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
-        let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("listening on {}", config.listen))?;
+        let listener = listen(config.listen).with_context(|| format!("listening on {}", config.listen))?;
         let addr = listener.local_addr()?;
         say(&format!("listening on http://{addr}"));
         let registry = ModelRegistry::new();
@@ -96,6 +111,7 @@ impl Server {
         let host = Arc::new(PluginHost::with_options(registry, Limits::default(), options)?);
         let server = Arc::new(Server {
             admission: Admission::new(config.max_concurrent, config.threads, config.max_queue, config.queue_timeout()),
+            clients: Clients::new(config.max_client_requests()),
             config,
             host,
             plugins: OnceLock::new(),
@@ -178,7 +194,7 @@ impl Server {
     /// Accept connections until the listener fails for good (never, in practice).
     async fn accept(self: Arc<Self>, listener: &tokio::net::TcpListener, graceful: &hyper_util::server::graceful::GracefulShutdown) {
         loop {
-            let (stream, _peer) = match listener.accept().await {
+            let (stream, peer) = match listener.accept().await {
                 Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of file descriptors, say: back off instead of spinning.
@@ -189,9 +205,11 @@ impl Server {
             };
             let _ = stream.set_nodelay(true);
             let server = self.clone();
+            let peer = Peer { ip: peer.ip(), close: Arc::new(tokio::sync::Notify::new()) };
+            let close = peer.close.clone();
             let service = hyper::service::service_fn(move |request| {
-                let server = server.clone();
-                async move { Ok::<_, Infallible>(server.route(request).await) }
+                let (server, peer) = (server.clone(), peer.clone());
+                async move { Ok::<_, Infallible>(server.route(request, peer).await) }
             });
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
@@ -199,8 +217,14 @@ impl Server {
                 .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
             let connection = graceful.watch(connection);
             tokio::spawn(async move {
-                if let Err(e) = connection.await {
-                    tracing::debug!("connection ended: {e}");
+                tokio::select! {
+                    ended = connection => {
+                        if let Err(e) = ended {
+                            tracing::debug!("connection ended: {e}");
+                        }
+                    }
+                    // Dropping the connection closes its socket, whatever hyper waits on.
+                    () = close.notified() => tracing::debug!("connection closed: its client stopped reading"),
                 }
             });
         }
@@ -234,7 +258,7 @@ impl Server {
         say("stopped");
     }
 
-    async fn route(self: Arc<Self>, request: Request<Incoming>) -> Response<Body> {
+    async fn route(self: Arc<Self>, request: Request<Incoming>, peer: Peer) -> Response<Body> {
         let path = request.uri().path();
         if request.method() == Method::GET {
             match path {
@@ -264,7 +288,7 @@ impl Server {
             Some(index) => {
                 let id = self.request_id(&request);
                 let span = tracing::info_span!("request", id = %id, plugin = %plugins[index].config.name);
-                self.serve_plugin(index, id, request).instrument(span).await
+                self.serve_plugin(index, id, request, peer).instrument(span).await
             }
             None => error(StatusCode::NOT_FOUND, "no plugin serves this path", None),
         }
@@ -279,7 +303,7 @@ impl Server {
         }
     }
 
-    async fn serve_plugin(self: Arc<Self>, index: usize, id: String, request: Request<Incoming>) -> Response<Body> {
+    async fn serve_plugin(self: Arc<Self>, index: usize, id: String, request: Request<Incoming>, peer: Peer) -> Response<Body> {
         let Some(served) = self.plugins.get().and_then(|plugins| plugins.get(index)) else {
             return error(StatusCode::INTERNAL_SERVER_ERROR, "no such plugin", None);
         };
@@ -290,11 +314,42 @@ impl Server {
             return self.answer(name, &id, error(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down", Some(retry_after)));
         }
         let max_body = self.config.max_body_bytes;
+        let too_large = || error(StatusCode::PAYLOAD_TOO_LARGE, &format!("the request body is over {max_body} bytes"), None);
         if request.body().size_hint().lower() > max_body {
             self.metrics.refuse(name, Refusal::BodyTooLarge);
-            let message = format!("the request body is over {max_body} bytes");
-            return self.answer(name, &id, error(StatusCode::PAYLOAD_TOO_LARGE, &message, None));
+            return self.answer(name, &id, closing(too_large()));
         }
+        // Held from here to the end of the run: reading the body, queued and running.
+        let client = match self.clients.enter(peer.ip) {
+            Ok(permit) => permit,
+            Err(max) => {
+                self.metrics.refuse(name, Refusal::ClientLimit);
+                let message = format!("this client already has {max} requests in progress");
+                return self.answer(name, &id, closing(error(StatusCode::TOO_MANY_REQUESTS, &message, Some(retry_after))));
+            }
+        };
+        // The whole body before a slot: a client that stalls mid-body holds no slot.
+        let (parts, body) = request.into_parts();
+        let timeout = self.config.body_timeout();
+        let reading = Reading::new(&self.metrics.reading_bodies);
+        let body = match tokio::time::timeout(timeout, Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX)).collect()).await {
+            Ok(Ok(body)) => body.to_bytes(),
+            Ok(Err(e)) if e.is::<LengthLimitError>() => {
+                self.metrics.refuse(name, Refusal::BodyTooLarge);
+                return self.answer(name, &id, closing(too_large()));
+            }
+            Ok(Err(e)) => {
+                // The client hung up mid-body (or sent a malformed chunk).
+                tracing::debug!("reading the request body failed: {e}");
+                return self.answer(name, &id, closing(error(StatusCode::BAD_REQUEST, "the request body could not be read", None)));
+            }
+            Err(_) => {
+                self.metrics.refuse(name, Refusal::BodyTimeout);
+                let message = format!("the request body did not arrive within {} ms", timeout.as_millis());
+                return self.answer(name, &id, closing(error(StatusCode::REQUEST_TIMEOUT, &message, None)));
+            }
+        };
+        drop(reading);
         let admitted = match self.admission.admit(&served.admission).await {
             Ok(admitted) => admitted,
             Err(refused) => {
@@ -312,11 +367,12 @@ impl Server {
         self.metrics.in_flight.inc();
         // From here on a drop of this future (the client left) stops the run.
         let mut hang_up = HangUp { server: self.clone(), plugin: index, state: state.clone(), answered: false, completed: false };
-        let request = for_plugin(request, served.config.route(), max_body, self.config.listen);
+        let request = for_plugin(Request::from_parts(parts, body), served.config.route(), self.config.listen);
         let (respond, response) = tokio::sync::oneshot::channel();
         let (ended, run_ended) = tokio::sync::oneshot::channel();
         let replies = Replies { respond, ended };
-        let run = tokio::spawn(self.clone().run_request(index, key, state, admitted, request, replies).in_current_span());
+        let holds = Holds { _admitted: admitted, _client: client };
+        let run = tokio::spawn(self.clone().run_request(index, key, state.clone(), holds, request, replies).in_current_span());
         let response = match response.await {
             Ok(Ok(response)) => response,
             Ok(Err(code)) => {
@@ -345,7 +401,9 @@ impl Server {
         };
         hang_up.answered = true;
         let (parts, body) = response.into_parts();
-        let body = GuardedBody { hang_up: Some(hang_up), inner: body, run_ended };
+        let progress = Arc::new(Progress::new());
+        watch_for_stall(progress.clone(), state, peer.close, self.config.write_stall_timeout());
+        let body = GuardedBody { hang_up: Some(hang_up), inner: body, run_ended, progress: Watched(progress) };
         self.answer(name, &id, Response::from_parts(parts, body.boxed_unsync()))
     }
 
@@ -366,7 +424,7 @@ impl Server {
         index: usize,
         key: u64,
         state: Arc<RequestState>,
-        admitted: Admitted,
+        holds: Holds,
         request: Request<PluginBody>,
         replies: Replies,
     ) -> RunEnd {
@@ -386,10 +444,12 @@ impl Server {
         let started = Instant::now();
         let report = served.plugin.serve_http(&options, wasi, request, replies.respond).await;
         state.finished.store(true, Relaxed);
+        // Given back before the body can end: a client that sends its next request as
+        // soon as it has the last byte finds its place free.
+        drop(holds);
         // Whether a body that ended was the plugin's whole body: only if its handler
         // returned by itself (a stopped run's body ends when its store is dropped).
         let _ = replies.ended.send(matches!(&report, Ok(r) if matches!(r.outcome, RunOutcome::Success | RunOutcome::Failed(_))));
-        drop(admitted);
         let elapsed = started.elapsed();
         let labels = PluginLabels { plugin: served.config.name.clone() };
         let metrics = &self.metrics;
@@ -438,6 +498,37 @@ impl Server {
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
         ended
     }
+}
+
+/// The connection a request came on: its client's address, and a way to close it.
+#[derive(Clone)]
+struct Peer {
+    ip: IpAddr,
+    /// Closes the connection (its task drops it): for a client that stopped reading.
+    close: Arc<tokio::sync::Notify>,
+}
+
+/// A request whose body is being read, counted in a gauge until dropped (however the
+/// read ends, a client gone mid-body included).
+struct Reading(prometheus_client::metrics::gauge::Gauge);
+
+impl Reading {
+    fn new(gauge: &prometheus_client::metrics::gauge::Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// What a running request holds until its run ends.
+struct Holds {
+    _admitted: Admitted,
+    _client: Option<ClientPermit>,
 }
 
 /// What a run tells the request it serves: the response head, then whether the
@@ -519,6 +610,8 @@ struct GuardedBody {
     inner: HyperOutgoingBody,
     /// `true` once the plugin's handler returned by itself.
     run_ended: tokio::sync::oneshot::Receiver<bool>,
+    /// Whether hyper is taking the body's pieces (see [`watch_for_stall`]).
+    progress: Watched,
 }
 
 impl http_body::Body for GuardedBody {
@@ -526,6 +619,8 @@ impl http_body::Body for GuardedBody {
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        // hyper asks for the next piece: it has taken the last one.
+        self.progress.0.taken();
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match polled {
             Poll::Ready(None) => match Pin::new(&mut self.run_ended).poll(cx) {
@@ -538,7 +633,10 @@ impl http_body::Body for GuardedBody {
                 }
                 Poll::Ready(Ok(false) | Err(_)) => Poll::Ready(Some(Err("the request was stopped before its body ended".into()))),
             },
-            Poll::Ready(Some(frame)) => Poll::Ready(Some(frame.map_err(BoxError::from))),
+            Poll::Ready(Some(frame)) => {
+                self.progress.0.handed();
+                Poll::Ready(Some(frame.map_err(BoxError::from)))
+            }
             Poll::Pending => Poll::Pending,
         }
     }
@@ -552,12 +650,85 @@ impl http_body::Body for GuardedBody {
     }
 }
 
-/// A request body as a plugin reads it: at most `max_body_bytes`.
+/// Whether a response body's last piece is still waiting for hyper to take it, and
+/// since when: the client's pace, as the server sees it. hyper takes the next piece
+/// once it could write (or buffer) the last; a client that does not read fills the
+/// socket's buffers, and then hyper takes nothing more.
+struct Progress {
+    start: Instant,
+    /// Milliseconds from `start` + 1 at which a piece was handed over and not taken
+    /// since; 0 when hyper is not holding one back (it waits on the plugin, say).
+    handed_at: AtomicU64,
+    /// The body was dropped: nothing more to watch.
+    done: AtomicBool,
+}
+
+impl Progress {
+    fn new() -> Self {
+        // The response head is handed over with it: a client that takes nothing stalls.
+        let progress = Self { start: Instant::now(), handed_at: AtomicU64::new(0), done: AtomicBool::new(false) };
+        progress.handed();
+        progress
+    }
+
+    fn handed(&self) {
+        self.handed_at.store(self.start.elapsed().as_millis() as u64 + 1, Relaxed);
+    }
+
+    fn taken(&self) {
+        self.handed_at.store(0, Relaxed);
+    }
+
+    /// How long the piece handed over has waited, if one is waiting.
+    fn waiting(&self) -> Option<Duration> {
+        match self.handed_at.load(Relaxed) {
+            0 => None,
+            at => Some(self.start.elapsed().saturating_sub(Duration::from_millis(at - 1))),
+        }
+    }
+}
+
+/// A response body's [`Progress`], marked done when the body is dropped.
+struct Watched(Arc<Progress>);
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.0.done.store(true, Relaxed);
+    }
+}
+
+/// Watch a response body until it is dropped: a piece left untaken for `timeout` means
+/// the client stopped reading. It is then treated as gone: its run is stopped (native
+/// work included, `cause="write_stall"`, its slot freed) and its connection closed
+/// (hyper, blocked on a full socket, would otherwise hold it).
+fn watch_for_stall(progress: Arc<Progress>, state: Arc<RequestState>, close: Arc<tokio::sync::Notify>, timeout: Duration) {
+    tokio::spawn(
+        async move {
+            while !progress.done.load(Relaxed) {
+                match progress.waiting() {
+                    Some(waited) if waited >= timeout => {
+                        tracing::info!(stall_ms = waited.as_millis() as u64, "the client stopped reading its response: closing it");
+                        state.stop(Cause::WriteStall);
+                        close.notify_one();
+                        return;
+                    }
+                    Some(waited) => tokio::time::sleep(timeout - waited).await,
+                    // A stall that starts now is seen within 1.25 × the timeout.
+                    None => tokio::time::sleep(timeout / 4).await,
+                }
+            }
+        }
+        .in_current_span(),
+    );
+}
+
+/// A request body as a plugin reads it: the body the server has read whole already.
 type PluginBody = UnsyncBoxBody<Bytes, wasmtime_wasi_http::Error>;
 
 /// The request as its plugin sees it: the route's prefix stripped from the path, a
-/// `host` header (wasi:http wants an authority), the body capped.
-fn for_plugin(request: Request<Incoming>, route: &str, max_body: u64, listen: SocketAddr) -> Request<PluginBody> {
+/// `host` header (wasi:http wants an authority), and its body, read whole (within the
+/// body cap) before admission.
+fn for_plugin(request: Request<Bytes>, route: &str, listen: SocketAddr) -> Request<PluginBody> {
     let (mut parts, body) = request.into_parts();
     if route != "/" {
         let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
@@ -572,17 +743,26 @@ fn for_plugin(request: Request<Incoming>, route: &str, max_body: u64, listen: So
             parts.headers.insert(header::HOST, host);
         }
     }
-    let body = Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX)).map_err(move |e| {
-        if e.is::<LengthLimitError>() {
-            wasmtime_wasi_http::Error::HttpRequestBodySize(Some(max_body))
-        } else {
-            match e.downcast::<hyper::Error>() {
-                Ok(e) => wasmtime_wasi_http::Error::Hyper(*e),
-                Err(_) => wasmtime_wasi_http::Error::ConnectionTerminated,
-            }
-        }
-    });
-    Request::from_parts(parts, body.boxed_unsync())
+    let body = Full::new(body).map_err(|never| match never {}).boxed_unsync();
+    Request::from_parts(parts, body)
+}
+
+/// Bind `addr` with a small send buffer ([`SEND_BUFFER`]), which accepted connections
+/// inherit.
+fn listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    // As TcpListener::bind does: a restarted server rebinds at once.
+    socket.set_reuseaddr(true)?;
+    socket.set_send_buffer_size(SEND_BUFFER)?;
+    socket.bind(addr)?;
+    socket.listen(BACKLOG)
+}
+
+/// `response` with `connection: close`: the rest of its request's body was not read,
+/// so the connection cannot carry another request.
+fn closing(mut response: Response<Body>) -> Response<Body> {
+    response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 /// Whether `route` serves `path`: the same, or a prefix ending at a `/`.
@@ -635,6 +815,27 @@ mod tests {
         assert!(route_matches("/a", "/a/v1"));
         assert!(!route_matches("/a", "/ab"));
         assert!(!route_matches("/a/b", "/a"));
+    }
+
+    #[tokio::test]
+    async fn accepted_connections_inherit_the_small_send_buffer() {
+        let listener = listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_client, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let socket = tokio::net::TcpSocket::from_std_stream(accepted.unwrap().0.into_std().unwrap());
+        // Linux doubles what was set (for its bookkeeping) and locks it: no autotuning.
+        assert_eq!(socket.send_buffer_size().unwrap(), 2 * SEND_BUFFER);
+    }
+
+    #[test]
+    fn progress_waits_only_while_a_piece_is_held_back() {
+        let progress = Progress::new();
+        assert!(progress.waiting().is_some(), "the head is handed over at the start");
+        progress.taken();
+        assert_eq!(progress.waiting(), None);
+        progress.handed();
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(progress.waiting().unwrap() >= Duration::from_millis(5));
     }
 
     #[tokio::test]
