@@ -111,7 +111,7 @@ fn random_decodes_memory_ops_and_media_inputs_never_crash_or_leak_state() {
         match &result {
             Ok(()) => ok += 1,
             Err(Error::Cancelled) => cancelled += 1,
-            Err(Error::InvalidArgument(_)) | Err(Error::ContextFull) => refused += 1,
+            Err(Error::InvalidArgument(_)) | Err(Error::ContextFull) | Err(Error::LimitExceeded(_)) => refused += 1,
             Err(Error::Backend(m)) => panic!("call {i} (seed {seed}): unexpected backend error {m}"),
         }
         let after = memory(&ctx);

@@ -674,3 +674,21 @@ fn a_json_schema_constrains_generation_to_valid_json() {
     let both = SamplerParams { json_schema: Some("{}".into()), grammar: Some(Grammar { text: "root ::= \"a\"".into(), root: None }), ..SamplerParams::default() };
     assert!(matches!(Sampler::new(model.clone(), &both, &caps), Err(Error::InvalidArgument(m)) if m.contains("cannot both")));
 }
+
+/// An evaluation whose tokens cannot fit in its sequence fails before anything is
+/// computed: no decode counted, memory as it was (llama.cpp would compute n-batch
+/// pieces until one found no room).
+#[test]
+fn an_eval_that_cannot_fit_fails_before_computing() {
+    use llamabox::native::PromptPiece;
+    let model = load(common::tiny_model());
+    let mut ctx = Context::new(model.clone(), ContextParams { n_ctx: 256, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 1 }).unwrap();
+    let t = token_for(&model, b"a");
+    ctx.eval(&[PromptPiece::Tokens(vec![t; 100])], 0, None).unwrap();
+    let decodes = ctx.meter().decoded();
+    let too_many = [PromptPiece::Tokens(vec![t; 100]), PromptPiece::Tokens(vec![t; 57])];
+    assert_eq!(ctx.eval(&too_many, 0, None), Err(Error::ContextFull));
+    assert_eq!(ctx.meter().decoded(), decodes, "nothing was computed");
+    assert_eq!(ctx.seq_pos_max(0).unwrap(), 99, "memory as it was");
+    assert_eq!(ctx.eval(&[PromptPiece::Tokens(vec![t; 156])], 0, None).unwrap(), 256, "what fits still fits");
+}

@@ -17,11 +17,15 @@ use std::time::Duration;
 use common::serve::*;
 use serde_json::{json, Value};
 
-/// The `openai` Python package, installed once outside the clone.
+/// The `openai` Python package and `jsonschema` (which checks structured output),
+/// installed once outside the clone: a PYTHONPATH.
 fn openai_python_path() -> String {
-    let out = Command::new(common::repo_root().join("scripts/pip-tool.sh")).args(["openai", "3.51.0"]).output().unwrap();
-    assert!(out.status.success(), "installing openai from PyPI: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
+    let install = |name: &str, version: &str| {
+        let out = Command::new(common::repo_root().join("scripts/pip-tool.sh")).args([name, version]).output().unwrap();
+        assert!(out.status.success(), "installing {name} from PyPI: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    format!("{}:{}", install("openai", "3.51.0"), install("jsonschema", "4.23.0"))
 }
 
 #[test]
@@ -36,7 +40,7 @@ fn the_openai_client_and_curl_chat_stream_and_embed() {
     let report = String::from_utf8_lossy(&out.stdout);
     println!("{report}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "the openai client's checks failed:\n{report}");
-    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 5, "{report}");
+    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 14, "{report}");
 
     // curl: the streamed text is the whole text, and ends the stream properly. The
     // whole one runs twice first, so that the streamed one is computed as the second

@@ -2,20 +2,34 @@
 """Checks `llamabox serve` with the openai plugin through the official `openai` client.
 
 Usage: python3 tests/serve/openai_client.py BASE_URL MODEL
-       (BASE_URL like http://127.0.0.1:PORT/v1; needs `pip install openai`)
+       (BASE_URL like http://127.0.0.1:PORT/v1; needs `pip install openai jsonschema`)
 
 Prints `ok: NAME` for each check that passes and `FAIL: NAME: why` for each that
 does not; exits 1 if any failed (2 on bad usage or a missing `openai` package).
 """
 
+import json
 import math
 import sys
 
 try:
+    import jsonschema
     import openai
-except ImportError:
-    print("FAIL: import: the openai package is missing (python3 -m pip install openai)", file=sys.stderr)
+except ImportError as e:
+    print(f"FAIL: import: {e} (python3 -m pip install openai jsonschema)", file=sys.stderr)
     sys.exit(2)
+
+# Structured output: everything bounded, so a greedy answer always ends inside max_tokens.
+LLAMA_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "colors": {"type": "array", "items": {"enum": ["white", "brown", "black"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "colors"],
+    "additionalProperties": False,
+}
 
 QUESTION = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -142,6 +156,43 @@ def main():
         else:
             raise AssertionError("a chat completion without messages did not fail")
 
+    def structured_json_schema():
+        ask = [{"role": "user", "content": "Describe a llama as JSON."}]
+        fmt = {"type": "json_schema", "json_schema": {"name": "llama", "strict": True, "schema": LLAMA_SCHEMA}}
+        r = client.chat.completions.create(model=model, messages=ask, max_tokens=64, temperature=0, response_format=fmt)
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", f"finish_reason {r.choices[0].finish_reason!r}: {text!r}"
+        jsonschema.validate(json.loads(text), LLAMA_SCHEMA)
+        # Without the schema the same request is not this JSON (the field is honoured).
+        plain = client.chat.completions.create(model=model, messages=ask, max_tokens=64, temperature=0)
+        assert plain.choices[0].message.content != text, "response_format changed nothing"
+
+    def structured_json_object():
+        ask = [{"role": "user", "content": "Reply with a JSON object with one key, answer, saying yes."}]
+        r = client.chat.completions.create(model=model, messages=ask, max_tokens=96, temperature=0, response_format={"type": "json_object"})
+        text = r.choices[0].message.content
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert text.startswith("{"), text
+
+    def unsupported_fields():
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        for field, kwargs in [("logprobs", {"logprobs": True}), ("tools", {"tools": [tool]}), ("top_logprobs", {"extra_body": {"top_logprobs": 2}})]:
+            try:
+                client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, **kwargs)
+            except openai.BadRequestError as e:
+                body = e.body if isinstance(e.body, dict) else {}
+                assert body.get("param") == field, f"param is {body.get('param')!r} in {e.body!r}"
+            else:
+                raise AssertionError(f"{field} was accepted and ignored")
+
+    def sampler_extras():
+        extra = {"top_k": 1, "min_p": 0.05, "typical_p": 0.9, "repeat_penalty": 1.1, "repeat_last_n": 32, "ignore_eos": True}
+        r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0.8, seed=3, extra_body=extra)
+        # ignore_eos: the answer runs to max_tokens whatever the model would end with.
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40, f"{r.choices[0].finish_reason} {r.usage}"
+
     def unknown_model():
         try:
             client.chat.completions.create(model="no-such-model", messages=QUESTION, max_tokens=1)
@@ -165,6 +216,10 @@ def main():
     check("embeddings", embeddings)
     check("bad-request", bad_request)
     check("unknown-model", unknown_model)
+    check("structured-json-schema", structured_json_schema)
+    check("structured-json-object", structured_json_object)
+    check("unsupported-fields", unsupported_fields)
+    check("sampler-extras", sampler_extras)
     if failures:
         print(f"{len(failures)} check(s) failed: {', '.join(failures)}", file=sys.stderr)
         sys.exit(1)

@@ -32,6 +32,13 @@ pub struct ContextHandle {
     idle: Arc<IdleContexts>,
 }
 
+impl ContextHandle {
+    /// Cells the context has in all (its sequences share or split them).
+    pub(super) fn n_ctx(&self) -> u32 {
+        self.params.n_ctx
+    }
+}
+
 /// A decode started with `start-decode`.
 pub type PendingDecode = Pending<()>;
 

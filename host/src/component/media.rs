@@ -230,6 +230,13 @@ impl HostMediaContext for LlamaCtxView<'_> {
         if media.mrope && chunks.iter().any(|c| c.kind() != native::ChunkKind::Text) {
             return Ok(Err(Error::InvalidArgument("projectors with multi-dimensional positions (M-RoPE) are not supported yet".into())));
         }
+        // More tokens than the whole context holds can never fit: known before anything
+        // is encoded, without waiting for the context's worker (native `eval` checks the
+        // sequence's own room again before it computes).
+        let n_tokens = chunks.iter().map(|c| c.n_tokens()).fold(0, usize::saturating_add);
+        if n_tokens > context.n_ctx() as usize {
+            return Ok(Err(Error::ContextFull));
+        }
         Ok(eval_chunks(&media.worker, &context.worker, chunks, seq, &token).await)
     }
 
@@ -252,9 +259,6 @@ async fn eval_chunks(
     seq: i32,
     token: &CancelFlag,
 ) -> Result<i32, Error> {
-    // Whether the tokens fit is known before anything is encoded.
-    let n_tokens = chunks.iter().map(|c| c.n_tokens()).fold(0, usize::saturating_add);
-    finished(context.call(move |c, _| c.check_room(seq, n_tokens)).await)?;
     let encode_token = token.clone();
     let encoded = media.call(move |m, abandoned| m.encode_for_eval(&chunks, Some(Stop::on_either(&encode_token, abandoned))));
     let pieces = finished(encoded.await)?;

@@ -260,7 +260,7 @@ impl Context {
     /// cells one sequence may use. Checked before computing anything: llama.cpp finds
     /// out one n-batch piece at a time, after computing the pieces before (an eval of
     /// 10 000 media chunks into n-ctx 8192 failed after 281 s of encoding).
-    pub fn check_room(&self, seq: i32, n_tokens: usize) -> Result<()> {
+    fn check_room(&self, seq: i32, n_tokens: usize) -> Result<()> {
         let held = usize::try_from(self.seq_pos_max(seq)? + 1).unwrap_or(0);
         // SAFETY: a live context; reads a number.
         let per_seq = unsafe { sys::llama_n_ctx_seq(self.ptr.as_ptr()) } as usize;
