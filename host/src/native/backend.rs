@@ -1,7 +1,7 @@
 //! Process-wide llama.cpp setup: backend initialisation and log routing to `tracing`.
 
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::Once;
+use std::sync::{Mutex, Once, PoisonError};
 
 use llama_cpp_sys_2 as sys;
 
@@ -78,8 +78,15 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
 /// .cargo/config.toml): without AVX2 every matrix product runs several times slower.
 pub fn cpu_features() -> Vec<String> {
     init();
-    // SAFETY: returns a pointer to a static NUL-terminated string.
-    let info = unsafe { CStr::from_ptr(sys::llama_print_system_info()) }.to_string_lossy();
+    // llama_print_system_info rebuilds one static std::string on every call: two threads
+    // in it at once would race (one clearing what the other reads), so calls take turns.
+    static SYSTEM_INFO: Mutex<()> = Mutex::new(());
+    let turn = SYSTEM_INFO.lock().unwrap_or_else(PoisonError::into_inner);
+    // SAFETY: llama_print_system_info returns that string's NUL-terminated buffer (never
+    // null); only this function calls it, under `turn`, and copies the text out before
+    // releasing it, so the buffer is neither rewritten nor freed while read.
+    let info = unsafe { CStr::from_ptr(sys::llama_print_system_info()) }.to_string_lossy().into_owned();
+    drop(turn);
     // "CPU : SSE3 = 1 | AVX2 = 1 | ... | REPACK = 1 |"
     info.split('|')
         .filter_map(|entry| entry.split_once('='))
