@@ -596,6 +596,15 @@ impl Context {
                 embd.len()
             )));
         }
+        // From a model with M-RoPE positions, llama.cpp reads an embedding batch's
+        // positions as four per row (one per section), past the one per row given here.
+        // SAFETY: the model is live (`self.model` is an `Arc`); reads a field.
+        let rope = unsafe { sys::llama_model_rope_type(self.model.as_ptr()) };
+        if rope == sys::LLAMA_ROPE_TYPE_MROPE || rope == sys::LLAMA_ROPE_TYPE_IMROPE {
+            return Err(Error::InvalidArgument(
+                "this model takes multi-dimensional (M-RoPE) positions for embeddings, which llamabox does not decode yet".into(),
+            ));
+        }
         let n = embd.len() / width;
         let first = self.seq_pos_max(seq)? + 1;
         self.history = None; // not tokens: nothing a later prompt could match
@@ -631,7 +640,7 @@ impl Context {
             };
             // SAFETY: as said above `raw`: `rows` rows of `width` floats from `embd`, and
             // `positions`, `seq_ids`, `seq_ptrs`, `n_seq_id`, `logits` (`rows` entries each)
-            // all alive and unmoved until this returns.
+            // all alive and unmoved until this returns; not an M-RoPE model (checked).
             unsafe { self.decode_raw(raw, &flags, stop) }
         });
         if non_causal {
@@ -688,8 +697,9 @@ impl Context {
     /// `raw` must be a batch llama.cpp can read for the whole call: `raw.n_tokens` rows in
     /// each of `pos`, `n_seq_id`, `seq_id` (each pointing at `n_seq_id[i]` ids in range)
     /// and `logits`, and either `token` (`n_tokens` ids in the vocabulary) or `embd`
-    /// (`n_tokens × n_embd_inp` floats). llama.cpp copies the batch and never writes
-    /// through these pointers, so they may come from shared borrows.
+    /// (`n_tokens × n_embd_inp` floats). An `embd` batch must not go to a model with
+    /// M-RoPE positions: llama.cpp then reads 4 positions per row. llama.cpp copies the
+    /// batch and never writes through these pointers, so they may come from shared borrows.
     unsafe fn decode_raw(&mut self, raw: sys::llama_batch, logit_rows: &[bool], stop: Option<Stop<'_>>) -> Result<()> {
         let (ret, reason) = backend::with_errors(|| match &stop {
             Some(stop) => {
