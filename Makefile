@@ -38,7 +38,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test validate-manifests scale-test bench bench-grammar bench-server fuzz soak memcheck mutants clean-models
+.PHONY: deps build guest demo test lint validate-manifests scale-test bench bench-grammar bench-server fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -71,6 +71,12 @@ test: deps
 	scripts/validate-manifests.sh
 	$(CARGO) test $(PROFILE) -p llamabox -p llamabox-bench -- --test-threads=1
 	cd guest && $(CARGO) test --release -p llamabox-openai --target x86_64-unknown-linux-gnu --target-dir ../target/guest
+
+# Clippy on the host package, warnings as errors (not part of `make test`: a second,
+# check-mode build of every dependency). lib.rs denies undocumented unsafe blocks and
+# unsafe fns without a `# Safety` section.
+lint: deps
+	$(CARGO) clippy $(PROFILE) -p llamabox --all-targets -- -D warnings
 
 # Offline checks of deploy/ (part of `make test`; no cluster, no build): every Kubernetes
 # manifest against the API schemas (kubernetes-validate --strict, pinned, installed once

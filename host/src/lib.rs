@@ -8,6 +8,10 @@
 //! - [`worker`]: one thread per native context, stop-and-join on drop.
 //! - [`native`]: safe Rust over llama.cpp; no wasm types.
 
+// Every `unsafe` block and impl says why it is sound, every `unsafe fn` what its caller
+// must uphold (docs/ARCHITECTURE.md, native/).
+#![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
+
 pub mod component;
 pub mod error;
 pub mod native;

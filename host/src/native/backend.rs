@@ -1,7 +1,7 @@
 //! Process-wide llama.cpp setup: backend initialisation and log routing to `tracing`.
 
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::Once;
+use std::sync::{Mutex, Once, PoisonError};
 
 use llama_cpp_sys_2 as sys;
 
@@ -9,6 +9,10 @@ use llama_cpp_sys_2 as sys;
 /// under the target `llama_cpp`. Every native entry point calls this first.
 pub fn init() {
     static INIT: Once = Once::new();
+    // SAFETY: `Once` runs this exactly once, before any other llama.cpp call of ours (each
+    // entry point calls `init` first), as llama.h asks of llama_backend_init and of the
+    // log setters (the logger state is global and not thread-safe). `log_callback` is a
+    // `'static` fn matching ggml_log_callback, and its user data is unused (null).
     INIT.call_once(|| unsafe {
         sys::llama_log_set(Some(log_callback), std::ptr::null_mut());
         sys::mtmd_log_set(Some(log_callback), std::ptr::null_mut());
@@ -34,6 +38,12 @@ pub(crate) fn with_errors<T>(f: impl FnOnce() -> T) -> (T, String) {
     (out, reason.unwrap_or_else(|| "no reason logged".into()))
 }
 
+/// `ggml_log_callback` for llama.cpp and mtmd.
+///
+/// # Safety
+///
+/// `text` must be null or a NUL-terminated string valid for the duration of the call
+/// (what ggml's logger passes); the user data is ignored.
 unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
     if text.is_null() {
         return;
@@ -44,7 +54,8 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
         LAST_LEVEL.with(|l| l.set(level));
         level
     };
-    // SAFETY: llama.cpp passes a NUL-terminated string valid for this call.
+    // SAFETY: non-null (checked above) and, by this function's contract, NUL-terminated
+    // and valid for this call; copied out before returning.
     let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
     let text = text.trim_end();
     if text.is_empty() {
@@ -67,8 +78,15 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
 /// .cargo/config.toml): without AVX2 every matrix product runs several times slower.
 pub fn cpu_features() -> Vec<String> {
     init();
-    // SAFETY: returns a pointer to a static NUL-terminated string.
-    let info = unsafe { CStr::from_ptr(sys::llama_print_system_info()) }.to_string_lossy();
+    // llama_print_system_info rebuilds one static std::string on every call: two threads
+    // in it at once would race (one clearing what the other reads), so calls take turns.
+    static SYSTEM_INFO: Mutex<()> = Mutex::new(());
+    let turn = SYSTEM_INFO.lock().unwrap_or_else(PoisonError::into_inner);
+    // SAFETY: llama_print_system_info returns that string's NUL-terminated buffer (never
+    // null); only this function calls it, under `turn`, and copies the text out before
+    // releasing it, so the buffer is neither rewritten nor freed while read.
+    let info = unsafe { CStr::from_ptr(sys::llama_print_system_info()) }.to_string_lossy().into_owned();
+    drop(turn);
     // "CPU : SSE3 = 1 | AVX2 = 1 | ... | REPACK = 1 |"
     info.split('|')
         .filter_map(|entry| entry.split_once('='))

@@ -113,9 +113,15 @@ impl<'a> Stop<'a> {
 }
 
 /// `ggml_abort_callback`: `data` points at the running call's [`Stop`].
+///
+/// # Safety
+///
+/// `data` must be null or point at a live `Stop` for the whole call. ggml calls it on
+/// the decoding thread (graph thread 0), which `Stop` allows anyway: it only reads atomics.
 pub(crate) unsafe extern "C" fn abort_callback(data: *mut std::ffi::c_void) -> bool {
-    // SAFETY: installed only by `Context::decode` with a pointer to a `Stop` that
-    // outlives the `llama_decode` call, and removed before that `Stop` is dropped.
+    // SAFETY: by this function's contract. It is installed only by `AbortCallback`
+    // (context.rs) with a pointer to a `Stop` that outlives the `llama_decode` call, and
+    // removed before that `Stop` is dropped.
     match unsafe { data.cast::<Stop>().as_ref() } {
         Some(stop) => stop.requested(),
         None => false,
@@ -165,9 +171,12 @@ mod tests {
         let token = CancelFlag::new();
         let stop = Stop::on(&token);
         let data = &stop as *const Stop as *mut std::ffi::c_void;
+        // SAFETY: `data` points at `stop`, alive until the end of the test.
         assert!(!unsafe { abort_callback(data) });
         token.cancel();
+        // SAFETY: as above.
         assert!(unsafe { abort_callback(data) });
+        // SAFETY: null is allowed by the contract.
         assert!(!unsafe { abort_callback(std::ptr::null_mut()) });
     }
 }

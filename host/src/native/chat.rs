@@ -41,14 +41,18 @@ pub enum ChatTemplate {
 /// Names of llama.cpp's built-in templates.
 pub fn builtin_templates() -> Vec<String> {
     backend::init();
-    // SAFETY: a null output with length 0 only returns the count.
+    // SAFETY: with length 0 llama.cpp writes nothing through the (null) output and only
+    // returns the count.
     let n = unsafe { sys::llama_chat_builtin_templates(std::ptr::null_mut(), 0) }.max(0) as usize;
     let mut names = vec![std::ptr::null(); n];
-    // SAFETY: room for n pointers to static strings.
+    // SAFETY: `names` has room for the `n` pointers llama.cpp writes (it writes at most
+    // `len`); they point at the keys of its static template table.
     unsafe { sys::llama_chat_builtin_templates(names.as_mut_ptr(), n) };
     names
         .into_iter()
         .filter(|p| !p.is_null())
+        // SAFETY: non-null pointers llama.cpp just wrote: NUL-terminated strings of a
+        // static table, alive for the process.
         .map(|p| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
         .collect()
 }
@@ -56,8 +60,10 @@ pub fn builtin_templates() -> Vec<String> {
 impl Model {
     /// The chat template stored in the model's GGUF, if it has one.
     pub fn chat_template(&self) -> Option<String> {
-        // SAFETY: a live model; the result is null or a string owned by the model.
+        // SAFETY: a live model (`&self`); a null name asks for the default template.
         let ptr = unsafe { sys::llama_model_chat_template(self.as_ptr(), std::ptr::null()) };
+        // SAFETY: non-null: a NUL-terminated string owned by the model's metadata (or a
+        // static literal), alive while `&self` keeps the model; copied out at once.
         (!ptr.is_null()).then(|| unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned())
     }
 
@@ -87,7 +93,9 @@ impl Model {
             owned.iter().map(|(role, content)| sys::llama_chat_message { role: role.as_ptr(), content: content.as_ptr() }).collect();
         let mut buf = vec![0u8; messages_cost(messages).saturating_mul(2).saturating_add(256).min(i32::MAX as usize)];
         loop {
-            // SAFETY: valid C strings that outlive the call; `buf` has `len` bytes.
+            // SAFETY: `source` and every role and content are NUL-terminated strings owned
+            // by `source` and `owned`, alive across the call; `raw` has `raw.len()` entries;
+            // llama.cpp writes at most `length` (= `buf.len()`) bytes into `buf`.
             let n = unsafe {
                 sys::llama_chat_apply_template(
                     source.as_ptr(),

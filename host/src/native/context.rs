@@ -1,6 +1,7 @@
 //! A llama context (its memory, i.e. KV cache) with an all-or-nothing, cancellable decode.
 
 use std::collections::BTreeMap;
+use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -166,7 +167,7 @@ impl Context {
         params.allocated_n_ctx()?;
         // A failed decode is undone by cutting each sequence back (`all_or_nothing`);
         // recurrent state cannot be cut back to an earlier position.
-        // SAFETY: a live model.
+        // SAFETY: `model` is an `Arc`, so the model is live; both only read its architecture.
         if unsafe { sys::llama_model_is_recurrent(model.as_ptr()) || sys::llama_model_is_hybrid(model.as_ptr()) } {
             return Err(Error::InvalidArgument(
                 "this model keeps recurrent state, which cannot be rolled back after a failed or cancelled decode: llamabox does not run it".into(),
@@ -174,7 +175,9 @@ impl Context {
         }
         let threads = n_threads as i32; // at most MAX_THREADS
         let team = ThreadPool::new(threads)?;
-        // SAFETY: start from llama.cpp's defaults (the struct gains fields between versions).
+        // SAFETY: start from llama.cpp's defaults (the struct gains fields between versions),
+        // with sizes `allocated_n_ctx` checked above (llama.cpp asserts on some others). The
+        // model is live, and outlives the context: the context keeps its `Arc` (`model`).
         let (ptr, reason) = backend::with_errors(|| unsafe {
             let mut p = sys::llama_context_default_params();
             p.n_ctx = n_ctx;
@@ -192,6 +195,7 @@ impl Context {
         // serves both generation and prompt batches, as llama-bench does.
         unsafe { sys::llama_attach_threadpool(ptr.as_ptr(), team.as_ptr(), team.as_ptr()) };
         // llama.cpp may round n_ctx up (padding) or clamp n_batch; report what it chose.
+        // SAFETY: `ptr` is the live context just created; these getters read its params.
         let actual = unsafe {
             ContextParams {
                 n_ctx: sys::llama_n_ctx(ptr.as_ptr()),
@@ -216,7 +220,8 @@ impl Context {
         if !self.leftover.is_empty() {
             return; // parked again, untouched since
         }
-        // SAFETY: a live memory.
+        // SAFETY: the live context's memory (see `memory`); sequence 0 always exists, and
+        // an empty one reads -1.
         let end = unsafe { sys::llama_memory_seq_pos_max(self.memory(), 0) };
         match self.history.take() {
             Some(tokens) if !tokens.is_empty() && end + 1 == tokens.len() as i32 => {
@@ -241,7 +246,9 @@ impl Context {
         &self.model
     }
 
+    /// The context's memory: owned by the context, live while `self` is.
     fn memory(&self) -> sys::llama_memory_t {
+        // SAFETY: `self.ptr` is live until `Drop`; this reads a pointer it owns.
         unsafe { sys::llama_get_memory(self.ptr.as_ptr()) }
     }
 
@@ -276,6 +283,8 @@ impl Context {
         if !self.leftover.is_empty() {
             return Ok(-1); // the leftover is not part of what the context holds
         }
+        // SAFETY: the live context's memory; `seq` checked in [0, n_seq_max) above (out of
+        // range llama.cpp aborts the process with an assert).
         Ok(unsafe { sys::llama_memory_seq_pos_max(self.memory(), seq) })
     }
 
@@ -322,6 +331,8 @@ impl Context {
             return Err(Error::InvalidArgument(format!("p0 {p0} is negative")));
         }
         self.drop_leftover();
+        // SAFETY: the live context's memory, `&mut self` (no decode in flight); `seq` checked
+        // in range and `p0 >= 0`; a removal the memory cannot do returns false.
         if unsafe { sys::llama_memory_seq_rm(self.memory(), seq, p0, p1) } {
             if let Some(tokens) = &mut self.history {
                 let (p0, len) = (p0 as usize, tokens.len());
@@ -348,6 +359,8 @@ impl Context {
 
     /// Empty memory, leftover included.
     fn clear_all(&mut self) {
+        // SAFETY: the live context's memory, `&mut self` (no decode in flight); no logits
+        // of the old contents are read after it (`logit_rows` is cleared here).
         unsafe { sys::llama_memory_clear(self.memory(), true) };
         self.logit_rows.clear();
         self.leftover.clear();
@@ -370,8 +383,9 @@ impl Context {
         if ptr.is_null() {
             return Err(Error::Backend(format!("llama.cpp has no logits for row {row}")));
         }
-        // SAFETY: llama.cpp returns n_vocab floats that live until the next decode, which
-        // needs `&mut self`.
+        // SAFETY: non-null, so a row of llama.cpp's logits buffer: n_vocab floats (the
+        // model's width), which live until the next decode or free, both of which need
+        // `&mut self`, so not while the returned slice borrows `self`.
         Ok(unsafe { std::slice::from_raw_parts(ptr, self.model.n_vocab() as usize) })
     }
 
@@ -471,7 +485,7 @@ impl Context {
         let mut seq_ptrs: Vec<*mut i32> = batch.seq_ids.iter().map(|s| s as *const i32 as *mut i32).collect();
         let mut n_seq_id = vec![1i32; batch.len()];
         let mut logits: Vec<i8> = batch.logits.iter().map(|&l| l as i8).collect();
-        // SAFETY (for llama_decode): every pointer points into a vector that outlives
+        // For `decode_raw`'s contract: every pointer points into a vector that outlives
         // the call; llama.cpp reads the batch and never writes through these pointers.
         let raw = sys::llama_batch {
             n_tokens: batch.len() as i32,
@@ -482,7 +496,9 @@ impl Context {
             seq_id: seq_ptrs.as_mut_ptr(),
             logits: logits.as_mut_ptr(),
         };
-        self.decode_raw(raw, &batch.logits, stop)?;
+        // SAFETY: as said above `raw`: `batch` (checked: every column `batch.len()` long),
+        // `seq_ptrs`, `n_seq_id` and `logits` are alive and unmoved until this returns.
+        unsafe { self.decode_raw(raw, &batch.logits, stop) }?;
         if let Some(tokens) = &mut self.history {
             tokens.extend_from_slice(&batch.tokens); // one sequence, continued in order
         }
@@ -580,6 +596,15 @@ impl Context {
                 embd.len()
             )));
         }
+        // From a model with M-RoPE positions, llama.cpp reads an embedding batch's
+        // positions as four per row (one per section), past the one per row given here.
+        // SAFETY: the model is live (`self.model` is an `Arc`); reads a field.
+        let rope = unsafe { sys::llama_model_rope_type(self.model.as_ptr()) };
+        if rope == sys::LLAMA_ROPE_TYPE_MROPE || rope == sys::LLAMA_ROPE_TYPE_IMROPE {
+            return Err(Error::InvalidArgument(
+                "this model takes multi-dimensional (M-RoPE) positions for embeddings, which llamabox does not decode yet".into(),
+            ));
+        }
         let n = embd.len() / width;
         let first = self.seq_pos_max(seq)? + 1;
         self.history = None; // not tokens: nothing a later prompt could match
@@ -591,6 +616,8 @@ impl Context {
         }
         let piece = if non_causal { n } else { self.params.n_batch as usize };
         if non_causal {
+            // SAFETY: a live context, `&mut self` (no decode in flight); a flag the next
+            // decodes read, set back below.
             unsafe { sys::llama_set_causal_attn(self.ptr.as_ptr(), false) };
         }
         let result = (0..n).step_by(piece).try_for_each(|start| {
@@ -601,7 +628,7 @@ impl Context {
             let mut n_seq_id = vec![1i32; rows];
             let flags: Vec<bool> = (0..rows).map(|r| logits_last && start + r + 1 == n).collect();
             let mut logits: Vec<i8> = flags.iter().map(|&l| l as i8).collect();
-            // SAFETY (for llama_decode): as in `decode_checked`; `embd` outlives the call.
+            // For `decode_raw`'s contract: as in `decode_checked`; `embd` outlives the call.
             let raw = sys::llama_batch {
                 n_tokens: rows as i32,
                 token: std::ptr::null_mut(),
@@ -611,9 +638,13 @@ impl Context {
                 seq_id: seq_ptrs.as_mut_ptr(),
                 logits: logits.as_mut_ptr(),
             };
-            self.decode_raw(raw, &flags, stop)
+            // SAFETY: as said above `raw`: `rows` rows of `width` floats from `embd`, and
+            // `positions`, `seq_ids`, `seq_ptrs`, `n_seq_id`, `logits` (`rows` entries each)
+            // all alive and unmoved until this returns; not an M-RoPE model (checked).
+            unsafe { self.decode_raw(raw, &flags, stop) }
         });
         if non_causal {
+            // SAFETY: as above; causal attention back on, as `new` made the context.
             unsafe { sys::llama_set_causal_attn(self.ptr.as_ptr(), true) };
         }
         result
@@ -634,12 +665,14 @@ impl Context {
         let mut seqs = seqs.to_vec();
         seqs.sort_unstable();
         seqs.dedup();
+        // SAFETY: the live context's memory; every id in `seqs` was checked in range by the
+        // caller (`check_batch`, `check_seq`).
         let ends: Vec<(i32, i32)> = seqs.iter().map(|&s| (s, unsafe { sys::llama_memory_seq_pos_max(self.memory(), s) })).collect();
         self.logit_rows.clear();
         let result = f(self);
         if result.is_err() {
             self.logit_rows.clear();
-            // SAFETY: a live memory; any sequence id is accepted by seq_rm.
+            // SAFETY: the live context's memory; the same checked ids as `ends`.
             let undone = ends.iter().all(|&(seq, end)| unsafe { sys::llama_memory_seq_rm(self.memory(), seq, end + 1, -1) });
             if let (Some(tokens), Some(&(0, end))) = (&mut self.history, ends.first()) {
                 tokens.truncate((end + 1) as usize);
@@ -658,12 +691,26 @@ impl Context {
     }
 
     /// One `llama_decode`, with the abort callback installed for it when there is a stop.
-    fn decode_raw(&mut self, raw: sys::llama_batch, logit_rows: &[bool], stop: Option<Stop<'_>>) -> Result<()> {
+    ///
+    /// # Safety
+    ///
+    /// `raw` must be a batch llama.cpp can read for the whole call: `raw.n_tokens` rows in
+    /// each of `pos`, `n_seq_id`, `seq_id` (each pointing at `n_seq_id[i]` ids in range)
+    /// and `logits`, and either `token` (`n_tokens` ids in the vocabulary) or `embd`
+    /// (`n_tokens × n_embd_inp` floats). An `embd` batch must not go to a model with
+    /// M-RoPE positions: llama.cpp then reads 4 positions per row. llama.cpp copies the
+    /// batch and never writes through these pointers, so they may come from shared borrows.
+    unsafe fn decode_raw(&mut self, raw: sys::llama_batch, logit_rows: &[bool], stop: Option<Stop<'_>>) -> Result<()> {
         let (ret, reason) = backend::with_errors(|| match &stop {
             Some(stop) => {
-                let _installed = AbortCallback::install(self.ptr, stop);
+                // SAFETY: `_installed` is dropped at the end of this arm, right after the
+                // decode, and `stop` (this function's argument) outlives the arm.
+                let _installed = unsafe { AbortCallback::install(self.ptr, stop) };
+                // SAFETY: `raw` by this function's contract; `self.ptr` is live and
+                // `&mut self` means no other call runs on it.
                 unsafe { sys::llama_decode(self.ptr.as_ptr(), raw) }
             }
+            // SAFETY: as above, with no abort callback installed.
             None => unsafe { sys::llama_decode(self.ptr.as_ptr(), raw) },
         });
         match ret {
@@ -685,19 +732,32 @@ impl Context {
 }
 
 /// The abort callback, installed for one call and removed when dropped, so a context
-/// never holds a pointer to a finished call's `Stop`.
-struct AbortCallback(NonNull<sys::llama_context>);
+/// never holds a pointer to a finished call's `Stop`. The guard borrows that `Stop`, so
+/// the compiler sees that it cannot outlive it.
+struct AbortCallback<'s>(NonNull<sys::llama_context>, PhantomData<&'s Stop<'s>>);
 
-impl AbortCallback {
-    fn install(ctx: NonNull<sys::llama_context>, stop: &Stop<'_>) -> Self {
+impl<'s> AbortCallback<'s> {
+    /// Point `ctx`'s abort callback at `stop` (a pointer into the caller's frame).
+    ///
+    /// # Safety
+    ///
+    /// `ctx` must be a live context, and the guard must be dropped, not leaked (e.g.
+    /// `mem::forget`): only its `Drop` takes the pointer out of llama.cpp again, and the
+    /// next decode would read a freed `Stop` otherwise.
+    unsafe fn install(ctx: NonNull<sys::llama_context>, stop: &'s Stop<'_>) -> Self {
         let data = stop as *const Stop as *mut std::ffi::c_void;
+        // SAFETY: a live context (the caller's contract); `abort_callback` reads `data` as
+        // a `Stop`, which it is, alive for `'s`, and the guard's drop removes it before
+        // then.
         unsafe { sys::llama_set_abort_callback(ctx.as_ptr(), Some(abort_callback), data) };
-        Self(ctx)
+        Self(ctx, PhantomData)
     }
 }
 
-impl Drop for AbortCallback {
+impl Drop for AbortCallback<'_> {
     fn drop(&mut self) {
+        // SAFETY: the context `install` was given, still live (the guard lives inside one
+        // call on it); no callback and null data is llama.cpp's "none".
         unsafe { sys::llama_set_abort_callback(self.0.as_ptr(), None, std::ptr::null_mut()) };
     }
 }

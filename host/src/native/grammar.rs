@@ -1098,18 +1098,21 @@ mod differential {
         fn allows(&self, token: Token) -> bool {
             let mut one = sys::llama_token_data { id: token, logit: 0.0, p: 0.0 };
             let mut array = sys::llama_token_data_array { data: &mut one, size: 1, selected: -1, sorted: false };
-            // SAFETY: a live grammar sampler and one candidate of the model's vocabulary.
+            // SAFETY: a live grammar sampler (freed only in `Drop`) and an array of one
+            // candidate, `one`, alive across the call; a token of the model's vocabulary.
             unsafe { sys::llama_sampler_apply(self.0, &mut array) };
             one.logit != f32::NEG_INFINITY
         }
         fn accept(&self, token: Token) {
-            // SAFETY: `allows` said yes, so llama.cpp's grammar does not throw.
+            // SAFETY: a live grammar sampler; `allows` said yes, so llama.cpp's grammar does
+            // not throw (an exception must not unwind into Rust).
             unsafe { sys::llama_sampler_accept(self.0, token) }
         }
     }
     impl Drop for Llama {
         fn drop(&mut self) {
-            // SAFETY: made by llama_sampler_init_grammar, freed once.
+            // SAFETY: made by llama_sampler_init_grammar, owned by this `Llama` alone, freed
+            // once.
             unsafe { sys::llama_sampler_free(self.0) }
         }
     }
@@ -1141,7 +1144,9 @@ mod differential {
             }
             let ours = parse_gbnf(&text, "root", &GrammarCaps::default(), &|_| None).and_then(|g| Constraint::new(model.grammar_env()?, g.to_lark()));
             let c_text = std::ffi::CString::new(text.clone()).unwrap();
-            // SAFETY: valid C strings and the model's vocabulary; null on a parse failure.
+            // SAFETY: NUL-terminated strings alive for the call (llama.cpp parses and does not
+            // keep them) and the vocabulary of `model`, which outlives `theirs` (dropped
+            // every case); null on a parse failure.
             let (theirs, reason) = super::super::backend::with_errors(|| unsafe {
                 sys::llama_sampler_init_grammar(model.vocab_ptr(), c_text.as_ptr(), c"root".as_ptr())
             });
@@ -1157,7 +1162,8 @@ mod differential {
                     for _ in 0..12 {
                         // A random walk: each step a byte both matchers must agree on.
                         ours.reset().unwrap();
-                        // SAFETY: resets the grammar stage's own state.
+                        // SAFETY: a live grammar sampler (`theirs` owns it); resets only its
+                        // own state.
                         unsafe { sys::llama_sampler_reset(theirs.0) };
                         // ASCII only: fed a byte at a time, a split character is where the
                         // two differ by design. llama.cpp refuses a character's first byte

@@ -54,13 +54,17 @@ pub struct Chunk {
     bytes: usize,
 }
 
-// SAFETY: an mtmd_input_chunk is plain data, never mutated after tokenize; mtmd only
-// reads it (through const pointers), so it may be shared and freed from any thread.
+// SAFETY: an mtmd_input_chunk is plain data (token vectors, preprocessed floats) owned by
+// this `Chunk` alone (a copy, see `into_chunks`) and tied to no thread, so it may be
+// freed from any thread.
 unsafe impl Send for Chunk {}
+// SAFETY: never mutated after tokenize: every mtmd call on it takes a const pointer and
+// only reads, so shared use from several threads is reads only.
 unsafe impl Sync for Chunk {}
 
 impl Chunk {
     pub fn kind(&self) -> ChunkKind {
+        // SAFETY: `self.ptr` is a chunk this `Chunk` owns, live until `Drop`; a read.
         match unsafe { sys::mtmd_input_chunk_get_type(self.ptr.as_ptr()) } {
             sys::MTMD_INPUT_CHUNK_TYPE_IMAGE => ChunkKind::Image,
             sys::MTMD_INPUT_CHUNK_TYPE_AUDIO => ChunkKind::Audio,
@@ -70,11 +74,13 @@ impl Chunk {
 
     /// Tokens (text) or embeddings (media) the chunk adds.
     pub fn n_tokens(&self) -> usize {
+        // SAFETY: as in `kind`: an owned, live chunk; a read.
         unsafe { sys::mtmd_input_chunk_get_n_tokens(self.ptr.as_ptr()) }
     }
 
     /// Positions the chunk takes in a sequence.
     pub fn n_pos(&self) -> i32 {
+        // SAFETY: as in `kind`: an owned, live chunk; a read.
         unsafe { sys::mtmd_input_chunk_get_n_pos(self.ptr.as_ptr()) }
     }
 
@@ -94,17 +100,22 @@ impl Chunk {
     /// The token ids of a text chunk (empty for media).
     pub fn text_tokens(&self) -> &[Token] {
         let mut n = 0usize;
+        // SAFETY: an owned, live chunk (as in `kind`) and a valid `n` to write the count
+        // to; for a media chunk mtmd writes 0 and returns null.
         let ptr = unsafe { sys::mtmd_input_chunk_get_tokens_text(self.ptr.as_ptr(), &mut n) };
         if ptr.is_null() || self.kind() != ChunkKind::Text {
             return &[];
         }
-        // SAFETY: mtmd returns n tokens owned by the chunk, which `self` keeps alive.
+        // SAFETY: non-null: the data of the text chunk's token vector, `n` tokens owned by
+        // the chunk, which `&self` keeps alive and nothing mutates (see `Sync` above).
         unsafe { std::slice::from_raw_parts(ptr, n) }
     }
 }
 
 impl Drop for Chunk {
     fn drop(&mut self) {
+        // SAFETY: a copy this `Chunk` owns alone (mtmd_input_chunk_copy in `into_chunks`,
+        // not an entry of a list), freed once, here.
         unsafe { sys::mtmd_input_chunk_free(self.ptr.as_ptr()) }
     }
 }
@@ -136,7 +147,10 @@ pub struct MediaContext {
     model: Arc<Model>,
 }
 
-// SAFETY: used by one thread at a time (`&mut self` for encodes); may move threads.
+// SAFETY: an mtmd_context (and the clip contexts and ggml scheduler in it) is used by
+// one thread at a time: every call that computes takes `&mut self`, and `&self` ones read
+// fixed fields only. Nothing in it is tied to the thread that made it, so it may move
+// threads. (Not Sync: `&self` from two threads is never needed.)
 unsafe impl Send for MediaContext {}
 
 impl MediaContext {
@@ -149,7 +163,10 @@ impl MediaContext {
         let c_path = CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| Error::InvalidArgument("projector path contains a NUL byte".into()))?;
         let threads = i32::try_from(n_threads.max(1)).unwrap_or(i32::MAX);
-        // SAFETY: defaults first (the struct gains fields between versions).
+        // SAFETY: defaults first (the struct gains fields between versions). `c_path` is a
+        // NUL-terminated string alive for the call; the text model is live (the `Arc` is
+        // kept in `self.model`, dropped after `mtmd_free`). `eval_callback` is a `'static`
+        // fn with null user data: it finds its state through a thread-local instead.
         let ptr = unsafe {
             let mut p = sys::mtmd_context_params_default();
             p.use_gpu = false;
@@ -216,33 +233,40 @@ impl MediaContext {
     }
 
     pub fn supports_vision(&self) -> bool {
+        // SAFETY: `self.ptr` is live until `Drop`; reads a fixed property.
         unsafe { sys::mtmd_support_vision(self.ptr.as_ptr()) }
     }
 
     pub fn supports_audio(&self) -> bool {
+        // SAFETY: as in `supports_vision`.
         unsafe { sys::mtmd_support_audio(self.ptr.as_ptr()) }
     }
 
     /// Sample rate audio input must have, if the projector takes audio.
     pub fn audio_sample_rate(&self) -> Option<u32> {
+        // SAFETY: as in `supports_vision`.
         let rate = unsafe { sys::mtmd_get_audio_sample_rate(self.ptr.as_ptr()) };
         (rate > 0).then_some(rate as u32)
     }
 
     /// Whether a media chunk must be decoded in one ubatch with non-causal attention.
     pub fn needs_non_causal(&self, chunk: &Chunk) -> bool {
+        // SAFETY: a live context (as in `supports_vision`) and a live chunk (`&Chunk`); both
+        // only read (mtmd looks at the chunk's type and the projector's).
         unsafe { sys::mtmd_decode_use_non_causal(self.ptr.as_ptr(), chunk.ptr.as_ptr()) }
     }
 
     /// Whether media positions are multi-dimensional (M-RoPE), which llamabox does not
     /// decode yet.
     pub fn uses_mrope(&self) -> bool {
+        // SAFETY: as in `supports_vision`.
         unsafe { sys::mtmd_decode_use_mrope(self.ptr.as_ptr()) }
     }
 
     /// The text that marks where each media input goes in a prompt.
     pub fn marker() -> &'static str {
-        // SAFETY: a static NUL-terminated string.
+        // SAFETY: mtmd_default_marker returns a NUL-terminated string literal: static,
+        // never null.
         unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_str().unwrap_or("<__media__>")
     }
 
@@ -293,6 +317,9 @@ impl MediaContext {
         let raw: Vec<*const sys::mtmd_bitmap> = bitmaps.iter().map(|b| b.0.as_ptr().cast_const()).collect();
         let input = sys::mtmd_input_text { text: text.as_ptr(), text_len: prompt.len(), add_special: first, parse_special: true };
         let list = ChunkList::new()?;
+        // SAFETY: a live context (`&mut self`; mtmd_tokenize only reads it); a live, empty
+        // list it fills; `input.text` is `text`, NUL-terminated, alive across the call;
+        // `raw` holds `raw.len()` live bitmaps (owned by `bitmaps`, dropped after the call).
         let (ret, reason) = backend::with_errors(|| unsafe {
             sys::mtmd_tokenize(self.ptr.as_ptr(), list.0.as_ptr(), &input, raw.as_ptr(), raw.len())
         });
@@ -319,6 +346,8 @@ impl MediaContext {
                 if rgb.len() != expected {
                     return invalid(format!("image {width}x{height} needs {expected} RGB bytes, got {}", rgb.len()));
                 }
+                // SAFETY: `rgb` is exactly `width * height * 3` bytes (checked above), what
+                // mtmd reads; it copies them into the bitmap.
                 unsafe { sys::mtmd_bitmap_init(*width, *height, rgb.as_ptr()) }
             }
             MediaInput::Audio { samples } => {
@@ -333,6 +362,8 @@ impl MediaContext {
                 if !samples.iter().all(|s| s.is_finite()) {
                     return invalid("audio samples must be finite".into());
                 }
+                // SAFETY: `samples` has `samples.len()` floats (at least 2, checked), which
+                // mtmd copies into the bitmap.
                 unsafe { sys::mtmd_bitmap_init_from_audio(samples.len(), samples.as_ptr()) }
             }
         };
@@ -363,6 +394,10 @@ impl MediaContext {
                 let chunker = Chunker::with_budget(self.chunk_work());
                 let started = Instant::now();
                 let ((ret, reason), scope) = in_encode_scope(stop, chunker, || {
+                    // SAFETY: a live context, `&mut self` (one encode at a time), and a live
+                    // media chunk this context made (`check_owns` above: mtmd asserts on
+                    // another projector's data). The eval callback it runs reads only the
+                    // scope this closure runs in.
                     backend::with_errors(|| unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) })
                 });
                 self.pace.observe(scope.units, started.elapsed());
@@ -373,17 +408,21 @@ impl MediaContext {
                 }
                 (ret, reason)
             }
+            // SAFETY: as above; outside a scope the eval callback stops nothing.
             None => backend::with_errors(|| unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) }),
         };
         if ret != 0 {
             return Err(Error::Backend(format!("mtmd_encode_chunk failed ({ret}): {reason}")));
         }
         let len = chunk.n_tokens() * self.n_embd;
+        // SAFETY: a live context; returns its output buffer's pointer.
         let out = unsafe { sys::mtmd_get_output_embd(self.ptr.as_ptr()) };
         if out.is_null() {
             return Err(Error::Backend("mtmd produced no embeddings".into()));
         }
-        // SAFETY: mtmd documents n_tokens × n_embd_inp floats after a successful encode.
+        // SAFETY: mtmd documents n_tokens × n_embd_inp floats after a successful encode
+        // (`n_embd` is the text model's n_embd_inp); the buffer is the context's, which
+        // `&mut self` keeps from any other encode until the copy (`to_vec`) is made.
         Ok(unsafe { std::slice::from_raw_parts(out, len) }.to_vec())
     }
 }
@@ -416,6 +455,9 @@ impl MediaContext {
 
 impl Drop for MediaContext {
     fn drop(&mut self) {
+        // SAFETY: owned, freed once; no encode runs (`&mut self`). Chunks it made are
+        // copies that do not point into it, so they may outlive it. The text model is
+        // freed after (the `model` field drops after this).
         unsafe { sys::mtmd_free(self.ptr.as_ptr()) }
     }
 }
@@ -424,6 +466,8 @@ struct Bitmap(NonNull<sys::mtmd_bitmap>);
 
 impl Drop for Bitmap {
     fn drop(&mut self) {
+        // SAFETY: made by mtmd_bitmap_init*, owned by this `Bitmap` alone (mtmd_tokenize
+        // copies what it needs), freed once.
         unsafe { sys::mtmd_bitmap_free(self.0.as_ptr()) }
     }
 }
@@ -432,6 +476,7 @@ struct ChunkList(NonNull<sys::mtmd_input_chunks>);
 
 impl ChunkList {
     fn new() -> Result<Self> {
+        // SAFETY: no arguments; a null return is handled.
         NonNull::new(unsafe { sys::mtmd_input_chunks_init() })
             .map(Self)
             .ok_or_else(|| Error::Backend("could not allocate a chunk list".into()))
@@ -439,9 +484,13 @@ impl ChunkList {
 
     /// Copy each chunk out, so each can be owned (and freed) on its own.
     fn into_chunks(self, owner: MediaContextId, n_embd: usize) -> Result<Vec<Arc<Chunk>>> {
+        // SAFETY: a live list this `ChunkList` owns; a read.
         let n = unsafe { sys::mtmd_input_chunks_size(self.0.as_ptr()) };
         let chunks = (0..n)
             .map(|i| {
+                // SAFETY: `i < n`, so mtmd_input_chunks_get returns a live entry of the list
+                // (alive until `self` drops, after this); the copy is a new chunk owned by
+                // the `Chunk` made from it.
                 let copy = unsafe { sys::mtmd_input_chunk_copy(sys::mtmd_input_chunks_get(self.0.as_ptr(), i)) };
                 NonNull::new(copy)
                     .map(|ptr| Chunk { ptr, owner, bytes: 0 })
@@ -466,6 +515,8 @@ impl ChunkList {
 
 impl Drop for ChunkList {
     fn drop(&mut self) {
+        // SAFETY: made by mtmd_input_chunks_init, owned alone, freed once; it frees its
+        // entries, which no `Chunk` points at (they hold copies).
         unsafe { sys::mtmd_input_chunks_free(self.0.as_ptr()) }
     }
 }
@@ -517,6 +568,12 @@ pub(crate) fn in_encode_scope<R>(stop: Stop<'_>, chunker: Chunker, f: impl FnOnc
 }
 
 /// `ggml_backend_sched_eval_callback`, installed on every media context.
+///
+/// # Safety
+///
+/// When `ask` is true, `t` must be null or point at a live graph node whose `src`
+/// pointers are null or live tensors (what the scheduler passes). With `ask` false `t` is
+/// not read. The user data is ignored.
 pub(crate) unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, _: *mut c_void) -> bool {
     SCOPE.with(|scope| {
         // SAFETY: non-null only inside `in_encode_scope` on this thread, whose stack
@@ -525,7 +582,8 @@ pub(crate) unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: boo
             return !ask; // outside a scope: want nothing, stop nothing
         };
         if ask {
-            // SAFETY: the scheduler passes a live node of the graph it is computing.
+            // SAFETY: by this function's contract, `t` is null or a live node of the graph
+            // the scheduler is computing, with live or null sources.
             let node = unsafe { node_work(t) };
             state.chunker.borrow_mut().ask(node, state.stop.is_set())
         } else {
@@ -537,11 +595,19 @@ pub(crate) unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: boo
     })
 }
 
+/// The work a graph node stands for, read from its shape and its first source's.
+///
+/// # Safety
+///
+/// `t` must be null or point at a tensor that is live and not written during the call,
+/// whose `src[0]` is null or such a tensor too.
 unsafe fn node_work(t: *const sys::ggml_tensor) -> NodeWork {
+    // SAFETY: null or live and unchanging (this function's contract).
     let Some(t) = (unsafe { t.as_ref() }) else {
         return NodeWork { units: 0, boundary_allowed: false };
     };
     let elements = t.ne.iter().map(|&d| d.max(0) as u64).product::<u64>();
+    // SAFETY: `src[0]` is null or a live tensor (this function's contract).
     let inner = unsafe { t.src[0].as_ref() }.map_or(0, |src| src.ne[0].max(0) as u64);
     NodeWork::of(t.op, elements, inner)
 }
@@ -560,6 +626,8 @@ mod tests {
     }
 
     fn call(t: &mut sys::ggml_tensor, ask: bool) -> bool {
+        // SAFETY: `t` is a live tensor (a borrow) whose sources are null (`node` zeroes
+        // them), as `eval_callback` requires.
         unsafe { eval_callback(t, ask, std::ptr::null_mut()) }
     }
 

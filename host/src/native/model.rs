@@ -23,7 +23,11 @@ pub struct Model {
 
 // SAFETY: a llama_model is immutable after loading; llama.cpp documents sharing one
 // model between contexts on different threads. The vocabulary is part of the model.
+// Nothing in it is tied to the thread that loaded it, so it may also be freed on another.
 unsafe impl Send for Model {}
+// SAFETY: every `&self` method only reads the model or its vocabulary (the tokenizer is
+// documented thread-safe in llama.h); the one lazily built part, `grammar_env`, is
+// Rust-side behind a `OnceLock`.
 unsafe impl Sync for Model {}
 
 impl Model {
@@ -35,7 +39,8 @@ impl Model {
         }
         let c_path = CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| Error::InvalidArgument("model path contains a NUL byte".into()))?;
-        // SAFETY: default params, a valid C string; a null return is handled.
+        // SAFETY: llama.cpp's default params; `c_path` is a NUL-terminated string alive
+        // for the call (llama.cpp does not keep it); a null return is handled below.
         let ptr = unsafe {
             let params = sys::llama_model_default_params();
             sys::llama_model_load_from_file(c_path.as_ptr(), params)
@@ -46,9 +51,12 @@ impl Model {
         // SAFETY: ptr is a live model; the vocab lives as long as the model.
         let vocab = unsafe { sys::llama_model_get_vocab(ptr.as_ptr()) };
         let Some(vocab) = NonNull::new(vocab.cast_mut()) else {
+            // SAFETY: `ptr` was loaded above and is owned here alone: no `Model` holds it
+            // yet, so it is freed exactly once.
             unsafe { sys::llama_model_free(ptr.as_ptr()) };
             return Err(Error::Backend("model has no vocabulary".into()));
         };
+        // SAFETY: a non-null vocabulary of the live model `ptr`; only read.
         let n_vocab = unsafe { sys::llama_vocab_n_tokens(vocab.as_ptr()) };
         Ok(Self { ptr, vocab, n_vocab, grammar_env: OnceLock::new() })
     }
@@ -78,31 +86,40 @@ impl Model {
     }
 
     pub fn n_embd(&self) -> u32 {
+        // SAFETY: `self.ptr` is live until `Drop` (which needs the last owner); reads a field.
         unsafe { sys::llama_model_n_embd(self.as_ptr()) }.max(0) as u32
     }
 
     /// Width of input embeddings (what a projector must produce).
     pub fn n_embd_inp(&self) -> u32 {
+        // SAFETY: as in `n_embd`: a live model, a read-only getter.
         unsafe { sys::llama_model_n_embd_inp(self.as_ptr()) }.max(0) as u32
     }
 
     pub fn n_ctx_train(&self) -> u32 {
+        // SAFETY: as in `n_embd`: a live model, a read-only getter.
         unsafe { sys::llama_model_n_ctx_train(self.as_ptr()) }.max(0) as u32
     }
 
     pub fn n_layer(&self) -> u32 {
+        // SAFETY: as in `n_embd`: a live model, a read-only getter.
         unsafe { sys::llama_model_n_layer(self.as_ptr()) }.max(0) as u32
     }
 
     pub fn bos(&self) -> Option<Token> {
+        // SAFETY: the vocabulary lives as long as the model, which `&self` keeps alive;
+        // reads a field (the id may be -1, which `is_valid` filters).
         Some(unsafe { sys::llama_vocab_bos(self.vocab()) }).filter(|&t| self.is_valid(t))
     }
 
     pub fn eos(&self) -> Option<Token> {
+        // SAFETY: as in `bos`.
         Some(unsafe { sys::llama_vocab_eos(self.vocab()) }).filter(|&t| self.is_valid(t))
     }
 
     pub fn is_eog(&self, token: Token) -> bool {
+        // SAFETY: a live vocabulary (as in `bos`); llama.cpp looks any id up in a set, and
+        // `&&` passes it only ids in [0, n_vocab) anyway.
         self.is_valid(token) && unsafe { sys::llama_vocab_is_eog(self.vocab(), token) }
     }
 
@@ -126,6 +143,9 @@ impl Model {
             .map_err(|_| Error::InvalidArgument("text longer than 2^31 bytes".into()))?;
         // One token per byte plus BOS/EOS is an upper bound for every tokenizer llama.cpp has.
         let mut tokens = vec![0 as Token; text.len() + 2];
+        // SAFETY: a live vocabulary (tokenizing is documented thread-safe); `text` is `len`
+        // readable bytes (llama.cpp takes the length, no NUL needed); llama.cpp writes at
+        // most `n_tokens_max` tokens, which is never more than `buf` holds.
         let call = |buf: &mut [Token]| unsafe {
             sys::llama_tokenize(
                 self.vocab(),
@@ -157,6 +177,9 @@ impl Model {
         }
         let mut buf = vec![0u8; 64];
         loop {
+            // SAFETY: a live vocabulary; a token checked in range above (out of range,
+            // llama.cpp throws from `id_to_token.at`, which must not unwind into Rust);
+            // `buf` has `buf.len()` writable bytes, all llama.cpp is told it may write.
             let n = unsafe {
                 sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special)
             };
@@ -176,6 +199,8 @@ impl Model {
         let mut buf = vec![0u8; tokens.len() * 8 + 16];
         loop {
             let cap = buf.len().min(i32::MAX as usize) as i32;
+            // SAFETY: a live vocabulary; `tokens` is `n_tokens` readable ids, all checked in
+            // range above; `buf` has at least `cap` writable bytes, all llama.cpp may write.
             let n = unsafe {
                 sys::llama_detokenize(
                     self.vocab(),
@@ -201,7 +226,8 @@ impl Model {
 
 impl Drop for Model {
     fn drop(&mut self) {
-        // SAFETY: every context holds an Arc<Model>, so none is alive here.
+        // SAFETY: every context, sampler and media context holds an Arc<Model>, so none
+        // is alive here; `&mut self` in drop runs once, so the model is freed once.
         unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
     }
 }

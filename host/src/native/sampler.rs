@@ -185,24 +185,29 @@ impl Sampler {
         backend::init();
         params.check(&model, caps)?;
         let n_vocab = model.n_vocab() as i32;
-        // SAFETY: default params; the chain owns every stage added to it.
+        // SAFETY: plain constructors (default params); the chain, freed in `Drop`, owns
+        // every stage added to it; a null return is handled.
         let chain = NonNull::new(unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) })
             .ok_or_else(|| Error::Backend("llama.cpp could not create a sampler chain".into()))?;
         let mut sampler = Self { chain, grammar: None, candidates: Vec::new(), model };
         let add = |s: &Self, stage: *mut sys::llama_sampler| -> Result<NonNull<sys::llama_sampler>> {
             let stage = NonNull::new(stage).ok_or_else(|| Error::Backend("llama.cpp could not create a sampler".into()))?;
-            // SAFETY: the chain takes ownership of the stage and frees it with itself.
+            // SAFETY: a live chain and a new, non-null stage owned by no one else: the chain
+            // takes ownership of it and frees it with itself (never twice: `stage` is only
+            // returned for identification, never freed by us).
             unsafe { sys::llama_sampler_chain_add(s.chain.as_ptr(), stage.as_ptr()) };
             Ok(stage)
         };
         if !params.logit_bias.is_empty() {
             let bias: Vec<sys::llama_logit_bias> =
                 params.logit_bias.iter().map(|&(token, bias)| sys::llama_logit_bias { token, bias }).collect();
-            // SAFETY: tokens checked in-vocabulary; llama.cpp copies the array.
+            // SAFETY: `bias` holds `bias.len()` entries, alive for the call, which llama.cpp
+            // copies; every token was checked in [0, n_vocab) (llama.cpp bounds-checks too).
             add(&sampler, unsafe { sys::llama_sampler_init_logit_bias(n_vocab, bias.len() as i32, bias.as_ptr()) })?;
         }
         if let Some(p) = &params.penalties {
-            // SAFETY: checked ranges; allocates a ring of `last_n` (capped) tokens.
+            // SAFETY: a plain constructor, ranges checked; it allocates a ring of `last_n`
+            // tokens, which `check` capped.
             add(&sampler, unsafe { sys::llama_sampler_init_penalties(n_vocab, p.last_n as i32, p.repeat, p.frequency, p.presence) })?;
         }
         sampler.grammar = match (&params.grammar, &params.json_schema) {
@@ -213,19 +218,25 @@ impl Sampler {
         };
         let greedy = params.temperature.is_none_or(|t| t < MIN_TEMPERATURE);
         if !greedy {
-            // SAFETY (all below): parameters checked in range above.
+            // The constructors below take numbers only and allocate a stage that `add` hands
+            // to the chain; their parameters were checked in range by `check`.
             if let Some(k) = params.top_k {
+                // SAFETY: a plain constructor; k >= 1 (checked), capped to i32.
                 add(&sampler, unsafe { sys::llama_sampler_init_top_k(k.min(i32::MAX as u32) as i32) })?;
             }
             if let Some(p) = params.typical_p {
+                // SAFETY: a plain constructor; p in (0, 1] (checked).
                 add(&sampler, unsafe { sys::llama_sampler_init_typical(p, 1) })?;
             }
             if let Some(p) = params.top_p {
+                // SAFETY: a plain constructor; p in (0, 1] (checked).
                 add(&sampler, unsafe { sys::llama_sampler_init_top_p(p, 1) })?;
             }
             if let Some(p) = params.min_p {
+                // SAFETY: a plain constructor; p in [0, 1] (checked).
                 add(&sampler, unsafe { sys::llama_sampler_init_min_p(p, 1) })?;
             }
+            // SAFETY: a plain constructor; a finite temperature >= MIN_TEMPERATURE here.
             add(&sampler, unsafe { sys::llama_sampler_init_temp(params.temperature.unwrap_or(1.0)) })?;
             let seed = match params.seed {
                 Some(seed) => seed,
@@ -236,8 +247,10 @@ impl Sampler {
                     u32::from_le_bytes(bytes).min(u32::MAX - 1)
                 }
             };
+            // SAFETY: a plain constructor; any seed is valid.
             add(&sampler, unsafe { sys::llama_sampler_init_dist(seed) })?;
         } else {
+            // SAFETY: a plain constructor without arguments.
             add(&sampler, unsafe { sys::llama_sampler_init_greedy() })?;
         }
         let n = sampler.model.n_vocab() as usize;
@@ -281,7 +294,8 @@ impl Sampler {
         // samplers may reorder, shrink or re-point `data` within it.
         unsafe { sys::llama_sampler_apply(self.chain.as_ptr(), &mut array) };
         let picked = usize::try_from(array.selected).ok().filter(|&i| i < array.size);
-        // SAFETY: `data` points at `size` entries (llama.cpp's contract for apply).
+        // SAFETY: `i < size` and `data` points at `size` entries (llama.cpp's contract for
+        // apply: within `candidates`, which is alive and not touched since).
         let picked = picked.map(|i| unsafe { *array.data.add(i) });
         match picked {
             // A -inf pick means every token was banned (by the bias, and the grammar).
@@ -289,7 +303,8 @@ impl Sampler {
                 if let Some(grammar) = &mut self.grammar {
                     grammar.accept(t.id)?;
                 }
-                // SAFETY: a token in the vocabulary.
+                // SAFETY: a live chain (`&mut self`) and a token in the vocabulary (checked
+                // by `is_valid`), which is all its stages take.
                 unsafe { sys::llama_sampler_accept(self.chain.as_ptr(), t.id) };
                 Ok(t.id)
             }
@@ -309,7 +324,7 @@ impl Sampler {
             }
             grammar.accept(token)?;
         }
-        // SAFETY: a token in the vocabulary.
+        // SAFETY: a live chain (`&mut self`) and a token in the vocabulary (checked above).
         unsafe { sys::llama_sampler_accept(self.chain.as_ptr(), token) };
         Ok(())
     }
@@ -327,7 +342,8 @@ impl Sampler {
 
 impl Drop for Sampler {
     fn drop(&mut self) {
-        // SAFETY: the chain owns (and frees) every stage.
+        // SAFETY: the chain made in `new`, owned by this sampler alone and freed once; it
+        // frees every stage added to it.
         unsafe { sys::llama_sampler_free(self.chain.as_ptr()) }
     }
 }

@@ -335,8 +335,10 @@ impl GgufFile {
     const MAX_TENSORS: usize = 4096;
 
     pub(crate) fn new() -> Result<Self> {
-        // SAFETY: plain constructors; null results are checked.
+        // SAFETY: a plain constructor; a null result is checked below.
         let gguf = unsafe { sys::gguf_init_empty() };
+        // SAFETY: a plain constructor; `no_alloc` with a null buffer makes ggml allocate
+        // room for MAX_TENSORS headers only (tensor data stays in `data`); null is checked.
         let meta = unsafe {
             sys::ggml_init(sys::ggml_init_params {
                 mem_size: Self::MAX_TENSORS * sys::ggml_tensor_overhead(),
@@ -358,29 +360,37 @@ impl GgufFile {
     /// is refused rather than cut short.
     pub(crate) fn kv_str(&mut self, key: &str, value: &str) -> Result<()> {
         let value = CString::new(value).map_err(|_| Error::InvalidArgument(format!("{key}: the value contains a NUL byte")))?;
+        // SAFETY: `self.gguf` is live and non-null (checked in `new`) until `Drop`; key and
+        // value are NUL-terminated strings alive for the call, which gguf copies.
         unsafe { sys::gguf_set_val_str(self.gguf, Self::key(key).as_ptr(), value.as_ptr()) };
         Ok(())
     }
 
     pub(crate) fn kv_u32(&mut self, key: &str, value: u32) {
+        // SAFETY: a live gguf (as in `kv_str`); the key (a temporary alive for the whole
+        // statement) is copied by gguf.
         unsafe { sys::gguf_set_val_u32(self.gguf, Self::key(key).as_ptr(), value) }
     }
 
     pub(crate) fn kv_f32(&mut self, key: &str, value: f32) {
+        // SAFETY: as in `kv_u32`.
         unsafe { sys::gguf_set_val_f32(self.gguf, Self::key(key).as_ptr(), value) }
     }
 
     pub(crate) fn kv_bool(&mut self, key: &str, value: bool) {
+        // SAFETY: as in `kv_u32`.
         unsafe { sys::gguf_set_val_bool(self.gguf, Self::key(key).as_ptr(), value) }
     }
 
     pub(crate) fn kv_f32s(&mut self, key: &str, values: &[f32]) {
+        // SAFETY: as in `kv_u32`; gguf copies `values.len()` f32s from `values`, which has them.
         unsafe {
             sys::gguf_set_arr_data(self.gguf, Self::key(key).as_ptr(), sys::GGUF_TYPE_FLOAT32, values.as_ptr().cast(), values.len())
         }
     }
 
     pub(crate) fn kv_i32s(&mut self, key: &str, values: &[i32]) {
+        // SAFETY: as in `kv_u32`; gguf copies `values.len()` i32s from `values`, which has them.
         unsafe {
             sys::gguf_set_arr_data(self.gguf, Self::key(key).as_ptr(), sys::GGUF_TYPE_INT32, values.as_ptr().cast(), values.len())
         }
@@ -389,6 +399,8 @@ impl GgufFile {
     pub(crate) fn kv_strs(&mut self, key: &str, values: &[String]) {
         let owned: Vec<CString> = values.iter().map(|s| CString::new(s.as_str()).expect("no NUL in vocab")).collect();
         let mut ptrs: Vec<*const c_char> = owned.iter().map(|s| s.as_ptr()).collect();
+        // SAFETY: as in `kv_u32`; `ptrs` holds `ptrs.len()` NUL-terminated strings owned by
+        // `owned`, alive for the call, which gguf copies.
         unsafe { sys::gguf_set_arr_str(self.gguf, Self::key(key).as_ptr(), ptrs.as_mut_ptr(), ptrs.len()) }
     }
 
@@ -423,7 +435,9 @@ impl GgufFile {
         }
         let ne: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
         let name = CString::new(name).map_err(|_| Error::InvalidArgument("NUL in tensor name".into()))?;
-        // SAFETY: `meta` has room for MAX_TENSORS headers; the data pointer stays valid
+        // SAFETY: `meta` has room for MAX_TENSORS headers (fewer so far, checked), so
+        // ggml_new_tensor returns a live header (it aborts rather than return null); `ne`
+        // holds its 1 to 4 dimensions; the name is copied. The data pointer stays valid
         // (the Vec's heap buffer does not move when the Vec is moved into `self.data`).
         unsafe {
             let t = sys::ggml_new_tensor(self.meta, sys::GGML_TYPE_F32, ne.len() as i32, ne.as_ptr());
@@ -438,6 +452,8 @@ impl GgufFile {
     pub(crate) fn write(self, path: &Path) -> Result<()> {
         let c_path = CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| Error::InvalidArgument("path contains a NUL byte".into()))?;
+        // SAFETY: a live gguf; a NUL-terminated path alive for the call; every tensor's data
+        // pointer is into a buffer of `self.data`, alive until `self` drops after this.
         if unsafe { sys::gguf_write_to_file(self.gguf, c_path.as_ptr(), false) } {
             Ok(())
         } else {
@@ -448,6 +464,9 @@ impl GgufFile {
 
 impl Drop for GgufFile {
     fn drop(&mut self) {
+        // SAFETY: both made (non-null) in `new`, owned alone, freed once. gguf keeps copies
+        // of the tensor headers, not pointers into `meta`, so the order does not matter;
+        // `data` (the tensors' bytes) is dropped after this.
         unsafe {
             sys::gguf_free(self.gguf);
             sys::ggml_free(self.meta);

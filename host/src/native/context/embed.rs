@@ -126,7 +126,7 @@ impl Context {
 
     /// The pooling the model does in its own graph (a GGUF `pooling_type`), if any.
     fn own_pooling(&self) -> Result<Option<Pooling>> {
-        // SAFETY: a live context.
+        // SAFETY: `self.ptr` is live until `Drop`; this reads one of its params.
         match unsafe { sys::llama_pooling_type(self.ptr.as_ptr()) } {
             sys::LLAMA_POOLING_TYPE_NONE => Ok(None),
             sys::LLAMA_POOLING_TYPE_MEAN => Ok(Some(Pooling::Mean)),
@@ -146,9 +146,11 @@ impl Context {
             return Err(Error::Cancelled);
         }
         self.clear_all(); // from nothing, leftover included: the same input, the same vector
-        // SAFETY: a live context; switched back below before returning.
+        // SAFETY: a live context, `&mut self` (no decode in flight); a flag the next decode
+        // reads, switched back below before returning.
         unsafe { sys::llama_set_embeddings(ctx, true) };
         let decoded = self.decode(batch, stop);
+        // SAFETY: the model is live (`self.model` is an `Arc`); reads a number.
         let width = unsafe { sys::llama_model_n_embd_out(self.model.as_ptr()) }.max(0) as usize;
         let rows = decoded.and_then(|()| {
             let read = |i: usize| {
@@ -164,11 +166,13 @@ impl Context {
                 if ptr.is_null() {
                     return Err(Error::Backend(format!("llama.cpp has no embedding for {i}")));
                 }
-                // SAFETY: n-embd-out floats, valid until the next decode.
+                // SAFETY: non-null, so llama.cpp's row (or pooled vector) of n-embd-out
+                // floats; valid until the next decode, and copied out here.
                 Ok(unsafe { std::slice::from_raw_parts(ptr, width) }.to_vec())
             };
             (0..if pooled_seqs > 0 { pooled_seqs } else { batch.len() }).map(read).collect::<Result<Vec<_>>>()
         });
+        // SAFETY: as above; embedding output off again, as `new` made the context.
         unsafe { sys::llama_set_embeddings(ctx, false) };
         self.clear_all();
         rows
