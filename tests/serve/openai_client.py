@@ -69,6 +69,14 @@ def main():
     def models():
         ids = [m.id for m in client.models.list()]
         assert model in ids, f"{model!r} is not among the served models {ids}"
+        card = client.models.retrieve(model)
+        assert card.id == model and card.object == "model", card
+        try:
+            client.models.retrieve("no-such-model")
+        except openai.NotFoundError:
+            pass
+        else:
+            raise AssertionError("an unknown model was retrieved")
 
     def chat():
         r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=0)

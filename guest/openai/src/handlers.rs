@@ -57,8 +57,11 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
     let full = request.path_with_query().unwrap_or_default();
     let path = full.split('?').next().unwrap_or_default();
     let path = if path.len() > 1 { path.trim_end_matches('/') } else { path };
+    // `GET /v1/models/{id}` (`client.models.retrieve`).
+    let model_id = path.strip_prefix("/v1/models/").or_else(|| path.strip_prefix("/models/"));
     let (allowed, post) = match path {
         "/v1/models" | "/models" => (Method::Get, false),
+        _ if model_id.is_some() => (Method::Get, false),
         "/v1/chat/completions" | "/chat/completions" | "/v1/completions" | "/completions" | "/v1/embeddings"
         | "/embeddings" => (Method::Post, true),
         _ => return Err(ApiError::not_found(format!("Unknown request URL: {} {path}", crate::method_name(&method)))),
@@ -67,7 +70,10 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
         return Err(ApiError::method_not_allowed(crate::method_name(&method), path, crate::method_name(&allowed)));
     }
     if !post {
-        return Ok(Reply::Json(models()));
+        return match model_id {
+            Some(id) => model_card(id).map(|card| Reply::Json(api::to_json(&card))),
+            None => Ok(Reply::Json(models())),
+        };
     }
     let body = Object::parse(&http::read_body(request, http::max_body_bytes())?)?;
     match path.trim_start_matches("/v1") {
@@ -94,11 +100,22 @@ fn open_model(body: &Object) -> Result<(String, Model), ApiError> {
 }
 
 fn models() -> String {
-    let data = model_names()
-        .into_iter()
-        .map(|id| api::ModelCard { id, object: "model", created: 0, owned_by: "llamabox" })
-        .collect();
+    let data = model_names().into_iter().map(card).collect();
     api::to_json(&api::ModelList { object: "list", data })
+}
+
+/// One served model's card (`created` is 0: the plugin is not told when the host
+/// loaded it).
+fn card(id: String) -> api::ModelCard {
+    api::ModelCard { id, object: "model", created: 0, owned_by: "llamabox" }
+}
+
+/// The card of model `id`, if this plugin serves it.
+fn model_card(id: &str) -> Result<api::ModelCard, ApiError> {
+    match model_names().into_iter().find(|name| name == id) {
+        Some(name) => Ok(card(name)),
+        None => Err(ApiError::model_not_found(id)),
+    }
 }
 
 /// `POST /v1/chat/completions`.
