@@ -115,7 +115,7 @@ impl Item {
 
 /// A parsed GBNF grammar: rule names by symbol id, and each defined rule's alternates.
 #[derive(Debug)]
-pub(crate) struct Gbnf {
+struct Gbnf {
     names: Vec<String>,
     rules: Vec<Option<Vec<Vec<Item>>>>,
     root: usize,
@@ -460,7 +460,7 @@ impl<'a> Parser<'a> {
 
 /// Parse GBNF as llama.cpp's parser does, and check it against `caps`. `resolve` maps a
 /// `<text>` token to its id (llama.cpp tokenizes it with special tokens parsed).
-pub(crate) fn parse_gbnf(text: &str, root: &str, caps: &GrammarCaps, resolve: &dyn Fn(&str) -> Option<u32>) -> Result<Gbnf> {
+fn parse_gbnf(text: &str, root: &str, caps: &GrammarCaps, resolve: &dyn Fn(&str) -> Option<u32>) -> Result<Gbnf> {
     if text.len() > caps.max_bytes {
         return Err(Error::InvalidArgument(format!("grammar of {} bytes is above the limit {}", text.len(), caps.max_bytes)));
     }
@@ -469,6 +469,9 @@ pub(crate) fn parse_gbnf(text: &str, root: &str, caps: &GrammarCaps, resolve: &d
     }
     if text.trim().is_empty() {
         return err("is empty");
+    }
+    if root.is_empty() {
+        return err("root rule name is empty");
     }
     let mut p = Parser {
         text,
@@ -541,7 +544,7 @@ impl Gbnf {
     /// rules it refers to (a post-order, found here without recursion) in an
     /// alternative that matches nothing: each rule is compiled when what it refers to
     /// already is, one level deep.
-    pub(crate) fn to_lark(&self) -> String {
+    fn to_lark(&self) -> String {
         let mut lark = Lark { rules: Vec::new(), groups: Vec::new() };
         for (id, alternates) in self.rules.iter().enumerate() {
             if let Some(alternates) = alternates {
@@ -764,8 +767,11 @@ impl GrammarEnv {
                 piece
             });
         }
-        let eos = model.eos().map(|t| t as u32).or(eog.first().copied()).unwrap_or(llguidance::toktrie::INVALID_TOKEN);
-        let trie = TokTrie::from(&TokRxInfo::new(n_vocab, eos), &words).with_eos_tokens(&eog);
+        // toktrie asserts on an empty list of ends (a panic, not an error).
+        let Some(&first) = eog.first() else {
+            return Err(Error::InvalidArgument("this model has no end-of-generation token, which a grammar needs to end".into()));
+        };
+        let trie = TokTrie::from(&TokRxInfo::new(n_vocab, first), &words).with_eos_tokens(&eog);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| Error::Backend(format!("grammar engine: {e}")))?;
         factory.quiet();
@@ -776,7 +782,7 @@ impl GrammarEnv {
 
 /// Deepest nesting of objects and arrays in a JSON Schema: llguidance's schema compiler
 /// recurses per level (serde_json's own parse limit is 128).
-pub const MAX_SCHEMA_DEPTH: usize = 32;
+const MAX_SCHEMA_DEPTH: usize = 32;
 
 /// How deep objects and arrays nest in `value`, counted without recursion.
 fn json_depth(value: &serde_json::Value) -> usize {
@@ -807,15 +813,27 @@ pub struct Constraint {
 }
 
 impl Constraint {
+    /// `text` in GBNF from start rule `root`, read exactly as llama.cpp would read it
+    /// and checked against `caps`; `<text>` tokens are looked up as llama.cpp does
+    /// (tokenized with special tokens parsed, exactly one token).
+    pub(crate) fn gbnf(model: &Model, text: &str, root: &str, caps: &GrammarCaps) -> Result<Self> {
+        let resolve = |piece: &str| match model.tokenize(piece, false, true).as_deref() {
+            Ok([token]) => Some(*token as u32),
+            _ => None,
+        };
+        let gbnf = parse_gbnf(text, root, caps, &resolve)?;
+        Self::from_lark(model.grammar_env()?, gbnf.to_lark())
+    }
+
     /// Compile `lark` (llguidance syntax) for the model whose environment this is.
-    pub(crate) fn new(env: &GrammarEnv, lark: String) -> Result<Self> {
+    fn from_lark(env: &GrammarEnv, lark: String) -> Result<Self> {
         Self::compile(env, TopLevelGrammar::from_lark(lark))
     }
 
     /// Output that is JSON valid against `schema` (JSON Schema text), compact: no
     /// whitespace outside strings, as OpenAI's structured output writes it. Capped like
     /// a grammar (`caps.max_bytes`) and [`MAX_SCHEMA_DEPTH`] levels deep.
-    pub(crate) fn json_schema(env: &GrammarEnv, schema: &str, caps: &GrammarCaps) -> Result<Self> {
+    pub(crate) fn json_schema(model: &Model, schema: &str, caps: &GrammarCaps) -> Result<Self> {
         if schema.len() > caps.max_bytes {
             return Err(Error::InvalidArgument(format!("json-schema of {} bytes is above the limit {}", schema.len(), caps.max_bytes)));
         }
@@ -835,7 +853,7 @@ impl Constraint {
             serde_json::Value::Bool(_) => {}
             _ => return Err(Error::InvalidArgument("json-schema must be a JSON object or a boolean".into())),
         }
-        Self::compile(env, TopLevelGrammar::from_json_schema(value)).map_err(|e| match e {
+        Self::compile(model.grammar_env()?, TopLevelGrammar::from_json_schema(value)).map_err(|e| match e {
             Error::InvalidArgument(m) => Error::InvalidArgument(m.replacen("grammar: ", "json-schema: ", 1)),
             e => e,
         })
@@ -1142,7 +1160,7 @@ mod differential {
             if std::env::var_os("LLAMABOX_GRAMMAR_TRACE").is_some() {
                 eprintln!("case {case}: {text:?}");
             }
-            let ours = parse_gbnf(&text, "root", &GrammarCaps::default(), &|_| None).and_then(|g| Constraint::new(model.grammar_env()?, g.to_lark()));
+            let ours = parse_gbnf(&text, "root", &GrammarCaps::default(), &|_| None).and_then(|g| Constraint::from_lark(model.grammar_env()?, g.to_lark()));
             let c_text = std::ffi::CString::new(text.clone()).unwrap();
             // SAFETY: NUL-terminated strings alive for the call (llama.cpp parses and does not
             // keep them) and the vocabulary of `model`, which outlives `theirs` (dropped

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
-use super::grammar::{parse_gbnf, Constraint, GrammarCaps};
+use super::grammar::{Constraint, GrammarCaps};
 use super::model::{Model, Token};
 use super::{backend, Error, Result};
 
@@ -212,8 +212,8 @@ impl Sampler {
         }
         sampler.grammar = match (&params.grammar, &params.json_schema) {
             (Some(_), Some(_)) => return invalid("a grammar and a json-schema cannot both constrain one sampler".into()),
-            (Some(g), None) => Some(compile(&sampler.model, g, &caps.grammar())?),
-            (None, Some(schema)) => Some(Constraint::json_schema(sampler.model.grammar_env()?, schema, &caps.grammar())?),
+            (Some(g), None) => Some(Constraint::gbnf(&sampler.model, &g.text, g.root.as_deref().unwrap_or("root"), &caps.grammar())?),
+            (None, Some(schema)) => Some(Constraint::json_schema(&sampler.model, schema, &caps.grammar())?),
             (None, None) => None,
         };
         let greedy = params.temperature.is_none_or(|t| t < MIN_TEMPERATURE);
@@ -348,16 +348,3 @@ impl Drop for Sampler {
     }
 }
 
-/// Parse `g` as GBNF (exactly as llama.cpp would) and compile it for `model`.
-fn compile(model: &Model, g: &Grammar, caps: &GrammarCaps) -> Result<Constraint> {
-    let root = g.root.as_deref().unwrap_or("root");
-    if root.is_empty() {
-        return invalid("grammar root rule name is empty".into());
-    }
-    let resolve = |text: &str| match model.tokenize(text, false, true).as_deref() {
-        Ok([token]) => Some(*token as u32),
-        _ => None,
-    };
-    let gbnf = parse_gbnf(&g.text, root, caps, &resolve)?;
-    Constraint::new(model.grammar_env()?, gbnf.to_lark())
-}
