@@ -5,6 +5,8 @@
 //! - [`serve`]: `llamabox serve`, HTTP in front of plugins that are `wasi:http` handlers.
 //! - [`plugin`]: an embedder-facing host that runs plugin components.
 //! - [`component`]: the WIT interfaces over wasmtime (bindings, validation, limits).
+//! - `engine`: the model registry, idle contexts and batches (many runs' contexts as
+//!   sequences of one shared native context, one decode per step).
 //! - [`worker`]: one thread per native context, stop-and-join on drop.
 //! - [`native`]: safe Rust over llama.cpp; no wasm types.
 
@@ -13,6 +15,7 @@
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 
 pub mod component;
+mod engine;
 pub mod error;
 pub mod native;
 pub mod plugin;
@@ -20,6 +23,7 @@ pub mod serve;
 pub mod worker;
 
 pub use component::{Limits, ModelRegistry, OpenError, ShareError, TokenRegistry};
+pub use engine::{BatchPolicy, StepReport};
 pub use error::{Error, Result};
 pub use native::CancelFlag;
 pub use plugin::{

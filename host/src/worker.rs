@@ -83,6 +83,13 @@ impl Tracker {
         }
     }
 
+    /// Count one more thread here until the returned guard is dropped: for work that
+    /// runs on a thread this tracker does not own (a seat of a batched context), so a
+    /// run still waits for it.
+    pub(crate) fn count(&self) -> Alive {
+        self.alive()
+    }
+
     fn alive(&self) -> Alive {
         for count in &self.counts {
             count.live.fetch_add(1, SeqCst);
@@ -111,7 +118,17 @@ impl Tracker {
 }
 
 /// One counted thread; dropped last on that thread.
-struct Alive(Vec<Arc<Count>>);
+pub(crate) struct Alive(Vec<Arc<Count>>);
+
+impl Alive {
+    /// Add `busy` to the native time of every tracker this counts in.
+    pub(crate) fn add_busy(&self, busy: Duration) {
+        let ns = busy.as_nanos().min(u64::MAX as u128) as u64;
+        for count in &self.0 {
+            count.busy_ns.fetch_add(ns, Relaxed);
+        }
+    }
+}
 
 impl Drop for Alive {
     /// Outermost tracker first: whoever sees a store's count reach zero must also see
@@ -348,6 +365,34 @@ pub struct Call<R> {
     result: oneshot::Receiver<R>,
     abandoned: CancelFlag,
     done: bool,
+}
+
+/// The other end of a [`Call`] made by [`Call::channel`]: whoever runs the call sends
+/// its result here, and reads the call's own flag (set when the `Call` is dropped).
+pub(crate) struct Reply<R> {
+    result: oneshot::Sender<R>,
+    abandoned: CancelFlag,
+}
+
+impl<R> Reply<R> {
+    pub(crate) fn send(self, result: R) {
+        let _ = self.result.send(result);
+    }
+
+    /// Set once the caller dropped its `Call` unfinished (or the caller is gone).
+    pub(crate) fn abandoned(&self) -> &CancelFlag {
+        &self.abandoned
+    }
+}
+
+impl<R> Call<R> {
+    /// A call run by someone other than a [`Worker`] (a batch's thread): the same
+    /// future, resolving to `None` if the `Reply` is dropped unsent.
+    pub(crate) fn channel() -> (Self, Reply<R>) {
+        let (tx, rx) = oneshot::channel();
+        let abandoned = CancelFlag::new();
+        (Call { result: rx, abandoned: abandoned.clone(), done: false }, Reply { result: tx, abandoned })
+    }
 }
 
 impl<R> Future for Call<R> {

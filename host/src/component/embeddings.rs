@@ -49,9 +49,11 @@ impl Host for LlamaCtxView<'_> {
             Pooling::Cls => native::Pooling::Cls,
             Pooling::Last => native::Pooling::Last,
         };
-        let call = self.table.get(&ctx)?.worker.call(move |c, abandoned| {
-            c.embed(&inputs, pooling, normalize, Some(Stop::on_either(&token, abandoned)))
-        });
+        let worker = match self.table.get(&ctx)?.backing.own("embed") {
+            Ok(worker) => worker,
+            Err(e) => return Ok(Err(e)),
+        };
+        let call = worker.call(move |c, abandoned| c.embed(&inputs, pooling, normalize, Some(Stop::on_either(&token, abandoned))));
         Ok(finished(call.await))
     }
 
@@ -66,11 +68,11 @@ impl Host for LlamaCtxView<'_> {
             return Ok(Err(e));
         }
         let token = self.table.get(&cancel)?.flag.clone();
-        let call = self
-            .table
-            .get(&ctx)?
-            .worker
-            .call(move |c, abandoned| c.embed_rows(&tokens, normalize, Some(Stop::on_either(&token, abandoned))));
+        let worker = match self.table.get(&ctx)?.backing.own("embed") {
+            Ok(worker) => worker,
+            Err(e) => return Ok(Err(e)),
+        };
+        let call = worker.call(move |c, abandoned| c.embed_rows(&tokens, normalize, Some(Stop::on_either(&token, abandoned))));
         Ok(finished(call.await))
     }
 }

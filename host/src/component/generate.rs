@@ -14,7 +14,7 @@ use wasmtime_wasi::p2::{DynPollable, Pollable};
 use super::bindings::llamabox::inference::generate::{
     ChatMessage, FinishReason, GenerateParams, Host, HostGeneration, HostSampler, Piece, SamplerParams, Usage,
 };
-use super::llm::{ContextHandle, ModelHandle};
+use super::llm::{Backing, ContextHandle, ModelHandle};
 use super::pending::{finished, subscribe_shared};
 use super::{Answer, CancelToken, Error, Held, LlamaCtxView, PendingSlot};
 use crate::native::{self, CancelFlag, Model, Sampler, Stop, Token};
@@ -312,16 +312,21 @@ impl Host for LlamaCtxView<'_> {
             stop: params.stop,
         };
         let (tx, rx) = mpsc::channel(PIECE_BUFFER);
-        let call = self.table.get(&ctx)?.worker.call(move |c, abandoned| {
-            let stop = Stop::on_either(&token, abandoned);
-            let mut sink = |piece| deliver(&tx, piece, stop);
-            let outcome = native::generate(c, &mut sampler, &request, stop, &mut sink);
-            if let Ok(o) = &outcome {
-                c.meter().add_generated(o.usage.generated_tokens.into());
-            }
-            outcome
-            // `tx` drops here: the reader sees the end of the pieces.
-        });
+        let call = match &self.table.get(&ctx)?.backing {
+            Backing::Own(worker) => worker.call(move |c, abandoned| {
+                let stop = Stop::on_either(&token, abandoned);
+                let mut sink = |piece| deliver(&tx, piece, stop);
+                let outcome = native::generate(c, &mut sampler, &request, stop, &mut sink);
+                if let Ok(o) = &outcome {
+                    c.meter().add_generated(o.usage.generated_tokens.into());
+                }
+                outcome
+                // `tx` drops here: the reader sees the end of the pieces.
+            }),
+            // The batch's thread never waits for a slow reader: a full buffer only
+            // keeps this seat out of the next steps.
+            Backing::Seat(seat) => seat.generate(sampler, request, token, tx),
+        };
         let stream = Stream { pieces: rx, peeked: None, state: StreamState::Running(call) };
         let stream = Arc::new(tokio::sync::Mutex::new(stream));
         Ok(Ok(self.table.push(GenerationHandle { slot: Slot::Here(stream), _pending: pending })?))
@@ -378,8 +383,9 @@ impl HostSampler for LlamaCtxView<'_> {
         if !Arc::ptr_eq(lock(&sampler).model(), &context.model) {
             return Ok(Err(Error::InvalidArgument("the sampler was made for another model".into())));
         }
-        // On the worker: the logits never leave the context's thread.
-        let call = context.worker.call(move |c, _| lock(&sampler).sample(c.logits_ith(row)?));
+        // On the worker (or the batch's thread): the logits never leave it.
+        let seat_sampler = sampler.clone();
+        let call = context.backing.call(move |c, _| lock(&sampler).sample(c.logits_ith(row)?), |seat| seat.sample(seat_sampler, row));
         Ok(finished(call.await))
     }
 

@@ -8,28 +8,59 @@ use wasmtime::component::Resource;
 use wasmtime_wasi::p2::DynPollable;
 
 use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
-use super::idle::IdleContexts;
 use super::pending::{finished, Pending};
 use super::{Answer, CancelToken, Error, Held, LlamaCtxView};
+use crate::engine::{IdleContexts, Opened, Seat};
 use crate::native::{self, CancelFlag, Context, Model, Stop, Token};
 use crate::worker::{Call, Worker};
 
 pub struct ModelHandle {
     pub(super) model: Arc<Model>,
-    /// Where contexts on this model go when dropped, and come from when created.
-    idle: Arc<IdleContexts>,
+    /// The engine's idle contexts and batches on this model.
+    opened: Opened,
+}
+
+/// What runs a plugin's context: a native context of its own on its own thread, or a
+/// seat (one sequence) of a batch the engine shares between runs.
+pub(super) enum Backing {
+    Own(Worker<Context>),
+    Seat(Seat),
+}
+
+impl Backing {
+    /// Run `f` on the context's own thread; on a seat, `seat_op` instead.
+    pub(super) fn call<T: Send + 'static>(
+        &self,
+        own: impl FnOnce(&mut Context, &CancelFlag) -> native::Result<T> + Send + 'static,
+        seat_op: impl FnOnce(&Seat) -> Call<native::Result<T>>,
+    ) -> Call<native::Result<T>> {
+        match self {
+            Backing::Own(worker) => worker.call(own),
+            Backing::Seat(seat) => seat_op(seat),
+        }
+    }
+
+    /// The native context of its own, for what a seat cannot do.
+    pub(super) fn own(&self, what: &str) -> Result<&Worker<Context>, Error> {
+        match self {
+            Backing::Own(worker) => Ok(worker),
+            Backing::Seat(_) => Err(Error::InvalidArgument(format!(
+                "this context is a sequence of a batched context, which cannot {what}: create the context with n-ubatch set to get a context of its own"
+            ))),
+        }
+    }
 }
 
 pub struct ContextHandle {
-    pub(super) worker: Worker<Context>,
+    pub(super) backing: Backing,
     params: native::ContextParams,
     pub(super) model: Arc<Model>,
     /// What it counts against the store's limits.
     held: Held,
     /// The settings it was asked with (what an idle context is matched on), and the
-    /// pool it may be parked in when dropped.
+    /// engine state it came from (where it may be parked when dropped).
     requested: native::ContextParams,
-    idle: Arc<IdleContexts>,
+    opened: Opened,
 }
 
 impl ContextHandle {
@@ -47,13 +78,14 @@ impl LlamaCtxView<'_> {
         Ok(self.table.get(ctx)?)
     }
 
-    /// Run `f` on the context's worker thread and wait for it.
-    async fn on_worker<T: Send + 'static>(
+    /// Run `own` on the context's worker thread, or `seat_op` on its seat, and wait.
+    async fn on_backing<T: Send + 'static>(
         &mut self,
         ctx: &Resource<ContextHandle>,
-        f: impl FnOnce(&mut Context) -> native::Result<T> + Send + 'static,
+        own: impl FnOnce(&mut Context) -> native::Result<T> + Send + 'static,
+        seat_op: impl FnOnce(&Seat) -> Call<native::Result<T>>,
     ) -> Answer<T> {
-        let call = self.context(ctx)?.worker.call(move |c, _| f(c));
+        let call = self.context(ctx)?.backing.call(move |c, _| own(c), seat_op);
         Ok(finished(call.await))
     }
 
@@ -85,10 +117,28 @@ impl LlamaCtxView<'_> {
             seq_ids: batch.seq_ids,
             logits: batch.logits,
         };
-        Ok(self
-            .context(ctx)?
-            .worker
-            .call(move |c, abandoned| c.decode(&batch, Some(Stop::on_either(&token, abandoned)))))
+        Ok(match &self.context(ctx)?.backing {
+            Backing::Own(worker) => worker.call(move |c, abandoned| c.decode(&batch, Some(Stop::on_either(&token, abandoned)))),
+            Backing::Seat(seat) => seat.decode(batch, token),
+        })
+    }
+
+    /// A seat for a context asked for with `params` (resolved as `requested`), when
+    /// the host batches it: one sequence, n-ubatch left to the host, n-ctx within a
+    /// seat. `None`: it gets a context of its own.
+    async fn lease_seat(&mut self, opened: &Opened, params: &ContextParams, requested: &native::ContextParams, n_ctx: u32) -> Option<Result<(Seat, native::ContextParams), Error>> {
+        let policy = opened.policy.as_ref()?;
+        if requested.n_seq_max != 1 || params.n_ubatch.is_some() {
+            return None;
+        }
+        let seat = opened
+            .batch
+            .lease(policy, &opened.model, n_ctx, requested.n_batch, &self.ctx.group, self.ctx.meter.clone(), &self.ctx.workers)
+            .await?;
+        Some(seat.map_err(Error::from).map(|seat| {
+            let granted = native::ContextParams { n_ctx, n_ubatch: seat.n_ubatch().min(requested.n_batch), n_threads: policy.threads, ..*requested };
+            (seat, granted)
+        }))
     }
 
     /// A new context on its own worker thread, and the settings llama.cpp gave it.
@@ -147,9 +197,9 @@ impl Host for LlamaCtxView<'_> {}
 
 impl HostModel for LlamaCtxView<'_> {
     async fn open(&mut self, name: String) -> Answer<Resource<ModelHandle>> {
-        use super::registry::OpenError;
-        match self.ctx.registry.open_with_idle(&name).await {
-            Ok((model, idle)) => Ok(Ok(self.table.push(ModelHandle { model, idle })?)),
+        use crate::engine::OpenError;
+        match self.ctx.registry.open_entry(&name).await {
+            Ok(opened) => Ok(Ok(self.table.push(ModelHandle { model: opened.model.clone(), opened })?)),
             Err(OpenError::NotFound(name)) => Ok(Err(Error::ModelNotFound(name))),
             Err(e @ OpenError::LoadFailed(_)) => Ok(Err(Error::Backend(e.to_string()))),
         }
@@ -227,7 +277,7 @@ impl HostModel for LlamaCtxView<'_> {
 impl HostContext for LlamaCtxView<'_> {
     async fn create(&mut self, model: Resource<ModelHandle>, params: ContextParams) -> Answer<Resource<ContextHandle>> {
         let handle = self.table.get(&model)?;
-        let (model, idle) = (handle.model.clone(), handle.idle.clone());
+        let (model, opened) = (handle.model.clone(), handle.opened.clone());
         let requested = match self.resolve(params, &model) {
             Ok(p) => p,
             Err(e) => return Ok(Err(e)),
@@ -241,13 +291,16 @@ impl HostContext for LlamaCtxView<'_> {
         if let Err(e) = self.ctx.admit(held) {
             return Ok(Err(e));
         }
-        let started = match self.reuse_idle(&idle, &requested).await {
-            Some(reused) => Ok(reused),
-            None => self.start_context(model.clone(), requested).await,
+        let started = match self.lease_seat(&opened, &params, &requested, allocated).await {
+            Some(seat) => seat.map(|(seat, granted)| (Backing::Seat(seat), granted)),
+            None => match self.reuse_idle(&opened.idle, &requested).await {
+                Some((worker, params)) => Ok((Backing::Own(worker), params)),
+                None => self.start_context(model.clone(), requested).await.map(|(worker, params)| (Backing::Own(worker), params)),
+            },
         };
         match started {
-            Ok((worker, params)) => {
-                Ok(Ok(self.table.push(ContextHandle { worker, params, model, held, requested, idle })?))
+            Ok((backing, params)) => {
+                Ok(Ok(self.table.push(ContextHandle { backing, params, model, held, requested, opened })?))
             }
             Err(e) => {
                 self.ctx.release(held);
@@ -276,27 +329,27 @@ impl HostContext for LlamaCtxView<'_> {
     }
 
     async fn logits_ith(&mut self, ctx: Resource<ContextHandle>, row: u32) -> Answer<Vec<f32>> {
-        self.on_worker(&ctx, move |c| c.logits_ith(row).map(<[f32]>::to_vec)).await
+        self.on_backing(&ctx, move |c| c.logits_ith(row).map(<[f32]>::to_vec), |s| s.logits(Some(row))).await
     }
 
     async fn last_logits(&mut self, ctx: Resource<ContextHandle>) -> Answer<Vec<f32>> {
-        self.on_worker(&ctx, |c| c.last_logits().map(<[f32]>::to_vec)).await
+        self.on_backing(&ctx, |c| c.last_logits().map(<[f32]>::to_vec), |s| s.logits(None)).await
     }
 
     async fn seq_rm(&mut self, ctx: Resource<ContextHandle>, seq: i32, p0: i32, p1: i32) -> Answer<()> {
-        self.on_worker(&ctx, move |c| c.seq_rm(seq, p0, p1)).await
+        self.on_backing(&ctx, move |c| c.seq_rm(seq, p0, p1), |s| s.seq_rm(seq, p0, p1)).await
     }
 
     async fn seq_pos_max(&mut self, ctx: Resource<ContextHandle>, seq: i32) -> Answer<i32> {
-        self.on_worker(&ctx, move |c| c.seq_pos_max(seq)).await
+        self.on_backing(&ctx, move |c| c.seq_pos_max(seq), |s| s.seq_pos_max(seq)).await
     }
 
     async fn clear(&mut self, ctx: Resource<ContextHandle>) -> Answer<()> {
-        self.on_worker(&ctx, |c| {
+        let own = |c: &mut Context| {
             c.clear();
             Ok(())
-        })
-        .await
+        };
+        self.on_backing(&ctx, own, Seat::clear).await
     }
 
     async fn n_ctx(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<u32> {
@@ -316,7 +369,18 @@ impl HostContext for LlamaCtxView<'_> {
     }
 
     async fn drop(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<()> {
-        let ContextHandle { worker, requested, idle, held, .. } = self.table.delete(ctx)?;
+        let ContextHandle { backing, requested, opened, held, .. } = self.table.delete(ctx)?;
+        let worker = match backing {
+            Backing::Own(worker) => worker,
+            // The batch stops the seat's call, undoes it and frees its sequence (keeping
+            // its tokens as a leftover for this group) before the run's tracker says so.
+            Backing::Seat(seat) => {
+                drop(seat);
+                self.ctx.release(held);
+                return Ok(());
+            }
+        };
+        let idle = &opened.idle;
         // With nothing queued on it (no pending decode or generation), a context can be
         // parked for a later run of this group: on its own thread, so that when the
         // call returns it reads as new and no call of this run is left on it.

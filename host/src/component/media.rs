@@ -7,7 +7,7 @@ use wasmtime::component::Resource;
 use wasmtime_wasi::p2::DynPollable;
 
 use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, HostMediaContext, HostPendingEncode, Input};
-use super::llm::{ContextHandle, ModelHandle};
+use super::llm::{Backing, ContextHandle, ModelHandle};
 use super::pending::{finished, Pending};
 use super::{Answer, CancelToken, Error, Held, LlamaCtxView};
 use crate::native::{self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token};
@@ -237,7 +237,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
         if n_tokens > context.n_ctx() as usize {
             return Ok(Err(Error::ContextFull));
         }
-        Ok(eval_chunks(&media.worker, &context.worker, chunks, seq, &token).await)
+        Ok(eval_chunks(&media.worker, &context.backing, chunks, seq, &token).await)
     }
 
     async fn drop(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<()> {
@@ -250,11 +250,11 @@ impl HostMediaContext for LlamaCtxView<'_> {
 }
 
 /// Media chunks are encoded on the media worker, then the whole list is evaluated by
-/// `native::Context::eval` on the context's worker: one all-or-nothing call, each
-/// stage stoppable by `token`.
+/// `native::Context::eval` on the context's worker (or its batch's thread): one
+/// all-or-nothing call, each stage stoppable by `token`.
 async fn eval_chunks(
     media: &Worker<MediaContext>,
-    context: &Worker<native::Context>,
+    context: &Backing,
     chunks: Vec<Arc<Chunk>>,
     seq: i32,
     token: &CancelFlag,
@@ -263,7 +263,11 @@ async fn eval_chunks(
     let encoded = media.call(move |m, abandoned| m.encode_for_eval(&chunks, Some(Stop::on_either(&encode_token, abandoned))));
     let pieces = finished(encoded.await)?;
     let token = token.clone();
-    finished(context.call(move |c, abandoned| c.eval(&pieces, seq, Some(Stop::on_either(&token, abandoned)))).await)
+    let call = match context {
+        Backing::Own(worker) => worker.call(move |c, abandoned| c.eval(&pieces, seq, Some(Stop::on_either(&token, abandoned)))),
+        Backing::Seat(seat) => seat.eval(pieces, seq, token),
+    };
+    finished(call.await)
 }
 
 impl HostPendingEncode for LlamaCtxView<'_> {

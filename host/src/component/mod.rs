@@ -6,12 +6,10 @@ mod async_calls;
 mod cancel;
 mod embeddings;
 mod generate;
-mod idle;
 mod limits;
 mod llm;
 mod media;
 mod pending;
-mod registry;
 mod tokens;
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -26,7 +24,7 @@ pub use limits::Limits;
 pub use llm::{ContextHandle, ModelHandle, PendingDecode};
 pub use generate::{GenerationHandle, SamplerHandle};
 pub use media::{ChunkHandle, MediaContextHandle, PendingEncode};
-pub use registry::{ModelRegistry, OpenError};
+pub use crate::engine::{ModelRegistry, OpenError};
 pub use tokens::{ShareError, TokenRegistry};
 
 /// Bindings generated from `wit/`. Every import is async (decode waits on a worker

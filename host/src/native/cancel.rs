@@ -82,33 +82,41 @@ impl WeakCancelFlag {
 }
 
 /// What a running native call checks: the caller's token, or the call's own flag (set
-/// when the call is abandoned: its future dropped, its context or store torn down).
+/// when the call is abandoned: its future dropped, its context or store torn down); or,
+/// for a step that computes several callers' rows at once, any of theirs.
 #[derive(Clone, Copy, Debug)]
-pub struct Stop<'a> {
-    token: &'a CancelFlag,
-    call: Option<&'a CancelFlag>,
+pub enum Stop<'a> {
+    Call { token: &'a CancelFlag, call: Option<&'a CancelFlag> },
+    /// Stop when any of these would (a batched step: one member's cancel stops it).
+    Any(&'a [Stop<'a>]),
 }
 
 impl<'a> Stop<'a> {
     /// Stop when `token` is cancelled.
     pub fn on(token: &'a CancelFlag) -> Self {
-        Self { token, call: None }
+        Self::Call { token, call: None }
     }
 
     /// Stop when `token` is cancelled or the call is abandoned.
     pub fn on_either(token: &'a CancelFlag, call: &'a CancelFlag) -> Self {
-        Self { token, call: Some(call) }
+        Self::Call { token, call: Some(call) }
     }
 
     /// The read done after every graph node (a poll, as far as the test hook counts).
     pub fn requested(&self) -> bool {
-        self.token.poll() || self.call.is_some_and(CancelFlag::poll)
+        match self {
+            Self::Call { token, call } => token.poll() || call.is_some_and(CancelFlag::poll),
+            Self::Any(stops) => stops.iter().any(Stop::requested),
+        }
     }
 
     /// `requested` without counting a poll: for the entry check and for deciding a
     /// call's status afterwards.
     pub fn is_set(&self) -> bool {
-        self.token.is_cancelled() || self.call.is_some_and(CancelFlag::is_cancelled)
+        match self {
+            Self::Call { token, call } => token.is_cancelled() || call.is_some_and(CancelFlag::is_cancelled),
+            Self::Any(stops) => stops.iter().any(Stop::is_set),
+        }
     }
 }
 
@@ -164,6 +172,18 @@ mod tests {
         call.cancel();
         assert!(stop.requested() && stop.is_set());
         assert!(!token.is_cancelled(), "abandoning a call must not cancel the caller's token");
+    }
+
+    #[test]
+    fn any_member_stops_a_step_and_each_member_can_tell_whether_it_was_the_one() {
+        let (a, b, c) = (CancelFlag::new(), CancelFlag::new(), CancelFlag::new());
+        let members = [Stop::on(&a), Stop::on(&b), Stop::on(&c)];
+        let step = Stop::Any(&members);
+        b.trip_after(2);
+        assert!(!step.requested(), "poll 1: nobody is cancelled");
+        assert!(step.requested(), "poll 2 trips b");
+        assert!(step.is_set());
+        assert_eq!(members.map(|m| m.is_set()), [false, true, false]);
     }
 
     #[test]

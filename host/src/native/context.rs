@@ -246,6 +246,12 @@ impl Context {
         &self.model
     }
 
+    /// Cells each sequence may use (n-ctx split over the sequences, as allocated).
+    pub fn n_ctx_seq(&self) -> u32 {
+        // SAFETY: a live context; reads a number.
+        unsafe { sys::llama_n_ctx_seq(self.ptr.as_ptr()) }
+    }
+
     /// The context's memory: owned by the context, live while `self` is.
     fn memory(&self) -> sys::llama_memory_t {
         // SAFETY: `self.ptr` is live until `Drop`; this reads a pointer it owns.
@@ -269,8 +275,7 @@ impl Context {
     /// 10 000 media chunks into n-ctx 8192 failed after 281 s of encoding).
     fn check_room(&self, seq: i32, n_tokens: usize) -> Result<()> {
         let held = usize::try_from(self.seq_pos_max(seq)? + 1).unwrap_or(0);
-        // SAFETY: a live context; reads a number.
-        let per_seq = unsafe { sys::llama_n_ctx_seq(self.ptr.as_ptr()) } as usize;
+        let per_seq = self.n_ctx_seq() as usize;
         if held.saturating_add(n_tokens) > per_seq {
             return Err(Error::ContextFull);
         }

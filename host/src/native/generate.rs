@@ -90,6 +90,93 @@ impl<F: FnMut(Piece) -> bool> Sink for F {
     }
 }
 
+/// Check a request against what generation needs before anything is decoded.
+pub fn check_request(model: &std::sync::Arc<super::Model>, sampler: &Sampler, request: &GenerateRequest) -> Result<()> {
+    if let Some(i) = request.stop.iter().position(String::is_empty) {
+        return Err(Error::InvalidArgument(format!("stop string {i} is empty")));
+    }
+    if !std::sync::Arc::ptr_eq(sampler.model(), model) {
+        return Err(Error::InvalidArgument("the sampler was made for another model".into()));
+    }
+    model.check_tokens(&request.prompt)
+}
+
+/// The error for a generation with no prompt on a context without logits to go on.
+pub fn nothing_to_continue() -> Error {
+    Error::InvalidArgument("the prompt is empty and the context's last decode left no logits to continue from".into())
+}
+
+/// The token loop of one generation after its prefill, as steps for whoever drives the
+/// decodes: [`generate`] on a context of its own, or a batch of many sequences. Both
+/// keep the memory rule of the module doc through it: pick a token from the last
+/// logits, decode it, then hand out its piece; a token not delivered is removed.
+pub struct TokenLoop {
+    model: std::sync::Arc<super::Model>,
+    max_tokens: u32,
+    text: TextStream,
+    usage: Usage,
+    /// Where the next token goes in the sequence.
+    pos: i32,
+    /// A token decoded whose piece is not delivered yet (a batch picks the next token
+    /// while the logits are at hand, before the reader has taken the last piece).
+    in_flight: bool,
+    started: Instant,
+}
+
+/// What [`TokenLoop::pick`] chose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pick {
+    /// Decode this token at [`TokenLoop::pos`].
+    Decode(Token),
+    Finish(FinishReason),
+}
+
+impl TokenLoop {
+    /// After a prefill of `prompt_tokens` that took `prefill`; the next token goes at `pos`.
+    pub fn new(model: std::sync::Arc<super::Model>, request: &GenerateRequest, pos: i32, prompt_tokens: u32, prefill: Duration) -> Self {
+        let usage = Usage { prompt_tokens, prefill, ..Usage::default() };
+        Self { model, max_tokens: request.max_tokens, text: TextStream::new(&request.stop), usage, pos, in_flight: false, started: Instant::now() }
+    }
+
+    pub fn pos(&self) -> i32 {
+        self.pos
+    }
+
+    /// The next token from the logits of the last row decoded, or why generation ends.
+    pub fn pick(&mut self, sampler: &mut Sampler, logits: &[f32]) -> Result<Pick> {
+        if self.usage.generated_tokens + u32::from(self.in_flight) >= self.max_tokens {
+            return Ok(Pick::Finish(FinishReason::MaxTokens));
+        }
+        let token = sampler.sample(logits)?;
+        Ok(if self.model.is_eog(token) { Pick::Finish(FinishReason::EndOfGeneration) } else { Pick::Decode(token) })
+    }
+
+    /// `token` is in memory at `pos`: the piece to deliver, and the stop string it
+    /// completed, if any. Call [`TokenLoop::delivered`] once the piece is delivered.
+    pub fn decoded(&mut self, token: Token) -> Result<(Piece, Option<FinishReason>)> {
+        let (text, matched) = self.text.push(&self.model.token_to_piece(token, false)?);
+        self.in_flight = true;
+        Ok((Piece { text, tokens: vec![token] }, matched.map(|index| FinishReason::Stop { index: index as u32 })))
+    }
+
+    pub fn delivered(&mut self) {
+        self.in_flight = false;
+        self.usage.generated_tokens += 1;
+        self.pos += 1;
+    }
+
+    /// Text still held back (after an error, or at the end).
+    pub fn flush(&mut self) -> Option<Piece> {
+        let text = self.text.flush();
+        (!text.is_empty()).then(|| Piece { text, tokens: Vec::new() })
+    }
+
+    /// The outcome, once `finish` is decided and the held-back text flushed.
+    pub fn outcome(&self, finish: FinishReason) -> Outcome {
+        Outcome { finish, usage: Usage { generation: self.started.elapsed(), ..self.usage } }
+    }
+}
+
 /// Run one generation on `ctx`. Errors other than a cancel (a full context, a grammar
 /// that allows no token) are returned after memory is made to hold exactly what the
 /// module doc says.
@@ -100,69 +187,51 @@ pub fn generate(
     stop: Stop<'_>,
     sink: &mut dyn Sink,
 ) -> Result<Outcome> {
-    let GenerateRequest { prompt, seq, max_tokens, stop: stops } = request;
+    let GenerateRequest { prompt, seq, .. } = request;
     let seq = *seq;
     if prompt.is_empty() && ctx.last_logits().is_err() {
-        return Err(Error::InvalidArgument(
-            "the prompt is empty and the context's last decode left no logits to continue from".into(),
-        ));
+        return Err(nothing_to_continue());
     }
-    if let Some(i) = stops.iter().position(String::is_empty) {
-        return Err(Error::InvalidArgument(format!("stop string {i} is empty")));
-    }
-    if !std::sync::Arc::ptr_eq(sampler.model(), ctx.model()) {
-        return Err(Error::InvalidArgument("the sampler was made for another model".into()));
-    }
-    ctx.model().check_tokens(prompt)?;
-    let mut usage = Usage::default();
-    let cancelled = |usage| Ok(Outcome { finish: FinishReason::Cancelled, usage });
+    check_request(ctx.model(), sampler, request)?;
 
     let started = Instant::now();
     match prefill(ctx, prompt, seq, stop) {
-        Ok(()) => usage.prompt_tokens = prompt.len() as u32,
-        Err(Error::Cancelled) => return cancelled(usage),
+        Ok(()) => {}
+        Err(Error::Cancelled) => return Ok(Outcome { finish: FinishReason::Cancelled, usage: Usage::default() }),
         Err(e) => return Err(e),
     }
-    usage.prefill = started.elapsed();
-
-    let started = Instant::now();
-    let model = ctx.model().clone();
-    let mut text = TextStream::new(stops);
-    let mut pos = ctx.seq_pos_max(seq)? + 1;
+    let pos = ctx.seq_pos_max(seq)? + 1;
+    let mut tokens = TokenLoop::new(ctx.model().clone(), request, pos, prompt.len() as u32, started.elapsed());
     let finish = loop {
-        if usage.generated_tokens >= *max_tokens {
-            break FinishReason::MaxTokens;
-        }
-        let token = sampler.sample(ctx.last_logits()?)?;
-        if model.is_eog(token) {
-            break FinishReason::EndOfGeneration;
-        }
-        match ctx.decode(&Batch::sequence(&[token], pos, seq), Some(stop)) {
+        let token = match tokens.pick(sampler, ctx.last_logits()?)? {
+            Pick::Decode(token) => token,
+            Pick::Finish(reason) => break reason,
+        };
+        match ctx.decode(&Batch::sequence(&[token], tokens.pos(), seq), Some(stop)) {
             Ok(()) => {}
             Err(Error::Cancelled) => break FinishReason::Cancelled,
             Err(e) => {
-                sink.deliver(Piece { text: text.flush(), tokens: Vec::new() });
+                if let Some(rest) = tokens.flush() {
+                    sink.deliver(rest);
+                }
                 return Err(e);
             }
         }
-        let (released, matched) = text.push(&model.token_to_piece(token, false)?);
-        if !sink.deliver(Piece { text: released, tokens: vec![token] }) {
+        let (piece, matched) = tokens.decoded(token)?;
+        if !sink.deliver(piece) {
             // Not delivered, so not kept: memory holds only delivered tokens.
-            ctx.seq_rm(seq, pos, -1)?;
+            ctx.seq_rm(seq, tokens.pos(), -1)?;
             break FinishReason::Cancelled;
         }
-        usage.generated_tokens += 1;
-        pos += 1;
-        if let Some(index) = matched {
-            break FinishReason::Stop { index: index as u32 };
+        tokens.delivered();
+        if let Some(reason) = matched {
+            break reason;
         }
     };
-    let rest = text.flush();
-    if !rest.is_empty() {
-        sink.deliver(Piece { text: rest, tokens: Vec::new() });
+    if let Some(rest) = tokens.flush() {
+        sink.deliver(rest);
     }
-    usage.generation = started.elapsed();
-    Ok(Outcome { finish, usage })
+    Ok(tokens.outcome(finish))
 }
 
 /// Decode `prompt` after the end of `seq`, logits for its last token: `Context::eval`,

@@ -20,7 +20,7 @@ pub use backend::{build_c_flags, cpu_features, InstructionLevel};
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use context::{warm_up, Batch, Context, ContextParams, Pooling, PromptPiece};
-pub use generate::{generate, FinishReason, GenerateRequest, Outcome, Piece, Usage};
+pub use generate::{check_request, generate, nothing_to_continue, FinishReason, GenerateRequest, Outcome, Pick, Piece, TokenLoop, Usage};
 pub use meter::Meter;
 pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};
 pub use model::{Model, Token};

@@ -34,7 +34,7 @@ struct Idle {
 }
 
 impl IdleContexts {
-    pub(super) fn new(keep: Arc<AtomicUsize>) -> Self {
+    pub(crate) fn new(keep: Arc<AtomicUsize>) -> Self {
         Self { keep, idle: Mutex::default() }
     }
 
@@ -43,12 +43,12 @@ impl IdleContexts {
     }
 
     /// Whether a dropped context is worth parking at all.
-    pub(super) fn keeps_any(&self) -> bool {
+    pub(crate) fn keeps_any(&self) -> bool {
         self.keep.load(Relaxed) > 0
     }
 
     /// The most recently parked context of `group` made with `params`, if any.
-    pub(super) fn take(&self, group: &str, params: &ContextParams) -> Option<Worker<Context>> {
+    pub(crate) fn take(&self, group: &str, params: &ContextParams) -> Option<Worker<Context>> {
         let mut idle = self.lock();
         let at = idle.iter().rposition(|e| e.group == group && e.params == *params)?;
         idle.remove(at).map(|e| e.worker)
@@ -56,7 +56,7 @@ impl IdleContexts {
 
     /// Keep `worker`, whose context was parked and has no call queued, for `group`;
     /// the least recently parked go when more than the setting are idle.
-    pub(super) fn put(&self, group: String, params: ContextParams, worker: Worker<Context>) {
+    pub(crate) fn put(&self, group: String, params: ContextParams, worker: Worker<Context>) {
         worker.retrack(&Tracker::default()); // idle: no run waits for it
         let mut idle = self.lock();
         idle.push_back(Idle { group, params, worker });
@@ -73,12 +73,12 @@ impl IdleContexts {
     }
 
     /// Let go of contexts beyond the (maybe lowered) setting.
-    pub(super) fn shrink(&self) {
+    pub(crate) fn shrink(&self) {
         let evicted = self.trim(&mut self.lock());
         drop(evicted);
     }
 
-    pub(super) fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.lock().len()
     }
 }

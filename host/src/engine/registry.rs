@@ -17,6 +17,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tokio::sync::OnceCell;
 
+use super::batch::{BatchPolicy, BatchPool};
 use super::idle::IdleContexts;
 use crate::native::Model;
 
@@ -25,6 +26,8 @@ pub struct ModelRegistry {
     inner: RwLock<Inner>,
     /// Idle contexts each loaded model keeps (shared with subsets and every entry).
     keep_idle: Arc<AtomicUsize>,
+    /// How one-sequence contexts are batched (shared with subsets); `None`: they are not.
+    batch: Arc<RwLock<Option<BatchPolicy>>>,
 }
 
 #[derive(Default)]
@@ -41,6 +44,18 @@ struct Entry {
     loaded: OnceCell<Arc<Model>>,
     /// Contexts on this entry's model that runs left for later runs.
     idle: Arc<IdleContexts>,
+    /// The shared contexts batching this entry's model.
+    batch: Arc<BatchPool>,
+}
+
+/// A model opened through the registry, with the engine's state for it.
+#[derive(Clone)]
+pub struct Opened {
+    pub model: Arc<Model>,
+    pub(crate) idle: Arc<IdleContexts>,
+    pub(crate) batch: Arc<BatchPool>,
+    /// The registry's batching policy when it was opened.
+    pub(crate) policy: Option<BatchPolicy>,
 }
 
 /// Why a registered model could not be opened. The path stays in the host's log; the
@@ -80,7 +95,7 @@ impl ModelRegistry {
     /// already opened the old model keep it; later opens load `path`.
     pub fn register(&self, name: impl Into<String>, path: impl Into<PathBuf>) -> &Self {
         let idle = Arc::new(IdleContexts::new(self.keep_idle.clone()));
-        let entry = Arc::new(Entry { path: path.into(), loaded: OnceCell::new(), idle });
+        let entry = Arc::new(Entry { path: path.into(), loaded: OnceCell::new(), idle, batch: Arc::default() });
         self.write().models.insert(name.into(), entry);
         self
     }
@@ -97,6 +112,24 @@ impl ModelRegistry {
             entry.idle.shrink();
         }
         self
+    }
+
+    /// Batch one-sequence contexts by `policy` (`None`, the default: every context is
+    /// a native context of its own). Contexts made later follow it; a plugin sees the
+    /// same WIT semantics either way (see `engine::batch`). Subsets share the setting.
+    pub fn batch(&self, policy: Option<BatchPolicy>) -> &Self {
+        *self.batch.write().unwrap_or_else(|p| p.into_inner()) = policy;
+        self
+    }
+
+    /// The batching policy in force.
+    pub fn batch_policy(&self) -> Option<BatchPolicy> {
+        self.batch.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Seats of batched contexts leased now, over every model registered here.
+    pub fn batch_seats_taken(&self) -> u32 {
+        self.read().models.values().map(|entry| entry.batch.seats_taken()).sum()
     }
 
     /// Contexts kept idle now, over every model registered here.
@@ -136,7 +169,7 @@ impl ModelRegistry {
             models: names.iter().filter_map(|n| Some((pick(n), inner.models.get(n.as_ref())?.clone()))).collect(),
             projectors: names.iter().filter_map(|n| Some((pick(n), inner.projectors.get(n.as_ref())?.clone()))).collect(),
         };
-        ModelRegistry { inner: RwLock::new(subset), keep_idle: self.keep_idle.clone() }
+        ModelRegistry { inner: RwLock::new(subset), keep_idle: self.keep_idle.clone(), batch: self.batch.clone() }
     }
 
     /// Names registered now.
@@ -154,11 +187,11 @@ impl ModelRegistry {
 
     /// The model registered as `name`, loading it on first use (off the async executor).
     pub async fn open(&self, name: &str) -> Result<Arc<Model>, OpenError> {
-        self.open_with_idle(name).await.map(|(model, _)| model)
+        self.open_entry(name).await.map(|opened| opened.model)
     }
 
-    /// [`ModelRegistry::open`], with the pool of idle contexts on that model.
-    pub(super) async fn open_with_idle(&self, name: &str) -> Result<(Arc<Model>, Arc<IdleContexts>), OpenError> {
+    /// [`ModelRegistry::open`], with the engine's idle contexts and batches on that model.
+    pub async fn open_entry(&self, name: &str) -> Result<Opened, OpenError> {
         // The lock is not held across the load: the entry is shared, so a replacement
         // or unload meanwhile does not wait for it.
         let entry = self.read().models.get(name).cloned().ok_or_else(|| OpenError::NotFound(name.to_string()))?;
@@ -181,6 +214,6 @@ impl ModelRegistry {
                 }
             })
             .await?;
-        Ok((model.clone(), entry.idle.clone()))
+        Ok(Opened { model: model.clone(), idle: entry.idle.clone(), batch: entry.batch.clone(), policy: self.batch_policy() })
     }
 }

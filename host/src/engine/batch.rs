@@ -1,0 +1,1319 @@
+//! Batched contexts: the one-sequence contexts of many runs (and tenants) as *seats*,
+//! sequences of one shared native context whose thread merges every seat's pending
+//! rows into one `llama_decode` per step: generation tokens first, then prompt chunks
+//! up to the step's row budget, rotating between the seats with prompts (continuous
+//! batching with chunked prefill).
+//!
+//! A seat looks to its plugin exactly like a context of its own: sequence 0, positions
+//! from 0, `n-ctx` as granted, every call all or nothing. What differs:
+//! - **Cancel.** A step asks after every graph node whether *any* member's token (or
+//!   abandoned call) is set. When one is, the step stops within a node and is rolled back
+//!   for every member (memory as before the step); the cancelled members end
+//!   `cancelled` (their whole call undone) and the next step re-runs the others at once.
+//!   A cancel between steps just drops the member. Nobody else's call fails.
+//! - **Numerics.** llama.cpp's kernels depend on the batch's shape, so a seat's logits
+//!   are not bitwise those of a context of its own (see docs/ARCHITECTURE.md).
+//! - **Prefix reuse.** A seat is bound to a native sequence at its first decode, to a
+//!   free one whose leftover tokens (what an earlier seat of the *same group* left)
+//!   start the same way, if that saves enough; else the lowest free one, which keeps the
+//!   members' sequence ids consecutive (llama.cpp's per-sequence KV streams put only
+//!   consecutive ids in one ubatch).
+//! - **Media** prompts (`media.eval-chunks`) run as a step of their own; embeddings
+//!   need a context of their own (a seat refuses them).
+//!
+//! Everything native happens on the batch's thread, one op at a time per seat and in
+//! the order the seat sent them; a seat's ops wait behind its own compute, never behind
+//! another seat's.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc as pieces;
+
+use crate::native::{
+    self, Batch, CancelFlag, Context, ContextParams, Error, FinishReason, GenerateRequest, Meter, Model, Outcome, Pick, Piece, PromptPiece, Sampler,
+    Stop, Token, TokenLoop,
+};
+use crate::worker::{Alive, Call, Reply, Tracker};
+
+/// How a host batches one-sequence contexts (`ModelRegistry::batch`).
+#[derive(Clone)]
+pub struct BatchPolicy {
+    /// Seats (native sequences) per shared context: contexts beyond this get contexts
+    /// of their own. Each seat's KV stream is allocated with the shared context.
+    pub seats: u32,
+    /// Cells per seat: contexts asking for more get contexts of their own.
+    pub seat_n_ctx: u32,
+    /// Threads of the shared context's decodes: the share of the machine for this model.
+    pub threads: u32,
+    /// Most rows one step decodes (the shared context's n-batch): how long a generating
+    /// seat can wait for its next token because of others' prompts.
+    pub step_rows: u32,
+    /// Called after every step (metrics); runs on the batch's thread, so it must be quick.
+    pub observer: Option<Arc<dyn Fn(&StepReport) + Send + Sync>>,
+}
+
+impl std::fmt::Debug for BatchPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchPolicy")
+            .field("seats", &self.seats)
+            .field("seat_n_ctx", &self.seat_n_ctx)
+            .field("threads", &self.threads)
+            .field("step_rows", &self.step_rows)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BatchPolicy {
+    /// `seats` seats of `seat_n_ctx` cells on `threads` threads, 512-row steps.
+    pub fn new(seats: u32, seat_n_ctx: u32, threads: u32) -> Self {
+        Self { seats, seat_n_ctx, threads, step_rows: 512, observer: None }
+    }
+}
+
+/// What one step did, for metrics.
+#[derive(Clone, Copy, Debug)]
+pub struct StepReport {
+    /// Seats with rows in the step.
+    pub seats: usize,
+    pub rows: usize,
+    /// Seats holding a lease on the shared context now.
+    pub active_seats: usize,
+    pub elapsed: Duration,
+    /// The step was stopped by a member's cancel and rolled back for all of them.
+    pub rolled_back: bool,
+}
+
+/// Most rows with logits one decode on a seat may ask for: each is copied out of the
+/// step (n-vocab floats, 192 KiB for a 49k vocabulary) and kept until the seat's next
+/// decode, so without a bound a plugin could hold n-batch of them per seat.
+pub const MAX_SEAT_LOGIT_ROWS: usize = 64;
+
+/// A leftover shorter than this is not worth binding to out of order: a seat off the
+/// lowest free sequence id splits every later step into one more ubatch.
+const MIN_REUSE: usize = 32;
+
+/// How long the thread sleeps when every member waits for its reader.
+const DELIVERY_POLL: Duration = Duration::from_millis(1);
+
+/// The shared contexts of one loaded model (one per seat size in use).
+#[derive(Default)]
+pub struct BatchPool {
+    batchers: tokio::sync::Mutex<Vec<Arc<Batcher>>>,
+}
+
+impl BatchPool {
+    /// A seat for a one-sequence context of `n_ctx` cells (allocated as a context of its
+    /// own would be), or `None` when this policy does not batch it or every seat is taken.
+    pub(crate) async fn lease(
+        &self,
+        policy: &BatchPolicy,
+        model: &Arc<Model>,
+        n_ctx: u32,
+        n_batch: u32,
+        group: &str,
+        meter: Arc<Meter>,
+        tracker: &Tracker,
+    ) -> Option<Result<Seat, Error>> {
+        if n_ctx > policy.seat_n_ctx || policy.seats == 0 {
+            return None;
+        }
+        let mut batchers = self.batchers.lock().await;
+        let batcher = match batchers.iter().find(|b| b.seat_n_ctx == policy.seat_n_ctx) {
+            Some(b) => b.clone(),
+            None => match Batcher::start(model.clone(), policy.clone()).await {
+                Ok(b) => {
+                    batchers.push(b.clone());
+                    b
+                }
+                Err(e) => return Some(Err(e)),
+            },
+        };
+        drop(batchers);
+        batcher.taken.fetch_update(SeqCst, SeqCst, |n| (n < batcher.seats).then_some(n + 1)).ok()?;
+        let id = batcher.next_id.fetch_add(1, SeqCst);
+        let join = Op::Join { id, group: group.to_string(), meter, alive: tracker.count(), n_ctx, n_batch };
+        if batcher.ops.send(join).is_err() {
+            batcher.taken.fetch_sub(1, SeqCst);
+            return Some(Err(Error::Backend("the batch's thread is gone".into())));
+        }
+        Some(Ok(Seat { id, batcher }))
+    }
+
+    /// Seats leased now over this model's shared contexts.
+    pub fn seats_taken(&self) -> u32 {
+        self.batchers.try_lock().map_or(0, |b| b.iter().map(|b| b.taken.load(SeqCst)).sum())
+    }
+}
+
+/// One shared native context and its thread. The thread ends when the pool and every
+/// seat have let go of it (the op channel closes).
+struct Batcher {
+    ops: mpsc::Sender<Op>,
+    seats: u32,
+    seat_n_ctx: u32,
+    step_rows: u32,
+    /// Seats leased and not yet released on the thread.
+    taken: Arc<AtomicU32>,
+    next_id: AtomicU64,
+}
+
+impl Batcher {
+    async fn start(model: Arc<Model>, policy: BatchPolicy) -> Result<Arc<Self>, Error> {
+        let (ops, ops_rx) = mpsc::channel();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let taken = Arc::new(AtomicU32::new(0));
+        let thread_taken = taken.clone();
+        let (seats, seat_n_ctx, step_rows) = (policy.seats, policy.seat_n_ctx, policy.step_rows);
+        let span = tracing::Span::current();
+        std::thread::Builder::new()
+            .name("llamabox-batch".into())
+            .spawn(move || {
+                let _in_span = span.entered();
+                let params = ContextParams {
+                    n_ctx: policy.seat_n_ctx.saturating_mul(policy.seats),
+                    n_batch: policy.step_rows,
+                    n_ubatch: policy.step_rows,
+                    n_seq_max: policy.seats,
+                    n_threads: policy.threads,
+                };
+                match Context::new(model, params) {
+                    Ok(ctx) => {
+                        let _ = ready_tx.send(Ok(()));
+                        Steps::new(ctx, policy, thread_taken).run(ops_rx);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(|e| Error::Backend(format!("could not start a batch thread: {e}")))?;
+        match ready_rx.await {
+            Ok(Ok(())) => Ok(Arc::new(Self { ops, seats, seat_n_ctx, step_rows, taken, next_id: AtomicU64::new(0) })),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(Error::Backend("the batch thread panicked while creating its context".into())),
+        }
+    }
+}
+
+/// A plugin's context as a sequence of a shared context. Dropping it stops its call in
+/// flight (if any), removes its rows, and frees the sequence for the next seat.
+pub struct Seat {
+    id: u64,
+    batcher: Arc<Batcher>,
+}
+
+impl Seat {
+    fn send<R: Send + 'static>(&self, make: impl FnOnce(Reply<R>) -> SeatOp) -> Call<R> {
+        let (call, reply) = Call::channel();
+        // If the thread is gone, the op (and its reply) drops: the call resolves to `None`.
+        let _ = self.batcher.ops.send(Op::Seat { id: self.id, op: make(reply) });
+        call
+    }
+
+    /// Decode `batch` (sequence 0 of this seat), stopping in flight when `token` is set.
+    pub fn decode(&self, batch: Batch, token: CancelFlag) -> Call<native::Result<()>> {
+        self.send(|reply| SeatOp::Decode { batch, caller: Caller { token, reply } })
+    }
+
+    /// Generate on this seat (native::generate's contract), pieces sent to `pieces`.
+    pub fn generate(&self, sampler: Sampler, request: GenerateRequest, token: CancelFlag, pieces: pieces::Sender<Piece>) -> Call<native::Result<Outcome>> {
+        self.send(|reply| SeatOp::Generate { sampler: Box::new(sampler), request, pieces, caller: Caller { token, reply } })
+    }
+
+    /// `Context::eval` of a media prompt, as a step of its own.
+    pub fn eval(&self, pieces: Vec<PromptPiece>, seq: i32, token: CancelFlag) -> Call<native::Result<i32>> {
+        self.send(|reply| SeatOp::Eval { pieces, seq, caller: Caller { token, reply } })
+    }
+
+    /// Logits of `row` of the last successful decode, or of its last row (`None`).
+    pub fn logits(&self, row: Option<u32>) -> Call<native::Result<Vec<f32>>> {
+        self.send(|reply| SeatOp::Logits { row, reply })
+    }
+
+    /// `sampler.sample` on row `row`'s logits, on the batch's thread.
+    pub fn sample(&self, sampler: Arc<Mutex<Sampler>>, row: u32) -> Call<native::Result<Token>> {
+        self.send(|reply| SeatOp::Sample { sampler, row, reply })
+    }
+
+    pub fn seq_rm(&self, seq: i32, p0: i32, p1: i32) -> Call<native::Result<()>> {
+        self.send(|reply| SeatOp::SeqRm { seq, p0, p1, reply })
+    }
+
+    pub fn seq_pos_max(&self, seq: i32) -> Call<native::Result<i32>> {
+        self.send(|reply| SeatOp::PosMax { seq, reply })
+    }
+
+    pub fn clear(&self) -> Call<native::Result<()>> {
+        self.send(|reply| SeatOp::Clear { reply })
+    }
+
+    /// Rows one step computes per graph (the shared context's n-ubatch).
+    pub fn n_ubatch(&self) -> u32 {
+        self.batcher.step_rows
+    }
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let _ = self.batcher.ops.send(Op::Leave { id: self.id });
+    }
+}
+
+/// A call's caller: its token and where its result goes (whose flag says abandoned).
+struct Caller<T> {
+    token: CancelFlag,
+    reply: Reply<native::Result<T>>,
+}
+
+impl<T> Caller<T> {
+    fn stop(&self) -> Stop<'_> {
+        Stop::on_either(&self.token, self.reply.abandoned())
+    }
+}
+
+enum Op {
+    /// Test hook: the thread waits for the gate before it takes the next op, so a test
+    /// can queue several seats' calls for one step.
+    #[cfg(test)]
+    Pause(mpsc::Receiver<()>),
+    Join { id: u64, group: String, meter: Arc<Meter>, alive: Alive, n_ctx: u32, n_batch: u32 },
+    Seat { id: u64, op: SeatOp },
+    Leave { id: u64 },
+}
+
+enum SeatOp {
+    Decode { batch: Batch, caller: Caller<()> },
+    Generate { sampler: Box<Sampler>, request: GenerateRequest, pieces: pieces::Sender<Piece>, caller: Caller<Outcome> },
+    Eval { pieces: Vec<PromptPiece>, seq: i32, caller: Caller<i32> },
+    Logits { row: Option<u32>, reply: Reply<native::Result<Vec<f32>>> },
+    Sample { sampler: Arc<Mutex<Sampler>>, row: u32, reply: Reply<native::Result<Token>> },
+    SeqRm { seq: i32, p0: i32, p1: i32, reply: Reply<native::Result<()>> },
+    PosMax { seq: i32, reply: Reply<native::Result<i32>> },
+    Clear { reply: Reply<native::Result<()>> },
+}
+
+/// One native sequence of the shared context.
+#[derive(Default)]
+struct Slot {
+    /// The seat bound to it.
+    seat: Option<u64>,
+    /// The group whose seat last held it (whose leftover it keeps).
+    group: String,
+    /// What it holds, token by token, while that is known (not after embeddings).
+    tokens: Option<Vec<Token>>,
+}
+
+struct Member {
+    group: String,
+    meter: Arc<Meter>,
+    /// Counts this seat in its run's tracker until the thread has let go of it.
+    alive: Alive,
+    /// The seat's granted n-ctx (its room) and n-batch (most rows per decode).
+    n_ctx: u32,
+    n_batch: u32,
+    slot: Option<usize>,
+    /// Rows of the last successful decode: their logits if they asked for them.
+    logits: Vec<Option<Vec<f32>>>,
+    /// Ops in the order the seat sent them; the first may be running.
+    queue: VecDeque<SeatOp>,
+    /// The compute op at the front, once started.
+    running: Option<Running>,
+}
+
+/// A decode or generation in progress across steps.
+enum Running {
+    Decode(DecodeWork),
+    Generate(Box<GenerateWork>),
+}
+
+struct DecodeWork {
+    caller: Caller<()>,
+    batch: Batch,
+    /// Rows done (reused ones included).
+    done: usize,
+    /// Where the sequence ended before the call (`seq_pos_max`).
+    end_before: i32,
+    /// The call bound the seat (so failing unbinds it), keeping this many leftover rows.
+    bound_here: bool,
+    kept: usize,
+    logits: Vec<Option<Vec<f32>>>,
+}
+
+struct GenerateWork {
+    caller: Caller<Outcome>,
+    sampler: Box<Sampler>,
+    request: GenerateRequest,
+    pieces: pieces::Sender<Piece>,
+    end_before: i32,
+    bound_here: bool,
+    kept: usize,
+    started: Instant,
+    /// Prompt rows done; the token loop starts once all are.
+    prompt_done: usize,
+    tokens: Option<TokenLoop>,
+    /// The token to decode next.
+    next: Option<Token>,
+    /// Pieces waiting for room in the reader's buffer; the first may carry the one
+    /// token decoded but not yet delivered.
+    undelivered: VecDeque<Piece>,
+    /// How it ends, once decided (after the undelivered pieces are out).
+    finish: Option<native::Result<FinishReason>>,
+}
+
+/// Rows one member contributes to a step.
+struct Share {
+    id: u64,
+    slot: usize,
+    rows: Batch,
+}
+
+/// The batch's thread: the shared context and its members.
+struct Steps {
+    ctx: Context,
+    policy: BatchPolicy,
+    slots: Vec<Slot>,
+    members: BTreeMap<u64, Member>,
+    taken: Arc<AtomicU32>,
+    /// Which member's prompt goes first in the next step.
+    rotation: u64,
+}
+
+impl Steps {
+    fn new(ctx: Context, policy: BatchPolicy, taken: Arc<AtomicU32>) -> Self {
+        let slots = (0..policy.seats).map(|_| Slot::default()).collect();
+        Self { ctx, policy, slots, members: BTreeMap::new(), taken, rotation: 0 }
+    }
+
+    fn run(mut self, ops: mpsc::Receiver<Op>) {
+        loop {
+            let op = if self.has_rows() {
+                ops.try_recv().map_err(|e| e == mpsc::TryRecvError::Disconnected)
+            } else if self.members.values().any(|m| m.running.is_some()) {
+                ops.recv_timeout(DELIVERY_POLL).map_err(|e| e == mpsc::RecvTimeoutError::Disconnected)
+            } else {
+                ops.recv().map_err(|_| true)
+            };
+            match op {
+                Ok(op) => {
+                    self.take(op);
+                    while let Ok(op) = ops.try_recv() {
+                        self.take(op);
+                    }
+                }
+                Err(true) => {
+                    // Nobody can send any more (every seat left first): the context is
+                    // freed here, on its own thread.
+                    let ids: Vec<u64> = self.members.keys().copied().collect();
+                    ids.into_iter().for_each(|id| self.leave(id));
+                    return;
+                }
+                Err(false) => {}
+            }
+            self.advance();
+            self.step();
+        }
+    }
+
+    fn take(&mut self, op: Op) {
+        match op {
+            #[cfg(test)]
+            Op::Pause(gate) => {
+                let _ = gate.recv();
+            }
+            Op::Join { id, group, meter, alive, n_ctx, n_batch } => {
+                let member = Member { group, meter, alive, n_ctx, n_batch, slot: None, logits: Vec::new(), queue: VecDeque::new(), running: None };
+                self.members.insert(id, member);
+            }
+            // A seat that left has no calls (its ops would drop unanswered).
+            Op::Seat { id, op } => {
+                if let Some(m) = self.members.get_mut(&id) {
+                    m.queue.push_back(op);
+                }
+            }
+            Op::Leave { id } => self.leave(id),
+        }
+    }
+
+    /// The seat is gone: stop its work, undo its running call, free its sequence.
+    fn leave(&mut self, id: u64) {
+        if let Some(running) = self.members.get_mut(&id).and_then(|m| m.running.take()) {
+            self.undo(id, running, Err(Error::Cancelled));
+        }
+        let Some(member) = self.members.remove(&id) else { return };
+        if let Some(slot) = member.slot {
+            self.slots[slot].seat = None;
+            self.slots[slot].group = member.group;
+        }
+        self.taken.fetch_sub(1, SeqCst);
+        // `member.alive` drops here: its run sees this seat's native work ended.
+    }
+
+    /// Whether some member has rows to decode now.
+    fn has_rows(&self) -> bool {
+        self.members.values().any(|m| match &m.running {
+            Some(Running::Decode(_)) => true,
+            Some(Running::Generate(g)) => g.undelivered.is_empty() && g.finish.is_none(),
+            None => m.queue.front().is_some_and(|op| matches!(op, SeatOp::Decode { .. } | SeatOp::Generate { .. } | SeatOp::Eval { .. })),
+        })
+    }
+
+    /// Between steps: answer the ops that compute nothing, start the compute ops at the
+    /// front of each queue, deliver pieces, and end calls that were cancelled or are done.
+    fn advance(&mut self) {
+        let ids: Vec<u64> = self.members.keys().copied().collect();
+        for id in ids {
+            loop {
+                let running = self.members.get_mut(&id).and_then(|m| m.running.take());
+                match running {
+                    Some(running) => {
+                        if let Some(still) = self.check_running(id, running) {
+                            self.members.get_mut(&id).expect("member").running = Some(still);
+                            break;
+                        }
+                    }
+                    None => {
+                        let Some(op) = self.members.get_mut(&id).and_then(|m| m.queue.pop_front()) else { break };
+                        self.start(id, op);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A running call between steps: ended (`None`) if cancelled, or once its pieces
+    /// are out; else it runs on.
+    fn check_running(&mut self, id: u64, running: Running) -> Option<Running> {
+        let stopped = match &running {
+            Running::Decode(d) => d.caller.stop().is_set(),
+            Running::Generate(g) => g.caller.stop().is_set(),
+        };
+        if stopped {
+            self.members.get(&id).expect("member").meter.add_cancel();
+            self.undo(id, running, Err(Error::Cancelled));
+            return None;
+        }
+        let Running::Generate(mut g) = running else { return Some(running) };
+        while let Some(piece) = g.undelivered.pop_front() {
+            let carries_token = !piece.tokens.is_empty();
+            match g.pieces.try_send(piece) {
+                Ok(()) => {
+                    if carries_token {
+                        g.tokens.as_mut().expect("a token loop").delivered();
+                    }
+                }
+                Err(pieces::error::TrySendError::Full(piece)) => {
+                    g.undelivered.push_front(piece);
+                    return Some(Running::Generate(g));
+                }
+                Err(pieces::error::TrySendError::Closed(_)) => {
+                    // The reader is gone: what was not delivered is not kept.
+                    self.undo(id, Running::Generate(g), Ok(FinishReason::Cancelled));
+                    return None;
+                }
+            }
+        }
+        match g.finish.take() {
+            Some(finish) => {
+                self.finish_generation(id, g, finish);
+                None
+            }
+            None => Some(Running::Generate(g)),
+        }
+    }
+
+    fn member(&mut self, id: u64) -> &mut Member {
+        self.members.get_mut(&id).expect("a member of this batch")
+    }
+
+    /// Where the seat's sequence ends (-1: empty, or not bound yet).
+    fn end_of(&self, id: u64) -> i32 {
+        match self.members.get(&id).and_then(|m| m.slot) {
+            Some(slot) => self.ctx.seq_pos_max(slot as i32).unwrap_or(-1),
+            None => -1,
+        }
+    }
+
+    /// Start `op`, the front of `id`'s queue: answer it now, or make it the running call.
+    fn start(&mut self, id: u64, op: SeatOp) {
+        match op {
+            SeatOp::Logits { row, reply } => {
+                let logits = &self.member(id).logits;
+                let row = row.unwrap_or(logits.len().saturating_sub(1) as u32);
+                let result = match logits.get(row as usize) {
+                    Some(Some(l)) => Ok(l.clone()),
+                    _ if logits.is_empty() => Err(Error::InvalidArgument("there is no successful decode to read logits from".into())),
+                    _ => Err(Error::InvalidArgument(format!("row {row} has no logits: the last successful decode did not ask for them"))),
+                };
+                reply.send(result);
+            }
+            SeatOp::Sample { sampler, row, reply } => {
+                let result = match self.member(id).logits.get(row as usize) {
+                    Some(Some(l)) => sampler.lock().unwrap_or_else(|p| p.into_inner()).sample(l),
+                    _ => Err(Error::InvalidArgument(format!("row {row} has no logits: the last successful decode did not ask for them"))),
+                };
+                reply.send(result);
+            }
+            SeatOp::PosMax { seq, reply } => {
+                let result = check_seq(seq).map(|()| self.end_of(id));
+                reply.send(result);
+            }
+            SeatOp::SeqRm { seq, p0, p1, reply } => {
+                let result = self.seq_rm(id, seq, p0, p1);
+                reply.send(result);
+            }
+            SeatOp::Clear { reply } => {
+                self.member(id).logits.clear();
+                if let Some(slot) = self.member(id).slot {
+                    let _ = self.ctx.seq_rm(slot as i32, 0, -1);
+                    self.slots[slot].tokens = Some(Vec::new());
+                }
+                reply.send(Ok(()));
+            }
+            SeatOp::Eval { pieces, seq, caller } => {
+                let result = self.eval(id, &pieces, seq, &caller);
+                caller.reply.send(result);
+            }
+            SeatOp::Decode { batch, caller } => match self.check_decode(id, &batch) {
+                Err(e) => {
+                        caller.reply.send(Err(e));
+                }
+                Ok(()) if caller.stop().is_set() => {
+                    self.member(id).meter.add_cancel();
+                        caller.reply.send(Err(Error::Cancelled));
+                }
+                Ok(()) => {
+                    let end_before = self.end_of(id);
+                    self.member(id).logits.clear();
+                    let first_out = batch.logits.iter().position(|&l| l).unwrap_or(batch.len());
+                    let (bound_here, done) = self.bind(id, &batch.tokens, first_out.min(batch.len() - 1));
+                    let logits = vec![None; batch.len()];
+                    let work = DecodeWork { caller, batch, done, end_before, bound_here, kept: done, logits };
+                    self.member(id).running = Some(Running::Decode(work));
+                }
+            },
+            SeatOp::Generate { sampler, request, pieces, caller } => {
+                let model = self.ctx.model().clone();
+                let checked = native::check_request(&model, &sampler, &request).and_then(|()| {
+                    check_seq(request.seq)?;
+                    let m = self.members.get(&id).expect("member");
+                    if request.prompt.is_empty() && m.logits.last().is_none_or(Option::is_none) {
+                        return Err(native::nothing_to_continue());
+                    }
+                    self.check_room(id, request.prompt.len())
+                });
+                if let Err(e) = checked {
+                        caller.reply.send(Err(e));
+                    return;
+                }
+                if caller.stop().is_set() {
+                    self.member(id).meter.add_cancel();
+                        caller.reply.send(Ok(Outcome { finish: FinishReason::Cancelled, usage: native::Usage::default() }));
+                    return;
+                }
+                let end_before = self.end_of(id);
+                let (bound_here, prompt_done) =
+                    if request.prompt.is_empty() { (false, 0) } else { self.bind(id, &request.prompt, request.prompt.len() - 1) };
+                let mut work = GenerateWork {
+                    caller,
+                    sampler,
+                    request,
+                    pieces,
+                    end_before,
+                    bound_here,
+                    kept: prompt_done,
+                    started: Instant::now(),
+                    prompt_done,
+                    tokens: None,
+                    next: None,
+                    undelivered: VecDeque::new(),
+                    finish: None,
+                };
+                if work.request.prompt.is_empty() {
+                    let logits = self.member(id).logits.last().cloned().flatten().unwrap_or_default();
+                    self.start_tokens(id, &mut work, &logits);
+                }
+                self.member(id).running = Some(Running::Generate(Box::new(work)));
+            }
+        }
+    }
+
+    /// A decode's batch as a context of the seat's own would check it.
+    fn check_decode(&self, id: u64, batch: &Batch) -> native::Result<()> {
+        let m = &self.members[&id];
+        let n = batch.len();
+        let invalid = |what: String| Err(Error::InvalidArgument(what));
+        if n == 0 {
+            return invalid("empty batch".into());
+        }
+        if batch.positions.len() != n || batch.seq_ids.len() != n || batch.logits.len() != n {
+            return invalid(format!(
+                "batch columns differ in length: {} tokens, {} positions, {} sequence ids, {} logits flags",
+                n,
+                batch.positions.len(),
+                batch.seq_ids.len(),
+                batch.logits.len()
+            ));
+        }
+        if n > m.n_batch as usize {
+            return invalid(format!("batch of {n} tokens is larger than n-batch {}", m.n_batch));
+        }
+        let outputs = batch.logits.iter().filter(|&&l| l).count();
+        if outputs > MAX_SEAT_LOGIT_ROWS {
+            return Err(Error::LimitExceeded(format!(
+                "{outputs} rows ask for logits; a batched context keeps at most {MAX_SEAT_LOGIT_ROWS} per decode"
+            )));
+        }
+        self.ctx.model().check_tokens(&batch.tokens)?;
+        let mut expected = self.end_of(id) + 1;
+        for (row, (&seq, &pos)) in batch.seq_ids.iter().zip(&batch.positions).enumerate() {
+            check_seq(seq)?;
+            if pos != expected {
+                return invalid(format!("row {row}: sequence {seq} must continue at position {expected}, got {pos}"));
+            }
+            expected += 1;
+        }
+        self.check_room(id, n)
+    }
+
+    /// `ContextFull` unless `rows` more fit in the seat's n-ctx.
+    fn check_room(&self, id: u64, rows: usize) -> native::Result<()> {
+        let held = (self.end_of(id) + 1) as usize;
+        if held.saturating_add(rows) > self.members[&id].n_ctx as usize {
+            return Err(Error::ContextFull);
+        }
+        Ok(())
+    }
+
+    /// Bind an unbound seat to a free sequence for a call whose rows start with `tokens`
+    /// (from position 0), reusing at most `most` of a leftover; returns whether it bound
+    /// the seat now and how many rows are already in memory.
+    fn bind(&mut self, id: u64, tokens: &[Token], most: usize) -> (bool, usize) {
+        if self.members[&id].slot.is_some() {
+            return (false, 0);
+        }
+        let group = self.members[&id].group.clone();
+        let common = |slot: &Slot| match &slot.tokens {
+            Some(held) if slot.group == group => held.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(most),
+            _ => 0,
+        };
+        let free = || self.slots.iter().enumerate().filter(|(_, s)| s.seat.is_none());
+        let best = free().map(|(i, s)| (common(s), std::cmp::Reverse(i))).max();
+        let lowest = free().map(|(i, _)| i).next().expect("a seat was leased, so a sequence is free");
+        let (slot, kept) = match best {
+            Some((kept, std::cmp::Reverse(i))) if kept >= MIN_REUSE => (i, kept),
+            _ => (lowest, 0),
+        };
+        // The rest of what the sequence held goes (all of it from another group).
+        let _ = self.ctx.seq_rm(slot as i32, kept as i32, -1);
+        let s = &mut self.slots[slot];
+        s.seat = Some(id);
+        s.group = group;
+        s.tokens = Some(s.tokens.take().unwrap_or_default().into_iter().take(kept).collect());
+        let member = self.member(id);
+        member.slot = Some(slot);
+        member.meter.add_reused(kept as u64);
+        (true, kept)
+    }
+
+    /// Undo a call that bound the seat, keeping `kept` leftover rows: the sequence
+    /// holds what it held when it was bound and is free again (its leftover stays for
+    /// a later seat of the group), and the seat reads as empty, as before the call.
+    fn unbind(&mut self, id: u64, kept: usize) {
+        self.truncate(id, kept as i32 - 1);
+        if let Some(slot) = self.member(id).slot.take() {
+            self.slots[slot].seat = None;
+        }
+    }
+
+    /// Cut the seat's sequence back to end at `end` (everything past it removed).
+    fn truncate(&mut self, id: u64, end: i32) {
+        let Some(slot) = self.members[&id].slot else { return };
+        let _ = self.ctx.seq_rm(slot as i32, end + 1, -1);
+        if let Some(tokens) = &mut self.slots[slot].tokens {
+            tokens.truncate((end + 1) as usize);
+        }
+    }
+
+    fn seq_rm(&mut self, id: u64, seq: i32, p0: i32, p1: i32) -> native::Result<()> {
+        check_seq(seq)?;
+        if p0 < 0 {
+            return Err(Error::InvalidArgument(format!("p0 {p0} is negative")));
+        }
+        let Some(slot) = self.members[&id].slot else { return Ok(()) };
+        self.ctx.seq_rm(slot as i32, p0, p1)?;
+        let tokens = &mut self.slots[slot].tokens;
+        if let Some(held) = tokens {
+            let len = held.len();
+            if p1 < 0 || p1 as usize >= len {
+                held.truncate(p0 as usize);
+            } else if (p0 as usize) < len && p1 > p0 {
+                *tokens = None; // a hole: no longer a prefix of anything
+            }
+        }
+        Ok(())
+    }
+
+    /// A media prompt: `Context::eval` into the seat's sequence, alone.
+    fn eval(&mut self, id: u64, pieces: &[PromptPiece], seq: i32, caller: &Caller<i32>) -> native::Result<i32> {
+        check_seq(seq)?;
+        let rows: usize = pieces
+            .iter()
+            .map(|p| match p {
+                PromptPiece::Tokens(t) => t.len(),
+                PromptPiece::Embeddings { embd, .. } => embd.len() / (self.ctx.model().n_embd_inp() as usize).max(1),
+            })
+            .fold(0, usize::saturating_add);
+        self.check_room(id, rows)?;
+        let (bound_here, _) = self.bind(id, &[], 0);
+        let slot = self.members[&id].slot.expect("bound");
+        self.member(id).logits.clear();
+        let started = Instant::now();
+        let result = self.ctx.eval(pieces, slot as i32, Some(caller.stop()));
+        self.members[&id].alive.add_busy(started.elapsed());
+        match result {
+            Ok(end) => {
+                self.slots[slot].tokens = None; // embeddings: not a token prefix
+                let last = self.ctx.last_logits().map(<[f32]>::to_vec).ok();
+                let m = self.member(id);
+                m.logits = vec![last];
+                m.meter.add_decoded(rows as u64);
+                Ok(end)
+            }
+            Err(e) => {
+                if e == Error::Cancelled {
+                    self.member(id).meter.add_cancel();
+                }
+                if bound_here {
+                    self.unbind(id, 0);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The token loop starts from `logits` (the prompt's last row).
+    fn start_tokens(&mut self, id: u64, work: &mut GenerateWork, logits: &[f32]) {
+        let model = self.ctx.model().clone();
+        let pos = self.end_of(id) + 1;
+        let prompt = work.request.prompt.len() as u32;
+        let mut tokens = TokenLoop::new(model, &work.request, pos, prompt, work.started.elapsed());
+        match tokens.pick(&mut work.sampler, logits) {
+            Ok(Pick::Decode(token)) => work.next = Some(token),
+            Ok(Pick::Finish(reason)) => work.finish = Some(Ok(reason)),
+            Err(e) => work.finish = Some(Err(e)),
+        }
+        work.tokens = Some(tokens);
+    }
+
+    /// Undo `running` (cancelled, failed, or its seat gone) and answer its caller with
+    /// `result` (a generation that ends `Ok(reason)` keeps its delivered tokens).
+    fn undo(&mut self, id: u64, running: Running, result: native::Result<FinishReason>) {
+        match running {
+            Running::Decode(d) => {
+                if d.bound_here {
+                    self.unbind(id, d.kept);
+                } else {
+                    self.truncate(id, d.end_before);
+                }
+                d.caller.reply.send(result.map(|_| ()));
+            }
+            Running::Generate(mut g) => {
+                // A cancelled generation is an outcome, not an error (as `generate`).
+                let result = match result {
+                    Err(Error::Cancelled) => Ok(FinishReason::Cancelled),
+                    other => other,
+                };
+                match g.tokens.as_ref() {
+                    // In the token loop: memory keeps the prompt and what was delivered.
+                    Some(tokens) => {
+                        let end = tokens.pos() - 1;
+                        self.truncate(id, end);
+                        g.undelivered.clear();
+                        self.finish_generation(id, g, result);
+                    }
+                    // In the prefill: as before the call.
+                    None => {
+                        if g.bound_here {
+                            self.unbind(id, g.kept);
+                        } else {
+                            self.truncate(id, g.end_before);
+                        }
+                        let cancelled = Outcome { finish: FinishReason::Cancelled, usage: native::Usage::default() };
+                        g.caller.reply.send(result.map(|_| cancelled));
+                    }
+                }
+            }
+        }
+    }
+
+    fn finish_generation(&mut self, id: u64, mut g: Box<GenerateWork>, finish: native::Result<FinishReason>) {
+        let tokens = g.tokens.as_mut().expect("a token loop");
+        if let Some(rest) = tokens.flush() {
+            let _ = g.pieces.try_send(rest); // as `generate`: the last text, if there is room
+        }
+        let outcome = finish.map(|reason| tokens.outcome(reason));
+        if let Ok(o) = &outcome {
+            self.member(id).meter.add_generated(o.usage.generated_tokens.into());
+        }
+        g.caller.reply.send(outcome);
+    }
+
+    /// Each member's rows for the next step: generation tokens first, then prompt
+    /// chunks in turn from `rotation` while the step has room.
+    fn plan(&mut self) -> Vec<Share> {
+        let mut budget = self.policy.step_rows as usize;
+        let mut shares = Vec::new();
+        for (&id, m) in &self.members {
+            if let (Some(Running::Generate(g)), Some(slot)) = (&m.running, m.slot) {
+                if let (Some(token), true) = (g.next, g.undelivered.is_empty() && g.finish.is_none()) {
+                    let pos = g.tokens.as_ref().expect("a token loop").pos();
+                    shares.push(Share { id, slot, rows: Batch::sequence(&[token], pos, slot as i32) });
+                    budget = budget.saturating_sub(1);
+                }
+            }
+        }
+        let after = self.members.range(self.rotation..).chain(self.members.range(..self.rotation));
+        let mut first = None;
+        for (&id, m) in after {
+            if budget == 0 {
+                break;
+            }
+            let Some(slot) = m.slot else { continue };
+            let rows = match &m.running {
+                Some(Running::Decode(d)) => {
+                    let n = (d.batch.len() - d.done).min(budget);
+                    let range = d.done..d.done + n;
+                    Batch {
+                        tokens: d.batch.tokens[range.clone()].to_vec(),
+                        positions: d.batch.positions[range.clone()].to_vec(),
+                        seq_ids: vec![slot as i32; n],
+                        logits: d.batch.logits[range].to_vec(),
+                    }
+                }
+                Some(Running::Generate(g)) if g.tokens.is_none() => {
+                    let prompt = &g.request.prompt;
+                    let n = (prompt.len() - g.prompt_done).min(budget);
+                    let mut rows = Batch::sequence(&prompt[g.prompt_done..g.prompt_done + n], g.end_before + 1 + g.prompt_done as i32, slot as i32);
+                    rows.logits = (0..n).map(|r| g.prompt_done + r + 1 == prompt.len()).collect();
+                    rows
+                }
+                _ => continue,
+            };
+            first.get_or_insert(id);
+            budget -= rows.len();
+            shares.push(Share { id, slot, rows });
+        }
+        if let Some(first) = first {
+            self.rotation = first + 1; // the next step starts after the first prompt served
+        }
+        // Ascending sequence ids: llama.cpp's per-sequence KV streams put only
+        // consecutive ids in one ubatch.
+        shares.sort_by_key(|s| s.slot);
+        shares
+    }
+
+    /// One `llama_decode` of every member's rows.
+    fn step(&mut self) {
+        let shares = self.plan();
+        if shares.is_empty() {
+            return;
+        }
+        let mut batch = Batch::default();
+        for share in &shares {
+            batch.tokens.extend(&share.rows.tokens);
+            batch.positions.extend(&share.rows.positions);
+            batch.seq_ids.extend(&share.rows.seq_ids);
+            batch.logits.extend(&share.rows.logits);
+        }
+        let started = Instant::now();
+        let result = {
+            let stops: Vec<Stop<'_>> = shares
+                .iter()
+                .map(|s| match &self.members[&s.id].running {
+                    Some(Running::Decode(d)) => d.caller.stop(),
+                    Some(Running::Generate(g)) => g.caller.stop(),
+                    None => unreachable!("planned members are running"),
+                })
+                .collect();
+            self.ctx.decode(&batch, Some(Stop::Any(&stops)))
+        };
+        let elapsed = started.elapsed();
+        for share in &shares {
+            let m = &self.members[&share.id];
+            m.alive.add_busy(elapsed.mul_f64(share.rows.len() as f64 / batch.len() as f64));
+        }
+        let report = StepReport { seats: shares.len(), rows: batch.len(), active_seats: self.members.len(), elapsed, rolled_back: result.is_err() };
+        if let Some(observe) = &self.policy.observer {
+            observe(&report);
+        }
+        match result {
+            Ok(()) => {
+                let mut row = 0;
+                for share in shares {
+                    let n = share.rows.len();
+                    self.decoded(share, row);
+                    row += n;
+                }
+            }
+            // Rolled back for everyone; the cancelled end between steps (`advance`), the
+            // others' rows run again in the next step.
+            Err(Error::Cancelled) => {}
+            Err(e) => {
+                for share in shares {
+                    if let Some(running) = self.member(share.id).running.take() {
+                        self.undo(share.id, running, Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A share of a successful step, whose rows started at `first_row` of the step.
+    fn decoded(&mut self, share: Share, first_row: usize) {
+        let Share { id, slot, rows } = share;
+        let n = rows.len();
+        if let Some(held) = &mut self.slots[slot].tokens {
+            held.extend(&rows.tokens);
+        }
+        let logits_of = |ctx: &Context, r: usize| ctx.logits_ith((first_row + r) as u32).map(<[f32]>::to_vec).ok();
+        self.members[&id].meter.add_decoded(n as u64);
+        let mut running = self.member(id).running.take().expect("planned members are running");
+        match &mut running {
+            Running::Decode(d) => {
+                for r in 0..n {
+                    if rows.logits[r] {
+                        d.logits[d.done + r] = logits_of(&self.ctx, r);
+                    }
+                }
+                d.done += n;
+                if d.done == d.batch.len() {
+                    let Running::Decode(d) = running else { unreachable!() };
+                    self.member(id).logits = d.logits;
+                        d.caller.reply.send(Ok(()));
+                    return;
+                }
+            }
+            Running::Generate(g) => match g.tokens.as_mut() {
+                None => {
+                    g.prompt_done += n;
+                    if g.prompt_done == g.request.prompt.len() {
+                        let logits = logits_of(&self.ctx, n - 1).unwrap_or_default();
+                        self.start_tokens(id, g, &logits);
+                    }
+                }
+                Some(tokens) => {
+                    let token = g.next.take().expect("a token was planned");
+                    match tokens.decoded(token) {
+                        Ok((piece, matched)) => {
+                            g.undelivered.push_back(piece);
+                            match matched {
+                                Some(reason) => g.finish = Some(Ok(reason)),
+                                None => {
+                                    let picked = self.ctx.logits_ith(first_row as u32).and_then(|l| tokens.pick(&mut g.sampler, l));
+                                    match picked {
+                                        Ok(Pick::Decode(next)) => g.next = Some(next),
+                                        Ok(Pick::Finish(reason)) => g.finish = Some(Ok(reason)),
+                                        Err(e) => g.finish = Some(Err(e)),
+                                    }
+                                }
+                            }
+                        }
+                        Err(e) => g.finish = Some(Err(e)),
+                    }
+                }
+            },
+        }
+        self.member(id).running = Some(running);
+    }
+}
+
+/// A seat has one sequence, 0.
+fn check_seq(seq: i32) -> native::Result<()> {
+    if seq == 0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!("sequence id {seq} is outside [0, 1)")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::native::synthetic::TextModelSpec;
+
+    fn model() -> Arc<Model> {
+        static MODEL: std::sync::OnceLock<Arc<Model>> = std::sync::OnceLock::new();
+        MODEL
+            .get_or_init(|| {
+                let dir = std::env::temp_dir().join(format!("llamabox-batch-{}", std::process::id()));
+                std::fs::create_dir_all(&dir).unwrap();
+                let path = dir.join("tiny.gguf");
+                TextModelSpec::tiny().write(&path).unwrap();
+                Arc::new(Model::load(&path).unwrap())
+            })
+            .clone()
+    }
+
+    /// A pool on the test model, and the steps it ran.
+    struct Fixture {
+        pool: BatchPool,
+        policy: BatchPolicy,
+        steps: Arc<Mutex<Vec<StepReport>>>,
+        tracker: Tracker,
+    }
+
+    impl Fixture {
+        fn new(step_rows: u32) -> Self {
+            let steps: Arc<Mutex<Vec<StepReport>>> = Arc::default();
+            let seen = steps.clone();
+            let policy = BatchPolicy {
+                step_rows,
+                observer: Some(Arc::new(move |r: &StepReport| seen.lock().unwrap().push(*r))),
+                ..BatchPolicy::new(4, 256, 1)
+            };
+            Self { pool: BatchPool::default(), policy, steps, tracker: Tracker::new() }
+        }
+
+        async fn seat_in(&self, group: &str, meter: Arc<Meter>) -> Seat {
+            let model = model();
+            self.pool.lease(&self.policy, &model, 256, 256, group, meter, &self.tracker).await.expect("batched").expect("a seat")
+        }
+
+        async fn seat(&self) -> Seat {
+            self.seat_in("g", Arc::default()).await
+        }
+
+        fn steps(&self) -> Vec<StepReport> {
+            self.steps.lock().unwrap().clone()
+        }
+    }
+
+    /// Hold the batch's thread until the returned gate is dropped: calls sent meanwhile
+    /// all join the next step.
+    fn pause(seat: &Seat) -> mpsc::Sender<()> {
+        let (gate, wait) = mpsc::channel();
+        seat.batcher.ops.send(Op::Pause(wait)).unwrap();
+        gate
+    }
+
+    fn prompt(seed: i32, n: usize) -> Vec<Token> {
+        let n_vocab = model().n_vocab() as i32;
+        (0..n as i32).map(|i| (seed * 7919 + i * 104_729).rem_euclid(n_vocab)).collect()
+    }
+
+    /// The last row's logits of `tokens` decoded on a context of its own.
+    fn solo_logits(tokens: &[Token]) -> Vec<f32> {
+        let params = ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
+        let mut ctx = Context::new(model(), params).unwrap();
+        ctx.decode(&Batch::sequence(tokens, 0, 0), None).unwrap();
+        ctx.last_logits().unwrap().to_vec()
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    #[tokio::test]
+    async fn three_seats_share_one_step_and_each_gets_its_own_logits() {
+        let f = Fixture::new(512);
+        let seats = [f.seat().await, f.seat().await, f.seat().await];
+        let prompts: Vec<Vec<Token>> = (0..3).map(|i| prompt(i, 40)).collect();
+        let gate = pause(&seats[0]);
+        let calls: Vec<_> = seats.iter().zip(&prompts).map(|(s, p)| s.decode(Batch::sequence(p, 0, 0), CancelFlag::new())).collect();
+        drop(gate);
+        for call in calls {
+            call.await.unwrap().unwrap();
+        }
+        let steps = f.steps();
+        assert_eq!((steps.len(), steps[0].seats, steps[0].rows), (1, 3, 120), "one step for all three: {steps:?}");
+        for (seat, p) in seats.iter().zip(&prompts) {
+            let batched = seat.logits(None).await.unwrap().unwrap();
+            let solo = solo_logits(p);
+            // Batched numerics are not bitwise solo ones (the module doc says why).
+            assert!(max_diff(&batched, &solo) < 1e-3, "batched vs solo logits differ by {}", max_diff(&batched, &solo));
+            assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), 39);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cancel_at_node_n_of_a_three_member_step_stops_only_that_member() {
+        let f = Fixture::new(512);
+        let seats = [f.seat().await, f.seat().await, f.seat().await];
+        let prompts: Vec<Vec<Token>> = (0..3).map(|i| prompt(i + 10, 40)).collect();
+        let tokens = [CancelFlag::new(), CancelFlag::new(), CancelFlag::new()];
+        const NODE: u64 = 5;
+        tokens[1].trip_after(NODE);
+        let gate = pause(&seats[0]);
+        let calls: Vec<_> = (0..3).map(|i| seats[i].decode(Batch::sequence(&prompts[i], 0, 0), tokens[i].clone())).collect();
+        drop(gate);
+        let results = futures_join(calls).await;
+        assert_eq!(results[1], Err(Error::Cancelled));
+        assert_eq!((results[0].clone(), results[2].clone()), (Ok(()), Ok(())), "the others' calls do not fail");
+        assert_eq!(tokens[1].polls(), NODE, "stopped at the node the wire tripped");
+        let steps = f.steps();
+        assert_eq!(steps.len(), 2, "{steps:?}");
+        assert!(steps[0].rolled_back && steps[0].seats == 3, "the step with all three was rolled back");
+        assert!(!steps[1].rolled_back && steps[1].seats == 2, "and re-run at once without the cancelled one");
+        assert_eq!(seats[1].seq_pos_max(0).await.unwrap().unwrap(), -1, "the cancelled seat's memory is as before");
+        assert!(seats[1].logits(None).await.unwrap().is_err(), "and it has no logits");
+        // Sequences 0 and 2 are not consecutive, so the re-run computed each alone:
+        // exactly what a context of its own computes.
+        for i in [0, 2] {
+            assert_eq!(seats[i].seq_pos_max(0).await.unwrap().unwrap(), 39);
+            assert_eq!(seats[i].logits(None).await.unwrap().unwrap(), solo_logits(&prompts[i]), "survivor {i}'s logits are an uncancelled run's");
+        }
+        // The cancelled seat decodes again as if nothing had happened.
+        seats[1].decode(Batch::sequence(&prompts[1], 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        assert_eq!(seats[1].logits(None).await.unwrap().unwrap(), solo_logits(&prompts[1]));
+    }
+
+    async fn futures_join<T>(calls: Vec<Call<native::Result<T>>>) -> Vec<native::Result<T>> {
+        let mut out = Vec::new();
+        for call in calls {
+            out.push(call.await.expect("answered"));
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_cancel_before_the_step_computes_nothing_for_that_seat() {
+        let f = Fixture::new(512);
+        let seat = f.seat().await;
+        let token = CancelFlag::new();
+        token.cancel();
+        assert_eq!(seat.decode(Batch::sequence(&prompt(1, 8), 0, 0), token).await.unwrap(), Err(Error::Cancelled));
+        assert!(f.steps().is_empty());
+        assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), -1);
+    }
+
+    #[tokio::test]
+    async fn a_seat_checks_its_calls_as_a_context_of_its_own_would() {
+        let f = Fixture::new(512);
+        let seat = f.seat().await;
+        let mut bad = Batch::sequence(&prompt(1, 4), 0, 0);
+        bad.seq_ids[1] = 1;
+        assert!(matches!(seat.decode(bad, CancelFlag::new()).await.unwrap(), Err(Error::InvalidArgument(m)) if m.contains("outside [0, 1)")));
+        let gap = Batch::sequence(&prompt(1, 4), 3, 0);
+        assert!(matches!(seat.decode(gap, CancelFlag::new()).await.unwrap(), Err(Error::InvalidArgument(m)) if m.contains("must continue at position 0")));
+        let mut many = Batch::sequence(&prompt(1, 100), 0, 0);
+        many.logits = vec![true; 100];
+        assert!(matches!(seat.decode(many, CancelFlag::new()).await.unwrap(), Err(Error::LimitExceeded(_))));
+        let full = Batch::sequence(&prompt(1, 200), 0, 0);
+        seat.decode(full.clone(), CancelFlag::new()).await.unwrap().unwrap();
+        assert_eq!(seat.decode(Batch::sequence(&prompt(2, 100), 200, 0), CancelFlag::new()).await.unwrap(), Err(Error::ContextFull));
+        assert!(f.steps().iter().all(|s| !s.rolled_back));
+    }
+
+    fn greedy() -> native::SamplerParams {
+        native::SamplerParams::default()
+    }
+
+    fn request(prompt: Vec<Token>, max_tokens: u32) -> GenerateRequest {
+        GenerateRequest { prompt, seq: 0, max_tokens, stop: Vec::new() }
+    }
+
+    /// Tokens a generation on a context of its own picks.
+    fn solo_generation(prompt: &[Token], max_tokens: u32) -> Vec<Token> {
+        let params = ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
+        let mut ctx = Context::new(model(), params).unwrap();
+        let mut sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+        let mut tokens = Vec::new();
+        let token = CancelFlag::new();
+        let mut sink = |p: Piece| {
+            tokens.extend(p.tokens);
+            true
+        };
+        native::generate(&mut ctx, &mut sampler, &request(prompt.to_vec(), max_tokens), Stop::on(&token), &mut sink).unwrap();
+        tokens
+    }
+
+    async fn read_all(mut rx: pieces::Receiver<Piece>) -> Vec<Token> {
+        let mut tokens = Vec::new();
+        while let Some(p) = rx.recv().await {
+            tokens.extend(p.tokens);
+        }
+        tokens
+    }
+
+    #[tokio::test]
+    async fn generations_on_seats_batch_their_tokens_and_pick_what_a_context_of_its_own_picks() {
+        let f = Fixture::new(512);
+        let seats = [f.seat().await, f.seat().await];
+        let prompts = [prompt(3, 12), prompt(4, 20)];
+        let gate = pause(&seats[0]);
+        let mut runs = Vec::new();
+        for (seat, p) in seats.iter().zip(&prompts) {
+            let (tx, rx) = pieces::channel(64);
+            let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+            runs.push((seat.generate(sampler, request(p.clone(), 16), CancelFlag::new(), tx), rx));
+        }
+        drop(gate);
+        for ((call, rx), p) in runs.into_iter().zip(&prompts) {
+            let tokens = read_all(rx).await;
+            let outcome = call.await.unwrap().unwrap();
+            assert_eq!(outcome.finish, FinishReason::MaxTokens);
+            assert_eq!((outcome.usage.prompt_tokens, outcome.usage.generated_tokens), (p.len() as u32, 16));
+            assert_eq!(tokens, solo_generation(p, 16), "greedy tokens equal a context of its own's");
+        }
+        let steps = f.steps();
+        assert!(steps.iter().filter(|s| s.seats == 2).count() >= 15, "the two generations shared their steps: {steps:?}");
+        assert_eq!(seats[1].seq_pos_max(0).await.unwrap().unwrap(), 20 + 16 - 1, "the prompt and every delivered token");
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_stops_reading_holds_back_only_its_own_generation() {
+        let f = Fixture::new(512);
+        let (slow, fast) = (f.seat().await, f.seat().await);
+        let sampler = || Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+        let (slow_tx, slow_rx) = pieces::channel(1);
+        let slow_call = slow.generate(sampler(), request(prompt(5, 8), 32), CancelFlag::new(), slow_tx);
+        let (fast_tx, fast_rx) = pieces::channel(64);
+        let fast_call = fast.generate(sampler(), request(prompt(6, 8), 24), CancelFlag::new(), fast_tx);
+        assert_eq!(read_all(fast_rx).await.len(), 24);
+        assert_eq!(fast_call.await.unwrap().unwrap().finish, FinishReason::MaxTokens, "finished while the other's reader sleeps");
+        // The slow reader took nothing: one piece sits in its buffer and one token is
+        // decoded but undelivered. Hanging up ends it, and only delivered tokens stay.
+        drop(slow_rx);
+        let outcome = slow_call.await.unwrap().unwrap();
+        assert_eq!((outcome.finish, outcome.usage.generated_tokens), (FinishReason::Cancelled, 1));
+        assert_eq!(slow.seq_pos_max(0).await.unwrap().unwrap(), 8, "the prompt and the one delivered token");
+    }
+
+    #[tokio::test]
+    async fn a_prompt_chunked_over_steps_never_keeps_a_generation_waiting_more_than_one_step() {
+        let f = Fixture::new(32);
+        let (generating, prefilling) = (f.seat().await, f.seat().await);
+        let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+        let (tx, rx) = pieces::channel(64);
+        let generation = generating.generate(sampler, request(prompt(7, 4), 12), CancelFlag::new(), tx);
+        let long = prompt(8, 200);
+        let gate = pause(&generating);
+        let decode = prefilling.decode(Batch::sequence(&long, 0, 0), CancelFlag::new());
+        drop(gate);
+        decode.await.unwrap().unwrap();
+        assert_eq!(read_all(rx).await.len(), 12);
+        generation.await.unwrap().unwrap();
+        let steps = f.steps();
+        assert!(steps.iter().all(|s| s.rows <= 32), "every step within its row budget: {steps:?}");
+        let prompt_steps = steps.iter().filter(|s| s.rows > 1).count();
+        assert!(prompt_steps >= 200 / 32, "the prompt went in chunks: {steps:?}");
+        let chunked = prefilling.logits(None).await.unwrap().unwrap();
+        // A prompt in pieces is not bitwise a prompt whole on llama.cpp's CPU kernels
+        // either: compare with the same prompt decoded in 32-row pieces on a context of
+        // its own, and with the whole one to a tolerance.
+        let params = ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
+        let mut own = Context::new(model(), params).unwrap();
+        for (i, piece) in long.chunks(32).enumerate() {
+            own.decode(&Batch::sequence(piece, (i * 32) as i32, 0), None).unwrap();
+        }
+        let (pieces_own, whole) = (own.last_logits().unwrap().to_vec(), solo_logits(&long));
+        let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let (d_batched, d_own) = (max_diff(&chunked, &whole), max_diff(&pieces_own, &whole));
+        assert!(d_batched < 1e-2 * scale, "batched chunks vs whole: {d_batched} (logits up to {scale}); own chunks vs whole: {d_own}");
+        let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i);
+        assert_eq!(argmax(&chunked), argmax(&whole));
+    }
+}
