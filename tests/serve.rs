@@ -81,12 +81,23 @@ fn answer(response: &str) -> (String, u64, u64) {
 /// token; twice repeated, it is computed alike and answers alike.
 #[test]
 fn a_later_request_reuses_the_prompt_start_it_shares_with_the_last() {
+    later_requests_reuse_prompt_starts(false);
+}
+
+#[test]
+fn a_later_request_reuses_the_prompt_start_it_shares_with_the_last_in_a_batch_too() {
+    later_requests_reuse_prompt_starts(true);
+}
+
+/// Unbatched, a request's context is kept idle for the next one; batched, its seat's
+/// sequence keeps what it held for the next request of the group bound to it.
+fn later_requests_reuse_prompt_starts(batch: bool) {
     let system = "You are a helpful assistant. You answer every question in one short sentence.";
     let ask = |question: &str| {
         json!({"model": "smollm2", "max_tokens": 24, "temperature": 0,
                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
     };
-    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
+    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2", "--batch", &batch.to_string()]);
     let send = |question: &str, id: &str| {
         let (status, body) = post(&server, "/v1/chat/completions", &ask(question), &["-H", &format!("x-request-id: {id}")]);
         assert_eq!(status, 200, "{body}");
@@ -96,8 +107,10 @@ fn a_later_request_reuses_the_prompt_start_it_shares_with_the_last() {
         let reused: u64 = log_field(&report, "reused").parse().unwrap();
         let decoded: u64 = log_field(&report, "decoded").parse().unwrap();
         assert_eq!(decoded, prompt_tokens - reused + completion_tokens, "{report}");
-        // Kept once the plugin dropped it, after the response's end.
-        server.wait_metric("llamabox_idle_contexts", 1.0);
+        if !batch {
+            // Kept once the plugin dropped it, after the response's end.
+            server.wait_metric("llamabox_idle_contexts", 1.0);
+        }
         (text, prompt_tokens, reused)
     };
     let (_, _, reused) = send("What do llamas eat?", "first");
@@ -109,11 +122,12 @@ fn a_later_request_reuses_the_prompt_start_it_shares_with_the_last() {
     let (once_more, _, _) = send("Where do alpacas live?", "fourth");
     assert_eq!(once_more, again, "computed alike, answered alike");
     assert_eq!(server.metric("llamabox_tokens_reused_total"), (reused + 2 * reused_again) as f64);
-    assert_eq!(server.metric("llamabox_live_workers"), 0.0, "idle contexts are no run's threads");
+    assert_eq!(server.metric("llamabox_live_workers"), 0.0, "idle contexts and batches are no run's threads");
 
     // A request hung up while it reuses a context (prompt + 200 tokens fit the same
-    // 256-cell context): that context is not kept (its run was stopped), and the next
-    // request is answered whole.
+    // 256-cell context). Unbatched, that context is not kept (its run was stopped);
+    // batched, its sequence keeps the prompt and the tokens it delivered, which are
+    // exactly what memory holds. Either way the next request is answered whole.
     let story = json!({"model": "smollm2", "max_tokens": 200, "temperature": 0, "stream": true,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Tell me a long story about a llama."}]});
     hang_up_after(&server, "/v1/chat/completions", "hung-up", &story, "\"content\":\"");
@@ -122,7 +136,12 @@ fn a_later_request_reuses_the_prompt_start_it_shares_with_the_last() {
     assert_eq!(server.metric("llamabox_idle_contexts"), 0.0);
     let (text, _, reused) = send("Where do alpacas live?", "after");
     assert!(!text.is_empty());
-    assert_eq!(reused, 0, "the stopped run's context was freed, not kept");
+    assert_eq!(text, again, "answered as before the hang-up");
+    if batch {
+        assert!(reused > 20, "the system part the stopped request left is reused: {reused}");
+    } else {
+        assert_eq!(reused, 0, "the stopped run's context was freed, not kept");
+    }
 }
 
 #[test]

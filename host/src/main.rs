@@ -114,6 +114,16 @@ enum Command {
         /// last (default: --threads; 0: none).
         #[arg(long, value_name = "N")]
         idle_contexts: Option<u32>,
+        /// Batch running requests into one decode per step on all --threads (default
+        /// true); false gives every request a context of its own (bit-for-bit answers).
+        #[arg(long, value_name = "BOOL")]
+        batch: Option<bool>,
+        /// Requests each model's batch decodes together (default 4).
+        #[arg(long, value_name = "N")]
+        batch_seats: Option<u32>,
+        /// Tokens each seat of a batch holds (default 4096); larger contexts get their own.
+        #[arg(long, value_name = "N")]
+        batch_n_ctx: Option<u32>,
         #[command(flatten)]
         cache: CacheFlags,
     },
@@ -293,6 +303,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             max_client_requests,
             shutdown_grace_ms,
             idle_contexts,
+            batch,
+            batch_seats,
+            batch_n_ctx,
             cache,
         } => {
             let mut config = match config {
@@ -321,6 +334,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.max_client_requests = max_client_requests.or(config.max_client_requests);
             config.shutdown_grace_ms = shutdown_grace_ms.unwrap_or(config.shutdown_grace_ms);
             config.idle_contexts = idle_contexts.or(config.idle_contexts);
+            config.batch = batch.unwrap_or(config.batch);
+            config.batch_seats = batch_seats.unwrap_or(config.batch_seats);
+            config.batch_n_ctx = batch_n_ctx.unwrap_or(config.batch_n_ctx);
             if config.compile_cache.is_none() {
                 config.compile_cache = cache.options().compile_cache;
             }

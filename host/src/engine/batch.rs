@@ -15,9 +15,9 @@
 //!   are not bitwise those of a context of its own (see docs/ARCHITECTURE.md).
 //! - **Prefix reuse.** A seat is bound to a native sequence at its first decode, to a
 //!   free one whose leftover tokens (what an earlier seat of the *same group* left)
-//!   start the same way, if that saves enough; else the lowest free one, which keeps the
-//!   members' sequence ids consecutive (llama.cpp's per-sequence KV streams put only
-//!   consecutive ids in one ubatch).
+//!   start the same way; else the lowest free one, which keeps the members' sequence
+//!   ids consecutive (llama.cpp's per-sequence KV streams put only consecutive ids in
+//!   one ubatch: a hole costs every step one more ubatch until a seat fills it).
 //! - **Media** prompts (`media.eval-chunks`) run as a step of their own; embeddings
 //!   need a context of their own (a seat refuses them).
 //!
@@ -90,10 +90,6 @@ pub struct StepReport {
 /// step (n-vocab floats, 192 KiB for a 49k vocabulary) and kept until the seat's next
 /// decode, so without a bound a plugin could hold n-batch of them per seat.
 pub const MAX_SEAT_LOGIT_ROWS: usize = 64;
-
-/// A leftover shorter than this is not worth binding to out of order: a seat off the
-/// lowest free sequence id splits every later step into one more ubatch.
-const MIN_REUSE: usize = 32;
 
 /// How long the thread sleeps when every member waits for its reader.
 const DELIVERY_POLL: Duration = Duration::from_millis(1);
@@ -440,6 +436,7 @@ impl Steps {
     /// The seat is gone: stop its work, undo its running call, free its sequence.
     fn leave(&mut self, id: u64) {
         if let Some(running) = self.members.get_mut(&id).and_then(|m| m.running.take()) {
+            self.member(id).meter.add_cancel();
             self.undo(id, running, Err(Error::Cancelled));
         }
         let Some(member) = self.members.remove(&id) else { return };
@@ -703,7 +700,7 @@ impl Steps {
         let best = free().map(|(i, s)| (common(s), std::cmp::Reverse(i))).max();
         let lowest = free().map(|(i, _)| i).next().expect("a seat was leased, so a sequence is free");
         let (slot, kept) = match best {
-            Some((kept, std::cmp::Reverse(i))) if kept >= MIN_REUSE => (i, kept),
+            Some((kept, std::cmp::Reverse(i))) if kept > 0 => (i, kept),
             _ => (lowest, 0),
         };
         // The rest of what the sequence held goes (all of it from another group).

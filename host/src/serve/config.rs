@@ -67,6 +67,22 @@ pub struct ServeConfig {
     /// every context after its request.
     #[serde(default)]
     pub idle_contexts: Option<u32>,
+    /// Batch requests: the one-sequence contexts of all running requests on a model are
+    /// sequences (seats) of one shared native context, decoded together one step at a
+    /// time on all `threads`, and a hang-up still stops only its own request's work in
+    /// flight (see docs/ARCHITECTURE.md). Requests then run `batch_seats` at a time and
+    /// hold no thread share of their own. Off: every context is a native context of its
+    /// own with its plugin's `threads` (answers bit for bit those of one request alone).
+    #[serde(default = "yes")]
+    pub batch: bool,
+    /// Seats of each model's batch: requests that decode together.
+    #[serde(default = "default_batch_seats")]
+    pub batch_seats: u32,
+    /// Cells (tokens) of each seat; a context asking for more gets one of its own. The
+    /// batch allocates `batch_seats × batch_n_ctx` KV cells when a model's first request
+    /// comes (docs/DEPLOY.md has the sizes). Default: 4096, the openai plugin's cap.
+    #[serde(default = "default_batch_n_ctx")]
+    pub batch_n_ctx: u32,
     /// Models by name, loaded once at start.
     #[serde(default)]
     pub models: BTreeMap<String, PathBuf>,
@@ -170,6 +186,16 @@ fn default_group() -> String {
 fn one() -> u32 {
     1
 }
+fn yes() -> bool {
+    true
+}
+/// 4, as llama-server's `-np` auto: KV for 16 384 cells at the default `batch_n_ctx`.
+fn default_batch_seats() -> u32 {
+    4
+}
+fn default_batch_n_ctx() -> u32 {
+    4096
+}
 
 impl ServeConfig {
     /// Read and check a TOML file.
@@ -200,6 +226,9 @@ impl ServeConfig {
             shutdown_grace_ms: default_shutdown_grace_ms(),
             compile_cache: None,
             idle_contexts: None,
+            batch: yes(),
+            batch_seats: default_batch_seats(),
+            batch_n_ctx: default_batch_n_ctx(),
             models: BTreeMap::new(),
             projectors: BTreeMap::new(),
             plugins: plugins
@@ -231,6 +260,12 @@ impl ServeConfig {
         }
         if self.body_timeout_ms == 0 || self.write_stall_timeout_ms == 0 {
             bail!("body_timeout_ms and write_stall_timeout_ms must be at least 1");
+        }
+        if !(1..=crate::native::context::MAX_SEQ).contains(&self.batch_seats) {
+            bail!("batch_seats must be 1..={} (llama.cpp's most sequences per context)", crate::native::context::MAX_SEQ);
+        }
+        if self.batch_n_ctx < 16 {
+            bail!("batch_n_ctx must be at least 16");
         }
         let only = self.plugins.len() == 1;
         let mut routes = std::collections::HashSet::new();
@@ -279,6 +314,21 @@ impl ServeConfig {
             Some(0) => None,
             Some(n) => Some(n),
             None => Some((self.max_concurrent.min(self.threads) / 2).max(1)),
+        }
+    }
+
+    /// How the server batches, if it does: `batch_seats` seats of `batch_n_ctx` cells,
+    /// every step on all `threads`.
+    pub fn batch_policy(&self) -> Option<crate::BatchPolicy> {
+        self.batch.then(|| crate::BatchPolicy::new(self.batch_seats, self.batch_n_ctx, self.threads))
+    }
+
+    /// Requests that run at once: with batching, at most one per seat.
+    pub fn max_running(&self) -> u32 {
+        if self.batch {
+            self.max_concurrent.min(self.batch_seats)
+        } else {
+            self.max_concurrent
         }
     }
 

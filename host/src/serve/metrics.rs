@@ -103,6 +103,17 @@ pub struct Metrics {
     pub tokens_reused: Family<PluginLabels, Counter>,
     pub generated_tokens_per_second: HistogramFamily<PluginLabels>,
     pub disconnect_stop_seconds: Histogram,
+    batch: BatchMetrics,
+}
+
+/// What batched steps report, as handles the batch's thread can update.
+#[derive(Clone)]
+struct BatchMetrics {
+    rows: Histogram,
+    seats: Histogram,
+    step_seconds: Histogram,
+    seats_active: Gauge,
+    rollbacks: Counter,
 }
 
 impl Default for Metrics {
@@ -156,8 +167,25 @@ impl Metrics {
             "From noticing a client hung up to its run's native work having stopped",
             disconnect_stop_seconds.clone(),
         );
+        let batch = BatchMetrics {
+            rows: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
+            seats: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
+            step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            seats_active: Gauge::default(),
+            rollbacks: Counter::default(),
+        };
+        registry.register("batch_step_rows", "Rows (tokens) one batched step decoded", batch.rows.clone());
+        registry.register("batch_step_seats", "Requests' sequences with rows in one batched step", batch.seats.clone());
+        registry.register("batch_step_seconds", "Time one batched step took", batch.step_seconds.clone());
+        registry.register("batch_seats_active", "Sequences of batched contexts leased now", batch.seats_active.clone());
+        registry.register(
+            "batch_step_rollbacks",
+            "Batched steps stopped in flight by one member's cancel, rolled back for all and re-run without it",
+            batch.rollbacks.clone(),
+        );
         Self {
             registry,
+            batch,
             requests,
             refused,
             cancels,
@@ -173,6 +201,20 @@ impl Metrics {
             generated_tokens_per_second,
             disconnect_stop_seconds,
         }
+    }
+
+    /// What a batch calls after every step (on its own thread: only atomic updates).
+    pub fn batch_observer(&self) -> std::sync::Arc<dyn Fn(&crate::StepReport) + Send + Sync> {
+        let batch = self.batch.clone();
+        std::sync::Arc::new(move |step: &crate::StepReport| {
+            batch.rows.observe(step.rows as f64);
+            batch.seats.observe(step.seats as f64);
+            batch.step_seconds.observe(step.elapsed.as_secs_f64());
+            batch.seats_active.set(step.active_seats as i64);
+            if step.rolled_back {
+                batch.rollbacks.inc();
+            }
+        })
     }
 
     pub fn cancel(&self, cause: Cause, count: u64) {

@@ -107,15 +107,17 @@ impl Server {
             registry.register_projector(name.clone(), path.clone());
         }
         registry.keep_idle_contexts(config.idle_contexts() as usize);
+        let metrics = Metrics::new();
+        registry.batch(config.batch_policy().map(|policy| crate::BatchPolicy { observer: Some(metrics.batch_observer()), ..policy }));
         let options = HostOptions { compile_cache: config.compile_cache.clone() };
         let host = Arc::new(PluginHost::with_options(registry, Limits::default(), options)?);
         let server = Arc::new(Server {
-            admission: Admission::new(config.max_concurrent, config.threads, config.max_queue, config.queue_timeout()),
+            admission: Admission::new(config.max_running(), config.threads, config.max_queue, config.queue_timeout()),
             clients: Clients::new(config.max_client_requests()),
             config,
             host,
             plugins: OnceLock::new(),
-            metrics: Metrics::new(),
+            metrics,
             draining: AtomicBool::new(false),
             in_flight: Mutex::new(HashMap::new()),
             next_request: AtomicU64::new(1),
@@ -178,7 +180,11 @@ impl Server {
                 config.route()
             ));
             plugins.push(Served {
-                admission: PluginAdmission::new(config.max_concurrent.unwrap_or(self.config.max_concurrent), config.threads),
+                // Batched requests hold no threads of their own: every step runs on all.
+                admission: PluginAdmission::new(
+                    config.max_concurrent.unwrap_or(self.config.max_concurrent),
+                    if self.config.batch { 0 } else { config.threads },
+                ),
                 limits: config.limits(&Limits::default()),
                 models: Arc::new(registry.subset(&names)),
                 env,
