@@ -146,10 +146,23 @@ fn later_requests_reuse_prompt_starts(batch: bool) {
 
 #[test]
 fn a_hang_up_stops_its_own_native_work_and_nobody_elses() {
-    // Two requests run at once (2 threads, 1 each), both from 127.0.0.1: a client may
-    // run both. No idle contexts: B's answer alone and beside A's hang-up must be
-    // computed alike, bit for bit.
-    let flags = ["--threads", "2", "--request-threads", "1", "--idle-contexts", "0", "--max-client-requests", "2"];
+    hang_ups_stop_only_their_own_work(false);
+}
+
+#[test]
+fn a_hang_up_in_a_shared_batch_stops_its_own_native_work_and_nobody_elses() {
+    hang_ups_stop_only_their_own_work(true);
+}
+
+/// Unbatched, two requests run at once (2 threads, 1 each); batched, they are two
+/// seats of one batch on both threads, and a hang-up stops the step they share, rolls
+/// it back and re-runs the other's rows. Both from 127.0.0.1: a client may run both. No
+/// idle contexts and no prefix to share: B's answer alone and beside A's hang-up must
+/// be computed alike (unbatched bit for bit; batched, greedy text where batch shapes
+/// flip no near tie, which holds for this prompt).
+fn hang_ups_stop_only_their_own_work(batch: bool) {
+    let batch = batch.to_string();
+    let flags = ["--threads", "2", "--request-threads", "1", "--idle-contexts", "0", "--max-client-requests", "2", "--batch", &batch, "--batch-seats", "2"];
     let server = Server::start(&[("smollm2", common::real_model())], &flags);
     let question = "Name three animals that live in the Andes.";
     let (status, alone) = post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]);
@@ -188,6 +201,21 @@ fn a_hang_up_stops_its_own_native_work_and_nobody_elses() {
     assert_eq!(server.metric("llamabox_disconnect_stop_seconds_count"), 2.0);
     server.wait_metric("llamabox_in_flight", 0.0);
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
+    let steps = server.metric("llamabox_batch_step_seats_count");
+    if batch == "true" {
+        // Two requests at once share steps, and each answers as it did alone.
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(|| post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]));
+            let b = post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]);
+            (a.join().unwrap(), b)
+        });
+        assert_eq!((a.0, b.0), (200, 200));
+        assert_eq!((chat_text(&a.1, false), chat_text(&b.1, false)), (chat_text(&alone, false), chat_text(&alone, false)));
+        let steps = server.metric("llamabox_batch_step_seats_count");
+        assert!(server.metric("llamabox_batch_step_seats_sum") > steps, "no step held two requests ({steps} steps)");
+    } else {
+        assert_eq!(steps, 0.0, "unbatched, no step is a batch's");
+    }
 }
 
 #[test]
