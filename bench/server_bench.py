@@ -739,6 +739,9 @@ def main():
     ap.add_argument("--allow-busy", action="store_true", help="measure even if builds or tests are running")
     ap.add_argument("--llamabox-arg", action="append", default=[], metavar="ARG",
                     help="one more argument for `llamabox serve` (repeatable), e.g. --llamabox-arg=--idle-contexts=0")
+    ap.add_argument("--batch-levels", default="1,4,8,16",
+                    help="concurrency levels of the batched phase (both servers batch as many slots as clients)")
+    ap.add_argument("--only-batched", action="store_true", help="run only the batched phase")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.per_level, args.goodput_seconds = 1, 2, 8
@@ -765,7 +768,7 @@ def main():
     def servers(request_threads, n_slots, label):
         lb = Server("llamabox", [args.llamabox, "serve", "--listen", "127.0.0.1:0", "--plugin", f"openai={args.plugin}",
                                  "--model", f"{MODEL_NAME}={args.model}", "--threads", str(args.threads),
-                                 "--request-threads", str(request_threads),
+                                 "--request-threads", str(request_threads), "--batch", "false",
                                  "--plugin-env", f"LLAMABOX_N_CTX={args.n_ctx}",
                                  # One load generator is one client; and llama-server's queue
                                  # has no timeout: queue as the earlier reports did (30 s).
@@ -780,6 +783,22 @@ def main():
         ls.port = port
         return lb, ls
 
+    def batched_servers(c):
+        """Both servers batching `c` slots into one decode per step on all threads."""
+        lb = Server("llamabox", [args.llamabox, "serve", "--listen", "127.0.0.1:0", "--plugin", f"openai={args.plugin}",
+                                 "--model", f"{MODEL_NAME}={args.model}", "--threads", str(args.threads),
+                                 "--batch", "true", "--batch-seats", str(c), "--batch-n-ctx", str(args.n_ctx),
+                                 "--plugin-env", f"LLAMABOX_N_CTX={args.n_ctx}",
+                                 "--max-client-requests", "0", "--queue-timeout-ms", "30000", *args.llamabox_arg],
+                    os.path.join(tmp, f"llamabox-batch{c}.log"))
+        port = free_port()
+        ls = Server("llama-server", [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
+                                     "-t", str(args.threads), "-np", str(c), "-c", str(args.n_ctx * c),
+                                     "--metrics", "--no-webui"],
+                    os.path.join(tmp, f"llama-server-batch{c}.log"))
+        ls.port = port
+        return lb, ls
+
     def note_busy(phase):
         if busy_processes():
             busy_seen.append(phase)
@@ -788,10 +807,45 @@ def main():
         """Alternate which server goes first, round by round."""
         return pair if r % 2 == 0 else pair[::-1]
 
-    results = {"load": {}, "disconnect": {}, "isolation": {}, "goodput": {}}
+    results = {"load": {}, "disconnect": {}, "isolation": {}, "goodput": {},
+               "batched": {}, "batched_disconnect": {}, "batched_isolation": {}, "batched_goodput": {}}
     argv = {}
     running = []
+    levels = [int(c) for c in args.batch_levels.split(",") if c]
     try:
+        # ---- both batched, as many slots as clients: the issue-24 comparison
+        for c in levels:
+            pair = batched_servers(c)
+            for s in pair:
+                s.start()
+                running.append(s)
+            argv[f"batch{c}"] = [s.argv for s in pair]
+            for s in pair:
+                load_run(s, c, 2 * c, f"warmb{c}-{s.short}", args.max_tokens)
+            for r in range(args.rounds):
+                for s in both(pair, r):
+                    print(f"batched throughput c={c} ({c} slots), round {r + 1}: {s.short}", flush=True)
+                    results["batched"].setdefault((c, s.short), []).append(
+                        load_run(s, c, args.per_level * c, f"b{c}-r{r}", args.max_tokens))
+            if c == 4:
+                trials = max(3, args.rounds) if not args.quick else 1
+                for t in range(trials):
+                    for s in both(pair, t):
+                        print(f"batched hang-up during prefill, trial {t + 1}: {s.short}", flush=True)
+                        results["batched_disconnect"].setdefault(s.short, []).append(
+                            disconnect_trial(s, "prefill", f"bdc-{t}-{s.short}", 0.5))
+                        print(f"batched isolation, round {t + 1}: {s.short}", flush=True)
+                        results["batched_isolation"].setdefault(s.short, []).append(
+                            isolation_round(s, f"biso-{t}-{s.short}", 64))
+                for s in pair:
+                    print(f"batched goodput under hang-ups, {args.goodput_seconds:.0f} s: {s.short}", flush=True)
+                    results["batched_goodput"][s.short] = goodput(s, args.goodput_seconds, 4, f"bgp-{s.short}", args.max_tokens)
+            note_busy(f"batched c={c}")
+            for s in pair:
+                s.stop()
+                running.remove(s)
+        if args.only_batched:
+            raise StopIteration
         # ---- one slot with every thread: concurrency 1
         pair = servers(args.threads, 1, "1slot")
         for s in pair:
@@ -853,6 +907,8 @@ def main():
         for s in pair:
             s.stop()
             running.remove(s)
+    except StopIteration:
+        pass
     finally:
         for s in running:
             s.stop()
@@ -894,7 +950,7 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
       f"{', '.join(busy_seen) if busy_seen else 'none'}")
     w(f"- llamabox: {builds['llamabox']}; plugin `{args.plugin}`")
     w(f"- llama-server: {builds['llama-server']}")
-    other = [r["other_cpu"] / r["wall"] for runs in results["load"].values() for r in runs]
+    other = [r["other_cpu"] / r["wall"] for part in ("load", "batched") for runs in results[part].values() for r in runs]
     other += [g["other_cpu"] / g["wall"] for g in results["goodput"].values()]
     w(f"- other processes' CPU while measuring (from /proc/stat, less this script and the measured server), "
       f"in cores: median {med(other) or 0:.2f}, max {max(other or [0]):.2f} over the throughput runs and goodput "
@@ -933,10 +989,97 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
     w(f"- Rounds: {args.rounds} of each throughput level ({args.per_level}·c requests each), "
       "the servers alternating which goes first; medians of the rounds, (min–max).")
     w("- Command lines:")
-    for key in ("1slot", "slots"):
+    for key in [k for k in argv if k.startswith("batch")] + ["1slot", "slots"]:
         for a in argv.get(key, []):
             w(f"  - `{' '.join(os.path.basename(x) if i == 0 else x for i, x in enumerate(a))}`")
     w("")
+
+    # ---- batched
+    if results["batched"]:
+        w("## Batched: every running request in one decode per step, on both servers")
+        w("")
+        w("Both servers batch as many slots as there are clients: llama-server `-np c -c "
+          f"{args.n_ctx}×c` (its slots are sequences of one context, one `llama_decode` per step), llamabox "
+          f"`--batch true --batch-seats c --batch-n-ctx {args.n_ctx}` (each request's context is a seat, a sequence of "
+          "one shared context per model, one `llama_decode` per step on all threads; a cancel stops the step in "
+          f"flight, rolls it back for every seat and re-runs the others). {args.threads} threads in all on each, "
+          "no per-request thread setting. Columns as in the unbatched table below; medians of the rounds (min–max).")
+        w("")
+        w("| concurrency = slots | server | requests | p50 s | p99 s | TTFT p50 s | ms/token | tokens/s | failed | other load, cores |")
+        w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        bsum = {}
+        levels = sorted({c for c, _ in results["batched"]})
+        for c in levels:
+            for name in ("llamabox", "llama-server"):
+                runs = results["batched"].get((c, name), [])
+                if not runs:
+                    continue
+                failed = sum(r["failed"] for r in runs)
+                errs = sorted({e for r in runs for e in r["errors"]})
+                w(f"| {c} | {name} | {runs[0]['n']} × {len(runs)} | {spread([r['p50'] for r in runs])} | "
+                  f"{spread([r['p99'] for r in runs])} | {spread([r['ttft'] for r in runs], '{:.3f}')} | "
+                  f"{spread([r['per_token'] * 1000 if r['per_token'] else None for r in runs], '{:.1f}')} | "
+                  f"{spread([r['tps'] for r in runs], '{:.1f}')} | "
+                  f"{failed}{' (' + '; '.join(errs) + ')' if errs else ''} | {spread([r['other_cpu'] / r['wall'] for r in runs])} |")
+                bsum[(c, name)] = {k: med([r[k] for r in runs]) for k in ("p50", "ttft", "tps", "per_token")}
+        w("")
+        w("| concurrency = slots | tokens/s llamabox / llama-server | TTFT p50 llamabox / llama-server | "
+          "p50 latency llamabox / llama-server | ms/token llamabox / llama-server |")
+        w("| --- | --- | --- | --- | --- |")
+        for c in levels:
+            a, b = bsum.get((c, "llamabox")), bsum.get((c, "llama-server"))
+            if a and b:
+                w(f"| {c} | {ratio(a['tps'], b['tps'])} | {ratio(a['ttft'], b['ttft'])} | {ratio(a['p50'], b['p50'])} | "
+                  f"{ratio(a['per_token'], b['per_token'])} |")
+        w("")
+        if results["batched_disconnect"]:
+            w("Hang-ups at concurrency-4 batched servers (trials as in the hang-up section below: a ~1510-token "
+              "prompt, the client closes 0.5 s after sending it). Close → idle from outside, median (min–max); prompt "
+              "rows computed in the trial:")
+            w("")
+            w("| server | trials | close → idle s | prompt rows computed |")
+            w("| --- | --- | --- | --- |")
+            idle = {}
+            for name in ("llamabox", "llama-server"):
+                trials = [t for t in results["batched_disconnect"].get(name, []) if "error" not in t]
+                if not trials:
+                    continue
+                idle[name] = med([t["close_to_idle"] for t in trials])
+                w(f"| {name} | {len(trials)} | {spread([t['close_to_idle'] for t in trials], '{:.4f}')} | "
+                  f"{spread([t['prompt_tokens'] for t in trials], '{:.0f}')} |")
+            if len(idle) == 2 and idle["llamabox"]:
+                w("")
+                w(f"llama-server / llamabox close → idle: {idle['llama-server'] / idle['llamabox']:.0f}×.")
+            w("")
+        if results["batched_isolation"]:
+            w("B beside A's hang-up at the batched concurrency-4 servers (B alone, then B while A hangs up mid-prefill "
+              "beside it; greedy, 64 tokens):")
+            w("")
+            w("| server | rounds | B whole | B's text as alone | B's latency beside / alone | B's TTFT beside / alone |")
+            w("| --- | --- | --- | --- | --- | --- |")
+            for name in ("llamabox", "llama-server"):
+                rounds = results["batched_isolation"].get(name, [])
+                if not rounds:
+                    continue
+                lat = med([r["together_latency"] / r["solo_latency"] for r in rounds if r["together_ok"] and r["solo_ok"]])
+                ttft = med([r["together_ttft"] / r["solo_ttft"] for r in rounds if r["together_ttft"] and r["solo_ttft"]])
+                w(f"| {name} | {len(rounds)} | {sum(r['together_ok'] for r in rounds)} | {sum(r['identical'] for r in rounds)} | "
+                  f"{lat or 0:.2f}× | {ttft or 0:.2f}× |")
+            w("")
+        if results["batched_goodput"]:
+            w(f"Goodput under hang-ups at the batched concurrency-4 servers ({args.goodput_seconds:.0f} s, 4 clients, 3 of "
+              "every 10 requests hang up 0.3 s into a ~1510-token prefill):")
+            w("")
+            w("| server | completed / minute | failed | late |")
+            w("| --- | --- | --- | --- |")
+            for name in ("llamabox", "llama-server"):
+                g = results["batched_goodput"].get(name)
+                if g:
+                    w(f"| {name} | {g['per_minute']:.1f} | {g['failed']} | {g['late']} |")
+            w("")
+        w("The unbatched tables below are the control: llamabox with `--batch false` (each request a context "
+          "of its own, bit-for-bit answers) against llama-server at 1 and 2 slots.")
+        w("")
 
     # ---- throughput
     w("## Chat completions: latency and throughput")

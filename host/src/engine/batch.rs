@@ -157,7 +157,10 @@ struct Batcher {
 }
 
 impl Batcher {
-    async fn start(model: Arc<Model>, policy: BatchPolicy) -> Result<Arc<Self>, Error> {
+    async fn start(model: Arc<Model>, mut policy: BatchPolicy) -> Result<Arc<Self>, Error> {
+        // Every seat may add a generation row to a step (and llama.cpp wants an output
+        // row per sequence within n-batch).
+        policy.step_rows = policy.step_rows.max(policy.seats);
         let (ops, ops_rx) = mpsc::channel();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let taken = Arc::new(AtomicU32::new(0));
@@ -1312,5 +1315,62 @@ mod tests {
         assert!(d_batched < 1e-2 * scale, "batched chunks vs whole: {d_batched} (logits up to {scale}); own chunks vs whole: {d_own}");
         let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i);
         assert_eq!(argmax(&chunked), argmax(&whole));
+    }
+
+    /// Not a gate (timings): what a member's cancel costs the others, on the real model.
+    /// `LLAMABOX_REAL_MODEL=PATH cargo test --release --lib survivors -- --ignored --nocapture`
+    /// (the Makefile's environment). Three seats generate while a fourth's 500-token
+    /// prompt is cancelled at a random node of a step they share; the others lose that
+    /// step's work (its time) and get their token from the re-run.
+    #[tokio::test]
+    #[ignore]
+    async fn survivors_cost_of_a_cancelled_step() {
+        let path = std::env::var("LLAMABOX_REAL_MODEL").expect("LLAMABOX_REAL_MODEL");
+        let model = Arc::new(Model::load(std::path::Path::new(&path)).unwrap());
+        let threads: u32 = std::env::var("LLAMABOX_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(1);
+        let steps: Arc<Mutex<Vec<StepReport>>> = Arc::default();
+        let seen = steps.clone();
+        let policy = BatchPolicy { observer: Some(Arc::new(move |r: &StepReport| seen.lock().unwrap().push(*r))), ..BatchPolicy::new(4, 2048, threads) };
+        let (pool, tracker) = (BatchPool::default(), Tracker::new());
+        let seat = || pool.lease(&policy, &model, 2048, 512, "g", Arc::default(), &tracker);
+        let n_vocab = model.n_vocab() as i32;
+        let (mut lost, mut gen_steps) = (Vec::new(), Vec::new());
+        let mut rng = crate::native::synthetic::SplitMix64(11);
+        for trial in 0..24 {
+            let generators = [seat().await.unwrap().unwrap(), seat().await.unwrap().unwrap(), seat().await.unwrap().unwrap()];
+            let victim = seat().await.unwrap().unwrap();
+            let mut runs = Vec::new();
+            for (i, g) in generators.iter().enumerate() {
+                let (tx, rx) = pieces::channel(256);
+                let sampler = Sampler::new(model.clone(), &native::SamplerParams::default(), &native::SamplerCaps::default()).unwrap();
+                let prompt: Vec<Token> = (0..16).map(|j| (trial * 131 + i as i32 * 17 + j * 7).rem_euclid(n_vocab)).collect();
+                runs.push((g.generate(sampler, request(prompt, 64), CancelFlag::new(), tx), rx));
+            }
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            steps.lock().unwrap().clear();
+            let token = CancelFlag::new();
+            token.trip_after(1 + rng.next_u64() % 600);
+            let prompt: Vec<Token> = (0..500).map(|j| (trial * 977 + j * 31).rem_euclid(n_vocab)).collect();
+            let result = victim.decode(Batch::sequence(&prompt, 0, 0), token).await.unwrap();
+            assert_eq!(result, Err(Error::Cancelled));
+            for (call, rx) in runs {
+                read_all(rx).await;
+                call.await.unwrap().unwrap();
+            }
+            let seen = steps.lock().unwrap().clone();
+            lost.extend(seen.iter().filter(|s| s.rolled_back).map(|s| s.elapsed.as_secs_f64() * 1e3));
+            gen_steps.extend(seen.iter().filter(|s| !s.rolled_back && s.rows == 3).map(|s| s.elapsed.as_secs_f64() * 1e3));
+        }
+        let q = |v: &mut Vec<f64>, p: f64| {
+            v.sort_by(f64::total_cmp);
+            v[((v.len() - 1) as f64 * p).round() as usize]
+        };
+        println!(
+            "threads {threads}: a cancelled step cost its survivors p50 {:.2} ms, p99 {:.2} ms ({} cancels); a 3-seat generation step takes p50 {:.2} ms",
+            q(&mut lost, 0.5),
+            q(&mut lost, 0.99),
+            lost.len(),
+            q(&mut gen_steps, 0.5)
+        );
     }
 }
