@@ -593,12 +593,13 @@ impl Stream {
     /// Write each piece as it comes. A failed write means the client is gone: stop
     /// at once (dropping the generation cancels it).
     fn send(mut self, body: Body) {
-        if self.events(&body).is_ok() {
-            body.finish();
+        if let Ok(last) = self.events(&body) {
+            let _ = body.finish_with(http::event(&last).as_bytes());
         }
     }
 
-    fn events(&mut self, body: &Body) -> Result<(), Gone> {
+    /// Every event but the last, which is returned: `[DONE]`, or an error.
+    fn events(&mut self, body: &Body) -> Result<String, Gone> {
         let format = &self.format;
         if format.chat {
             body.event(&format.role_chunk())?;
@@ -609,7 +610,7 @@ impl Stream {
                 Ok(Some(piece)) => body.event(&format.completion(Some(&piece), None, None, false))?,
                 Ok(None) => break,
                 // Too late for an HTTP status: the error is the stream's last event.
-                Err(e) => return body.event(&e.to_json()),
+                Err(e) => return Ok(e.to_json()),
             }
         }
         let (reason, usage) = self.run.outcome();
@@ -618,7 +619,7 @@ impl Stream {
         if self.include_usage {
             body.event(&format.usage_chunk(usage))?;
         }
-        body.event("[DONE]")
+        Ok("[DONE]".into())
     }
 }
 
