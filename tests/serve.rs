@@ -171,6 +171,33 @@ fn a_hang_up_stops_its_own_native_work_and_nobody_elses() {
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
 }
 
+/// SSE clients (the openai package among them) close their socket as soon as they
+/// read `data: [DONE]`, before the body's last chunk, which waits for the plugin's
+/// handler to return. Nothing was cut short: that is a success, not a disconnect.
+#[test]
+fn a_client_that_closes_after_done_is_no_hang_up() {
+    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2", "--max-client-requests", "8"]);
+    const STREAMS: usize = 8;
+    std::thread::scope(|s| {
+        for i in 0..STREAMS {
+            let server = &server;
+            s.spawn(move || hang_up_after(server, "/v1/chat/completions", &format!("done-{i}"), &chat("Say hello.", 8, true), "data: [DONE]"));
+        }
+    });
+    server.wait_metric("llamabox_in_flight", 0.0);
+    let reports: Vec<String> = (0..STREAMS).map(|i| server.run_report(&format!("done-{i}"))).collect();
+    assert_eq!(server.metric("llamabox_cancels_total{cause=\"disconnect\"}"), 0.0, "{reports:#?}");
+    assert_eq!(server.metric("llamabox_disconnect_stop_seconds_count"), 0.0, "{reports:#?}");
+    assert_eq!(server.metric("llamabox_requests_total{plugin=\"openai\",status=\"200\"}"), STREAMS as f64);
+    assert!(!server.stderr().contains("client hung up"), "{}", server.stderr());
+
+    // One that leaves mid-stream is still a hang-up.
+    hang_up_after(&server, "/v1/chat/completions", "mid-stream", &chat("Tell me a story.", 4000, true), "\"content\":\"");
+    assert_eq!(log_field(&server.run_report("mid-stream"), "outcome"), "Stopped");
+    server.wait_metric("llamabox_cancels_total{cause=\"disconnect\"}", 1.0);
+    assert_eq!(server.metric("llamabox_disconnect_stop_seconds_count"), 1.0);
+}
+
 #[test]
 fn deadlines_queues_and_body_limits_answer_before_any_work_is_lost() {
     // Two requests from one client (127.0.0.1) meet the queue, not the per-client cap.
