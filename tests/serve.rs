@@ -67,6 +67,67 @@ fn the_openai_client_and_curl_chat_stream_and_embed() {
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
 }
 
+/// llama-server's `/tokenize`, `/detokenize` and `/apply-template` on the real model:
+/// text round-trips through token ids (and pieces), and the template's prompt is the
+/// chat endpoint's, token for token.
+#[test]
+fn tokenize_detokenize_and_apply_template_agree_with_the_chat_endpoint() {
+    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
+    let ask = |path: &str, body: Value| {
+        let (status, answer) = post(&server, path, &body, &[]);
+        (status, serde_json::from_str::<Value>(&answer).unwrap_or_else(|e| panic!("{e}: {answer}")))
+    };
+    let text = "Llamas 🦙 live in the Andes, at 4000 m — café au lait.";
+    let (status, tokenized) = ask("/tokenize", json!({"content": text}));
+    assert_eq!(status, 200, "{tokenized}");
+    let ids = tokenized["tokens"].clone();
+    assert!(ids.as_array().unwrap().len() > 10, "{tokenized}");
+    let (status, detokenized) = ask("/detokenize", json!({"tokens": ids}));
+    assert_eq!((status, detokenized["content"].as_str()), (200, Some(text)), "{detokenized}");
+    // Pieces: text, or the bytes of a character split across tokens (the emoji).
+    let (status, pieces) = ask("/tokenize", json!({"model": "smollm2", "content": text, "with_pieces": true}));
+    assert_eq!(status, 200, "{pieces}");
+    let pieces = pieces["tokens"].as_array().unwrap().clone();
+    assert_eq!(pieces.iter().map(|p| p["id"].clone()).collect::<Vec<_>>(), *ids.as_array().unwrap());
+    let bytes: Vec<u8> = pieces
+        .iter()
+        .flat_map(|p| match &p["piece"] {
+            Value::String(s) => s.as_bytes().to_vec(),
+            bytes => bytes.as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect(),
+        })
+        .collect();
+    assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    assert!(pieces.iter().any(|p| p["piece"].is_array()), "no piece split a character: {pieces:?}");
+
+    // The template's prompt is what a chat completion of the same body computes.
+    let chat = json!({"model": "smollm2", "max_tokens": 1, "temperature": 0, "messages": [
+        {"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is a llama?"}]});
+    let (status, templated) = ask("/apply-template", chat.clone());
+    assert_eq!(status, 200, "{templated}");
+    let prompt = templated["prompt"].as_str().unwrap();
+    assert!(prompt.contains("What is a llama?") && prompt.ends_with("<|im_start|>assistant\n"), "{prompt}");
+    let (status, completion) = ask("/v1/chat/completions", chat);
+    assert_eq!(status, 200, "{completion}");
+    let (status, prompt_tokens) = ask("/tokenize", json!({"content": prompt, "add_special": true}));
+    assert_eq!(status, 200, "{prompt_tokens}");
+    assert_eq!(prompt_tokens["tokens"].as_array().unwrap().len() as u64, completion["usage"]["prompt_tokens"].as_u64().unwrap());
+
+    // Refusals name their field; a text over the host's cap is the request's fault.
+    for (path, body, param, code) in [
+        ("/tokenize", json!({"content": "a", "n_probs": 3}), "n_probs", Some("unsupported_parameter")),
+        ("/tokenize", json!({"content": ["a"]}), "content", None),
+        ("/tokenize", json!({"content": "a".repeat(20_000)}), "content", None),
+        ("/detokenize", json!({"tokens": [1, 1_000_000]}), "tokens", None),
+        ("/detokenize", json!({"tokens": [-1]}), "tokens", None),
+        ("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}), "tools", Some("unsupported_parameter")),
+    ] {
+        let (status, error) = ask(path, body);
+        assert_eq!((status, error["error"]["param"].as_str(), error["error"]["code"].as_str()), (400, Some(param), code), "{path}: {error}");
+    }
+    assert_eq!(ask("/tokenize", json!({"model": "gpt-4", "content": "a"})).0, 404);
+    assert_eq!(curl(&[&server.url("/tokenize")]).0, 405);
+}
+
 /// The text of a non-streamed chat completion, and its usage.
 fn answer(response: &str) -> (String, u64, u64) {
     let v: Value = serde_json::from_str(response).unwrap_or_else(|e| panic!("{e}: {response}"));
@@ -216,6 +277,33 @@ fn hang_ups_stop_only_their_own_work(batch: bool) {
     } else {
         assert_eq!(steps, 0.0, "unbatched, no step is a batch's");
     }
+}
+
+/// SSE clients (the openai package among them) close their socket as soon as they
+/// read `data: [DONE]`, before the body's last chunk, which waits for the plugin's
+/// handler to return. Nothing was cut short: that is a success, not a disconnect.
+#[test]
+fn a_client_that_closes_after_done_is_no_hang_up() {
+    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2", "--max-client-requests", "8"]);
+    const STREAMS: usize = 8;
+    std::thread::scope(|s| {
+        for i in 0..STREAMS {
+            let server = &server;
+            s.spawn(move || hang_up_after(server, "/v1/chat/completions", &format!("done-{i}"), &chat("Say hello.", 8, true), "data: [DONE]"));
+        }
+    });
+    server.wait_metric("llamabox_in_flight", 0.0);
+    let reports: Vec<String> = (0..STREAMS).map(|i| server.run_report(&format!("done-{i}"))).collect();
+    assert_eq!(server.metric("llamabox_cancels_total{cause=\"disconnect\"}"), 0.0, "{reports:#?}");
+    assert_eq!(server.metric("llamabox_disconnect_stop_seconds_count"), 0.0, "{reports:#?}");
+    assert_eq!(server.metric("llamabox_requests_total{plugin=\"openai\",status=\"200\"}"), STREAMS as f64);
+    assert!(!server.stderr().contains("client hung up"), "{}", server.stderr());
+
+    // One that leaves mid-stream is still a hang-up.
+    hang_up_after(&server, "/v1/chat/completions", "mid-stream", &chat("Tell me a story.", 4000, true), "\"content\":\"");
+    assert_eq!(log_field(&server.run_report("mid-stream"), "outcome"), "Stopped");
+    server.wait_metric("llamabox_cancels_total{cause=\"disconnect\"}", 1.0);
+    assert_eq!(server.metric("llamabox_disconnect_stop_seconds_count"), 1.0);
 }
 
 #[test]

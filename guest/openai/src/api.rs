@@ -325,6 +325,48 @@ pub struct EmbeddingUsage {
     pub total_tokens: u32,
 }
 
+/// `/tokenize`'s answer: token ids, or [`TokenPiece`]s (`with_pieces`).
+#[derive(Serialize)]
+pub struct Tokens<T> {
+    pub tokens: Vec<T>,
+}
+
+#[derive(Serialize)]
+pub struct TokenPiece {
+    pub id: i32,
+    pub piece: Piece,
+}
+
+/// A token's bytes as llama-server shows them: text if they are whole UTF-8, else
+/// the bytes (a piece of a character split across tokens).
+#[derive(Serialize, Debug, PartialEq)]
+#[serde(untagged)]
+pub enum Piece {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+impl From<Vec<u8>> for Piece {
+    fn from(bytes: Vec<u8>) -> Self {
+        match String::from_utf8(bytes) {
+            Ok(text) => Piece::Text(text),
+            Err(e) => Piece::Bytes(e.into_bytes()),
+        }
+    }
+}
+
+/// `/detokenize`'s answer.
+#[derive(Serialize)]
+pub struct Detokenized {
+    pub content: String,
+}
+
+/// `/apply-template`'s answer.
+#[derive(Serialize)]
+pub struct TemplatedPrompt {
+    pub prompt: String,
+}
+
 /// Standard base64 (with padding) of `bytes`.
 pub fn base64(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -381,6 +423,17 @@ mod tests {
         assert!(e.to_json().starts_with(r#"{"error":{"message":"Missing required parameter: 'messages'","type":"invalid_request_error","param":"messages","code":null}}"#));
         assert_eq!(Object::parse(b"[1]").unwrap_err().status, 400);
         assert_eq!(Object::parse(b"{").unwrap_err().param, None);
+    }
+
+    #[test]
+    fn token_pieces_are_text_when_whole_utf8_else_bytes() {
+        let pieces = vec![
+            TokenPiece { id: 1, piece: b" llama".to_vec().into() },
+            TokenPiece { id: 2, piece: vec![0xf0, 0x9f].into() },
+        ];
+        assert_eq!(to_json(&Tokens { tokens: pieces }), r#"{"tokens":[{"id":1,"piece":" llama"},{"id":2,"piece":[240,159]}]}"#);
+        assert_eq!(to_json(&Tokens { tokens: vec![1, 2] }), r#"{"tokens":[1,2]}"#);
+        assert_eq!(Piece::from(Vec::new()), Piece::Text(String::new()));
     }
 
     #[test]

@@ -63,7 +63,7 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
         "/v1/models" | "/models" => (Method::Get, false),
         _ if model_id.is_some() => (Method::Get, false),
         "/v1/chat/completions" | "/chat/completions" | "/v1/completions" | "/completions" | "/v1/embeddings"
-        | "/embeddings" => (Method::Post, true),
+        | "/embeddings" | "/tokenize" | "/detokenize" | "/apply-template" => (Method::Post, true),
         _ => return Err(ApiError::not_found(format!("Unknown request URL: {} {path}", crate::method_name(&method)))),
     };
     if std::mem::discriminant(&method) != std::mem::discriminant(&allowed) {
@@ -79,6 +79,9 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
     match path.trim_start_matches("/v1") {
         "/chat/completions" => chat(&body),
         "/completions" => completion(&body),
+        "/tokenize" => post_tokenize(&body).map(Reply::Json),
+        "/detokenize" => post_detokenize(&body).map(Reply::Json),
+        "/apply-template" => post_apply_template(&body).map(Reply::Json),
         _ => embed(&body).map(Reply::Json),
     }
 }
@@ -97,6 +100,15 @@ fn open_model(body: &Object) -> Result<(String, Model), ApiError> {
     }
     let model = Model::open(&name)?;
     Ok((name, model))
+}
+
+/// The request's `model`, which llama-server's own endpoints (`/tokenize`, ...) may
+/// leave out, as their clients do, when this plugin serves one model.
+fn open_model_or_only(body: &Object) -> Result<(String, Model), ApiError> {
+    match (body.get::<String>("model")?, model_names().as_slice()) {
+        (None, [only]) => Ok((only.clone(), Model::open(only)?)),
+        _ => open_model(body),
+    }
 }
 
 fn models() -> String {
@@ -121,15 +133,9 @@ fn model_card(id: &str) -> Result<api::ModelCard, ApiError> {
 /// `POST /v1/chat/completions`.
 fn chat(body: &Object) -> Result<Reply, ApiError> {
     let sampling = Sampling::read(body, &["messages"])?;
-    let messages: Vec<Message> = body.require("messages")?;
-    if messages.is_empty() {
-        return Err(ApiError::invalid("'messages' must contain at least one message", Some("messages")));
-    }
-    let mut images = Vec::new();
-    let messages =
-        messages.into_iter().enumerate().map(|(i, m)| chat_message(i, m, &mut images)).collect::<Result<Vec<_>, _>>()?;
+    let (messages, images) = chat_messages(body)?;
     let (name, model) = open_model(body)?;
-    let prompt = generate::apply_chat_template(&model, &messages, true, None).map_err(|e| too_long(e, "messages"))?;
+    let prompt = chat_template(&model, &messages)?;
     let prompt = if images.is_empty() {
         Prompt::Tokens(chat_tokens(&model, &prompt, &messages)?)
     } else {
@@ -137,6 +143,62 @@ fn chat(body: &Object) -> Result<Reply, ApiError> {
     };
     let run = Run::start(model, prompt, &sampling, "messages")?;
     finish(run, Format { chat: true, id: new_id("chatcmpl"), created: now(), model: name }, &sampling)
+}
+
+/// A chat request's `messages`, as the chat template takes them, and the images in
+/// them (each a marker in its message's text).
+fn chat_messages(body: &Object) -> Result<(Vec<ChatMessage>, Vec<Input>), ApiError> {
+    let messages: Vec<Message> = body.require("messages")?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid("'messages' must contain at least one message", Some("messages")));
+    }
+    let mut images = Vec::new();
+    let messages =
+        messages.into_iter().enumerate().map(|(i, m)| chat_message(i, m, &mut images)).collect::<Result<Vec<_>, _>>()?;
+    Ok((messages, images))
+}
+
+/// `messages` formatted with `model`'s own chat template, ending with the opening of
+/// the assistant's turn: a chat completion's prompt text.
+fn chat_template(model: &Model, messages: &[ChatMessage]) -> Result<String, ApiError> {
+    generate::apply_chat_template(model, messages, true, None).map_err(|e| too_long(e, "messages"))
+}
+
+/// `POST /apply-template` (llama-server's): the prompt text a chat completion of the
+/// same body starts from, its fields checked as there; images stand as their marker.
+fn post_apply_template(body: &Object) -> Result<String, ApiError> {
+    Sampling::read(body, &["messages"])?;
+    let (messages, _images) = chat_messages(body)?;
+    let (_, model) = open_model_or_only(body)?;
+    Ok(api::to_json(&api::TemplatedPrompt { prompt: chat_template(&model, &messages)? }))
+}
+
+/// `POST /tokenize` (llama-server's): `content` as token ids, with each one's piece
+/// if `with_pieces`. Special-token text is parsed unless `parse_special` is false.
+fn post_tokenize(body: &Object) -> Result<String, ApiError> {
+    body.refuse_unknown(&["model", "content", "add_special", "parse_special", "with_pieces"])?;
+    let content: String = body.require("content")?;
+    // llama-server's defaults.
+    let add_special = body.get("add_special")?.unwrap_or(false);
+    let parse_special = body.get("parse_special")?.unwrap_or(true);
+    let with_pieces = body.get("with_pieces")?.unwrap_or(false);
+    let (_, model) = open_model_or_only(body)?;
+    let tokens = tokenize(&model, &content, add_special, parse_special, "content")?;
+    if !with_pieces {
+        return Ok(api::to_json(&api::Tokens { tokens }));
+    }
+    let pieces = tokens.into_iter().map(|id| Ok(api::TokenPiece { id, piece: model.token_to_piece(id, true)?.into() }));
+    Ok(api::to_json(&api::Tokens { tokens: pieces.collect::<Result<Vec<_>, ApiError>>()? }))
+}
+
+/// `POST /detokenize` (llama-server's): `tokens` as text, special tokens as theirs.
+fn post_detokenize(body: &Object) -> Result<String, ApiError> {
+    body.refuse_unknown(&["model", "tokens"])?;
+    let tokens: Vec<i32> = body.require("tokens")?;
+    let (_, model) = open_model_or_only(body)?;
+    let tokens = checked_tokens(&model, tokens, "tokens")?;
+    let content = model.detokenize(&tokens, false, true).map_err(|e| too_long(e, "tokens"))?;
+    Ok(api::to_json(&api::Detokenized { content }))
 }
 
 /// The templated prompt's tokens. The template's own text is parsed for special tokens
@@ -593,12 +655,13 @@ impl Stream {
     /// Write each piece as it comes. A failed write means the client is gone: stop
     /// at once (dropping the generation cancels it).
     fn send(mut self, body: Body) {
-        if self.events(&body).is_ok() {
-            body.finish();
+        if let Ok(last) = self.events(&body) {
+            let _ = body.finish_with(http::event(&last).as_bytes());
         }
     }
 
-    fn events(&mut self, body: &Body) -> Result<(), Gone> {
+    /// Every event but the last, which is returned: `[DONE]`, or an error.
+    fn events(&mut self, body: &Body) -> Result<String, Gone> {
         let format = &self.format;
         if format.chat {
             body.event(&format.role_chunk())?;
@@ -609,7 +672,7 @@ impl Stream {
                 Ok(Some(piece)) => body.event(&format.completion(Some(&piece), None, None, false))?,
                 Ok(None) => break,
                 // Too late for an HTTP status: the error is the stream's last event.
-                Err(e) => return body.event(&e.to_json()),
+                Err(e) => return Ok(e.to_json()),
             }
         }
         let (reason, usage) = self.run.outcome();
@@ -618,7 +681,7 @@ impl Stream {
         if self.include_usage {
             body.event(&format.usage_chunk(usage))?;
         }
-        body.event("[DONE]")
+        Ok("[DONE]".into())
     }
 }
 
@@ -832,6 +895,40 @@ mod tests {
         assert!(matches!(read(r#"{"json_schema":{"type":"boolean"}}"#).constraint, Constraint::JsonSchema(_)));
         let s = read(r#"{"top_k":5,"min_p":0.1,"typical_p":0.5,"repeat_penalty":1.3,"repeat_last_n":32,"ignore_eos":true}"#);
         assert_eq!((s.top_k, s.min_p, s.typical_p, s.repeat_penalty, s.repeat_last_n, s.ignore_eos), (5, 0.1, 0.5, 1.3, 32, true));
+    }
+
+    #[test]
+    fn llama_server_endpoints_check_their_fields_before_any_host_call() {
+        type Endpoint = fn(&Object) -> Result<String, ApiError>;
+        let parse = |json: &str| Object::parse(json.as_bytes()).unwrap();
+        let cases: [(Endpoint, &str, &str); 12] = [
+            (post_tokenize, r#"{"add_special":true}"#, "content"),
+            (post_tokenize, r#"{"content":7}"#, "content"),
+            (post_tokenize, r#"{"content":"a","add_special":"yes"}"#, "add_special"),
+            (post_tokenize, r#"{"content":"a","with_pieces":1}"#, "with_pieces"),
+            (post_tokenize, r#"{"content":"a","parse_special":null,"n_probs":2}"#, "n_probs"),
+            (post_tokenize, r#"{"content":"a","model":3}"#, "model"),
+            (post_detokenize, r#"{}"#, "tokens"),
+            (post_detokenize, r#"{"tokens":"1 2"}"#, "tokens"),
+            (post_detokenize, r#"{"tokens":[1.5]}"#, "tokens"),
+            (post_detokenize, r#"{"tokens":[4294967296]}"#, "tokens"),
+            (post_detokenize, r#"{"tokens":[1],"content":"x"}"#, "content"),
+            (post_apply_template, r#"{"messages":[]}"#, "messages"),
+        ];
+        for (endpoint, json, param) in cases {
+            let e = endpoint(&parse(json)).err().unwrap_or_else(|| panic!("{json} was accepted"));
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{json}: {}", e.message);
+        }
+        let e = post_tokenize(&parse(r#"{"content":"a","n_probs":2}"#)).unwrap_err();
+        assert_eq!(e.code, Some("unsupported_parameter"));
+        // apply-template takes a chat completion's body, refusing what chat refuses.
+        let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"temperature":0.5"#;
+        for (extra, param) in [(r#","tools":[{"type":"function"}]}"#, "tools"), (r#","temperature":9}"#, "temperature")] {
+            let e = post_apply_template(&parse(&format!("{chat}{extra}"))).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{extra}");
+        }
+        let e = post_apply_template(&parse(r#"{"messages":[{"role":"tool","content":"x"}]}"#)).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
     }
 
     #[test]

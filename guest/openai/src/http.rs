@@ -80,23 +80,41 @@ impl Body {
         Ok(())
     }
 
-    /// One server-sent event: `data: <data>` and a blank line.
+    /// One server-sent event.
     pub fn event(&self, data: &str) -> Result<(), Gone> {
-        self.write(format!("data: {data}\n\n").as_bytes())
+        self.write(event(data).as_bytes())
     }
 
-    /// The body is complete.
-    pub fn finish(self) {
+    /// Write `last` and end the body at once, with no wait between: the body's end is
+    /// out with its last bytes. An SSE client closes as soon as it reads the stream's
+    /// last event; the server then finds the body whole, and the run done.
+    pub fn finish_with(self, last: &[u8]) -> Result<(), Gone> {
+        let mut rest = last;
+        while !rest.is_empty() {
+            let ready = self.stream.check_write().map_err(|_| Gone)? as usize;
+            if ready == 0 {
+                self.stream.subscribe().block();
+                continue;
+            }
+            let (now, later) = rest.split_at(ready.min(rest.len()));
+            self.stream.write(now).map_err(|_| Gone)?;
+            rest = later;
+        }
+        // Started, not waited for: the end follows at once.
+        self.stream.flush().map_err(|_| Gone)?;
         let Body { stream, body } = self;
         drop(stream);
         let _ = OutgoingBody::finish(body, None);
+        Ok(())
     }
+}
+
+/// A server-sent event: `data: <data>` and a blank line.
+pub fn event(data: &str) -> String {
+    format!("data: {data}\n\n")
 }
 
 /// A whole JSON response.
 pub fn send_json(out: ResponseOutparam, status: u16, json: &str) {
-    let body = Body::start(out, status, "application/json");
-    if body.write(json.as_bytes()).is_ok() {
-        body.finish();
-    }
+    let _ = Body::start(out, status, "application/json").finish_with(json.as_bytes());
 }

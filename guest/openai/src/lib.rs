@@ -9,6 +9,10 @@
 //! - `POST /v1/completions`: a plain-text prompt, streamed or not.
 //! - `POST /v1/embeddings`: mean-pooled (or the model's own pooling), normalized vectors,
 //!   as `float` lists or `base64` (what the Python client asks for by default).
+//! - llama-server's `POST /tokenize` (`content`; `add_special` false, `parse_special`
+//!   true and `with_pieces` false unless given), `POST /detokenize` (`tokens`) and
+//!   `POST /apply-template` (a chat completion's body: the prompt text it starts from).
+//!   Their `model` may be left out when the plugin serves one model.
 //!
 //! Choices:
 //! - Generation runs on the host (`generate.start`: the token loop never calls into

@@ -130,7 +130,7 @@ impl Metrics {
         let refused = Family::default();
         registry.register("refused", "Requests refused before a plugin saw them, by reason", Family::clone(&refused));
         let cancels = Family::default();
-        registry.register("cancels", "Runs stopped with native work in flight, by cause (plugin: calls a plugin cancelled)", Family::clone(&cancels));
+        registry.register("cancels", "Runs a stop cut short (a native call cancelled or the body unfinished), by cause (plugin: calls a plugin cancelled)", Family::clone(&cancels));
         let queue_depth = Gauge::default();
         registry.register("queue_depth", "Requests waiting for a slot", queue_depth.clone());
         let reading_bodies = Gauge::default();

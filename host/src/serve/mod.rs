@@ -409,7 +409,7 @@ impl Server {
         let (parts, body) = response.into_parts();
         let progress = Arc::new(Progress::new());
         watch_for_stall(progress.clone(), state, peer.close, self.config.write_stall_timeout());
-        let body = GuardedBody { hang_up: Some(hang_up), inner: body, run_ended, progress: Watched(progress) };
+        let body = GuardedBody { hang_up: Some(hang_up), inner: body, inner_ended: false, run_ended, progress: Watched(progress) };
         self.answer(name, &id, Response::from_parts(parts, body.boxed_unsync()))
     }
 
@@ -461,9 +461,10 @@ impl Server {
         let metrics = &self.metrics;
         metrics.in_flight.dec();
         metrics.request_seconds.get_or_create(&labels).observe(elapsed.as_secs_f64());
-        let ended = match report {
+        let (ended, stopped_by) = match report {
             Ok(report) => {
                 let usage = report.usage;
+                let stopped_by = state.stopped_by(&report.outcome, usage.cancels);
                 metrics.tokens_generated.get_or_create(&labels).inc_by(usage.tokens_generated);
                 metrics.tokens_decoded.get_or_create(&labels).inc_by(usage.tokens_decoded);
                 metrics.tokens_reused.get_or_create(&labels).inc_by(usage.tokens_reused);
@@ -471,8 +472,8 @@ impl Server {
                     let rate = usage.tokens_generated as f64 / elapsed.as_secs_f64().max(1e-6);
                     metrics.generated_tokens_per_second.get_or_create(&labels).observe(rate);
                 }
-                match (state.cause.get(), &report.outcome) {
-                    (Some(cause), _) => metrics.cancel(*cause, 1),
+                match (stopped_by, &report.outcome) {
+                    (Some(cause), _) => metrics.cancel(cause, 1),
                     (None, RunOutcome::DeadlineExceeded) => metrics.cancel(Cause::Deadline, 1),
                     (None, _) if usage.cancels > 0 => metrics.cancel(Cause::Plugin, usage.cancels),
                     (None, _) => {}
@@ -486,20 +487,25 @@ impl Server {
                     cancels = usage.cancels,
                     "run ended"
                 );
-                RunEnd::Outcome(report.outcome)
+                (RunEnd::Outcome(report.outcome), stopped_by)
             }
             Err(e) => {
-                if let Some(cause) = state.cause.get() {
-                    metrics.cancel(*cause, 1);
+                let stopped_by = state.cause.get().copied();
+                if let Some(cause) = stopped_by {
+                    metrics.cancel(cause, 1);
                 }
                 tracing::warn!(ms = elapsed.as_millis() as u64, "run failed: {:#}", anyhow::Error::from(e));
-                RunEnd::Failed
+                (RunEnd::Failed, stopped_by)
             }
         };
-        if let Some(at) = state.hung_up_at.get() {
-            let stopped_in = at.elapsed();
-            metrics.disconnect_stop_seconds.observe(stopped_in.as_secs_f64());
-            tracing::info!(stop_ms = stopped_in.as_secs_f64() * 1e3, "client hung up; its native work stopped");
+        match (stopped_by, state.hung_up_at.get()) {
+            (Some(Cause::Disconnect), Some(at)) => {
+                let stopped_in = at.elapsed();
+                metrics.disconnect_stop_seconds.observe(stopped_in.as_secs_f64());
+                tracing::info!(stop_ms = stopped_in.as_secs_f64() * 1e3, "client hung up; its native work stopped");
+            }
+            (None, Some(_)) => tracing::debug!("client left once the plugin's work was done: nothing was cut short"),
+            _ => {}
         }
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
         ended
@@ -560,11 +566,30 @@ struct RequestState {
     cause: OnceLock<Cause>,
     /// When the server noticed the client had gone.
     hung_up_at: OnceLock<Instant>,
+    /// The plugin finished its response body (seen before any stop): it had written
+    /// all it would for the client.
+    body_finished: AtomicBool,
 }
 
 impl RequestState {
     fn new() -> Self {
-        Self { run: RunStop::new(), finished: AtomicBool::new(false), cause: OnceLock::new(), hung_up_at: OnceLock::new() }
+        Self {
+            run: RunStop::new(),
+            finished: AtomicBool::new(false),
+            cause: OnceLock::new(),
+            hung_up_at: OnceLock::new(),
+            body_finished: AtomicBool::new(false),
+        }
+    }
+
+    /// Why the run was cut short, if a stop cut it short: the stop ended it (its outcome
+    /// is `Stopped`) with a native call cancelled or its body unfinished. A stop that
+    /// came once the handler had returned, or once its body was whole with no call in
+    /// flight, stopped nothing: SSE clients close as soon as they read `data: [DONE]`,
+    /// before the body's last chunk, which waits for the handler's return.
+    fn stopped_by(&self, outcome: &RunOutcome, cancels: u64) -> Option<Cause> {
+        let cut_short = matches!(outcome, RunOutcome::Stopped) && (cancels > 0 || !self.body_finished.load(Relaxed));
+        self.cause.get().copied().filter(|_| cut_short)
     }
 
     /// Stop the run (native work included) for `cause`, unless it has ended already.
@@ -614,6 +639,8 @@ struct GuardedBody {
     // so a plugin never sees its write fail before its run is marked stopped.
     hang_up: Option<HangUp>,
     inner: HyperOutgoingBody,
+    /// `inner` has ended: it is not polled again.
+    inner_ended: bool,
     /// `true` once the plugin's handler returned by itself.
     run_ended: tokio::sync::oneshot::Receiver<bool>,
     /// Whether hyper is taking the body's pieces (see [`watch_for_stall`]).
@@ -627,23 +654,25 @@ impl http_body::Body for GuardedBody {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         // hyper asks for the next piece: it has taken the last one.
         self.progress.0.taken();
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        match polled {
-            Poll::Ready(None) => match Pin::new(&mut self.run_ended).poll(cx) {
-                Poll::Pending => Poll::Pending,
-                Poll::Ready(Ok(true)) => {
-                    if let Some(mut hang_up) = self.hang_up.take() {
-                        hang_up.completed = true;
-                    }
-                    Poll::Ready(None)
+        if !self.inner_ended {
+            match Pin::new(&mut self.inner).poll_frame(cx) {
+                Poll::Ready(None) => self.note_end(),
+                Poll::Ready(Some(frame)) => {
+                    self.progress.0.handed();
+                    return Poll::Ready(Some(frame.map_err(BoxError::from)));
                 }
-                Poll::Ready(Ok(false) | Err(_)) => Poll::Ready(Some(Err("the request was stopped before its body ended".into()))),
-            },
-            Poll::Ready(Some(frame)) => {
-                self.progress.0.handed();
-                Poll::Ready(Some(frame.map_err(BoxError::from)))
+                Poll::Pending => return Poll::Pending,
             }
+        }
+        match Pin::new(&mut self.run_ended).poll(cx) {
             Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(true)) => {
+                if let Some(mut hang_up) = self.hang_up.take() {
+                    hang_up.completed = true;
+                }
+                Poll::Ready(None)
+            }
+            Poll::Ready(Ok(false) | Err(_)) => Poll::Ready(Some(Err("the request was stopped before its body ended".into()))),
         }
     }
 
@@ -653,6 +682,33 @@ impl http_body::Body for GuardedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+impl GuardedBody {
+    /// `inner` ended. It ends when the plugin finishes it, and when a stop tears the
+    /// plugin's store down (after the stop's cause is set): an end seen before any
+    /// cause is the plugin's own.
+    fn note_end(&mut self) {
+        self.inner_ended = true;
+        if let Some(HangUp { state, .. }) = &self.hang_up {
+            if state.cause.get().is_none() {
+                state.body_finished.store(true, Relaxed);
+            }
+        }
+    }
+}
+
+impl Drop for GuardedBody {
+    fn drop(&mut self) {
+        // The client may have left before hyper asked for the end the plugin had sent
+        // (the client's hang-up came first): ask now, before `hang_up` stops the run.
+        if !self.inner_ended {
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            if let Poll::Ready(None) = Pin::new(&mut self.inner).poll_frame(&mut cx) {
+                self.note_end();
+            }
+        }
     }
 }
 
