@@ -151,7 +151,7 @@ struct Batcher {
     seats: u32,
     seat_n_ctx: u32,
     step_rows: u32,
-    /// Seats leased and not yet released on the thread.
+    /// Seats leased and not yet dropped.
     taken: Arc<AtomicU32>,
     next_id: AtomicU64,
 }
@@ -164,7 +164,6 @@ impl Batcher {
         let (ops, ops_rx) = mpsc::channel();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let taken = Arc::new(AtomicU32::new(0));
-        let thread_taken = taken.clone();
         let (seats, seat_n_ctx, step_rows) = (policy.seats, policy.seat_n_ctx, policy.step_rows);
         let span = tracing::Span::current();
         std::thread::Builder::new()
@@ -181,7 +180,7 @@ impl Batcher {
                 match Context::new(model, params) {
                     Ok(ctx) => {
                         let _ = ready_tx.send(Ok(()));
-                        Steps::new(ctx, policy, thread_taken).run(ops_rx);
+                        Steps::new(ctx, policy).run(ops_rx);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -256,8 +255,11 @@ impl Seat {
 }
 
 impl Drop for Seat {
+    /// The seat is free for the next lease at once: its `Leave` goes down the same
+    /// channel before that lease's `Join`, so the thread frees the sequence first.
     fn drop(&mut self) {
         let _ = self.batcher.ops.send(Op::Leave { id: self.id });
+        self.batcher.taken.fetch_sub(1, SeqCst);
     }
 }
 
@@ -375,15 +377,14 @@ struct Steps {
     policy: BatchPolicy,
     slots: Vec<Slot>,
     members: BTreeMap<u64, Member>,
-    taken: Arc<AtomicU32>,
     /// Which member's prompt goes first in the next step.
     rotation: u64,
 }
 
 impl Steps {
-    fn new(ctx: Context, policy: BatchPolicy, taken: Arc<AtomicU32>) -> Self {
+    fn new(ctx: Context, policy: BatchPolicy) -> Self {
         let slots = (0..policy.seats).map(|_| Slot::default()).collect();
-        Self { ctx, policy, slots, members: BTreeMap::new(), taken, rotation: 0 }
+        Self { ctx, policy, slots, members: BTreeMap::new(), rotation: 0 }
     }
 
     fn run(mut self, ops: mpsc::Receiver<Op>) {
@@ -447,7 +448,6 @@ impl Steps {
             self.slots[slot].seat = None;
             self.slots[slot].group = member.group;
         }
-        self.taken.fetch_sub(1, SeqCst);
         // `member.alive` drops here: its run sees this seat's native work ended.
     }
 
