@@ -309,7 +309,8 @@ fn a_client_that_closes_after_done_is_no_hang_up() {
 #[test]
 fn deadlines_queues_and_body_limits_answer_before_any_work_is_lost() {
     // Two requests from one client (127.0.0.1) meet the queue, not the per-client cap.
-    let flags = ["--threads", "1", "--max-queue", "0", "--deadline-ms", "500", "--max-body-bytes", "65536", "--max-client-requests", "2"];
+    // One seat: one request runs at a time (unbatched, one thread would make it so).
+    let flags = ["--threads", "1", "--batch-seats", "1", "--max-queue", "0", "--deadline-ms", "500", "--max-body-bytes", "65536", "--max-client-requests", "2"];
     let server = Server::start(&[("smollm2", common::real_model())], &flags);
 
     // Far more work than 500 ms on any CPU: the deadline answers 504 and stops it.
@@ -317,7 +318,7 @@ fn deadlines_queues_and_body_limits_answer_before_any_work_is_lost() {
     assert_eq!(status, 504, "{body}");
     server.wait_metric("llamabox_cancels_total{cause=\"deadline\"}", 1.0);
 
-    // One thread, no queue: while a request runs, the next is refused with Retry-After.
+    // One seat, no queue: while a request runs, the next is refused with Retry-After.
     let holder_body = chat(&long_prompt(1000, "h"), 64, true).to_string();
     let mut holder = TcpStream::connect(server.addr).unwrap();
     write!(holder, "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{holder_body}", holder_body.len()).unwrap();

@@ -23,7 +23,7 @@ pub mod serve;
 pub mod worker;
 
 pub use component::{Limits, ModelRegistry, OpenError, ShareError, TokenRegistry};
-pub use engine::{BatchPolicy, StepReport};
+pub use engine::{BatchPolicy, StepObserver, StepReport};
 pub use error::{Error, Result};
 pub use native::CancelFlag;
 pub use plugin::{

@@ -10,7 +10,7 @@ use wasmtime_wasi::p2::DynPollable;
 use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
 use super::pending::{finished, Pending};
 use super::{Answer, CancelToken, Error, Held, LlamaCtxView};
-use crate::engine::{IdleContexts, Opened, Seat};
+use crate::engine::{IdleContexts, Opened, Seat, SeatSize};
 use crate::native::{self, CancelFlag, Context, Model, Stop, Token};
 use crate::worker::{Call, Worker};
 
@@ -133,7 +133,7 @@ impl LlamaCtxView<'_> {
         }
         let seat = opened
             .batch
-            .lease(policy, &opened.model, n_ctx, requested.n_batch, &self.ctx.group, self.ctx.meter.clone(), &self.ctx.workers)
+            .lease(policy, &opened.model, SeatSize { n_ctx, n_batch: requested.n_batch }, &self.ctx.group, self.ctx.meter.clone(), &self.ctx.workers)
             .await?;
         Some(seat.map_err(Error::from).map(|seat| {
             let granted = native::ContextParams { n_ctx, n_ubatch: seat.n_ubatch().min(requested.n_batch), n_threads: policy.threads, ..*requested };

@@ -38,6 +38,18 @@ use crate::native::{
 };
 use crate::worker::{Alive, Call, Reply, Tracker};
 
+/// Called after every step with what it did; runs on the batch's thread, so it must be quick.
+pub type StepObserver = Arc<dyn Fn(&StepReport) + Send + Sync>;
+
+/// A seat's size as its context was asked for (after the host's caps).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SeatSize {
+    /// Cells, padded as a context of its own would be.
+    pub n_ctx: u32,
+    /// Most rows one decode takes.
+    pub n_batch: u32,
+}
+
 /// How a host batches one-sequence contexts (`ModelRegistry::batch`).
 #[derive(Clone)]
 pub struct BatchPolicy {
@@ -51,8 +63,8 @@ pub struct BatchPolicy {
     /// Most rows one step decodes (the shared context's n-batch): how long a generating
     /// seat can wait for its next token because of others' prompts.
     pub step_rows: u32,
-    /// Called after every step (metrics); runs on the batch's thread, so it must be quick.
-    pub observer: Option<Arc<dyn Fn(&StepReport) + Send + Sync>>,
+    /// Called after every step (metrics).
+    pub observer: Option<StepObserver>,
 }
 
 impl std::fmt::Debug for BatchPolicy {
@@ -107,8 +119,7 @@ impl BatchPool {
         &self,
         policy: &BatchPolicy,
         model: &Arc<Model>,
-        n_ctx: u32,
-        n_batch: u32,
+        SeatSize { n_ctx, n_batch }: SeatSize,
         group: &str,
         meter: Arc<Meter>,
         tracker: &Tracker,
@@ -667,13 +678,12 @@ impl Steps {
             )));
         }
         self.ctx.model().check_tokens(&batch.tokens)?;
-        let mut expected = self.end_of(id) + 1;
-        for (row, (&seq, &pos)) in batch.seq_ids.iter().zip(&batch.positions).enumerate() {
+        let rows = batch.seq_ids.iter().zip(&batch.positions).enumerate();
+        for (expected, (row, (&seq, &pos))) in (self.end_of(id) + 1..).zip(rows) {
             check_seq(seq)?;
             if pos != expected {
                 return invalid(format!("row {row}: sequence {seq} must continue at position {expected}, got {pos}"));
             }
-            expected += 1;
         }
         self.check_room(id, n)
     }
@@ -1079,7 +1089,7 @@ mod tests {
 
         async fn seat_in(&self, group: &str, meter: Arc<Meter>) -> Seat {
             let model = model();
-            self.pool.lease(&self.policy, &model, 256, 256, group, meter, &self.tracker).await.expect("batched").expect("a seat")
+            self.pool.lease(&self.policy, &model, SeatSize { n_ctx: 256, n_batch: 256 }, group, meter, &self.tracker).await.expect("batched").expect("a seat")
         }
 
         async fn seat(&self) -> Seat {
@@ -1332,7 +1342,7 @@ mod tests {
         let seen = steps.clone();
         let policy = BatchPolicy { observer: Some(Arc::new(move |r: &StepReport| seen.lock().unwrap().push(*r))), ..BatchPolicy::new(4, 2048, threads) };
         let (pool, tracker) = (BatchPool::default(), Tracker::new());
-        let seat = || pool.lease(&policy, &model, 2048, 512, "g", Arc::default(), &tracker);
+        let seat = || pool.lease(&policy, &model, SeatSize { n_ctx: 2048, n_batch: 512 }, "g", Arc::default(), &tracker);
         let n_vocab = model.n_vocab() as i32;
         let (mut lost, mut gen_steps) = (Vec::new(), Vec::new());
         let mut rng = crate::native::synthetic::SplitMix64(11);

@@ -8,6 +8,7 @@ pub mod batch;
 mod idle;
 mod registry;
 
-pub use batch::{BatchPolicy, Seat, StepReport};
+pub use batch::{BatchPolicy, Seat, StepObserver, StepReport};
+pub(crate) use batch::SeatSize;
 pub(crate) use idle::IdleContexts;
 pub use registry::{ModelRegistry, OpenError, Opened};

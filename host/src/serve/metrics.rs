@@ -204,7 +204,7 @@ impl Metrics {
     }
 
     /// What a batch calls after every step (on its own thread: only atomic updates).
-    pub fn batch_observer(&self) -> std::sync::Arc<dyn Fn(&crate::StepReport) + Send + Sync> {
+    pub fn batch_observer(&self) -> crate::StepObserver {
         let batch = self.batch.clone();
         std::sync::Arc::new(move |step: &crate::StepReport| {
             batch.rows.observe(step.rows as f64);
