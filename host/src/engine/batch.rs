@@ -653,24 +653,8 @@ impl Steps {
 
     /// A decode's batch as a context of the seat's own would check it.
     fn check_decode(&self, id: u64, batch: &Batch) -> native::Result<()> {
-        let m = &self.members[&id];
-        let n = batch.len();
+        batch.check_shape(self.members[&id].n_batch)?;
         let invalid = |what: String| Err(Error::InvalidArgument(what));
-        if n == 0 {
-            return invalid("empty batch".into());
-        }
-        if batch.positions.len() != n || batch.seq_ids.len() != n || batch.logits.len() != n {
-            return invalid(format!(
-                "batch columns differ in length: {} tokens, {} positions, {} sequence ids, {} logits flags",
-                n,
-                batch.positions.len(),
-                batch.seq_ids.len(),
-                batch.logits.len()
-            ));
-        }
-        if n > m.n_batch as usize {
-            return invalid(format!("batch of {n} tokens is larger than n-batch {}", m.n_batch));
-        }
         let outputs = batch.logits.iter().filter(|&&l| l).count();
         if outputs > MAX_SEAT_LOGIT_ROWS {
             return Err(Error::LimitExceeded(format!(
@@ -685,7 +669,7 @@ impl Steps {
                 return invalid(format!("row {row}: sequence {seq} must continue at position {expected}, got {pos}"));
             }
         }
-        self.check_room(id, n)
+        self.check_room(id, batch.len())
     }
 
     /// `ContextFull` unless `rows` more fit in the seat's n-ctx.

@@ -60,6 +60,28 @@ impl Batch {
         self.tokens.len()
     }
 
+    /// Rows at all, four columns of one length, at most `n_batch` rows.
+    pub fn check_shape(&self, n_batch: u32) -> Result<()> {
+        let n = self.len();
+        let invalid = |what: String| Err(Error::InvalidArgument(what));
+        if n == 0 {
+            return invalid("empty batch".into());
+        }
+        if self.positions.len() != n || self.seq_ids.len() != n || self.logits.len() != n {
+            return invalid(format!(
+                "batch columns differ in length: {} tokens, {} positions, {} sequence ids, {} logits flags",
+                n,
+                self.positions.len(),
+                self.seq_ids.len(),
+                self.logits.len()
+            ));
+        }
+        if n > n_batch as usize {
+            return invalid(format!("batch of {n} tokens is larger than n-batch {n_batch}"));
+        }
+        Ok(())
+    }
+
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }
@@ -397,23 +419,8 @@ impl Context {
     /// Everything llama.cpp would otherwise assert on or reject, checked up front so the
     /// caller gets a message that says what is wrong.
     fn check_batch(&self, batch: &Batch) -> Result<()> {
-        let n = batch.len();
         let invalid = |what: String| Err(Error::InvalidArgument(what));
-        if n == 0 {
-            return invalid("empty batch".into());
-        }
-        if batch.positions.len() != n || batch.seq_ids.len() != n || batch.logits.len() != n {
-            return invalid(format!(
-                "batch columns differ in length: {} tokens, {} positions, {} sequence ids, {} logits flags",
-                n,
-                batch.positions.len(),
-                batch.seq_ids.len(),
-                batch.logits.len()
-            ));
-        }
-        if n > self.params.n_batch as usize {
-            return invalid(format!("batch of {n} tokens is larger than n-batch {}", self.params.n_batch));
-        }
+        batch.check_shape(self.params.n_batch)?;
         self.model.check_tokens(&batch.tokens)?;
         // Each sequence must continue where its memory ends, one position per row.
         let mut next: BTreeMap<i32, i32> = BTreeMap::new();
