@@ -765,11 +765,11 @@ def main():
     two = max(1, args.threads // 2)  # one thread's worth per slot on 2 cores
     slots = args.threads // two
 
-    def servers(request_threads, n_slots, label):
+    def pair(label, n_slots, llamabox_flags):
+        """llamabox with `llamabox_flags` and llama-server with `n_slots` slots, both on all threads."""
         lb = Server("llamabox", [args.llamabox, "serve", "--listen", "127.0.0.1:0", "--plugin", f"openai={args.plugin}",
                                  "--model", f"{MODEL_NAME}={args.model}", "--threads", str(args.threads),
-                                 "--request-threads", str(request_threads), "--batch", "false",
-                                 "--plugin-env", f"LLAMABOX_N_CTX={args.n_ctx}",
+                                 *llamabox_flags, "--plugin-env", f"LLAMABOX_N_CTX={args.n_ctx}",
                                  # One load generator is one client; and llama-server's queue
                                  # has no timeout: queue as the earlier reports did (30 s).
                                  "--max-client-requests", "0", "--queue-timeout-ms", "30000",
@@ -783,21 +783,13 @@ def main():
         ls.port = port
         return lb, ls
 
+    def servers(request_threads, n_slots, label):
+        """The unbatched control: each llamabox request on a context of its own."""
+        return pair(label, n_slots, ["--request-threads", str(request_threads), "--batch", "false"])
+
     def batched_servers(c):
         """Both servers batching `c` slots into one decode per step on all threads."""
-        lb = Server("llamabox", [args.llamabox, "serve", "--listen", "127.0.0.1:0", "--plugin", f"openai={args.plugin}",
-                                 "--model", f"{MODEL_NAME}={args.model}", "--threads", str(args.threads),
-                                 "--batch", "true", "--batch-seats", str(c), "--batch-n-ctx", str(args.n_ctx),
-                                 "--plugin-env", f"LLAMABOX_N_CTX={args.n_ctx}",
-                                 "--max-client-requests", "0", "--queue-timeout-ms", "30000", *args.llamabox_arg],
-                    os.path.join(tmp, f"llamabox-batch{c}.log"))
-        port = free_port()
-        ls = Server("llama-server", [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
-                                     "-t", str(args.threads), "-np", str(c), "-c", str(args.n_ctx * c),
-                                     "--metrics", "--no-webui"],
-                    os.path.join(tmp, f"llama-server-batch{c}.log"))
-        ls.port = port
-        return lb, ls
+        return pair(f"batch{c}", c, ["--batch", "true", "--batch-seats", str(c), "--batch-n-ctx", str(args.n_ctx)])
 
     def note_busy(phase):
         if busy_processes():

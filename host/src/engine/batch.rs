@@ -143,6 +143,9 @@ impl BatchPool {
         let id = batcher.next_id.fetch_add(1, SeqCst);
         let join = Op::Join { id, group: group.to_string(), meter, alive: tracker.count(), n_ctx, n_batch };
         if batcher.ops.send(join).is_err() {
+            // Its thread ended (it never does unless it panicked): forget it, so the
+            // next lease starts a new batch instead of meeting a dead one for good.
+            self.batchers.lock().await.retain(|b| !Arc::ptr_eq(b, &batcher));
             batcher.taken.fetch_sub(1, SeqCst);
             return Some(Err(Error::Backend("the batch's thread is gone".into())));
         }
