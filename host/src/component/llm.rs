@@ -17,7 +17,7 @@ use crate::worker::{Call, Worker};
 pub struct ModelHandle {
     pub(super) model: Arc<Model>,
     /// The engine's idle contexts and batches on this model.
-    opened: Opened,
+    pub(super) opened: Opened,
 }
 
 /// What runs a plugin's context: a native context of its own on its own thread, or a
@@ -142,11 +142,14 @@ impl LlamaCtxView<'_> {
     }
 
     /// A new context on its own worker thread, and the settings llama.cpp gave it.
-    async fn start_context(&mut self, model: Arc<Model>, params: native::ContextParams) -> Result<(Worker<Context>, native::ContextParams), Error> {
+    async fn start_context(&mut self, opened: &Opened, params: native::ContextParams) -> Result<(Worker<Context>, native::ContextParams), Error> {
+        let (model, cores) = (opened.model.clone(), opened.policy.as_ref().map(|p| p.cores.clone()));
         let meter = self.ctx.meter.clone();
         let init = move || {
             let mut context = Context::new(model, params)?;
             context.set_meter(meter);
+            // Beside batches, it decodes in turns with them (their steps use every core).
+            context.share_cores(cores);
             Ok::<_, native::Error>(context)
         };
         let worker = Worker::start("llamabox-context", &self.ctx.workers, init).await?;
@@ -295,7 +298,7 @@ impl HostContext for LlamaCtxView<'_> {
             Some(seat) => seat.map(|(seat, granted)| (Backing::Seat(seat), granted)),
             None => match self.reuse_idle(&opened.idle, &requested).await {
                 Some((worker, params)) => Ok((Backing::Own(worker), params)),
-                None => self.start_context(model.clone(), requested).await.map(|(worker, params)| (Backing::Own(worker), params)),
+                None => self.start_context(&opened, requested).await.map(|(worker, params)| (Backing::Own(worker), params)),
             },
         };
         match started {

@@ -92,7 +92,8 @@ impl HostChunk for LlamaCtxView<'_> {
 
 impl HostMediaContext for LlamaCtxView<'_> {
     async fn open(&mut self, projector: String, model: Resource<ModelHandle>) -> Answer<Resource<MediaContextHandle>> {
-        let model = self.table.get(&model)?.model.clone();
+        let handle = self.table.get(&model)?;
+        let (model, cores) = (handle.model.clone(), handle.opened.policy.as_ref().map(|p| p.cores.clone()));
         let Ok(path) = self.ctx.registry.projector_path(&projector) else {
             return Ok(Err(Error::ModelNotFound(projector)));
         };
@@ -105,6 +106,8 @@ impl HostMediaContext for LlamaCtxView<'_> {
         let started = Worker::start("llamabox-media", &self.ctx.workers, move || {
             let mut media = MediaContext::new(&path, worker_model, threads)?;
             media.set_meter(meter);
+            // Beside batches, it encodes in turns with them (their steps use every core).
+            media.share_cores(cores);
             match fixed {
                 Some(units) => media.set_chunk_work(units),
                 None => media.set_latency_target(latency),

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc as pieces;
 
 use crate::native::{
-    self, Batch, CancelFlag, Context, ContextParams, Error, FinishReason, GenerateRequest, Meter, Model, Outcome, Pick, Piece, PromptPiece, Sampler,
+    self, Batch, CancelFlag, Context, ContextParams, Cores, Error, FinishReason, GenerateRequest, Meter, Model, Outcome, Pick, Piece, PromptPiece, Sampler,
     Stop, Token, TokenLoop,
 };
 use crate::worker::{Alive, Call, Reply, Tracker};
@@ -65,6 +65,10 @@ pub struct BatchPolicy {
     pub step_rows: u32,
     /// Called after every step (metrics).
     pub observer: Option<StepObserver>,
+    /// Whose turn it is on the cores: shared by every batch made by this policy (and
+    /// its clones), so that batches of different models take turns instead of
+    /// oversubscribing the cores.
+    pub cores: Arc<Cores>,
 }
 
 impl std::fmt::Debug for BatchPolicy {
@@ -81,7 +85,7 @@ impl std::fmt::Debug for BatchPolicy {
 impl BatchPolicy {
     /// `seats` seats of `seat_n_ctx` cells on `threads` threads, 512-row steps.
     pub fn new(seats: u32, seat_n_ctx: u32, threads: u32) -> Self {
-        Self { seats, seat_n_ctx, threads, step_rows: 512, observer: None }
+        Self { seats, seat_n_ctx, threads, step_rows: 512, observer: None, cores: Arc::default() }
     }
 }
 
@@ -767,9 +771,12 @@ impl Steps {
         let (bound_here, _) = self.bind(id, &[], 0);
         let slot = self.members[&id].slot.expect("bound");
         self.member(id).logits.clear();
-        let started = Instant::now();
-        let result = self.ctx.eval(pieces, slot as i32, Some(caller.stop()));
-        self.members[&id].alive.add_busy(started.elapsed());
+        let (result, elapsed) = {
+            let _turn = self.policy.cores.turn();
+            let started = Instant::now();
+            (self.ctx.eval(pieces, slot as i32, Some(caller.stop())), started.elapsed())
+        };
+        self.members[&id].alive.add_busy(elapsed);
         match result {
             Ok(end) => {
                 self.slots[slot].tokens = None; // embeddings: not a token prefix
@@ -925,8 +932,7 @@ impl Steps {
             batch.seq_ids.extend(&share.rows.seq_ids);
             batch.logits.extend(&share.rows.logits);
         }
-        let started = Instant::now();
-        let result = {
+        let (result, elapsed) = {
             let stops: Vec<Stop<'_>> = shares
                 .iter()
                 .map(|s| match &self.members[&s.id].running {
@@ -935,9 +941,10 @@ impl Steps {
                     None => unreachable!("planned members are running"),
                 })
                 .collect();
-            self.ctx.decode(&batch, Some(Stop::Any(&stops)))
+            let _turn = self.policy.cores.turn();
+            let started = Instant::now();
+            (self.ctx.decode(&batch, Some(Stop::Any(&stops))), started.elapsed())
         };
-        let elapsed = started.elapsed();
         for share in &shares {
             let m = &self.members[&share.id];
             m.alive.add_busy(elapsed.mul_f64(share.rows.len() as f64 / batch.len() as f64));
@@ -1133,6 +1140,42 @@ mod tests {
             assert!(max_diff(&batched, &solo) < 1e-3, "batched vs solo logits differ by {}", max_diff(&batched, &solo));
             assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), 39);
         }
+    }
+
+    /// Wait (bounded) until `n` turns are asked for on `cores`.
+    async fn turns_asked(cores: &Cores, n: u64) {
+        for _ in 0..10_000 {
+            if cores.waiting() == n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        panic!("{} turns asked for, not {n}", cores.waiting());
+    }
+
+    #[tokio::test]
+    async fn batches_of_one_policy_and_contexts_beside_them_compute_in_turns() {
+        let f = Fixture::new(512);
+        // Two batches of one policy (two seat sizes) and a context of its own sharing its cores.
+        let small = BatchPolicy { seat_n_ctx: 128, ..f.policy.clone() };
+        let (model, meter) = (model(), Arc::new(Meter::new()));
+        let a = f.seat().await;
+        let b = f.pool.lease(&small, &model, SeatSize { n_ctx: 128, n_batch: 128 }, "g", meter, &f.tracker).await.expect("batched").expect("a seat");
+        let mut solo = Context::new(model, ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 }).unwrap();
+        solo.share_cores(Some(f.policy.cores.clone()));
+        let held = f.policy.cores.turn();
+        let decode_a = a.decode(Batch::sequence(&prompt(1, 8), 0, 0), CancelFlag::new());
+        let decode_b = b.decode(Batch::sequence(&prompt(2, 8), 0, 0), CancelFlag::new());
+        let tokens = prompt(3, 8);
+        let solo = std::thread::spawn(move || solo.decode(&Batch::sequence(&tokens, 0, 0), None));
+        // Each asks for a turn and waits: none computes while the cores are held.
+        turns_asked(&f.policy.cores, 4).await;
+        assert!(f.steps().is_empty() && !solo.is_finished(), "computed out of turn: {:?}", f.steps());
+        drop(held);
+        decode_a.await.unwrap().unwrap();
+        decode_b.await.unwrap().unwrap();
+        solo.join().unwrap().unwrap();
+        assert_eq!((f.steps().len(), f.policy.cores.waiting()), (2, 0));
     }
 
     #[tokio::test]

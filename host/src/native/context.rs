@@ -8,6 +8,7 @@ use std::sync::Arc;
 use llama_cpp_sys_2 as sys;
 
 use super::cancel::{abort_callback, Stop};
+use super::cores::Cores;
 use super::meter::Meter;
 use super::model::{Model, Token};
 use super::threads::ThreadPool;
@@ -108,6 +109,8 @@ pub struct Context {
     _team: ThreadPool,
     /// Where this context's decodes and cancels are counted (its run's meter).
     meter: Arc<Meter>,
+    /// Cores it shares with others who use every thread ([`Context::share_cores`]).
+    cores: Option<Arc<Cores>>,
     /// Declared last: the model must outlive the context.
     model: Arc<Model>,
 }
@@ -228,7 +231,7 @@ impl Context {
             }
         };
         let history = fresh_history(actual);
-        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), logit_offset: 0, history, leftover: Vec::new(), _team: team, meter: Arc::default(), model })
+        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), logit_offset: 0, history, leftover: Vec::new(), _team: team, meter: Arc::default(), cores: None, model })
     }
 
     /// Make the context read as new for its next user: empty memory, no logits, a
@@ -445,6 +448,12 @@ impl Context {
     /// instead of a meter of its own.
     pub fn set_meter(&mut self, meter: Arc<Meter>) {
         self.meter = meter;
+    }
+
+    /// Decode in turns on `cores` from now on: beside a batch whose steps use every
+    /// thread, a context of its own computes only while the batch does not.
+    pub fn share_cores(&mut self, cores: Option<Arc<Cores>>) {
+        self.cores = cores;
     }
 
     /// Where this context counts its work.
@@ -713,6 +722,7 @@ impl Context {
     /// M-RoPE positions: llama.cpp then reads 4 positions per row. llama.cpp copies the
     /// batch and never writes through these pointers, so they may come from shared borrows.
     unsafe fn decode_raw(&mut self, raw: sys::llama_batch, logit_rows: &[bool], stop: Option<Stop<'_>>) -> Result<()> {
+        let _turn = self.cores.as_ref().map(|cores| cores.turn());
         let (ret, reason) = backend::with_errors(|| match &stop {
             Some(stop) => {
                 // SAFETY: `_installed` is dropped at the end of this arm, right after the

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use llama_cpp_sys_2 as sys;
 
 use super::cancel::Stop;
+use super::cores::Cores;
 use super::chunker::{Chunker, NodeWork, Pace, DEFAULT_LATENCY_TARGET};
 use super::model::{Model, Token};
 use super::{backend, Error, Result};
@@ -143,6 +144,8 @@ pub struct MediaContext {
     fixed_chunk_work: Option<u64>,
     /// Counts encodes that ended cancelled (a run's usage).
     meter: Arc<super::Meter>,
+    /// Cores it shares with batches that use every thread ([`MediaContext::share_cores`]).
+    cores: Option<Arc<Cores>>,
     /// Declared last: the text model must outlive the media context.
     model: Arc<Model>,
 }
@@ -189,8 +192,14 @@ impl MediaContext {
             pace: Pace::new(DEFAULT_LATENCY_TARGET),
             fixed_chunk_work: None,
             meter: Arc::new(super::Meter::new()),
+            cores: None,
             model,
         })
+    }
+
+    /// Encode in turns on `cores` from now on (see [`Context::share_cores`](super::Context::share_cores)).
+    pub fn share_cores(&mut self, cores: Option<Arc<Cores>>) {
+        self.cores = cores;
     }
 
     /// Count this context's cancelled encodes in `meter` (a run's).
@@ -389,6 +398,7 @@ impl MediaContext {
             self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
+        let _turn = self.cores.as_ref().map(|cores| cores.turn());
         let (ret, reason) = match stop {
             Some(stop) => {
                 let chunker = Chunker::with_budget(self.chunk_work());
