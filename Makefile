@@ -31,6 +31,24 @@ $(foreach flag,$(GGML_FLAGS),$(eval export $(flag)))
 export CFLAGS_x86_64_unknown_linux_gnu := $(shell scripts/cpu-flags.sh $(CPU) --cflags)
 export CXXFLAGS_x86_64_unknown_linux_gnu := $(CFLAGS_x86_64_unknown_linux_gnu)
 
+# GPU=vulkan: llama.cpp's Vulkan backend beside the CPU one (the host's `vulkan`
+# feature). scripts/install-vulkan.sh installs the loader, glslc, lavapipe and the
+# headers (into VULKAN_SDK, outside the clone); llama-cpp-sys-2 reads VULKAN_SDK and
+# passes CMAKE_PREFIX_PATH (where SPIRV-Headers' CMake config is) to llama.cpp's CMake.
+# Same tree, same CPU flags; cargo keeps both builds of llama.cpp in one target/.
+GPU ?=
+ifeq ($(filter $(GPU),vulkan),)
+ifneq ($(GPU),)
+$(error GPU must be empty (CPU only) or vulkan)
+endif
+endif
+FEATURES :=
+ifeq ($(GPU),vulkan)
+FEATURES := --features vulkan
+export VULKAN_SDK ?= $(HOME)/.cache/llamabox/vulkan-sdk
+export CMAKE_PREFIX_PATH := $(VULKAN_SDK)/usr
+endif
+
 # One profile for everything (tests too): wasmtime and llama.cpp are built once.
 CARGO := cargo
 PROFILE := --release
@@ -38,14 +56,15 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test lint validate-manifests scale-test bench bench-grammar bench-server fuzz soak memcheck mutants clean-models
+.PHONY: deps build guest demo test test-gpu lint validate-manifests scale-test bench bench-grammar bench-server fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
 	@scripts/ggml-config.sh $(GGML_FLAGS)
+	@if [ "$(GPU)" = vulkan ]; then LLAMABOX_VULKAN_PREFIX=$(VULKAN_SDK) scripts/install-vulkan.sh >/dev/null; fi
 
 build: deps
-	$(CARGO) build $(PROFILE) -p llamabox
+	$(CARGO) build $(PROFILE) -p llamabox $(FEATURES)
 
 guest: deps
 	cd guest && $(CARGO) build --release --target wasm32-wasip2 --target-dir ../target/guest
@@ -71,6 +90,16 @@ test: deps
 	scripts/validate-manifests.sh
 	$(CARGO) test $(PROFILE) -p llamabox -p llamabox-bench -- --test-threads=1
 	cd guest && $(CARGO) test --release -p llamabox-openai --target x86_64-unknown-linux-gnu --target-dir ../target/guest
+
+# The GPU tests (tests/gpu.rs) on whatever Vulkan device is present: `make GPU=vulkan
+# test-gpu`. ggml-vulkan skips CPU-type devices (lavapipe) unless GGML_VK_VISIBLE_DEVICES
+# names them; F16 and cooperative matrices are off, as in llama.cpp's own lavapipe CI
+# (set them to 0 for a real GPU).
+test-gpu: deps
+	@[ "$(GPU)" = vulkan ] || { echo "test-gpu needs GPU=vulkan"; exit 2; }
+	GGML_VK_VISIBLE_DEVICES=$${GGML_VK_VISIBLE_DEVICES-0} GGML_VK_DISABLE_F16=$${GGML_VK_DISABLE_F16-1} \
+	  GGML_VK_DISABLE_COOPMAT=$${GGML_VK_DISABLE_COOPMAT-1} \
+	  $(CARGO) test $(PROFILE) -p llamabox $(FEATURES) --test gpu -- --test-threads=1
 
 # Clippy on the host package, warnings as errors (not part of `make test`: a second,
 # check-mode build of every dependency). lib.rs denies undocumented unsafe blocks and

@@ -32,6 +32,8 @@ enum Command {
         projectors: Vec<(String, PathBuf)>,
         #[command(flatten)]
         limits: LimitFlags,
+        #[command(flatten)]
+        offload: OffloadFlags,
         /// Stop the plugin, native work included, after this many milliseconds.
         #[arg(long, value_name = "MS")]
         deadline_ms: Option<u64>,
@@ -125,9 +127,12 @@ enum Command {
         #[arg(long, value_name = "N")]
         batch_n_ctx: Option<u32>,
         #[command(flatten)]
+        offload: OffloadFlags,
+        #[command(flatten)]
         cache: CacheFlags,
     },
-    /// Print what llama.cpp was built for: the CPU features of the linked ggml.
+    /// Print what llama.cpp was built for (the CPU features of the linked ggml, the GPU
+    /// backends built in) and the devices it finds.
     Info,
     /// Write a seeded synthetic llama model (random weights) for tests and offline demos.
     SynthModel {
@@ -154,6 +159,23 @@ enum ProjectorSize {
     /// An image encode takes a few hundred milliseconds on one core.
     SlowVision,
     TinyAudio,
+}
+
+/// Where models put their layers: host policy (a plugin never chooses a device).
+#[derive(clap::Args)]
+struct OffloadFlags {
+    /// Model layers on the GPU (default: all of them when there is a GPU; 0: the CPU alone).
+    #[arg(long, value_name = "N")]
+    gpu_layers: Option<u32>,
+    /// The GPU, by the name `llamabox info` lists (default: the first GPU).
+    #[arg(long, value_name = "NAME")]
+    device: Option<String>,
+}
+
+impl OffloadFlags {
+    fn offload(&self) -> native::Offload {
+        native::Offload { gpu_layers: self.gpu_layers, device: self.device.clone() }
+    }
 }
 
 /// Limits for the plugin (defaults: `llamabox::Limits::default()`, see SECURITY.md).
@@ -306,6 +328,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             batch,
             batch_seats,
             batch_n_ctx,
+            offload,
             cache,
         } => {
             let mut config = match config {
@@ -337,6 +360,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.batch = batch.unwrap_or(config.batch);
             config.batch_seats = batch_seats.unwrap_or(config.batch_seats);
             config.batch_n_ctx = batch_n_ctx.unwrap_or(config.batch_n_ctx);
+            config.gpu_layers = offload.gpu_layers.or(config.gpu_layers);
+            config.device = offload.device.clone().or(config.device.take());
             if config.compile_cache.is_none() {
                 config.compile_cache = cache.options().compile_cache;
             }
@@ -353,6 +378,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 flags => format!(", C flags {flags}"),
             };
             println!("ggml CPU features: {}\nbuild: {level}{flags}", features.join(" "));
+            let gpu = native::gpu_backends();
+            println!("GPU backends: {}", if gpu.is_empty() { "none (a CPU build; `make GPU=vulkan build` adds Vulkan)".to_string() } else { gpu.join(", ") });
+            for d in native::devices() {
+                let memory = if d.memory_total > 0 { format!(", {} MiB of {} MiB free", d.memory_free >> 20, d.memory_total >> 20) } else { String::new() };
+                println!("device {}: {} ({:?}{memory})", d.name, d.description, d.kind);
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::SynthModel { out, size, seed } => {
@@ -374,9 +405,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("wrote {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run { plugin, models, projectors, limits: limit_flags, deadline_ms, cache, idle_poll, args } => {
+        Command::Run { plugin, models, projectors, limits: limit_flags, offload, deadline_ms, cache, idle_poll, args } => {
             native::set_idle_poll(idle_poll);
             let registry = ModelRegistry::new();
+            registry.offload(offload.offload());
             for (name, path) in models {
                 if !path.is_file() {
                     bail!("model {name:?}: file {} not found", path.display());

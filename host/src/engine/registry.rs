@@ -19,7 +19,7 @@ use tokio::sync::OnceCell;
 
 use super::batch::{BatchPolicy, BatchPool};
 use super::idle::IdleContexts;
-use crate::native::Model;
+use crate::native::{Model, Offload};
 
 #[derive(Default)]
 pub struct ModelRegistry {
@@ -28,6 +28,8 @@ pub struct ModelRegistry {
     keep_idle: Arc<AtomicUsize>,
     /// How one-sequence contexts are batched (shared with subsets); `None`: they are not.
     batch: Arc<RwLock<Option<BatchPolicy>>>,
+    /// Where models loaded from now on put their layers (shared with subsets).
+    offload: Arc<RwLock<Offload>>,
 }
 
 #[derive(Default)]
@@ -122,6 +124,14 @@ impl ModelRegistry {
         self
     }
 
+    /// Put the layers of models loaded from now on where `offload` says (the default:
+    /// every layer on the first GPU when there is one). Host policy: plugins never
+    /// choose a device. Models already loaded stay where they are.
+    pub fn offload(&self, offload: Offload) -> &Self {
+        *self.offload.write().unwrap_or_else(|p| p.into_inner()) = offload;
+        self
+    }
+
     /// The batching policy in force.
     pub fn batch_policy(&self) -> Option<BatchPolicy> {
         self.batch.read().unwrap_or_else(|p| p.into_inner()).clone()
@@ -169,7 +179,7 @@ impl ModelRegistry {
             models: names.iter().filter_map(|n| Some((pick(n), inner.models.get(n.as_ref())?.clone()))).collect(),
             projectors: names.iter().filter_map(|n| Some((pick(n), inner.projectors.get(n.as_ref())?.clone()))).collect(),
         };
-        ModelRegistry { inner: RwLock::new(subset), keep_idle: self.keep_idle.clone(), batch: self.batch.clone() }
+        ModelRegistry { inner: RwLock::new(subset), keep_idle: self.keep_idle.clone(), batch: self.batch.clone(), offload: self.offload.clone() }
     }
 
     /// Names registered now.
@@ -199,9 +209,10 @@ impl ModelRegistry {
             .loaded
             .get_or_try_init(|| async {
                 let path = entry.path.clone();
+                let offload = self.offload.read().unwrap_or_else(|p| p.into_inner()).clone();
                 // llama.cpp's load log goes to the span of the run that loads it.
                 let span = tracing::Span::current();
-                match tokio::task::spawn_blocking(move || span.in_scope(|| Model::load(&path))).await {
+                match tokio::task::spawn_blocking(move || span.in_scope(|| Model::load_with(&path, &offload))).await {
                     Ok(Ok(model)) => Ok(Arc::new(model)),
                     Ok(Err(e)) => {
                         tracing::error!("loading model {name:?} from {}: {e}", entry.path.display());

@@ -1,22 +1,24 @@
-//! Where a media encode may stop: the decision logic of the eval callback, as a pure
-//! state machine with no llama.cpp in it.
+//! Where a computation may stop on a backend the abort callback does not reach (mtmd's
+//! encodes, and decodes on a GPU): the decision logic of the eval callback
+//! (`eval_scope`), as a pure state machine with no llama.cpp in it.
 //!
 //! ggml's scheduler asks the eval callback, node by node, "do you want this node's
 //! output?" (`ask`). On the first yes it computes up to that node, then calls back
-//! with `ask == false`; answering false there stops the graph. So every yes is a point
-//! where an encode can stop, and every yes costs a synchronisation. We say yes only:
-//! - after a matrix multiplication or attention (MUL_MAT, FLASH_ATTN_EXT, SOFT_MAX):
-//!   never inside a run of ops the CPU backend fuses (ggml 0.26.0's CPU backend fuses
-//!   only RMS_NORM + MUL, `ggml_cpu_try_fuse_ops`), so chunked output stays bitwise
-//!   identical to unchunked (tests/media_encode.rs cuts after every such op). A matmul
-//!   is a fraction of an encoder layer, so a cancel waits for at most that much more
-//!   than the budget; stopping only after attention made it a whole layer (13 ms of a
-//!   generated projector at 1 thread: a 5 ms target was out of reach);
-//! - once per budget of work units, set by [`Pace`] from how fast this media context
-//!   computes, so that a cancel waits about one latency target and boundaries cost
-//!   nothing measurable;
-//! - or at the next such op once a cancel is seen, so a cancel never waits for the
-//!   work budget to fill.
+//! with `ask == false`; answering false there stops the split. So every yes is a point
+//! where a computation can stop, and every yes costs a synchronisation. We say yes:
+//! - once per budget of work units, set by [`Pace`] from how fast the context computes,
+//!   so that a cancel waits about one latency target and boundaries cost nothing
+//!   measurable; a computation smaller than the budget (a generation step) gets none.
+//!   Those boundaries fall only where no backend fuses ops across them, so chunked
+//!   output stays bitwise that of an unchunked run: after FLASH_ATTN_EXT (fused with
+//!   nothing), after an attention SOFT_MAX (one with a mask: ggml-vulkan fuses only the
+//!   mask-less MoE router softmax with the top-k after it), and after a MUL_MAT of
+//!   more than one row (ggml-vulkan fuses one-row matmuls with the ADD after them, and
+//!   splitting that moves the next RMS_NORM onto another summation order). The CPU
+//!   backend fuses only RMS_NORM + MUL (`ggml_cpu_try_fuse_ops`), which none of these
+//!   splits. tests/media_encode.rs and tests/gpu.rs cut after every such op;
+//! - at the next computed node once a cancel is seen: the output is thrown away then,
+//!   so no fusion matters, and a cancel never waits for the work budget to fill.
 
 use std::time::Duration;
 
@@ -93,14 +95,21 @@ pub struct NodeWork {
 
 impl NodeWork {
     /// Work of a node: MUL_MAT is output elements × inner dimension (its multiply-adds);
-    /// views and no-ops are free; any other computed op costs its element count.
-    pub fn of(op: sys::ggml_op, out_elements: u64, mul_mat_inner: u64) -> Self {
+    /// views and no-ops are free; any other computed op costs its element count. `rows`
+    /// is the output's second dimension, `masked` whether a SOFT_MAX has a mask: where a
+    /// boundary may fall depends on both (the module doc says why).
+    pub fn of(op: sys::ggml_op, out_elements: u64, rows: u64, mul_mat_inner: u64, masked: bool) -> Self {
         let units = match op {
             sys::GGML_OP_NONE | sys::GGML_OP_VIEW | sys::GGML_OP_RESHAPE | sys::GGML_OP_PERMUTE | sys::GGML_OP_TRANSPOSE => 0,
             sys::GGML_OP_MUL_MAT => out_elements.saturating_mul(mul_mat_inner),
             _ => out_elements,
         };
-        let boundary_allowed = matches!(op, sys::GGML_OP_MUL_MAT | sys::GGML_OP_FLASH_ATTN_EXT | sys::GGML_OP_SOFT_MAX);
+        let boundary_allowed = match op {
+            sys::GGML_OP_FLASH_ATTN_EXT => true,
+            sys::GGML_OP_SOFT_MAX => masked,
+            sys::GGML_OP_MUL_MAT => rows > 1,
+            _ => false,
+        };
         Self { units, boundary_allowed }
     }
 }
@@ -124,7 +133,7 @@ impl Chunker {
     pub fn ask(&mut self, node: NodeWork, cancelled: bool) -> bool {
         self.spent = self.spent.saturating_add(node.units);
         self.total = self.total.saturating_add(node.units);
-        node.boundary_allowed && (cancelled || self.spent >= self.budget)
+        (cancelled && node.units > 0) || (node.boundary_allowed && self.spent >= self.budget)
     }
 
     pub fn total(&self) -> u64 {
@@ -147,16 +156,32 @@ mod tests {
 
     #[test]
     fn work_units_by_op() {
-        assert_eq!(NodeWork::of(sys::GGML_OP_MUL_MAT, 100, 64).units, 6400);
-        assert_eq!(NodeWork::of(sys::GGML_OP_ADD, 100, 64).units, 100);
+        assert_eq!(NodeWork::of(sys::GGML_OP_MUL_MAT, 100, 10, 64, false).units, 6400);
+        assert_eq!(NodeWork::of(sys::GGML_OP_ADD, 100, 10, 64, false).units, 100);
         for view in [sys::GGML_OP_VIEW, sys::GGML_OP_RESHAPE, sys::GGML_OP_PERMUTE, sys::GGML_OP_TRANSPOSE, sys::GGML_OP_NONE] {
-            assert_eq!(NodeWork::of(view, 100, 64).units, 0);
+            assert_eq!(NodeWork::of(view, 100, 10, 64, false).units, 0);
         }
-        assert!(NodeWork::of(sys::GGML_OP_SOFT_MAX, 1, 0).boundary_allowed);
-        assert!(NodeWork::of(sys::GGML_OP_FLASH_ATTN_EXT, 1, 0).boundary_allowed);
-        assert!(NodeWork::of(sys::GGML_OP_MUL_MAT, 1, 1).boundary_allowed);
-        assert!(!NodeWork::of(sys::GGML_OP_RMS_NORM, 1, 1).boundary_allowed, "never between RMS_NORM and the MUL fused with it");
-        assert!(!NodeWork::of(sys::GGML_OP_ADD, 1, 1).boundary_allowed);
+    }
+
+    #[test]
+    fn boundaries_fall_only_where_no_backend_fuses_across_them() {
+        let allowed = |op, rows, masked| NodeWork::of(op, 8, rows, 1, masked).boundary_allowed;
+        assert!(allowed(sys::GGML_OP_FLASH_ATTN_EXT, 1, false));
+        assert!(allowed(sys::GGML_OP_SOFT_MAX, 1, true), "attention's softmax");
+        assert!(!allowed(sys::GGML_OP_SOFT_MAX, 1, false), "never inside ggml-vulkan's MoE top-k fusion");
+        assert!(allowed(sys::GGML_OP_MUL_MAT, 2, false));
+        assert!(!allowed(sys::GGML_OP_MUL_MAT, 1, false), "never between a one-row matmul and the ADD ggml-vulkan fuses with it");
+        assert!(!allowed(sys::GGML_OP_RMS_NORM, 8, false), "never between RMS_NORM and the MUL fused with it");
+        assert!(!allowed(sys::GGML_OP_ADD, 8, false));
+    }
+
+    #[test]
+    fn a_cancel_stops_at_the_next_computed_node_whatever_its_op() {
+        let mut c = Chunker::with_budget(u64::MAX);
+        assert!(!c.ask(NORM, false));
+        assert!(c.ask(NORM, true), "cancelled: the output is thrown away, so any node may end the chunk");
+        assert!(!c.ask(NodeWork { units: 0, boundary_allowed: false }, true), "but not a view, which computes nothing");
+        assert!(!c.at_boundary(true));
     }
 
     #[test]
@@ -197,13 +222,5 @@ mod tests {
         c.ask(NORM, false);
         c.ask(ATTN, false);
         assert_eq!(c.total(), 70, "every node's units count toward the speed");
-    }
-
-    #[test]
-    fn cancel_stops_at_the_next_allowed_op_without_waiting_for_the_budget() {
-        let mut c = Chunker::with_budget(1_000_000);
-        assert!(!c.ask(NORM, true), "RMS_NORM is never a boundary, cancelled or not");
-        assert!(c.ask(ATTN, true));
-        assert!(!c.at_boundary(true), "a cancelled encode stops at the boundary");
     }
 }

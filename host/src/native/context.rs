@@ -8,7 +8,9 @@ use std::sync::Arc;
 use llama_cpp_sys_2 as sys;
 
 use super::cancel::{abort_callback, Stop};
+use super::chunker::{Chunker, Pace, DEFAULT_LATENCY_TARGET};
 use super::cores::Cores;
+use super::eval_scope::{eval_callback, in_eval_scope};
 use super::meter::Meter;
 use super::model::{Model, Token};
 use super::threads::ThreadPool;
@@ -111,6 +113,12 @@ pub struct Context {
     meter: Arc<Meter>,
     /// Cores it shares with others who use every thread ([`Context::share_cores`]).
     cores: Option<Arc<Cores>>,
+    /// On a GPU, where the abort callback does not reach: how fast this context
+    /// computes, which places the eval callback's boundaries ([`super::eval_scope`]).
+    /// `None` on the CPU alone.
+    device_pace: Option<Pace>,
+    /// A fixed budget instead of the paced one ([`Context::set_device_chunk_work`]).
+    device_chunk_work: Option<u64>,
     /// Declared last: the model must outlive the context.
     model: Arc<Model>,
 }
@@ -211,6 +219,11 @@ impl Context {
             p.n_seq_max = n_seq_max;
             p.n_threads = threads;
             p.n_threads_batch = threads;
+            if model.device().is_some() {
+                // `eval_callback` is a `'static` fn that reads only this thread's scope.
+                p.cb_eval = Some(eval_callback);
+                p.cb_eval_user_data = std::ptr::null_mut();
+            }
             sys::llama_init_from_model(model.as_ptr(), p)
         });
         let ptr = NonNull::new(ptr).ok_or_else(|| {
@@ -231,7 +244,7 @@ impl Context {
             }
         };
         let history = fresh_history(actual);
-        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), logit_offset: 0, history, leftover: Vec::new(), _team: team, meter: Arc::default(), cores: None, model })
+        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), logit_offset: 0, history, leftover: Vec::new(), _team: team, meter: Arc::default(), cores: None, device_pace: model.device().map(|_| Pace::new(DEFAULT_LATENCY_TARGET)), device_chunk_work: None, model })
     }
 
     /// Make the context read as new for its next user: empty memory, no logits, a
@@ -454,6 +467,14 @@ impl Context {
     /// thread, a context of its own computes only while the batch does not.
     pub fn share_cores(&mut self, cores: Option<Arc<Cores>>) {
         self.cores = cores;
+    }
+
+    /// On a GPU, a fixed work budget between the eval callback's boundaries instead of
+    /// the paced one (1: a boundary after every matmul and attention op; `u64::MAX`:
+    /// none unless a cancel is seen). For tests and the bench's chunked-vs-unchunked rows;
+    /// does nothing on the CPU alone.
+    pub fn set_device_chunk_work(&mut self, units: Option<u64>) {
+        self.device_chunk_work = units;
     }
 
     /// Where this context counts its work.
@@ -723,18 +744,39 @@ impl Context {
     /// batch and never writes through these pointers, so they may come from shared borrows.
     unsafe fn decode_raw(&mut self, raw: sys::llama_batch, logit_rows: &[bool], stop: Option<Stop<'_>>) -> Result<()> {
         let _turn = self.cores.as_ref().map(|cores| cores.turn());
-        let (ret, reason) = backend::with_errors(|| match &stop {
-            Some(stop) => {
-                // SAFETY: `_installed` is dropped at the end of this arm, right after the
-                // decode, and `stop` (this function's argument) outlives the arm.
-                let _installed = unsafe { AbortCallback::install(self.ptr, stop) };
-                // SAFETY: `raw` by this function's contract; `self.ptr` is live and
-                // `&mut self` means no other call runs on it.
-                unsafe { sys::llama_decode(self.ptr.as_ptr(), raw) }
+        let ctx = self.ptr;
+        let decode = || {
+            backend::with_errors(|| match &stop {
+                Some(stop) => {
+                    // SAFETY: `_installed` is dropped at the end of this arm, right after the
+                    // decode, and `stop` (this function's argument) outlives the arm.
+                    let _installed = unsafe { AbortCallback::install(ctx, stop) };
+                    // SAFETY: `raw` by this function's contract; `ctx` is live and
+                    // `&mut self` means no other call runs on it.
+                    unsafe { sys::llama_decode(ctx.as_ptr(), raw) }
+                }
+                // SAFETY: as above, with no abort callback installed.
+                None => unsafe { sys::llama_decode(ctx.as_ptr(), raw) },
+            })
+        };
+        // On a GPU the abort callback reaches only the CPU's part of the graph: the eval
+        // callback's boundaries stop the device's. A stopped decode returns success with
+        // garbage in what its broken-off splits left, so it is a cancel here, and the
+        // caller's all-or-nothing rolls its memory back.
+        let (ret, reason) = match (stop, &mut self.device_pace) {
+            (Some(stop), Some(pace)) => {
+                let started = std::time::Instant::now();
+                let budget = self.device_chunk_work.unwrap_or_else(|| pace.budget());
+                let (out, scope) = in_eval_scope(stop, Chunker::with_budget(budget), decode);
+                pace.observe(scope.units, started.elapsed());
+                if scope.stopped {
+                    self.meter.add_cancel();
+                    return Err(Error::Cancelled);
+                }
+                out
             }
-            // SAFETY: as above, with no abort callback installed.
-            None => unsafe { sys::llama_decode(self.ptr.as_ptr(), raw) },
-        });
+            _ => decode(),
+        };
         match ret {
             0 => {
                 self.logit_rows = logit_rows.to_vec();

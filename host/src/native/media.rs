@@ -3,11 +3,10 @@
 //!
 //! clip has no abort callback, so the stop goes through the scheduler's eval callback
 //! (see `chunker`). The callback is installed once per media context; a thread-local
-//! scope ([`in_encode_scope`]) ties it to one call's `Stop` for that call only, so a
+//! scope ([`in_eval_scope`]) ties it to one call's `Stop` for that call only, so a
 //! long-lived media context never holds a pointer to a finished call's state.
 
-use std::cell::{Cell, RefCell};
-use std::ffi::{c_void, CStr, CString};
+use std::ffi::{CStr, CString};
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -17,7 +16,8 @@ use llama_cpp_sys_2 as sys;
 
 use super::cancel::Stop;
 use super::cores::Cores;
-use super::chunker::{Chunker, NodeWork, Pace, DEFAULT_LATENCY_TARGET};
+use super::chunker::{Chunker, Pace, DEFAULT_LATENCY_TARGET};
+use super::eval_scope::{eval_callback, in_eval_scope};
 use super::model::{Model, Token};
 use super::{backend, Error, Result};
 
@@ -172,7 +172,8 @@ impl MediaContext {
         // fn with null user data: it finds its state through a thread-local instead.
         let ptr = unsafe {
             let mut p = sys::mtmd_context_params_default();
-            p.use_gpu = false;
+            // The projector goes where the text model's layers went.
+            p.use_gpu = model.device().is_some();
             p.print_timings = false;
             p.n_threads = threads;
             p.cb_eval = Some(eval_callback);
@@ -403,7 +404,7 @@ impl MediaContext {
             Some(stop) => {
                 let chunker = Chunker::with_budget(self.chunk_work());
                 let started = Instant::now();
-                let ((ret, reason), scope) = in_encode_scope(stop, chunker, || {
+                let ((ret, reason), scope) = in_eval_scope(stop, chunker, || {
                     // SAFETY: a live context, `&mut self` (one encode at a time), and a live
                     // media chunk this context made (`check_owns` above: mtmd asserts on
                     // another projector's data). The eval callback it runs reads only the
@@ -528,170 +529,5 @@ impl Drop for ChunkList {
         // SAFETY: made by mtmd_input_chunks_init, owned alone, freed once; it frees its
         // entries, which no `Chunk` points at (they hold copies).
         unsafe { sys::mtmd_input_chunks_free(self.0.as_ptr()) }
-    }
-}
-
-/// The running encode's state, reachable from the eval callback through `SCOPE`.
-struct ScopeState<'a> {
-    stop: Stop<'a>,
-    chunker: RefCell<Chunker>,
-    boundaries: Cell<u64>,
-    stopped: Cell<bool>,
-}
-
-std::thread_local! {
-    /// The encode running on this thread, if any (null outside `in_encode_scope`).
-    static SCOPE: Cell<*const ScopeState<'static>> = const { Cell::new(std::ptr::null()) };
-}
-
-/// What the eval callback saw during one [`in_encode_scope`] call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct ScopeReport {
-    /// Whether the callback stopped the computation at a boundary.
-    pub stopped: bool,
-    /// Boundaries the computation reached (each one a point where it could stop).
-    pub boundaries: u64,
-    /// Work units of the nodes computed (what the pace learns from).
-    pub units: u64,
-}
-
-/// Run `f` with this thread's eval callbacks tied to `stop` and `chunker`, and only for
-/// the duration of `f`. The state lives on this function's stack and the thread-local
-/// points at it only between entry and exit (restored on unwind too), so no order of
-/// drops or `mem::forget` can leave the callback holding freed state.
-pub(crate) fn in_encode_scope<R>(stop: Stop<'_>, chunker: Chunker, f: impl FnOnce() -> R) -> (R, ScopeReport) {
-    let state = ScopeState { stop, chunker: RefCell::new(chunker), boundaries: Cell::new(0), stopped: Cell::new(false) };
-    /// Restores the outer scope when `in_encode_scope` returns or unwinds.
-    struct Restore(*const ScopeState<'static>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            SCOPE.with(|s| s.set(self.0));
-        }
-    }
-    // The lifetime is erased only while `state` is alive: `_restore` (declared after
-    // it, so dropped before it) takes the pointer out of the thread-local first.
-    let ptr = (&state as *const ScopeState<'_>).cast::<ScopeState<'static>>();
-    let _restore = Restore(SCOPE.with(|s| s.replace(ptr)));
-    let out = f();
-    let units = state.chunker.borrow().total();
-    (out, ScopeReport { stopped: state.stopped.get(), boundaries: state.boundaries.get(), units })
-}
-
-/// `ggml_backend_sched_eval_callback`, installed on every media context.
-///
-/// # Safety
-///
-/// When `ask` is true, `t` must be null or point at a live graph node whose `src`
-/// pointers are null or live tensors (what the scheduler passes). With `ask` false `t` is
-/// not read. The user data is ignored.
-pub(crate) unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, _: *mut c_void) -> bool {
-    SCOPE.with(|scope| {
-        // SAFETY: non-null only inside `in_encode_scope` on this thread, whose stack
-        // frame owns the state.
-        let Some(state) = (unsafe { scope.get().as_ref() }) else {
-            return !ask; // outside a scope: want nothing, stop nothing
-        };
-        if ask {
-            // SAFETY: by this function's contract, `t` is null or a live node of the graph
-            // the scheduler is computing, with live or null sources.
-            let node = unsafe { node_work(t) };
-            state.chunker.borrow_mut().ask(node, state.stop.is_set())
-        } else {
-            state.boundaries.set(state.boundaries.get() + 1);
-            let cancelled = state.stop.requested();
-            state.stopped.set(state.stopped.get() || cancelled);
-            state.chunker.borrow_mut().at_boundary(cancelled)
-        }
-    })
-}
-
-/// The work a graph node stands for, read from its shape and its first source's.
-///
-/// # Safety
-///
-/// `t` must be null or point at a tensor that is live and not written during the call,
-/// whose `src[0]` is null or such a tensor too.
-unsafe fn node_work(t: *const sys::ggml_tensor) -> NodeWork {
-    // SAFETY: null or live and unchanging (this function's contract).
-    let Some(t) = (unsafe { t.as_ref() }) else {
-        return NodeWork { units: 0, boundary_allowed: false };
-    };
-    let elements = t.ne.iter().map(|&d| d.max(0) as u64).product::<u64>();
-    // SAFETY: `src[0]` is null or a live tensor (this function's contract).
-    let inner = unsafe { t.src[0].as_ref() }.map_or(0, |src| src.ne[0].max(0) as u64);
-    NodeWork::of(t.op, elements, inner)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::native::CancelFlag;
-
-    fn node(op: sys::ggml_op) -> sys::ggml_tensor {
-        // SAFETY: ggml_tensor is a plain C struct; all-zero is a valid (empty) value.
-        let mut t: sys::ggml_tensor = unsafe { std::mem::zeroed() };
-        t.op = op;
-        t.ne = [4, 4, 1, 1];
-        t
-    }
-
-    fn call(t: &mut sys::ggml_tensor, ask: bool) -> bool {
-        // SAFETY: `t` is a live tensor (a borrow) whose sources are null (`node` zeroes
-        // them), as `eval_callback` requires.
-        unsafe { eval_callback(t, ask, std::ptr::null_mut()) }
-    }
-
-    #[test]
-    fn outside_a_scope_the_callback_asks_for_nothing() {
-        let mut attn = node(sys::GGML_OP_SOFT_MAX);
-        assert!(!call(&mut attn, true));
-        assert!(call(&mut attn, false), "and never stops anything");
-    }
-
-    #[test]
-    fn a_scope_routes_this_threads_callbacks_to_its_stop_until_it_ends() {
-        let token = CancelFlag::new();
-        token.cancel();
-        let mut attn = node(sys::GGML_OP_SOFT_MAX);
-        let mut norm = node(sys::GGML_OP_RMS_NORM);
-        let ((), report) = in_encode_scope(Stop::on(&token), Chunker::with_budget(u64::MAX), || {
-            assert!(!call(&mut norm, true), "never a boundary after RMS_NORM");
-            assert!(call(&mut attn, true), "a cancel asks at the next attention op");
-            assert!(!call(&mut attn, false), "and stops there");
-            // Another thread has no scope: its callbacks are idle.
-            std::thread::scope(|s| {
-                s.spawn(|| assert!(!call(&mut node(sys::GGML_OP_SOFT_MAX), true)));
-            });
-        });
-        assert_eq!(report, ScopeReport { stopped: true, boundaries: 1, units: 32 }, "units: RMS_NORM and SOFT_MAX, 4x4 each");
-        assert!(!call(&mut attn, true), "the scope is gone with its call");
-    }
-
-    #[test]
-    fn nested_scopes_restore_the_outer_one_even_on_unwind() {
-        let (outer_token, inner_token) = (CancelFlag::new(), CancelFlag::new());
-        inner_token.cancel();
-        let mut attn = node(sys::GGML_OP_SOFT_MAX);
-        let ((), outer) = in_encode_scope(Stop::on(&outer_token), Chunker::with_budget(u64::MAX), || {
-            let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                in_encode_scope(Stop::on(&inner_token), Chunker::with_budget(u64::MAX), || panic!("inside the inner scope"))
-            }));
-            assert!(unwound.is_err());
-            assert!(!call(&mut attn, true), "the outer scope is back: not cancelled, budget not spent");
-        });
-        assert_eq!(outer, ScopeReport { stopped: false, boundaries: 0, units: 16 });
-        assert!(!call(&mut attn, true) && call(&mut attn, false), "and no scope after it");
-    }
-
-    #[test]
-    fn the_trip_wire_counts_boundaries() {
-        let token = CancelFlag::new();
-        token.trip_after(2);
-        let mut attn = node(sys::GGML_OP_SOFT_MAX);
-        let ((), report) = in_encode_scope(Stop::on(&token), Chunker::with_budget(1), || {
-            assert!(call(&mut attn, true) && call(&mut attn, false), "boundary 1 goes on");
-            assert!(call(&mut attn, true) && !call(&mut attn, false), "boundary 2 stops");
-        });
-        assert!(report.stopped && token.is_cancelled());
     }
 }

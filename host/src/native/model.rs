@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 
 use llama_cpp_sys_2 as sys;
 
+use super::devices::Offload;
 use super::grammar::GrammarEnv;
 use super::{backend, Error, Result};
 
@@ -19,6 +20,9 @@ pub struct Model {
     n_vocab: i32,
     /// The vocabulary as the grammar engine sees it, built by the first grammar.
     grammar_env: OnceLock<Result<GrammarEnv>>,
+    /// The GPU holding some of its layers, if any, and how many it holds.
+    device: Option<String>,
+    gpu_layers: u32,
 }
 
 // SAFETY: a llama_model is immutable after loading; llama.cpp documents sharing one
@@ -31,18 +35,32 @@ unsafe impl Send for Model {}
 unsafe impl Sync for Model {}
 
 impl Model {
-    /// Load a GGUF model on the CPU. Blocking (reads or maps the whole file).
+    /// Load a GGUF model with its layers where llama.cpp puts them by default in this
+    /// build: every layer on the first GPU if there is one, else on the CPU. Blocking
+    /// (reads or maps the whole file, and copies offloaded layers to the device).
     pub fn load(path: &Path) -> Result<Self> {
+        Self::load_with(path, &Offload::default())
+    }
+
+    /// Load a GGUF model with `offload`'s layers on its GPU.
+    pub fn load_with(path: &Path, offload: &Offload) -> Result<Self> {
         backend::init();
+        let placement = offload.place()?;
         if !path.is_file() {
             return Err(Error::Backend(format!("model file {} not found", path.display())));
         }
         let c_path = CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| Error::InvalidArgument("model path contains a NUL byte".into()))?;
-        // SAFETY: llama.cpp's default params; `c_path` is a NUL-terminated string alive
-        // for the call (llama.cpp does not keep it); a null return is handled below.
+        // One device and the end of the list: llama.cpp copies it while loading.
+        let mut devices: Vec<sys::ggml_backend_dev_t> = placement.device.into_iter().chain([std::ptr::null_mut()]).collect();
+        // SAFETY: llama.cpp's default params with a null-terminated device list (a live
+        // registry device, or none: then the CPU alone, since 0 layers go anywhere else)
+        // alive for the call; `c_path` is a NUL-terminated string alive for the call
+        // (llama.cpp keeps neither); a null return is handled below.
         let ptr = unsafe {
-            let params = sys::llama_model_default_params();
+            let mut params = sys::llama_model_default_params();
+            params.n_gpu_layers = placement.gpu_layers;
+            params.devices = devices.as_mut_ptr();
             sys::llama_model_load_from_file(c_path.as_ptr(), params)
         };
         let ptr = NonNull::new(ptr).ok_or_else(|| {
@@ -58,7 +76,22 @@ impl Model {
         };
         // SAFETY: a non-null vocabulary of the live model `ptr`; only read.
         let n_vocab = unsafe { sys::llama_vocab_n_tokens(vocab.as_ptr()) };
-        Ok(Self { ptr, vocab, n_vocab, grammar_env: OnceLock::new() })
+        // SAFETY: a live model; reads its hyperparameters.
+        let n_layer = unsafe { sys::llama_model_n_layer(ptr.as_ptr()) }.max(0) as u32;
+        // llama.cpp puts min(asked, layers + the output layer) on the device.
+        let gpu_layers = if placement.device.is_some() { (placement.gpu_layers.max(0) as u32).min(n_layer + 1) } else { 0 };
+        let device = placement.device_name.filter(|_| gpu_layers > 0);
+        Ok(Self { ptr, vocab, n_vocab, grammar_env: OnceLock::new(), device, gpu_layers })
+    }
+
+    /// The GPU holding some of its layers (ggml's device name), if any.
+    pub fn device(&self) -> Option<&str> {
+        self.device.as_deref()
+    }
+
+    /// Layers on [`Model::device`] (0 on the CPU alone): the output layer counts as one.
+    pub fn gpu_layers(&self) -> u32 {
+        self.gpu_layers
     }
 
     /// The grammar engine's view of the vocabulary (every token's bytes in a trie),

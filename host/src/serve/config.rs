@@ -83,6 +83,12 @@ pub struct ServeConfig {
     /// comes (docs/DEPLOY.md has the sizes). Default: 4096, the openai plugin's cap.
     #[serde(default = "default_batch_n_ctx")]
     pub batch_n_ctx: u32,
+    /// Model layers on the GPU (default: all when there is one; 0: the CPU alone).
+    #[serde(default)]
+    pub gpu_layers: Option<u32>,
+    /// The GPU by ggml's device name (`llamabox info`; default: the first GPU).
+    #[serde(default)]
+    pub device: Option<String>,
     /// Models by name, loaded once at start.
     #[serde(default)]
     pub models: BTreeMap<String, PathBuf>,
@@ -229,6 +235,8 @@ impl ServeConfig {
             batch: yes(),
             batch_seats: default_batch_seats(),
             batch_n_ctx: default_batch_n_ctx(),
+            gpu_layers: None,
+            device: None,
             models: BTreeMap::new(),
             projectors: BTreeMap::new(),
             plugins: plugins
@@ -321,6 +329,11 @@ impl ServeConfig {
     /// every step on all `threads`.
     pub fn batch_policy(&self) -> Option<crate::BatchPolicy> {
         self.batch.then(|| crate::BatchPolicy::new(self.batch_seats, self.batch_n_ctx, self.threads))
+    }
+
+    /// Where the models' layers go.
+    pub fn offload(&self) -> crate::native::Offload {
+        crate::native::Offload { gpu_layers: self.gpu_layers, device: self.device.clone() }
     }
 
     /// Requests that run at once: with batching, at most one per seat.

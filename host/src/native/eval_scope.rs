@@ -1,0 +1,187 @@
+//! The scheduler's eval callback, and the scope that ties it to one computation: how a
+//! cancel reaches work the abort callback does not (the CPU backend alone exports that
+//! hook): mtmd's encodes, and decodes on a GPU backend.
+//!
+//! ggml's scheduler, given an eval callback, asks it node by node whether it wants to
+//! see a node's output; on the first yes it computes the nodes up to that one as a view
+//! of the graph, synchronises the backend, and calls back; a false there ends the
+//! *current split* only. So a stop is only ever noticed at a boundary, and a stopped
+//! decode's later splits still run and `llama_decode` returns success with garbage:
+//! whoever runs a computation in a scope reads [`ScopeReport::stopped`] and treats the
+//! call as cancelled (a decode is then rolled back). Where boundaries fall is
+//! [`Chunker`]'s decision.
+
+use std::cell::{Cell, RefCell};
+use std::ffi::c_void;
+
+use llama_cpp_sys_2 as sys;
+
+use super::cancel::Stop;
+use super::chunker::{Chunker, NodeWork};
+
+/// The running computation's state, reachable from the eval callback through `SCOPE`.
+struct ScopeState<'a> {
+    stop: Stop<'a>,
+    chunker: RefCell<Chunker>,
+    boundaries: Cell<u64>,
+    stopped: Cell<bool>,
+}
+
+std::thread_local! {
+    /// The computation running on this thread, if any (null outside `in_eval_scope`).
+    static SCOPE: Cell<*const ScopeState<'static>> = const { Cell::new(std::ptr::null()) };
+}
+
+/// What the eval callback saw during one [`in_eval_scope`] call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ScopeReport {
+    /// Whether the callback stopped the computation at a boundary.
+    pub stopped: bool,
+    /// Boundaries the computation reached (each one a point where it could stop).
+    pub boundaries: u64,
+    /// Work units of the nodes computed (what the pace learns from).
+    pub units: u64,
+}
+
+/// Run `f` with this thread's eval callbacks tied to `stop` and `chunker`, and only for
+/// the duration of `f`. The state lives on this function's stack and the thread-local
+/// points at it only between entry and exit (restored on unwind too), so no order of
+/// drops or `mem::forget` can leave the callback holding freed state.
+pub(crate) fn in_eval_scope<R>(stop: Stop<'_>, chunker: Chunker, f: impl FnOnce() -> R) -> (R, ScopeReport) {
+    let state = ScopeState { stop, chunker: RefCell::new(chunker), boundaries: Cell::new(0), stopped: Cell::new(false) };
+    /// Restores the outer scope when `in_eval_scope` returns or unwinds.
+    struct Restore(*const ScopeState<'static>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SCOPE.with(|s| s.set(self.0));
+        }
+    }
+    // The lifetime is erased only while `state` is alive: `_restore` (declared after
+    // it, so dropped before it) takes the pointer out of the thread-local first.
+    let ptr = (&state as *const ScopeState<'_>).cast::<ScopeState<'static>>();
+    let _restore = Restore(SCOPE.with(|s| s.replace(ptr)));
+    let out = f();
+    let units = state.chunker.borrow().total();
+    (out, ScopeReport { stopped: state.stopped.get(), boundaries: state.boundaries.get(), units })
+}
+
+/// `ggml_backend_sched_eval_callback`, installed on every media context and on every
+/// text context whose model has layers on a device.
+///
+/// # Safety
+///
+/// When `ask` is true, `t` must be null or point at a live graph node whose `src`
+/// pointers are null or live tensors (what the scheduler passes). With `ask` false `t` is
+/// not read. The user data is ignored.
+pub(crate) unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, _: *mut c_void) -> bool {
+    SCOPE.with(|scope| {
+        // SAFETY: non-null only inside `in_eval_scope` on this thread, whose stack
+        // frame owns the state.
+        let Some(state) = (unsafe { scope.get().as_ref() }) else {
+            return !ask; // outside a scope: want nothing, stop nothing
+        };
+        if ask {
+            // SAFETY: by this function's contract, `t` is null or a live node of the graph
+            // the scheduler is computing, with live or null sources.
+            let node = unsafe { node_work(t) };
+            state.chunker.borrow_mut().ask(node, state.stop.is_set())
+        } else {
+            state.boundaries.set(state.boundaries.get() + 1);
+            let cancelled = state.stop.requested();
+            state.stopped.set(state.stopped.get() || cancelled);
+            state.chunker.borrow_mut().at_boundary(cancelled)
+        }
+    })
+}
+
+/// The work a graph node stands for, read from its shape and its first source's.
+///
+/// # Safety
+///
+/// `t` must be null or point at a tensor that is live and not written during the call,
+/// whose `src[0]` is null or such a tensor too.
+unsafe fn node_work(t: *const sys::ggml_tensor) -> NodeWork {
+    // SAFETY: null or live and unchanging (this function's contract).
+    let Some(t) = (unsafe { t.as_ref() }) else {
+        return NodeWork { units: 0, boundary_allowed: false };
+    };
+    let elements = t.ne.iter().map(|&d| d.max(0) as u64).product::<u64>();
+    // SAFETY: `src[0]` is null or a live tensor (this function's contract).
+    let inner = unsafe { t.src[0].as_ref() }.map_or(0, |src| src.ne[0].max(0) as u64);
+    // A SOFT_MAX's mask is its second source (only its presence is read).
+    NodeWork::of(t.op, elements, t.ne[1].max(0) as u64, inner, !t.src[1].is_null())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::native::CancelFlag;
+
+    fn node(op: sys::ggml_op) -> sys::ggml_tensor {
+        // SAFETY: ggml_tensor is a plain C struct; all-zero is a valid (empty) value.
+        let mut t: sys::ggml_tensor = unsafe { std::mem::zeroed() };
+        t.op = op;
+        t.ne = [4, 4, 1, 1];
+        t
+    }
+
+    fn call(t: &mut sys::ggml_tensor, ask: bool) -> bool {
+        // SAFETY: `t` is a live tensor (a borrow) whose sources are null (`node` zeroes
+        // them), as `eval_callback` requires.
+        unsafe { eval_callback(t, ask, std::ptr::null_mut()) }
+    }
+
+    #[test]
+    fn outside_a_scope_the_callback_asks_for_nothing() {
+        let mut attn = node(sys::GGML_OP_FLASH_ATTN_EXT);
+        assert!(!call(&mut attn, true));
+        assert!(call(&mut attn, false), "and never stops anything");
+    }
+
+    #[test]
+    fn a_scope_routes_this_threads_callbacks_to_its_stop_until_it_ends() {
+        let token = CancelFlag::new();
+        let mut attn = node(sys::GGML_OP_FLASH_ATTN_EXT);
+        let mut norm = node(sys::GGML_OP_RMS_NORM);
+        let ((), report) = in_eval_scope(Stop::on(&token), Chunker::with_budget(u64::MAX), || {
+            assert!(!call(&mut norm, true), "no cancel, budget not spent: no boundary");
+            token.cancel();
+            assert!(call(&mut attn, true), "a cancel asks at the next computed node");
+            assert!(!call(&mut attn, false), "and stops there");
+            // Another thread has no scope: its callbacks are idle.
+            std::thread::scope(|s| {
+                s.spawn(|| assert!(!call(&mut node(sys::GGML_OP_FLASH_ATTN_EXT), true)));
+            });
+        });
+        assert_eq!(report, ScopeReport { stopped: true, boundaries: 1, units: 32 }, "units: RMS_NORM and FLASH_ATTN_EXT, 4x4 each");
+        assert!(!call(&mut attn, true), "the scope is gone with its call");
+    }
+
+    #[test]
+    fn nested_scopes_restore_the_outer_one_even_on_unwind() {
+        let (outer_token, inner_token) = (CancelFlag::new(), CancelFlag::new());
+        inner_token.cancel();
+        let mut attn = node(sys::GGML_OP_FLASH_ATTN_EXT);
+        let ((), outer) = in_eval_scope(Stop::on(&outer_token), Chunker::with_budget(u64::MAX), || {
+            let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                in_eval_scope(Stop::on(&inner_token), Chunker::with_budget(u64::MAX), || panic!("inside the inner scope"))
+            }));
+            assert!(unwound.is_err());
+            assert!(!call(&mut attn, true), "the outer scope is back: not cancelled, budget not spent");
+        });
+        assert_eq!(outer, ScopeReport { stopped: false, boundaries: 0, units: 16 });
+        assert!(!call(&mut attn, true) && call(&mut attn, false), "and no scope after it");
+    }
+
+    #[test]
+    fn the_trip_wire_counts_boundaries() {
+        let token = CancelFlag::new();
+        token.trip_after(2);
+        let mut attn = node(sys::GGML_OP_FLASH_ATTN_EXT);
+        let ((), report) = in_eval_scope(Stop::on(&token), Chunker::with_budget(1), || {
+            assert!(call(&mut attn, true) && call(&mut attn, false), "boundary 1 goes on");
+            assert!(call(&mut attn, true) && !call(&mut attn, false), "boundary 2 stops");
+        });
+        assert!(report.stopped && token.is_cancelled());
+    }
+}
