@@ -13,14 +13,25 @@ fn stderr(out: &Output) -> String {
 }
 
 #[test]
-fn info_names_the_cpu_features_and_flags_ggml_was_built_for() {
+fn info_names_the_cpu_features_and_flags_ggml_was_built_for_and_the_devices() {
     let out = llamabox(&["info"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8_lossy(&out.stdout);
-    let (features, build) = text
+    let (features, rest) = text
         .strip_prefix("ggml CPU features: ")
         .and_then(|rest| rest.split_once("\nbuild: "))
         .unwrap_or_else(|| panic!("unexpected output: {text}"));
+    let (build, devices) = rest.split_once("\nGPU backends: ").unwrap_or_else(|| panic!("no GPU backends line: {text}"));
+    let devices: Vec<&str> = devices.lines().skip(1).collect();
+    let listed = llamabox::native::devices();
+    assert_eq!(devices.len(), listed.len(), "one line per device: {text}");
+    for (line, device) in devices.iter().zip(&listed) {
+        assert!(line.starts_with(&format!("device {}: {} ({:?}", device.name, device.description, device.kind)), "{line}");
+    }
+    assert!(listed.iter().any(|d| d.kind == llamabox::native::DeviceKind::Cpu), "{text}");
+    if llamabox::native::gpu_backends().is_empty() {
+        assert!(text.contains("GPU backends: none"), "{text}");
+    }
     let features: Vec<String> = features.split_whitespace().map(String::from).collect();
     assert_eq!(features, llamabox::native::cpu_features(), "{text}");
     let level = llamabox::native::InstructionLevel::of(&features);
@@ -29,6 +40,18 @@ fn info_names_the_cpu_features_and_flags_ggml_was_built_for() {
         flags => format!("{level}, C flags {flags}"),
     };
     assert_eq!(build.trim(), expected, "{text}");
+}
+
+#[test]
+fn an_offload_this_machine_cannot_do_is_refused_by_name_before_anything_runs() {
+    let out = llamabox(&["run", "/nonexistent/plugin.wasm", "--device", "NoSuchGpu"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("no GPU named \"NoSuchGpu\""), "{}", stderr(&out));
+    if llamabox::native::devices().iter().all(|d| !d.kind.is_gpu()) {
+        let out = llamabox(&["run", "/nonexistent/plugin.wasm", "--gpu-layers", "4"]);
+        assert!(!out.status.success());
+        assert!(stderr(&out).contains("GPU layers were asked for, but this build and machine have no GPU"), "{}", stderr(&out));
+    }
 }
 
 #[test]

@@ -408,6 +408,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run { plugin, models, projectors, limits: limit_flags, offload, deadline_ms, cache, idle_poll, args } => {
             native::set_idle_poll(idle_poll);
             let registry = ModelRegistry::new();
+            offload.offload().check()?;
             registry.offload(offload.offload());
             for (name, path) in models {
                 if !path.is_file() {

@@ -119,6 +119,12 @@ pub(crate) struct Placement {
 }
 
 impl Offload {
+    /// Whether this machine can do it: an unknown device, or GPU layers asked of a
+    /// build or machine without a GPU, is an error naming the GPUs there are.
+    pub fn check(&self) -> Result<()> {
+        self.place().map(drop)
+    }
+
     /// The device and layer count for llama.cpp's model params; an unknown or non-GPU
     /// device is an error naming the GPUs there are.
     pub(crate) fn place(&self) -> Result<Placement> {

@@ -107,6 +107,7 @@ impl Server {
             registry.register_projector(name.clone(), path.clone());
         }
         registry.keep_idle_contexts(config.idle_contexts() as usize);
+        config.offload().check()?;
         registry.offload(config.offload());
         let metrics = Metrics::new();
         registry.batch(config.batch_policy().map(|policy| crate::BatchPolicy { observer: Some(metrics.batch_observer()), ..policy }));
