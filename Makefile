@@ -105,7 +105,7 @@ test-gpu: deps
 # check-mode build of every dependency). lib.rs denies undocumented unsafe blocks and
 # unsafe fns without a `# Safety` section.
 lint: deps
-	$(CARGO) clippy $(PROFILE) -p llamabox --all-targets -- -D warnings
+	$(CARGO) clippy $(PROFILE) -p llamabox $(FEATURES) --all-targets -- -D warnings
 
 # Offline checks of deploy/ (part of `make test`; no cluster, no build): every Kubernetes
 # manifest against the API schemas (kubernetes-validate --strict, pinned, installed once

@@ -71,8 +71,11 @@ unsafe fn device(dev: sys::ggml_backend_dev_t) -> Option<Device> {
         return None;
     }
     let text = |p: *const std::ffi::c_char| {
-        // SAFETY: ggml returns NUL-terminated strings owned by the device, or null.
-        (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()).unwrap_or_default()
+        if p.is_null() {
+            return String::new();
+        }
+        // SAFETY: ggml returns NUL-terminated strings owned by the device (or null, above).
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     };
     // SAFETY: a live device (this function's contract); the getters only read it, and
     // `ggml_backend_dev_memory` writes the two integers it is given.
