@@ -56,7 +56,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build guest demo test test-gpu lint validate-manifests scale-test bench bench-grammar bench-server fuzz soak memcheck mutants clean-models
+.PHONY: deps build build-bench guest demo test test-gpu bench-gpu lint validate-manifests scale-test bench bench-grammar bench-server fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -65,6 +65,10 @@ deps:
 
 build: deps
 	$(CARGO) build $(PROFILE) -p llamabox $(FEATURES)
+
+# The bench binary alone (scripts/device-check.sh carries it to a GPU machine).
+build-bench: deps
+	$(CARGO) build $(PROFILE) -p llamabox-bench $(FEATURES)
 
 guest: deps
 	cd guest && $(CARGO) build --release --target wasm32-wasip2 --target-dir ../target/guest
@@ -149,6 +153,18 @@ bench: deps guest
 	    $${model:+--real-model "$$model"} $${llama_bench:+--llama-bench "$$llama_bench"} \
 	    $${same_flags:+--llama-bench-same-flags "$$same_flags"} $$large $(BENCH_ARGS) || exit 1; \
 	done
+
+# The GPU rows (never part of `make test`): `make GPU=vulkan bench-gpu` on the device the
+# model's layers go to, against llama-bench built for Vulkan from the same tree with the
+# same flags (bench/llama-bench.sh with GPU=vulkan); writes bench/GPU.md (or GPU_OUT).
+# GPU_BENCH_ARGS for more flags (lavapipe here: keep the shapes small).
+GPU_OUT ?= bench/GPU.md
+GPU_BENCH_ARGS ?=
+bench-gpu: deps
+	@[ "$(GPU)" = vulkan ] || { echo "bench-gpu needs GPU=vulkan"; exit 2; }
+	@llama_bench=$$(GPU=vulkan CPU=$(CPU) LLAMA_BENCH_SAME_FLAGS=1 bench/llama-bench.sh) || { llama_bench=; echo "llama-bench (Vulkan) could not be built: leaving out that comparison"; }; \
+	GGML_VK_VISIBLE_DEVICES=$${GGML_VK_VISIBLE_DEVICES-0} $(CARGO) run $(PROFILE) -p llamabox-bench $(FEATURES) -- --gpu-report $(GPU_OUT) \
+	  $${llama_bench:+--llama-bench "$$llama_bench"} $(GPU_BENCH_ARGS)
 
 # Grammar-constrained sampling on the real model (never part of `make test`; a few
 # minutes): llamabox's llguidance matcher against llama.cpp's GBNF matcher on the same

@@ -16,6 +16,9 @@
 # TARGET=llama-server (bench/llama-server.sh) builds llama.cpp's HTTP server instead, into
 # the same build folder with -DLLAMA_BUILD_SERVER=ON added (its embedded web UI left
 # empty: no npm, no download), so ggml and libllama are compiled once for both.
+# GPU=vulkan: with ggml's Vulkan backend too (-DGGML_VULKAN=ON), from the headers, glslc
+# and shader cache scripts/install-vulkan.sh sets up (VULKAN_SDK), into a folder of its own:
+# the peer of `make GPU=vulkan bench-gpu`, same tree and flags plus Vulkan.
 # Prints the binary's path; exits non-zero (with a reason on stderr) if it can't be had.
 set -euo pipefail
 
@@ -48,6 +51,15 @@ case "$cpu" in
   avx2|portable) isa=(-DGGML_NATIVE=OFF); while read -r flag; do isa+=("-D$flag"); done < <("$(dirname "$0")/../scripts/cpu-flags.sh" "$cpu"); build="$build-$cpu" ;;
   *) echo "CPU must be native, avx2 or portable, not '$cpu'" >&2; exit 2 ;;
 esac
+gpu=()
+case "${GPU:-}" in
+  "") ;;
+  vulkan)
+    sdk=$(LLAMABOX_VULKAN_PREFIX="${VULKAN_SDK:-$cache/vulkan-sdk}" "$(dirname "$0")/../scripts/install-vulkan.sh")
+    export VULKAN_SDK="$sdk"
+    gpu=(-DGGML_VULKAN=ON "-DCMAKE_PREFIX_PATH=$sdk/usr"); build="$build-vulkan" ;;
+  *) echo "GPU must be empty or vulkan, not '$GPU'" >&2; exit 2 ;;
+esac
 target="${TARGET:-llama-bench}"
 case "$target" in
   llama-bench) server=(-DLLAMA_BUILD_SERVER=OFF) ;;
@@ -71,7 +83,7 @@ if [ ! -x "$bin" ]; then
     -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
     -DBUILD_SHARED_LIBS=OFF -DGGML_OPENMP=OFF "${isa[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
-    "${server[@]}" -DLLAMA_BUILD_APP=OFF >&2
+    "${server[@]}" "${gpu[@]}" -DLLAMA_BUILD_APP=OFF >&2
   cmake --build "$build" --target "$target" -j "$(nproc)" >&2
 fi
 if [ "$target" != llama-bench ]; then

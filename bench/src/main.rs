@@ -9,6 +9,7 @@
 
 mod builds;
 mod encode;
+mod gpu;
 mod grammar;
 mod guest;
 mod machine;
@@ -97,6 +98,12 @@ struct Cli {
     /// `--real-model` and write that report here (`make bench-grammar`).
     #[arg(long, requires = "real_model")]
     grammar_report: Option<PathBuf>,
+    /// Only the GPU rows, on the device the model's layers go to (a `--features vulkan`
+    /// build), against `--llama-bench` built for Vulkan; written here (`make GPU=vulkan
+    /// bench-gpu`, scripts/device-check.sh). On `--real-model` if given, else the
+    /// generated model.
+    #[arg(long)]
+    gpu_report: Option<PathBuf>,
 }
 
 /// Everything below this line in RESULTS.md is written by hand and kept across runs.
@@ -119,6 +126,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     llamabox::native::set_idle_poll(cli.idle_poll);
     ensure!((2..=2048).contains(&cli.prompt_tokens), "--prompt-tokens must be in [2, 2048]");
+    if let Some(out) = &cli.gpu_report {
+        let shape = Shape { prompt_tokens: cli.prompt_tokens, gen_tokens: cli.gen_tokens, threads: cli.threads };
+        let model = match &cli.real_model {
+            Some(path) => workload::real_model(path.clone())?,
+            None => workload::synthetic_model(&cli.model_dir)?,
+        };
+        let report = gpu::report(&model, cli.llama_bench.as_deref(), shape, cli.runs, cli.cancels, &cli.model_dir)?;
+        std::fs::write(out, &report).with_context(|| format!("writing {}", out.display()))?;
+        println!("{report}");
+        return Ok(());
+    }
     let load_start = machine::load_average();
     let machine = machine::Machine::read();
     let shape = Shape { prompt_tokens: cli.prompt_tokens, gen_tokens: cli.gen_tokens, threads: cli.threads };

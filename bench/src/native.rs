@@ -78,6 +78,12 @@ impl Native {
     /// the first generated token's decode to the last one's logits, and the digest of
     /// the generated tokens.
     pub fn generate(&mut self) -> anyhow::Result<(Duration, u64)> {
+        self.generate_until(None)
+    }
+
+    /// [`Native::generate`], each decode stoppable by `flag` (the cancel byte clear, or
+    /// set from another thread): returns at the first cancelled decode.
+    pub fn generate_until(&mut self, flag: Option<&CancelFlag>) -> anyhow::Result<(Duration, u64)> {
         let prompt = Batch::sequence(&bench_tokens(GEN_PROMPT_TOKENS, self.n_vocab()), 0, 0);
         self.ctx.clear();
         self.ctx.decode(&prompt, None)?;
@@ -86,10 +92,49 @@ impl Native {
         let start = Instant::now();
         for pos in GEN_PROMPT_TOKENS..GEN_PROMPT_TOKENS + self.shape.gen_tokens {
             generated.push(next);
-            self.ctx.decode(&Batch::sequence(&[next], pos as i32, 0), None)?;
+            match self.ctx.decode(&Batch::sequence(&[next], pos as i32, 0), flag.map(Stop::on)) {
+                Err(Error::Cancelled) => break,
+                result => result?,
+            }
             next = argmax(self.ctx.logits_ith(0)?);
         }
         Ok((start.elapsed(), fnv1a64_tokens(&generated)))
+    }
+
+    /// On a GPU, a fixed work budget between boundaries instead of the paced one
+    /// (`Context::set_device_chunk_work`).
+    pub fn set_device_chunk_work(&mut self, units: Option<u64>) {
+        self.ctx.set_device_chunk_work(units);
+    }
+
+    /// `count` generations cancelled from another thread at a random point in
+    /// [0, 0.9 × `gen_time`): store → return of the generation loop, seconds.
+    pub fn generation_cancel_latency(&mut self, count: usize, gen_time: Duration) -> anyhow::Result<crate::stats::Samples> {
+        let mut rng = fastrand::Rng::with_seed(11);
+        let mut latency = crate::stats::Samples::default();
+        for _ in 0..count {
+            let delay = gen_time.mul_f64(0.9 * rng.f64());
+            let flag = CancelFlag::new();
+            let canceller_flag = flag.clone();
+            let (stored, returned) = std::thread::scope(|s| {
+                let start = Instant::now();
+                let canceller = s.spawn(move || {
+                    std::thread::sleep(delay.saturating_sub(start.elapsed()));
+                    let stored = Instant::now();
+                    canceller_flag.cancel();
+                    stored
+                });
+                let result = self.generate_until(Some(&flag));
+                (canceller.join(), result.map(|_| Instant::now()))
+            });
+            let stored = stored.map_err(|_| anyhow::anyhow!("the canceller thread panicked"))?;
+            let returned = returned?;
+            // A generation that ended before the store is no sample.
+            if let Some(waited) = returned.checked_duration_since(stored) {
+                latency.push(waited);
+            }
+        }
+        Ok(latency)
     }
 
     /// `count` prompt decodes, each cancelled from another thread at a random point in
