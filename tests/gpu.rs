@@ -96,6 +96,17 @@ fn a_decode_on_the_device_is_chunked_without_changing_its_logits_and_stops_at_bo
     assert!(polls >= 8, "expected boundaries in every ubatch, got {polls} polls");
     assert!(bitwise_eq(ctx.last_logits().unwrap(), &reference), "chunked logits differ from unchunked by {}", max_diff(ctx.last_logits().unwrap(), &reference));
     println!("figure: a 120-token decode on the device polled {polls} times with a boundary after every matmul and attention op");
+    // One row (a generation step): ggml-vulkan fuses one-row matmuls with the ADD after
+    // them, so no boundary may fall there; the chunked step is bitwise the plain one.
+    let next = argmax(&reference);
+    let step = |ctx: &mut Context, stop: Option<Stop<'_>>| {
+        ctx.decode(&Batch::sequence(&[next], 136, 0), stop).unwrap();
+        ctx.last_logits().unwrap().to_vec()
+    };
+    let plain_step = step(&mut ctx, None);
+    ctx.seq_rm(0, 136, -1).unwrap();
+    let chunked_step = step(&mut ctx, Some(Stop::on(&counter)));
+    assert!(bitwise_eq(&plain_step, &chunked_step), "a chunked one-row decode differs by {}", max_diff(&plain_step, &chunked_step));
 
     for k in [1, polls / 2, polls - 1] {
         let mut ctx = chunked(&model);

@@ -86,7 +86,11 @@ impl Native {
     pub fn generate_until(&mut self, flag: Option<&CancelFlag>) -> anyhow::Result<(Duration, u64)> {
         let prompt = Batch::sequence(&bench_tokens(GEN_PROMPT_TOKENS, self.n_vocab()), 0, 0);
         self.ctx.clear();
-        self.ctx.decode(&prompt, None)?;
+        let start = Instant::now();
+        match self.ctx.decode(&prompt, flag.map(Stop::on)) {
+            Err(Error::Cancelled) => return Ok((start.elapsed(), 0)),
+            result => result?,
+        }
         let mut next = argmax(self.ctx.logits_ith(GEN_PROMPT_TOKENS - 1)?);
         let mut generated = Vec::with_capacity(self.shape.gen_tokens as usize);
         let start = Instant::now();
