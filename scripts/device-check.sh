@@ -49,9 +49,11 @@ run() {
   grep -q "^device Vulkan" "$out/info.txt" || { echo "no Vulkan device found (see info.txt)" >&2; exit 1; }
   local threads
   threads=$(nproc)
-  # 512/128 tokens as llama-bench's defaults; 5 rounds and 20 cancels fit in 8 minutes.
-  timeout 450 "$dir/bin/llamabox-bench" --gpu-report "$out/GPU.md" --llama-bench "$dir/bin/llama-bench" \
-    --threads "$threads" --runs 5 --cancels 20 --prompt-tokens 512 --gen-tokens 128 --model-dir "$work/models" \
+  # 512/128 tokens as llama-bench's defaults; 5 rounds and 20 cancels fit in 8 minutes
+  # on a GPU (RUNS, CANCELS, PROMPT_TOKENS, GEN_TOKENS shrink them for lavapipe).
+  timeout "${TIMEOUT_S:-450}" "$dir/bin/llamabox-bench" --gpu-report "$out/GPU.md" --llama-bench "$dir/bin/llama-bench" \
+    --threads "$threads" --runs "${RUNS:-5}" --cancels "${CANCELS:-20}" --prompt-tokens "${PROMPT_TOKENS:-512}" \
+    --gen-tokens "${GEN_TOKENS:-128}" --model-dir "$work/models" \
     > "$out/bench.log" 2>&1 || { tail -20 "$out/bench.log" >&2; exit 1; }
   cat "$out/GPU.md"
 }
