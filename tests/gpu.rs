@@ -237,3 +237,32 @@ fn greedy_on_the_device_agrees_with_the_cpu() {
         assert!(worst < tolerance, "{name}: device logits differ from the CPU's by {worst:.2e} of the largest");
     }
 }
+
+/// The whole stack on the device: a plugin's decode, on a model the host put on the GPU,
+/// stopped in flight by the embedder's token (tripped at its 20th poll), memory as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugins_decode_on_the_device_is_stopped_in_flight_by_the_embedders_token() {
+    use llamabox::{Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
+    let registry = ModelRegistry::new();
+    registry.offload(Offload::default());
+    registry.register("slow", common::slow_model());
+    assert!(registry.open("slow").await.unwrap().device().is_some(), "the host put the model on the GPU");
+    let host = PluginHost::new(registry, Limits::default()).unwrap();
+    let plugin = host.load(common::demo_plugin()).unwrap();
+    let flag = CancelFlag::new();
+    let capability = host.tokens().share("tenant", &flag).expect("a capability");
+    flag.trip_after(20);
+    let out = wasmtime_wasi::p2::pipe::MemoryOutputPipe::new(1 << 16);
+    let mut wasi = wasmtime_wasi::WasiCtxBuilder::new();
+    wasi.stdout(out.clone()).stderr(out.clone());
+    wasi.args(&["demo", "--model", "slow", "--token", &capability]);
+    let options = RunOptions { group: "tenant".into(), ..RunOptions::default() };
+    let outcome = plugin.run_with(&options, wasi).await.unwrap();
+    let text = String::from_utf8(out.contents().to_vec()).unwrap();
+    assert_eq!(outcome, RunOutcome::Success, "{text}");
+    assert_eq!(common::field(&text, "shared-decode"), "cancelled", "{text}");
+    // Tripped at poll 20; each later split of the graph stops at its first node (one poll
+    // each), since a boundary's false ends only its own split.
+    assert!((20..30).contains(&flag.polls()), "stopped in flight at poll 20, then {} polls in all", flag.polls());
+    assert_eq!(common::field(&text, "memory-after"), "seq-pos-max=-1", "memory as before");
+}
