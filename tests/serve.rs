@@ -138,7 +138,7 @@ fn answer(response: &str) -> (String, u64, u64) {
 /// Idle contexts (on by default, `--threads` of them per model): a request after
 /// another of its group with the same system message and context size reuses the
 /// prompt start they share instead of computing it again, and says so in its run's
-/// report and /metrics. A repeated request reuses all of its prompt but the last
+/// report, its usage (`cached_tokens`) and /metrics. A repeated request reuses all of its prompt but the last
 /// token; twice repeated, it is computed alike and answers alike.
 #[test]
 fn a_later_request_reuses_the_prompt_start_it_shares_with_the_last() {
@@ -168,6 +168,9 @@ fn later_requests_reuse_prompt_starts(batch: bool) {
         let reused: u64 = log_field(&report, "reused").parse().unwrap();
         let decoded: u64 = log_field(&report, "decoded").parse().unwrap();
         assert_eq!(decoded, prompt_tokens - reused + completion_tokens, "{report}");
+        // The client is told too: OpenAI's usage.prompt_tokens_details.cached_tokens.
+        let usage: Value = serde_json::from_str::<Value>(&body).unwrap()["usage"].clone();
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(reused), "{body}");
         if !batch {
             // Kept once the plugin dropped it, after the response's end.
             server.wait_metric("llamabox_idle_contexts", 1.0);

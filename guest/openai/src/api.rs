@@ -236,6 +236,15 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's breakdown of the prompt tokens.
+#[derive(Serialize, Clone, Copy)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens the host found in memory (a prefix an earlier request of the same
+    /// group left) and did not compute again.
+    pub cached_tokens: u32,
 }
 
 #[derive(Serialize)]

@@ -571,10 +571,12 @@ impl Run {
             Some(FinishReason::MaxTokens) => "length",
             _ => "stop",
         };
-        let completion_tokens = self.generation.as_ref().and_then(|g| g.usage()).map_or(0, |u| u.generated_tokens);
+        let usage = self.generation.as_ref().and_then(|g| g.usage());
+        let (completion_tokens, cached_tokens) = usage.map_or((0, 0), |u| (u.generated_tokens, u.cached_tokens));
         // A media prompt was evaluated before the generation: count it here.
         let prompt_tokens = self.n_prompt;
-        (reason, Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens })
+        let prompt_tokens_details = api::PromptTokensDetails { cached_tokens };
+        (reason, Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens, prompt_tokens_details })
     }
 }
 
@@ -817,11 +819,11 @@ mod tests {
 
     #[test]
     fn chat_json_shapes() {
-        let usage = Usage { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5 };
+        let usage = Usage { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5, prompt_tokens_details: api::PromptTokensDetails { cached_tokens: 1 } };
         let f = format(true);
         assert_eq!(
             f.completion(Some("hi"), Some("stop"), Some(usage), true),
-            r#"{"id":"x-1","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#
+            r#"{"id":"x-1","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}}"#
         );
         assert_eq!(
             f.role_chunk(),
@@ -837,7 +839,7 @@ mod tests {
         );
         assert_eq!(
             f.usage_chunk(usage),
-            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}}"#
         );
     }
 

@@ -264,6 +264,7 @@ fn finish_reason(f: native::FinishReason) -> FinishReason {
 fn usage(u: &native::Usage) -> Usage {
     Usage {
         prompt_tokens: u.prompt_tokens,
+        cached_tokens: u.cached_tokens,
         generated_tokens: u.generated_tokens,
         prefill_ns: u.prefill.as_nanos().min(u64::MAX as u128) as u64,
         generation_ns: u.generation.as_nanos().min(u64::MAX as u128) as u64,

@@ -803,7 +803,7 @@ impl Steps {
         let model = self.ctx.model().clone();
         let pos = self.end_of(id) + 1;
         let prompt = work.request.prompt.len() as u32;
-        let mut tokens = TokenLoop::new(model, &work.request, pos, prompt, work.started.elapsed());
+        let mut tokens = TokenLoop::new(model, &work.request, pos, prompt, work.kept as u32, work.started.elapsed());
         match tokens.pick(&mut work.sampler, logits) {
             Ok(Pick::Decode(token)) => work.next = Some(token),
             Ok(Pick::Finish(reason)) => work.finish = Some(Ok(reason)),

@@ -577,6 +577,12 @@ impl Context {
     /// leftover's start is kept rather than computed again (at least the last row is
     /// always computed); a failure makes it leftover again.
     pub fn eval(&mut self, pieces: &[PromptPiece], seq: i32, stop: Option<Stop<'_>>) -> Result<i32> {
+        self.eval_reusing(pieces, seq, stop).map(|(end, _)| end)
+    }
+
+    /// [`Context::eval`], and how many of the leading tokens were kept from the
+    /// leftover rather than computed (what a generation reports as cached).
+    pub(crate) fn eval_reusing(&mut self, pieces: &[PromptPiece], seq: i32, stop: Option<Stop<'_>>) -> Result<(i32, usize)> {
         if stop.is_some_and(|s| s.is_set()) {
             self.meter.add_cancel();
             return Err(Error::Cancelled);
@@ -613,7 +619,7 @@ impl Context {
             return Err(e);
         }
         self.meter.add_reused(reused as u64);
-        self.seq_pos_max(seq).map(|end| end + 1)
+        self.seq_pos_max(seq).map(|end| (end + 1, reused))
     }
 
     /// `tokens` appended to `seq` in n-batch pieces; no rollback of its own.

@@ -65,6 +65,9 @@ pub enum FinishReason {
 pub struct Usage {
     /// Prompt tokens decoded into memory (0 if the prefill did not complete).
     pub prompt_tokens: u32,
+    /// Of those, the leading ones found in memory and not computed again: a prefix an
+    /// earlier run of the group left (an idle context's leftover, a seat's sequence).
+    pub cached_tokens: u32,
     /// Tokens delivered.
     pub generated_tokens: u32,
     pub prefill: Duration,
@@ -132,9 +135,10 @@ pub enum Pick {
 }
 
 impl TokenLoop {
-    /// After a prefill of `prompt_tokens` that took `prefill`; the next token goes at `pos`.
-    pub fn new(model: std::sync::Arc<super::Model>, request: &GenerateRequest, pos: i32, prompt_tokens: u32, prefill: Duration) -> Self {
-        let usage = Usage { prompt_tokens, prefill, ..Usage::default() };
+    /// After a prefill of `prompt_tokens` (`cached_tokens` of them found in memory) that
+    /// took `prefill`; the next token goes at `pos`.
+    pub fn new(model: std::sync::Arc<super::Model>, request: &GenerateRequest, pos: i32, prompt_tokens: u32, cached_tokens: u32, prefill: Duration) -> Self {
+        let usage = Usage { prompt_tokens, cached_tokens, prefill, ..Usage::default() };
         Self { model, max_tokens: request.max_tokens, text: TextStream::new(&request.stop), usage, pos, in_flight: false, started: Instant::now() }
     }
 
@@ -195,13 +199,13 @@ pub fn generate(
     check_request(ctx.model(), sampler, request)?;
 
     let started = Instant::now();
-    match prefill(ctx, prompt, seq, stop) {
-        Ok(()) => {}
+    let cached = match prefill(ctx, prompt, seq, stop) {
+        Ok(cached) => cached,
         Err(Error::Cancelled) => return Ok(Outcome { finish: FinishReason::Cancelled, usage: Usage::default() }),
         Err(e) => return Err(e),
-    }
+    };
     let pos = ctx.seq_pos_max(seq)? + 1;
-    let mut tokens = TokenLoop::new(ctx.model().clone(), request, pos, prompt.len() as u32, started.elapsed());
+    let mut tokens = TokenLoop::new(ctx.model().clone(), request, pos, prompt.len() as u32, cached as u32, started.elapsed());
     let finish = loop {
         let token = match tokens.pick(sampler, ctx.last_logits()?)? {
             Pick::Decode(token) => token,
@@ -236,11 +240,12 @@ pub fn generate(
 
 /// Decode `prompt` after the end of `seq`, logits for its last token: `Context::eval`,
 /// the one all-or-nothing path (n-batch pieces, every earlier piece undone on failure).
-fn prefill(ctx: &mut Context, prompt: &[Token], seq: i32, stop: Stop<'_>) -> Result<()> {
+/// Returns how many of its tokens were found in memory rather than computed.
+fn prefill(ctx: &mut Context, prompt: &[Token], seq: i32, stop: Stop<'_>) -> Result<usize> {
     if prompt.is_empty() {
-        return Ok(());
+        return Ok(0);
     }
-    ctx.eval(&[PromptPiece::Tokens(prompt.to_vec())], seq, Some(stop)).map(|_| ())
+    ctx.eval_reusing(&[PromptPiece::Tokens(prompt.to_vec())], seq, Some(stop)).map(|(_, cached)| cached)
 }
 
 /// Bytes in, whole UTF-8 text out, with stop strings matched across token boundaries.
