@@ -111,7 +111,7 @@ pub struct Offload {
 }
 
 /// What an [`Offload`] resolved to on this machine.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub(crate) struct Placement {
     /// The GPU the layers go to, if any layer does.
     pub device: Option<sys::ggml_backend_dev_t>,
@@ -133,15 +133,16 @@ impl Offload {
     pub(crate) fn place(&self) -> Result<Placement> {
         backend::init();
         let cpu_only = Placement { device: None, gpu_layers: 0, device_name: None };
+        let gpus: Vec<String> = devices().into_iter().filter(|d| d.kind.is_gpu()).map(|d| d.name).collect();
+        // A device is checked even with 0 layers: a misspelt name is never silently ignored.
+        if let Some(name) = self.device.as_ref().filter(|name| !gpus.contains(name)) {
+            let there = if gpus.is_empty() { "none in this build and machine".to_string() } else { gpus.join(", ") };
+            return Err(Error::InvalidArgument(format!("no GPU named {name:?} (GPUs: {there})")));
+        }
         if self.gpu_layers == Some(0) {
             return Ok(cpu_only);
         }
-        let gpus: Vec<String> = devices().into_iter().filter(|d| d.kind.is_gpu()).map(|d| d.name).collect();
         let name = match &self.device {
-            Some(name) if !gpus.contains(name) => {
-                let there = if gpus.is_empty() { "none in this build and machine".to_string() } else { gpus.join(", ") };
-                return Err(Error::InvalidArgument(format!("no GPU named {name:?} (GPUs: {there})")));
-            }
             Some(name) => name.clone(),
             None => match gpus.into_iter().next() {
                 Some(first) => first,
