@@ -45,7 +45,7 @@ fn run(ctx: &mut Context, sampler: &SamplerParams, request: &GenerateRequest, to
 }
 
 fn request(prompt: Vec<Token>, max_tokens: u32) -> GenerateRequest {
-    GenerateRequest { prompt, seq: 0, max_tokens, stop: Vec::new() }
+    GenerateRequest { prompt, seq: 0, max_tokens, stop: Vec::new(), logprobs: None }
 }
 
 fn tokens_of(pieces: &[Piece]) -> Vec<Token> {
@@ -112,6 +112,45 @@ fn seeded(model: &Model, seed: u32) -> SamplerParams {
         logit_bias: vec![(model.eos().unwrap(), f32::NEG_INFINITY)],
         ..SamplerParams::default()
     }
+}
+
+/// Log-probabilities are the raw logits' softmax at each delivered token's position,
+/// whatever the sampler did: replayed decode by decode on a fresh context (the same
+/// shapes, so the same logits), `token_logprob` of those logits gives them exactly.
+#[test]
+fn logprobs_are_the_models_own_distribution_at_each_delivered_token() {
+    let model = load(common::tiny_model());
+    let prompt = prompt(&model);
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    let asked = GenerateRequest { logprobs: Some(4), ..request(prompt.clone(), 24) };
+    let (outcome, pieces) = run(&mut ctx, &seeded(&model, 5), &asked, &CancelFlag::new());
+    outcome.unwrap();
+    let delivered = tokens_of(&pieces);
+    assert_eq!(delivered.len(), 24);
+    for p in &pieces {
+        assert_eq!(p.logprobs.iter().map(|l| l.token).collect::<Vec<_>>(), p.tokens, "one entry per token, in order");
+    }
+    let got: Vec<_> = pieces.iter().flat_map(|p| p.logprobs.iter().cloned()).collect();
+    let mut replay = Context::new(model.clone(), params()).unwrap();
+    replay.decode(&Batch::sequence(&prompt, 0, 0), None).unwrap();
+    let mut below_the_top = 0;
+    for (k, (&token, entry)) in delivered.iter().zip(&got).enumerate() {
+        let expected = llamabox::native::token_logprob(replay.last_logits().unwrap(), token, 4);
+        assert_eq!(entry, &expected, "token {k}");
+        assert!(entry.logprob <= 0.0 && entry.top.len() == 4 && entry.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        below_the_top += usize::from(entry.top[0].0 != token);
+        replay.decode(&Batch::sequence(&[token], (prompt.len() + k) as i32, 0), None).unwrap();
+    }
+    // The draw at temperature 1.5 picked tokens the model did not favour: what is
+    // reported is the model's distribution, not the sampler's choice.
+    assert!(below_the_top > 0, "every drawn token was the model's favourite");
+    // Not asked for: no entries.
+    let mut ctx = Context::new(model.clone(), params()).unwrap();
+    let (_, plain) = run(&mut ctx, &seeded(&model, 5), &request(prompt.clone(), 4), &CancelFlag::new());
+    assert!(plain.iter().all(|p| p.logprobs.is_empty()));
+    // Over the bound: refused before anything runs.
+    let over = GenerateRequest { logprobs: Some(21), ..request(prompt, 4) };
+    assert!(matches!(run(&mut ctx, &SamplerParams::greedy(), &over, &CancelFlag::new()).0, Err(Error::InvalidArgument(_))));
 }
 
 /// The token whose piece is exactly `text`.

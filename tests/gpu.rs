@@ -139,7 +139,7 @@ fn generation_polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
     let count = |max_tokens| {
         let counter = CancelFlag::new();
         counter.trip_after(u64::MAX);
-        let request = GenerateRequest { prompt: prompt.to_vec(), seq: 0, max_tokens, stop: Vec::new() };
+        let request = GenerateRequest { prompt: prompt.to_vec(), seq: 0, max_tokens, stop: Vec::new(), logprobs: None };
         run(&mut chunked(model), &request, &counter).0.unwrap();
         counter.polls()
     };
@@ -150,7 +150,7 @@ fn generation_polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
 #[test]
 fn a_generation_on_the_device_stops_at_boundary_k_and_keeps_exactly_the_delivered_tokens() {
     let model = on_gpu(common::tiny_model());
-    let request = GenerateRequest { prompt: prompt(&model, 20), seq: 0, max_tokens: 8, stop: Vec::new() };
+    let request = GenerateRequest { prompt: prompt(&model, 20), seq: 0, max_tokens: 8, stop: Vec::new(), logprobs: None };
     let (outcome, reference) = run(&mut chunked(&model), &request, &CancelFlag::new());
     assert_eq!(outcome.unwrap().usage.generated_tokens, 8);
     let (prefill, per_token) = generation_polls(&model, &request.prompt);
@@ -165,7 +165,7 @@ fn a_generation_on_the_device_stops_at_boundary_k_and_keeps_exactly_the_delivere
         assert_eq!(delivered, reference[..k], "tokens delivered before the cancel");
         assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, request.prompt.len() + k - 1, "memory: the prompt and the delivered tokens");
         // Continue from memory with the token that was in flight: greedy picks the rest.
-        let next = GenerateRequest { prompt: vec![reference[k]], seq: 0, max_tokens: 3, stop: Vec::new() };
+        let next = GenerateRequest { prompt: vec![reference[k]], seq: 0, max_tokens: 3, stop: Vec::new(), logprobs: None };
         let (outcome, rest) = run(&mut ctx, &next, &CancelFlag::new());
         outcome.unwrap();
         assert_eq!(rest, reference[k + 1..k + 4], "continuing after a cancel as if it never happened");

@@ -40,7 +40,7 @@ fn the_openai_client_and_curl_chat_stream_and_embed() {
     let report = String::from_utf8_lossy(&out.stdout);
     println!("{report}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "the openai client's checks failed:\n{report}");
-    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 14, "{report}");
+    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 19, "{report}");
 
     // curl: the streamed text is the whole text, and ends the stream properly. The
     // whole one runs twice first, so that the streamed one is computed as the second

@@ -194,7 +194,7 @@ pub fn greedy_agreement(llama_bench: &Path, model_path: &Path, tokens: u32) -> a
     let params = ContextParams { n_ctx, n_batch: n_ctx, n_ubatch: n_ctx.min(512), n_seq_max: 1, n_threads: 1 };
     let mut ctx = Context::new(model.clone(), params)?;
     let mut sampler = Sampler::new(model, &SamplerParams::greedy(), &SamplerCaps::default())?;
-    let request = GenerateRequest { prompt, seq: 0, max_tokens: tokens, stop: Vec::new() };
+    let request = GenerateRequest { prompt, seq: 0, max_tokens: tokens, stop: Vec::new(), logprobs: None };
     let mut ours = String::new();
     let never = llamabox::native::CancelFlag::new();
     generate(&mut ctx, &mut sampler, &request, Stop::on(&never), &mut |piece: llamabox::native::Piece| {

@@ -52,7 +52,7 @@ def host_generate(model, ctx, prompt, max_tokens):
     tokens = model.tokenize(prompt, True, True)
     ctx.clear()
     params = generate.GenerateParams(prompt=tokens, seq=0, max_tokens=max_tokens,
-                                     stop=[], sampler=greedy())
+                                     stop=[], sampler=greedy(), logprobs=None)
     generation = generate.start(ctx, params, CancelToken())
     ids = []
     while (piece := generation.next()) is not None:

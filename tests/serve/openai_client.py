@@ -184,9 +184,85 @@ def main():
         else:
             assert text.startswith("{"), text
 
+    def logprobs_chat():
+        r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+        choice = r.choices[0]
+        content = choice.logprobs.content
+        assert len(content) == r.usage.completion_tokens, f"{len(content)} entries for {r.usage.completion_tokens} tokens"
+        for entry in content:
+            assert entry.logprob <= 0 and len(entry.top_logprobs) == 3, entry
+            tops = [t.logprob for t in entry.top_logprobs]
+            assert tops == sorted(tops, reverse=True) and sum(math.exp(t) for t in tops) <= 1 + 1e-4, tops
+            # Greedy picks the most likely token: it heads its own alternatives.
+            assert entry.token == entry.top_logprobs[0].token and abs(entry.logprob - tops[0]) < 1e-6, entry
+            assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token, entry
+        if choice.finish_reason == "length":
+            text = b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace")
+            assert text == choice.message.content, f"{text!r} != {choice.message.content!r}"
+        found["logprobs"] = [(e.token, e.logprob) for e in content]
+        # Asked for without alternatives: the chosen token's only.
+        bare = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, temperature=0, logprobs=True)
+        assert all(e.top_logprobs == [] for e in bare.choices[0].logprobs.content), bare.choices[0].logprobs
+        plain = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, temperature=0)
+        assert plain.choices[0].logprobs is None, "logprobs without asking"
+
+    def logprobs_chat_stream():
+        stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3, stream=True)
+        entries = [e for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+        assert [e.token for e in entries] == [t for t, _ in found["logprobs"]], "streamed tokens differ from the whole answer's"
+        assert all(abs(e.logprob - lp) < 1e-3 for e, (_, lp) in zip(entries, found["logprobs"])), "streamed logprobs differ"
+
+    def logprobs_completion():
+        r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2)
+        lp, text = r.choices[0].logprobs, r.choices[0].text
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == r.usage.completion_tokens, lp
+        assert all(len(t) == 2 for t in lp.top_logprobs), lp.top_logprobs
+        assert all(max(t.values()) >= chosen - 1e-6 for t, chosen in zip(lp.top_logprobs, lp.token_logprobs)), lp
+        assert lp.text_offset[0] == 0 and all(b - a == len(tok) for a, b, tok in zip(lp.text_offset, lp.text_offset[1:], lp.tokens)), lp
+        if r.choices[0].finish_reason == "length":
+            assert "".join(lp.tokens) == text, f"{lp.tokens} vs {text!r}"
+        try:
+            client.completions.create(model=model, prompt="x", max_tokens=1, logprobs=6)
+        except openai.BadRequestError as e:
+            assert e.body.get("param") == "logprobs", e.body
+        else:
+            raise AssertionError("logprobs=6 was accepted (OpenAI's bound is 5)")
+
+    def n_choices():
+        r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=1.0, seed=11, n=3)
+        assert [c.index for c in r.choices] == [0, 1, 2], [c.index for c in r.choices]
+        texts = [c.message.content for c in r.choices]
+        assert all(texts) and len(set(texts)) > 1, f"three seeded draws all gave {texts[0]!r}"
+        # The prompt is counted once; every choice's tokens count.
+        assert r.usage.prompt_tokens == found["chat_usage"].prompt_tokens, r.usage
+        assert 3 <= r.usage.completion_tokens <= 48 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens, r.usage
+        stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, temperature=0, n=2, stream=True)
+        ended, text = {}, {0: "", 1: ""}
+        for chunk in stream:
+            for c in chunk.choices:
+                text[c.index] += c.delta.content or ""
+                if c.finish_reason:
+                    ended[c.index] = c.finish_reason
+        assert sorted(ended) == [0, 1] and all(text.values()), (ended, text)
+        try:
+            client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, n=5)
+        except openai.BadRequestError as e:
+            assert e.body.get("param") == "n", e.body
+        else:
+            raise AssertionError("n=5 was accepted above the bound of 4")
+
+    def several_prompts():
+        prompts = ["The capital of France is", "Llamas live in"]
+        r = client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0)
+        assert [c.index for c in r.choices] == [0, 1] and all(c.text for c in r.choices), r.choices
+        alone = [client.completions.create(model=model, prompt=p, max_tokens=1, temperature=0).usage.prompt_tokens for p in prompts]
+        assert r.usage.prompt_tokens == sum(alone) and 2 <= r.usage.completion_tokens <= 8, (r.usage, alone)
+        r = client.completions.create(model=model, prompt=prompts, max_tokens=2, temperature=0, n=2)
+        assert [c.index for c in r.choices] == [0, 1, 2, 3], r.choices
+
     def unsupported_fields():
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        for field, kwargs in [("logprobs", {"logprobs": True}), ("tools", {"tools": [tool]}), ("top_logprobs", {"extra_body": {"top_logprobs": 2}})]:
+        for field, kwargs in [("tools", {"tools": [tool]}), ("top_logprobs", {"extra_body": {"top_logprobs": 2}})]:
             try:
                 client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, **kwargs)
             except openai.BadRequestError as e:
@@ -226,6 +302,11 @@ def main():
     check("unknown-model", unknown_model)
     check("structured-json-schema", structured_json_schema)
     check("structured-json-object", structured_json_object)
+    check("logprobs-chat", logprobs_chat)
+    check("logprobs-chat-stream", logprobs_chat_stream)
+    check("logprobs-completion", logprobs_completion)
+    check("n-choices", n_choices)
+    check("several-prompts", several_prompts)
     check("unsupported-fields", unsupported_fields)
     check("sampler-extras", sampler_extras)
     if failures:

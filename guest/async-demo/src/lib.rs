@@ -149,7 +149,7 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
 }
 
 fn greedy(prompt: Vec<i32>, max_tokens: u32) -> GenerateParams {
-    GenerateParams { prompt, seq: 0, max_tokens, stop: Vec::new(), sampler: generate::greedy_sampler() }
+    GenerateParams { prompt, seq: 0, max_tokens, stop: Vec::new(), sampler: generate::greedy_sampler(), logprobs: None }
 }
 
 /// `Some(a's output)` if `a` finishes first; `None` (and `a` dropped) if `b` does.

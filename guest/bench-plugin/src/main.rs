@@ -214,7 +214,7 @@ fn host_generate(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> 
 fn host_greedy(ctx: &Context, n_vocab: u32, n: u32) -> Result<(u64, Vec<i32>, usize), Error> {
     ctx.clear()?;
     let sampler = generate::greedy_sampler();
-    let params = GenerateParams { prompt: bench_tokens(PROMPT_TOKENS, n_vocab), seq: 0, max_tokens: n, stop: Vec::new(), sampler };
+    let params = GenerateParams { prompt: bench_tokens(PROMPT_TOKENS, n_vocab), seq: 0, max_tokens: n, stop: Vec::new(), sampler, logprobs: None };
     let generation = generate::start(ctx, &params, &CancelToken::new())?;
     let (mut generated, mut bytes) = (Vec::with_capacity(n as usize), 0);
     while let Some(piece) = generation.next()? {

@@ -279,7 +279,7 @@ fn greedy() -> SamplerParams {
 }
 
 fn params(prompt: Vec<i32>, max_tokens: u32, stop: Vec<String>, sampler: SamplerParams) -> GenerateParams {
-    GenerateParams { prompt, seq: 0, max_tokens, stop, sampler }
+    GenerateParams { prompt, seq: 0, max_tokens, stop, sampler, logprobs: None }
 }
 
 fn finish_name(generation: &Generation) -> String {

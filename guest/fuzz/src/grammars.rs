@@ -117,7 +117,7 @@ pub fn case(rng: &mut Rng, model: &Model, ctx: &Context, tally: &mut Tally) -> u
     timed(tally, &mut |tally| {
         let _ = ctx.clear();
         let prompt = model.tokenize("say", true, false).unwrap_or_default();
-        let request = GenerateParams { prompt, seq: 0, max_tokens: 1 + rng.below(48) as u32, stop: Vec::new(), sampler: params.clone() };
+        let request = GenerateParams { prompt, seq: 0, max_tokens: 1 + rng.below(48) as u32, stop: Vec::new(), sampler: params.clone(), logprobs: None };
         match generate::start(ctx, &request, &CancelToken::new()) {
             Ok(generation) => loop {
                 match generation.next() {

@@ -219,6 +219,7 @@ pub enum Prompt {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<i32>),
+    TokenLists(Vec<Vec<i32>>),
 }
 
 /// Embedding input: one text or token list, or a list of them.
@@ -274,8 +275,13 @@ pub struct Completion<'a, C> {
     pub usage: Option<Usage>,
 }
 
-pub type ChatCompletion<'a> = Completion<'a, ChatChoice<'a>>;
-pub type TextCompletion<'a> = Completion<'a, TextChoice<'a>>;
+/// One choice of a chat or a text completion.
+#[derive(Serialize)]
+#[serde(untagged)]
+pub enum Choice<'a> {
+    Chat(ChatChoice<'a>),
+    Text(TextChoice<'a>),
+}
 
 #[derive(Serialize)]
 pub struct ChatChoice<'a> {
@@ -286,7 +292,54 @@ pub struct ChatChoice<'a> {
     /// What this chunk adds (`chat.completion.chunk`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delta: Option<Delta<'a>>,
+    /// `null` unless the request asked for `logprobs`.
+    pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
+}
+
+/// Chat's `logprobs`: one entry per generated token (of this chunk, when streamed).
+#[derive(Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+    /// Always `null`: this server refuses nothing as OpenAI's refusals do.
+    pub refusal: Option<()>,
+}
+
+#[derive(Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    /// The token's UTF-8 bytes (its text may be part of a character).
+    pub bytes: Vec<u8>,
+    /// The most likely tokens at this position, most likely first (`top_logprobs` of them).
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// Text completions' `logprobs`, as parallel lists.
+#[derive(Serialize, Default)]
+pub struct TextLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    /// Per token, the most likely tokens at its position: token text → logprob.
+    pub top_logprobs: Vec<TopMap>,
+    /// Each token's offset in the completion's text, in characters.
+    pub text_offset: Vec<u32>,
+}
+
+/// A JSON object written in this order (most likely first), as OpenAI writes it.
+pub struct TopMap(pub Vec<(String, f32)>);
+
+impl Serialize for TopMap {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+    }
 }
 
 #[derive(Serialize, Default)]
@@ -301,7 +354,8 @@ pub struct Delta<'a> {
 pub struct TextChoice<'a> {
     pub index: u32,
     pub text: &'a str,
-    pub logprobs: Option<()>,
+    /// `null` unless the request asked for `logprobs`.
+    pub logprobs: Option<TextLogprobs>,
     pub finish_reason: Option<&'static str>,
 }
 

@@ -1,31 +1,36 @@
 //! The endpoints: routing, request checks, and generation on the host.
 
-use crate::api::{self, ApiError, ChatChoice, ChatCompletion, Delta, Message, Object, OneOrMany, TextChoice, TextCompletion, Usage};
-use crate::http::{self, Body, Gone};
+use crate::api::{self, ApiError, Message, Object, OneOrMany};
+use crate::completions::{Choices, Format, MediaPrompt, Prompt, Stream, MAX_CHOICES};
+use crate::http::{self, Body};
 use crate::vision;
 use crate::llamabox::inference::cancel::CancelToken;
 use crate::llamabox::inference::embeddings::{self, Pooling};
-use crate::llamabox::inference::generate::{self, ChatMessage, FinishReason, GenerateParams, Generation, LogitBias, Penalties, SamplerParams};
+use crate::llamabox::inference::generate::{self, ChatMessage, LogitBias, Penalties, SamplerParams};
 use crate::llamabox::inference::llm::{Context, ContextParams, Model};
-use crate::llamabox::inference::media::{Chunk, Input, MediaContext};
+use crate::llamabox::inference::media::{Input, MediaContext};
 use crate::llamabox::inference::types::Error as HostError;
 use crate::wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
 
 /// Context size cap when `LLAMABOX_N_CTX` does not set one (the model's training length caps it too).
-const DEFAULT_N_CTX: u32 = 4096;
+pub(crate) const DEFAULT_N_CTX: u32 = 4096;
 
 /// Contexts are sized in steps of llama.cpp's own padding (it allocates multiples of
 /// 256 cells anyway), so requests of similar length ask for the same settings and the
 /// host can hand one request's idle context to the next, which then reuses the start
 /// of the prompt they share (the chat template's system part, earlier turns).
-const CONTEXT_STEP: u32 = 256;
+pub(crate) const CONTEXT_STEP: u32 = 256;
 /// The host's default `max-generate-tokens`.
-const MAX_GENERATE_TOKENS: u32 = 4096;
+pub(crate) const MAX_GENERATE_TOKENS: u32 = 4096;
 /// The host's default `max-stop-strings` and `max-stop-bytes`.
 const MAX_STOP_STRINGS: usize = 8;
 const MAX_STOP_BYTES: usize = 256;
 /// Recent tokens that presence and frequency penalties look at.
 const PENALTY_LAST_N: u32 = 64;
+/// Text completions' bound on `logprobs` (OpenAI's); chat's `top_logprobs` goes to the
+/// host's bound, 20.
+const MAX_TEXT_LOGPROBS: u32 = 5;
+const MAX_TOP_LOGPROBS: u32 = 20;
 /// The host's max-penalty-last-n by default.
 const MAX_REPEAT_LAST_N: u32 = 4096;
 /// Longest embedding input, in tokens (the host's default `max-n-batch`).
@@ -37,8 +42,8 @@ const MAX_EMBED_TOKENS: u32 = 2048;
 const MAX_EMBED_INPUTS: usize = 256;
 const MAX_EMBED_TOTAL_TOKENS: usize = 8192;
 
-/// What a handler answers: a whole JSON body, or a generation to stream.
-enum Reply {
+/// What a handler answers: a whole JSON body, or generations to stream.
+pub(crate) enum Reply {
     Json(String),
     Stream(Box<Stream>),
 }
@@ -132,7 +137,7 @@ fn model_card(id: &str) -> Result<api::ModelCard, ApiError> {
 
 /// `POST /v1/chat/completions`.
 fn chat(body: &Object) -> Result<Reply, ApiError> {
-    let sampling = Sampling::read(body, &["messages"])?;
+    let sampling = chat_sampling(body)?;
     let (messages, images) = chat_messages(body)?;
     let (name, model) = open_model(body)?;
     let prompt = chat_template(&model, &messages)?;
@@ -141,8 +146,24 @@ fn chat(body: &Object) -> Result<Reply, ApiError> {
     } else {
         media_prompt(&name, &model, &prompt, images)?
     };
-    let run = Run::start(model, prompt, &sampling, "messages")?;
-    finish(run, Format { chat: true, id: new_id("chatcmpl"), created: now(), model: name }, &sampling)
+    let format = Format { chat: true, id: new_id("chatcmpl"), created: now(), model: name };
+    Choices::start(model, &[prompt], &sampling, "messages", format)?.finish()
+}
+
+/// A chat body's fields beside `messages`: the shared ones, and chat's log-probabilities
+/// (`logprobs` true, then `top_logprobs` alternatives, OpenAI's 0 to 20).
+fn chat_sampling(body: &Object) -> Result<Sampling, ApiError> {
+    let mut sampling = Sampling::read(body, &["messages", "logprobs", "top_logprobs"])?;
+    let top: Option<u32> = body.get("top_logprobs")?;
+    if let Some(n) = top.filter(|&n| n > MAX_TOP_LOGPROBS) {
+        return Err(ApiError::invalid(format!("'top_logprobs' {n} must be between 0 and {MAX_TOP_LOGPROBS}"), Some("top_logprobs")));
+    }
+    sampling.logprobs = match (body.get::<bool>("logprobs")?.unwrap_or(false), top) {
+        (true, top) => Some(top.unwrap_or(0)),
+        (false, Some(_)) => return Err(ApiError::invalid("'top_logprobs' needs 'logprobs' set to true", Some("top_logprobs"))),
+        (false, None) => None,
+    };
+    Ok(sampling)
 }
 
 /// A chat request's `messages`, as the chat template takes them, and the images in
@@ -167,7 +188,7 @@ fn chat_template(model: &Model, messages: &[ChatMessage]) -> Result<String, ApiE
 /// `POST /apply-template` (llama-server's): the prompt text a chat completion of the
 /// same body starts from, its fields checked as there; images stand as their marker.
 fn post_apply_template(body: &Object) -> Result<String, ApiError> {
-    Sampling::read(body, &["messages"])?;
+    chat_sampling(body)?;
     let (messages, _images) = chat_messages(body)?;
     let (_, model) = open_model_or_only(body)?;
     Ok(api::to_json(&api::TemplatedPrompt { prompt: chat_template(&model, &messages)? }))
@@ -246,7 +267,7 @@ fn media_prompt(name: &str, model: &Model, prompt: &str, images: Vec<Input>) -> 
     let media = MediaContext::open(&projector, model)?;
     let prompt = prompt.replace(vision::MARKER, &media.marker());
     let chunks = media.tokenize(&prompt, &images).map_err(|e| too_long(e, "messages"))?;
-    Ok(Prompt::Media { chunks, media })
+    Ok(Prompt::Media(std::rc::Rc::new(MediaPrompt { chunks, media })))
 }
 
 /// One message for the chat template: roles as the template knows them, text parts
@@ -288,18 +309,26 @@ fn chat_message(i: usize, m: Message, images: &mut Vec<Input>) -> Result<ChatMes
 
 /// `POST /v1/completions`.
 fn completion(body: &Object) -> Result<Reply, ApiError> {
-    let sampling = Sampling::read(body, &["prompt"])?;
+    let mut sampling = Sampling::read(body, &["prompt", "logprobs"])?;
+    // Text completions' `logprobs` is the number of alternatives, OpenAI's 0 to 5.
+    sampling.logprobs = body.get::<u32>("logprobs")?;
+    if let Some(n) = sampling.logprobs.filter(|&n| n > MAX_TEXT_LOGPROBS) {
+        return Err(ApiError::invalid(format!("'logprobs' {n} must be between 0 and {MAX_TEXT_LOGPROBS}"), Some("logprobs")));
+    }
     let prompt: api::Prompt = body.require("prompt")?;
     let (name, model) = open_model(body)?;
-    let tokens = match prompt {
+    let prompts = match prompt {
+        api::Prompt::Texts(texts) if texts.is_empty() => return Err(ApiError::invalid("'prompt' is an empty list", Some("prompt"))),
+        api::Prompt::TokenLists(lists) if lists.is_empty() => return Err(ApiError::invalid("'prompt' is an empty list", Some("prompt"))),
         // Plain text, as OpenAI reads it: special-token text is not parsed (send token ids for that).
-        api::Prompt::Text(text) => tokenize(&model, &text, true, false, "prompt")?,
-        api::Prompt::Texts(texts) if texts.len() == 1 => tokenize(&model, &texts[0], true, false, "prompt")?,
-        api::Prompt::Texts(_) => return Err(ApiError::invalid("Only one prompt per request is served", Some("prompt"))),
-        api::Prompt::Tokens(tokens) => checked_tokens(&model, tokens, "prompt")?,
+        api::Prompt::Text(text) => vec![tokenize(&model, &text, true, false, "prompt")?],
+        api::Prompt::Texts(texts) => texts.iter().map(|t| tokenize(&model, t, true, false, "prompt")).collect::<Result<_, _>>()?,
+        api::Prompt::Tokens(tokens) => vec![checked_tokens(&model, tokens, "prompt")?],
+        api::Prompt::TokenLists(lists) => lists.into_iter().map(|t| checked_tokens(&model, t, "prompt")).collect::<Result<_, _>>()?,
     };
-    let run = Run::start(model, Prompt::Tokens(tokens), &sampling, "prompt")?;
-    finish(run, Format { chat: false, id: new_id("cmpl"), created: now(), model: name }, &sampling)
+    let prompts: Vec<Prompt> = prompts.into_iter().map(Prompt::Tokens).collect();
+    let format = Format { chat: false, id: new_id("cmpl"), created: now(), model: name };
+    Choices::start(model, &prompts, &sampling, "prompt", format)?.finish()
 }
 
 /// Token ids from the request, each in the model's vocabulary.
@@ -328,17 +357,22 @@ enum Constraint {
 }
 
 /// The sampling fields chat and text completions share.
-struct Sampling {
-    max_tokens: Option<u32>,
+pub(crate) struct Sampling {
+    /// Choices per prompt (`n`), in [1, MAX_CHOICES].
+    pub n: u32,
+    /// Alternatives per token when log-probabilities were asked for (chat's
+    /// `logprobs` + `top_logprobs`, text's `logprobs`); set by the endpoint.
+    pub logprobs: Option<u32>,
+    pub max_tokens: Option<u32>,
     temperature: f32,
     top_p: f32,
     seed: Option<i64>,
-    stop: Vec<String>,
+    pub stop: Vec<String>,
     presence_penalty: f32,
     frequency_penalty: f32,
     logit_bias: Vec<(String, f32)>,
-    stream: bool,
-    include_usage: bool,
+    pub stream: bool,
+    pub include_usage: bool,
     /// llama-server's extras: 0 / 1.0 / 0 mean off, as there.
     top_k: u32,
     min_p: f32,
@@ -360,8 +394,8 @@ impl Sampling {
             v => Ok(v.unwrap_or(default)),
         };
         let n: u32 = body.get("n")?.unwrap_or(1);
-        if n != 1 {
-            return Err(ApiError::invalid("Only n = 1 is supported", Some("n")));
+        if n == 0 || n as usize > MAX_CHOICES {
+            return Err(ApiError::invalid(format!("'n' must be between 1 and {MAX_CHOICES}"), Some("n")));
         }
         // `max_completion_tokens` is the newer name of `max_tokens`.
         let (max_name, max_tokens) = match body.get::<u32>("max_completion_tokens")? {
@@ -396,6 +430,8 @@ impl Sampling {
             return Err(ApiError::invalid("'repeat_penalty' must be above 0", Some("repeat_penalty")));
         }
         Ok(Sampling {
+            n,
+            logprobs: None,
             top_k: body.get("top_k")?.unwrap_or(0),
             min_p: in_range("min_p", body.get("min_p")?, 0.0, 0.0, 1.0)?,
             typical_p: in_range("typical_p", body.get("typical_p")?, 1.0, 0.0, 1.0)?,
@@ -416,8 +452,10 @@ impl Sampling {
         })
     }
 
-    /// The host's sampler chain: greedy at temperature 0, else a seeded draw.
-    fn sampler(&self, model: &Model) -> Result<SamplerParams, ApiError> {
+    /// The host's sampler chain for choice `choice`: greedy at temperature 0, else a
+    /// seeded draw (each choice's seed one past the last one's, so that `n` choices
+    /// with a `seed` differ from each other and are each reproducible).
+    pub(crate) fn sampler(&self, model: &Model, choice: u32) -> Result<SamplerParams, ApiError> {
         let mut p = generate::greedy_sampler();
         if self.temperature > 0.0 {
             p.temperature = Some(self.temperature);
@@ -430,7 +468,7 @@ impl Sampling {
             p.min_p = (self.min_p > 0.0).then_some(self.min_p);
             p.typical_p = (self.typical_p > 0.0 && self.typical_p < 1.0).then_some(self.typical_p);
             // OpenAI's seed is any integer; the host's is 32 bits (the low ones are kept).
-            p.seed = self.seed.map(|s| s as u32);
+            p.seed = self.seed.map(|s| (s as u32).wrapping_add(choice));
         }
         let penalised = self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repeat_penalty != 1.0;
         if penalised && self.repeat_last_n > 0 {
@@ -479,211 +517,6 @@ fn constraint(body: &Object) -> Result<Constraint, ApiError> {
         (None, Some(text), None) => Ok(Constraint::Grammar(text)),
         (Some(schema), None, None) | (None, None, Some(schema)) => Ok(Constraint::JsonSchema(schema.to_string())),
         _ => Err(ApiError::invalid("Use one of 'response_format', 'grammar' and 'json_schema'", Some("response_format"))),
-    }
-}
-
-/// What a generation starts from.
-enum Prompt {
-    Tokens(Vec<i32>),
-    /// Text and images, evaluated into the context before generating.
-    Media { chunks: Vec<Chunk>, media: MediaContext },
-}
-
-/// A generation on the host, with what it needs alive. `begin` starts it: the prefill
-/// (and any image encode) runs after a stream's first event is out, so a client that
-/// hangs up then stops native work in flight.
-struct Run {
-    // Fields drop in order: the generation before the chunks, contexts, model and token.
-    generation: Option<Generation>,
-    /// Media chunks of the prompt (chunks before their projector's context).
-    media: Option<(Vec<Chunk>, MediaContext)>,
-    params: GenerateParams,
-    n_prompt: u32,
-    cancel: CancelToken,
-    ctx: Context,
-    _model: Model,
-}
-
-impl Run {
-    /// A context sized for the prompt and `max_tokens`, ready to `begin`. `param`
-    /// names the prompt's field in errors.
-    fn start(model: Model, prompt: Prompt, sampling: &Sampling, param: &str) -> Result<Run, ApiError> {
-        let cap = std::env::var("LLAMABOX_N_CTX").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(DEFAULT_N_CTX);
-        let limit = model.n_ctx_train().min(cap).max(1);
-        let n_prompt = match &prompt {
-            Prompt::Tokens(tokens) => tokens.len() as u32,
-            Prompt::Media { chunks, .. } => chunks.iter().map(|c| c.n_tokens()).sum(),
-        };
-        if n_prompt == 0 {
-            return Err(ApiError::invalid("The prompt is empty", Some(param)));
-        }
-        let too_long = |wanted: u32| {
-            let message = format!(
-                "This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens \
-                 ({n_prompt} in the prompt, {} for the completion). Please reduce the length of the prompt or completion.",
-                wanted - n_prompt
-            );
-            ApiError::invalid(message, Some(param)).with_code("context_length_exceeded")
-        };
-        let max_tokens = match sampling.max_tokens {
-            Some(n) if n_prompt + n > limit => return Err(too_long(n_prompt + n)),
-            Some(n) => n,
-            None if n_prompt >= limit => return Err(too_long(n_prompt + 1)),
-            None => (limit - n_prompt).min(MAX_GENERATE_TOKENS),
-        };
-        let n_ctx = (n_prompt + max_tokens).next_multiple_of(CONTEXT_STEP).min(limit);
-        let params = ContextParams { n_ctx: Some(n_ctx), n_batch: None, n_ubatch: None, n_seq_max: None, n_threads: None };
-        let ctx = Context::create(&model, params)?;
-        let cancel = CancelToken::create()?;
-        let (tokens, media) = match prompt {
-            Prompt::Tokens(tokens) => (tokens, None),
-            Prompt::Media { chunks, media } => (Vec::new(), Some((chunks, media))),
-        };
-        let sampler = sampling.sampler(&model)?;
-        let params = GenerateParams { prompt: tokens, seq: 0, max_tokens, stop: sampling.stop.clone(), sampler };
-        Ok(Run { generation: None, media, params, n_prompt, cancel, ctx, _model: model })
-    }
-
-    /// Evaluate the media prompt, if any, and start generating.
-    fn begin(&mut self) -> Result<(), ApiError> {
-        if self.generation.is_none() {
-            if let Some((chunks, media)) = &self.media {
-                let chunks: Vec<&Chunk> = chunks.iter().collect();
-                media.eval_chunks(&self.ctx, &chunks, 0, &self.cancel)?;
-            }
-            self.generation = Some(generate::start(&self.ctx, &self.params, &self.cancel)?);
-        }
-        Ok(())
-    }
-
-    /// The next piece's text; `None` once generation has ended.
-    fn next(&mut self) -> Result<Option<String>, ApiError> {
-        self.begin()?;
-        match &self.generation {
-            Some(generation) => Ok(generation.next()?.map(|piece| piece.text)),
-            None => Ok(None),
-        }
-    }
-
-    /// OpenAI's finish reason and the usage, once generation has ended.
-    fn outcome(&self) -> (&'static str, Usage) {
-        let reason = match self.generation.as_ref().and_then(|g| g.finish_reason()) {
-            Some(FinishReason::MaxTokens) => "length",
-            _ => "stop",
-        };
-        let usage = self.generation.as_ref().and_then(|g| g.usage());
-        let (completion_tokens, cached_tokens) = usage.map_or((0, 0), |u| (u.generated_tokens, u.cached_tokens));
-        // A media prompt was evaluated before the generation: count it here.
-        let prompt_tokens = self.n_prompt;
-        let prompt_tokens_details = api::PromptTokensDetails { cached_tokens };
-        (reason, Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens, prompt_tokens_details })
-    }
-}
-
-/// How a completion is written out: chat or text, and the fields every chunk repeats.
-struct Format {
-    chat: bool,
-    id: String,
-    created: u64,
-    model: String,
-}
-
-impl Format {
-    /// A whole completion (`finish` set) or one stream chunk (`finish` maybe `None`).
-    fn completion(&self, text: Option<&str>, finish: Option<&'static str>, usage: Option<Usage>, whole: bool) -> String {
-        let (id, created, model) = (self.id.as_str(), self.created, self.model.as_str());
-        if self.chat {
-            let object = if whole { "chat.completion" } else { "chat.completion.chunk" };
-            let delta = Delta { role: if whole { Some("assistant") } else { None }, content: text };
-            let choice = if whole {
-                ChatChoice { index: 0, message: Some(delta), delta: None, finish_reason: finish }
-            } else {
-                ChatChoice { index: 0, message: None, delta: Some(delta), finish_reason: finish }
-            };
-            api::to_json(&ChatCompletion { id, object, created, model, choices: vec![choice], usage })
-        } else {
-            let choice = TextChoice { index: 0, text: text.unwrap_or(""), logprobs: None, finish_reason: finish };
-            api::to_json(&TextCompletion { id, object: "text_completion", created, model, choices: vec![choice], usage })
-        }
-    }
-
-    /// The first chunk of a chat stream: the assistant's role, no text yet.
-    fn role_chunk(&self) -> String {
-        let delta = Delta { role: Some("assistant"), content: Some("") };
-        let choice = ChatChoice { index: 0, message: None, delta: Some(delta), finish_reason: None };
-        let chunk = ChatCompletion {
-            id: &self.id,
-            object: "chat.completion.chunk",
-            created: self.created,
-            model: &self.model,
-            choices: vec![choice],
-            usage: None,
-        };
-        api::to_json(&chunk)
-    }
-
-    /// The usage chunk of a stream (`stream_options.include_usage`): no choices.
-    fn usage_chunk(&self, usage: Usage) -> String {
-        let (id, created, model) = (self.id.as_str(), self.created, self.model.as_str());
-        if self.chat {
-            api::to_json(&ChatCompletion { id, object: "chat.completion.chunk", created, model, choices: vec![], usage: Some(usage) })
-        } else {
-            api::to_json(&TextCompletion { id, object: "text_completion", created, model, choices: vec![], usage: Some(usage) })
-        }
-    }
-}
-
-/// Collect the whole answer now, or hand back a stream to send.
-fn finish(mut run: Run, format: Format, sampling: &Sampling) -> Result<Reply, ApiError> {
-    if sampling.stream {
-        return Ok(Reply::Stream(Box::new(Stream { run, format, include_usage: sampling.include_usage })));
-    }
-    let mut text = String::new();
-    while let Some(piece) = run.next()? {
-        text.push_str(&piece);
-    }
-    let (reason, usage) = run.outcome();
-    Ok(Reply::Json(format.completion(Some(&text), Some(reason), Some(usage), true)))
-}
-
-/// A generation streamed as server-sent events.
-struct Stream {
-    run: Run,
-    format: Format,
-    include_usage: bool,
-}
-
-impl Stream {
-    /// Write each piece as it comes. A failed write means the client is gone: stop
-    /// at once (dropping the generation cancels it).
-    fn send(mut self, body: Body) {
-        if let Ok(last) = self.events(&body) {
-            let _ = body.finish_with(http::event(&last).as_bytes());
-        }
-    }
-
-    /// Every event but the last, which is returned: `[DONE]`, or an error.
-    fn events(&mut self, body: &Body) -> Result<String, Gone> {
-        let format = &self.format;
-        if format.chat {
-            body.event(&format.role_chunk())?;
-        }
-        loop {
-            match self.run.next() {
-                Ok(Some(piece)) if piece.is_empty() => {}
-                Ok(Some(piece)) => body.event(&format.completion(Some(&piece), None, None, false))?,
-                Ok(None) => break,
-                // Too late for an HTTP status: the error is the stream's last event.
-                Err(e) => return Ok(e.to_json()),
-            }
-        }
-        let (reason, usage) = self.run.outcome();
-        let last = if format.chat { format.completion(None, Some(reason), None, false) } else { format.completion(Some(""), Some(reason), None, false) };
-        body.event(&last)?;
-        if self.include_usage {
-            body.event(&format.usage_chunk(usage))?;
-        }
-        Ok("[DONE]".into())
     }
 }
 
@@ -803,10 +636,6 @@ fn now() -> u64 {
 mod tests {
     use super::*;
 
-    fn format(chat: bool) -> Format {
-        Format { chat, id: "x-1".into(), created: 7, model: "m".into() }
-    }
-
     #[test]
     fn embeddings_are_priced_before_they_run() {
         assert!(priced(MAX_EMBED_INPUTS, MAX_EMBED_TOTAL_TOKENS).is_ok());
@@ -818,41 +647,6 @@ mod tests {
     }
 
     #[test]
-    fn chat_json_shapes() {
-        let usage = Usage { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5, prompt_tokens_details: api::PromptTokensDetails { cached_tokens: 1 } };
-        let f = format(true);
-        assert_eq!(
-            f.completion(Some("hi"), Some("stop"), Some(usage), true),
-            r#"{"id":"x-1","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}}"#
-        );
-        assert_eq!(
-            f.role_chunk(),
-            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#
-        );
-        assert_eq!(
-            f.completion(Some("a"), None, None, false),
-            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}"#
-        );
-        assert_eq!(
-            f.completion(None, Some("length"), None, false),
-            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}"#
-        );
-        assert_eq!(
-            f.usage_chunk(usage),
-            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}}"#
-        );
-    }
-
-    #[test]
-    fn text_json_shapes() {
-        let f = format(false);
-        assert_eq!(
-            f.completion(Some("a"), None, None, false),
-            r#"{"id":"x-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null}]}"#
-        );
-    }
-
-    #[test]
     fn sampling_fields_are_checked() {
         let read = |json: &str| Sampling::read(&Object::parse(json.as_bytes()).unwrap(), &["messages"]);
         let s = read(r#"{"max_tokens":16,"temperature":0,"stop":"\n","stream":true,"stream_options":{"include_usage":true}}"#).unwrap();
@@ -860,7 +654,8 @@ mod tests {
         let s = read(r#"{"max_tokens":16,"max_completion_tokens":4,"stop":["a","b"]}"#).unwrap();
         assert_eq!((s.max_tokens, s.temperature, s.stop.len(), s.include_usage), (Some(4), 1.0, 2, false));
         for (json, param) in [
-            (r#"{"n":2}"#, "n"),
+            (r#"{"n":0}"#, "n"),
+            (r#"{"n":5}"#, "n"),
             (r#"{"temperature":3}"#, "temperature"),
             (r#"{"top_p":-1}"#, "top_p"),
             (r#"{"max_tokens":0}"#, "max_tokens"),
@@ -871,6 +666,7 @@ mod tests {
             (r#"{"logit_bias":{"1":200}}"#, "logit_bias"),
             (r#"{"stream":"yes"}"#, "stream"),
             (r#"{"logprobs":true}"#, "logprobs"),
+            (r#"{"top_logprobs":2}"#, "top_logprobs"),
             (r#"{"tools":[{"type":"function"}]}"#, "tools"),
             (r#"{"suffix":"x"}"#, "suffix"),
             (r#"{"best_of":2}"#, "best_of"),
@@ -883,6 +679,25 @@ mod tests {
         ] {
             let e = read(json).err().unwrap_or_else(|| panic!("{json} was accepted"));
             assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{json}");
+        }
+    }
+
+    #[test]
+    fn logprobs_fields_are_checked_per_endpoint() {
+        let body = |json: &str| Object::parse(json.as_bytes()).unwrap();
+        assert_eq!(chat_sampling(&body(r#"{"logprobs":true,"top_logprobs":3}"#)).unwrap().logprobs, Some(3));
+        assert_eq!(chat_sampling(&body(r#"{"logprobs":true}"#)).unwrap().logprobs, Some(0));
+        assert_eq!(chat_sampling(&body(r#"{"logprobs":false,"top_logprobs":null}"#)).unwrap().logprobs, None);
+        let chat = [(r#"{"top_logprobs":2}"#, "top_logprobs"), (r#"{"logprobs":true,"top_logprobs":21}"#, "top_logprobs"), (r#"{"logprobs":3}"#, "logprobs")];
+        for (json, param) in chat {
+            let e = chat_sampling(&body(json)).err().unwrap_or_else(|| panic!("{json} was accepted"));
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{json}");
+        }
+        // Text completions count alternatives (0 to 5), checked before any model is opened.
+        for json in [r#"{"logprobs":6,"prompt":"x"}"#, r#"{"logprobs":true,"prompt":"x"}"#, r#"{"top_logprobs":1,"prompt":"x"}"#] {
+            let e = completion(&body(json)).err().unwrap_or_else(|| panic!("{json} was accepted"));
+            assert_eq!(e.status, 400, "{json}");
+            assert!(e.param.as_deref().is_some_and(|p| p.ends_with("logprobs")), "{json}: {:?}", e.param);
         }
     }
 

@@ -6,7 +6,11 @@
 //! - `GET /v1/models`: the models named in `LLAMABOX_MODELS` (comma-separated).
 //! - `POST /v1/chat/completions`: formatted with the model's own chat template
 //!   (`generate.apply-chat-template`), streamed (server-sent events) or not.
-//! - `POST /v1/completions`: a plain-text prompt, streamed or not.
+//! - `POST /v1/completions`: plain-text or token prompts (several in one request),
+//!   streamed or not.
+//! - Both take `n` choices per prompt (at most 4 in all, one context each, which the
+//!   host batches into shared steps) and `logprobs` (the host's, from the model's
+//!   distribution before sampling).
 //! - `POST /v1/embeddings`: mean-pooled (or the model's own pooling), normalized vectors,
 //!   as `float` lists or `base64` (what the Python client asks for by default).
 //! - llama-server's `POST /tokenize` (`content`; `add_special` false, `parse_special`
@@ -43,6 +47,7 @@ wit_bindgen::generate!({
 });
 
 mod api;
+mod completions;
 mod vision;
 mod handlers;
 mod http;

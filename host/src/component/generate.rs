@@ -12,7 +12,7 @@ use wasmtime::component::Resource;
 use wasmtime_wasi::p2::{DynPollable, Pollable};
 
 use super::bindings::llamabox::inference::generate::{
-    ChatMessage, FinishReason, GenerateParams, Host, HostGeneration, HostSampler, Piece, SamplerParams, Usage,
+    ChatMessage, FinishReason, GenerateParams, Host, HostGeneration, HostSampler, Logprobs, Piece, SamplerParams, TokenLogprob, Usage,
 };
 use super::llm::{Backing, ContextHandle, ModelHandle};
 use super::pending::{finished, subscribe_shared};
@@ -83,7 +83,8 @@ impl Stream {
     async fn next(&mut self) -> Result<Option<Piece>, Error> {
         self.ready().await;
         if let Some(piece) = self.peeked.take() {
-            return Ok(Some(Piece { text: piece.text, tokens: piece.tokens }));
+            let logprobs = piece.logprobs.into_iter().map(wit_logprobs).collect();
+            return Ok(Some(Piece { text: piece.text, tokens: piece.tokens, logprobs }));
         }
         match &self.state {
             StreamState::Ended(Ok(_)) => Ok(None),
@@ -228,8 +229,16 @@ impl LlamaCtxView<'_> {
         if let Some(s) = params.stop.iter().find(|s| s.len() > l.max_stop_bytes) {
             return over(format!("a stop string of {} bytes is above max-stop-bytes {}", s.len(), l.max_stop_bytes));
         }
+        if let Some(n) = params.logprobs.filter(|&n| n > native::MAX_TOP_LOGPROBS) {
+            return Err(Error::InvalidArgument(format!("logprobs {n} is outside [0, {}]", native::MAX_TOP_LOGPROBS)));
+        }
         Ok(())
     }
+}
+
+fn wit_logprobs(p: native::TokenLogprob) -> Logprobs {
+    let entry = |(token, logprob)| TokenLogprob { token, logprob };
+    Logprobs { chosen: entry((p.token, p.logprob)), top: p.top.into_iter().map(entry).collect() }
 }
 
 fn native_sampler_params(p: SamplerParams) -> native::SamplerParams {
@@ -311,6 +320,7 @@ impl Host for LlamaCtxView<'_> {
             seq: params.seq,
             max_tokens: params.max_tokens,
             stop: params.stop,
+            logprobs: params.logprobs,
         };
         let (tx, rx) = mpsc::channel(PIECE_BUFFER);
         let call = match &self.table.get(&ctx)?.backing {

@@ -1252,7 +1252,7 @@ mod tests {
     }
 
     fn request(prompt: Vec<Token>, max_tokens: u32) -> GenerateRequest {
-        GenerateRequest { prompt, seq: 0, max_tokens, stop: Vec::new() }
+        GenerateRequest { prompt, seq: 0, max_tokens, stop: Vec::new(), logprobs: None }
     }
 
     /// Tokens a generation on a context of its own picks.

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::cancel::Stop;
 use super::context::{Batch, Context, PromptPiece};
+use super::logprobs::{token_logprob, TokenLogprob, MAX_TOP_LOGPROBS};
 use super::model::Token;
 use super::sampler::Sampler;
 use super::{Error, Result};
@@ -36,6 +37,9 @@ pub struct GenerateRequest {
     /// Generation ends when the text contains one of these; the stop string and
     /// anything after it are not delivered as text (their tokens are, see `Piece`).
     pub stop: Vec<String>,
+    /// Report each delivered token's log-probability and this many most likely
+    /// alternatives (at most [`MAX_TOP_LOGPROBS`]); `None`: none.
+    pub logprobs: Option<u32>,
 }
 
 /// One step of output: the tokens delivered and the text released with them.
@@ -43,10 +47,12 @@ pub struct GenerateRequest {
 /// `text` is always whole UTF-8: bytes of a character split across tokens, and text
 /// that may be the start of a stop string, are held back and released with a later
 /// piece (or the final one). Invalid UTF-8 from the model becomes U+FFFD.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Piece {
     pub text: String,
     pub tokens: Vec<Token>,
+    /// One per token when the request asked for log-probabilities, else empty.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,6 +104,9 @@ pub fn check_request(model: &std::sync::Arc<super::Model>, sampler: &Sampler, re
     if let Some(i) = request.stop.iter().position(String::is_empty) {
         return Err(Error::InvalidArgument(format!("stop string {i} is empty")));
     }
+    if let Some(n) = request.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+        return Err(Error::InvalidArgument(format!("logprobs {n} is above {MAX_TOP_LOGPROBS}")));
+    }
     if !std::sync::Arc::ptr_eq(sampler.model(), model) {
         return Err(Error::InvalidArgument("the sampler was made for another model".into()));
     }
@@ -116,6 +125,10 @@ pub fn nothing_to_continue() -> Error {
 pub struct TokenLoop {
     model: std::sync::Arc<super::Model>,
     max_tokens: u32,
+    /// Alternatives to report per token, when log-probabilities were asked for.
+    logprobs: Option<u32>,
+    /// The log-probability of the token [`TokenLoop::pick`] chose, for its piece.
+    picked: Option<TokenLogprob>,
     text: TextStream,
     usage: Usage,
     /// Where the next token goes in the sequence.
@@ -139,7 +152,8 @@ impl TokenLoop {
     /// took `prefill`; the next token goes at `pos`.
     pub fn new(model: std::sync::Arc<super::Model>, request: &GenerateRequest, pos: i32, prompt_tokens: u32, cached_tokens: u32, prefill: Duration) -> Self {
         let usage = Usage { prompt_tokens, cached_tokens, prefill, ..Usage::default() };
-        Self { model, max_tokens: request.max_tokens, text: TextStream::new(&request.stop), usage, pos, in_flight: false, started: Instant::now() }
+        let text = TextStream::new(&request.stop);
+        Self { model, max_tokens: request.max_tokens, logprobs: request.logprobs, picked: None, text, usage, pos, in_flight: false, started: Instant::now() }
     }
 
     pub fn pos(&self) -> i32 {
@@ -152,6 +166,8 @@ impl TokenLoop {
             return Ok(Pick::Finish(FinishReason::MaxTokens));
         }
         let token = sampler.sample(logits)?;
+        // From the logits as the model left them: `sample` works on a copy.
+        self.picked = self.logprobs.map(|top| token_logprob(logits, token, top));
         Ok(if self.model.is_eog(token) { Pick::Finish(FinishReason::EndOfGeneration) } else { Pick::Decode(token) })
     }
 
@@ -160,7 +176,8 @@ impl TokenLoop {
     pub fn decoded(&mut self, token: Token) -> Result<(Piece, Option<FinishReason>)> {
         let (text, matched) = self.text.push(&self.model.token_to_piece(token, false)?);
         self.in_flight = true;
-        Ok((Piece { text, tokens: vec![token] }, matched.map(|index| FinishReason::Stop { index: index as u32 })))
+        let logprobs = self.picked.take().filter(|p| p.token == token).into_iter().collect();
+        Ok((Piece { text, tokens: vec![token], logprobs }, matched.map(|index| FinishReason::Stop { index: index as u32 })))
     }
 
     pub fn delivered(&mut self) {
@@ -172,7 +189,7 @@ impl TokenLoop {
     /// Text still held back (after an error, or at the end).
     pub fn flush(&mut self) -> Option<Piece> {
         let text = self.text.flush();
-        (!text.is_empty()).then(|| Piece { text, tokens: Vec::new() })
+        (!text.is_empty()).then(|| Piece { text, ..Piece::default() })
     }
 
     /// The outcome, once `finish` is decided and the held-back text flushed.

@@ -1,0 +1,469 @@
+//! Completions on the host: the runs behind one request's choices (`n` per prompt, each
+//! on a context of its own, which the host batches into shared steps), and how they are
+//! written out, whole or streamed, with their log-probabilities.
+
+use std::rc::Rc;
+
+use crate::api::{self, ApiError, ChatChoice, Choice, Completion, Delta, TextChoice, Usage};
+use crate::handlers::{Reply, Sampling, CONTEXT_STEP, DEFAULT_N_CTX, MAX_GENERATE_TOKENS};
+use crate::http::{self, Body, Gone};
+use crate::llamabox::inference::cancel::CancelToken;
+use crate::llamabox::inference::generate::{self, FinishReason, GenerateParams, Generation, Logprobs, Piece};
+use crate::llamabox::inference::llm::{Context, ContextParams, Model};
+use crate::llamabox::inference::media::{Chunk, MediaContext};
+
+/// Most choices one request may ask for (`n` × prompts): each needs a context, and
+/// the host's default `max-contexts` per run is 4.
+pub const MAX_CHOICES: usize = 4;
+
+/// OpenAI's floor for a log-probability: a token the model gives no chance at all
+/// (JSON has no -inf).
+const LOGPROB_FLOOR: f32 = -9999.0;
+
+/// What a generation starts from.
+pub enum Prompt {
+    Tokens(Vec<i32>),
+    /// Text and images, evaluated into each choice's context before it generates.
+    Media(Rc<MediaPrompt>),
+}
+
+pub struct MediaPrompt {
+    // Chunks drop before their projector's context.
+    pub chunks: Vec<Chunk>,
+    pub media: MediaContext,
+}
+
+/// One choice's generation on the host, with what it needs alive. `begin` starts it:
+/// the prefill (and any image encode) runs after a stream's first event is out, so a
+/// client that hangs up then stops native work in flight.
+struct Run {
+    // Fields drop in order: the generation before the chunks, context and token.
+    generation: Option<Generation>,
+    media: Option<Rc<MediaPrompt>>,
+    params: GenerateParams,
+    /// Which of the request's prompts this choice continues (its tokens count once).
+    prompt: usize,
+    n_prompt: u32,
+    cancel: CancelToken,
+    ctx: Context,
+}
+
+impl Run {
+    /// A context sized for the prompt and `max_tokens`, ready to `begin`. `param`
+    /// names the prompt's field in errors; `choice` varies the seed between choices.
+    fn start(model: &Model, prompt: &Prompt, index: usize, sampling: &Sampling, param: &str, choice: u32) -> Result<Run, ApiError> {
+        let cap = std::env::var("LLAMABOX_N_CTX").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(DEFAULT_N_CTX);
+        let limit = model.n_ctx_train().min(cap).max(1);
+        let n_prompt = match prompt {
+            Prompt::Tokens(tokens) => tokens.len() as u32,
+            Prompt::Media(m) => m.chunks.iter().map(|c| c.n_tokens()).sum(),
+        };
+        if n_prompt == 0 {
+            return Err(ApiError::invalid("The prompt is empty", Some(param)));
+        }
+        let too_long = |wanted: u32| {
+            let message = format!(
+                "This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens \
+                 ({n_prompt} in the prompt, {} for the completion). Please reduce the length of the prompt or completion.",
+                wanted - n_prompt
+            );
+            ApiError::invalid(message, Some(param)).with_code("context_length_exceeded")
+        };
+        let max_tokens = match sampling.max_tokens {
+            Some(n) if n_prompt + n > limit => return Err(too_long(n_prompt + n)),
+            Some(n) => n,
+            None if n_prompt >= limit => return Err(too_long(n_prompt + 1)),
+            None => (limit - n_prompt).min(MAX_GENERATE_TOKENS),
+        };
+        let n_ctx = (n_prompt + max_tokens).next_multiple_of(CONTEXT_STEP).min(limit);
+        let params = ContextParams { n_ctx: Some(n_ctx), n_batch: None, n_ubatch: None, n_seq_max: None, n_threads: None };
+        let ctx = Context::create(model, params)?;
+        let cancel = CancelToken::create()?;
+        let (tokens, media) = match prompt {
+            Prompt::Tokens(tokens) => (tokens.clone(), None),
+            Prompt::Media(m) => (Vec::new(), Some(m.clone())),
+        };
+        let sampler = sampling.sampler(model, choice)?;
+        let params = GenerateParams { prompt: tokens, seq: 0, max_tokens, stop: sampling.stop.clone(), sampler, logprobs: sampling.logprobs };
+        Ok(Run { generation: None, media, params, prompt: index, n_prompt, cancel, ctx })
+    }
+
+    /// Evaluate the media prompt, if any, and start generating.
+    fn begin(&mut self) -> Result<(), ApiError> {
+        if self.generation.is_none() {
+            if let Some(m) = &self.media {
+                let chunks: Vec<&Chunk> = m.chunks.iter().collect();
+                m.media.eval_chunks(&self.ctx, &chunks, 0, &self.cancel)?;
+            }
+            self.generation = Some(generate::start(&self.ctx, &self.params, &self.cancel)?);
+        }
+        Ok(())
+    }
+
+    /// The next piece; `None` once generation has ended.
+    fn next(&mut self) -> Result<Option<Piece>, ApiError> {
+        self.begin()?;
+        match &self.generation {
+            Some(generation) => Ok(generation.next()?),
+            None => Ok(None),
+        }
+    }
+
+    /// OpenAI's finish reason, once generation has ended.
+    fn finish_reason(&self) -> &'static str {
+        match self.generation.as_ref().and_then(|g| g.finish_reason()) {
+            Some(FinishReason::MaxTokens) => "length",
+            _ => "stop",
+        }
+    }
+}
+
+/// How a completion is written out: chat or text, and the fields every chunk repeats.
+pub struct Format {
+    pub chat: bool,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+/// What one choice adds in one chunk (or holds, whole): text and its tokens' logprobs.
+#[derive(Default)]
+struct Addition {
+    text: String,
+    logprobs: Vec<Logprobs>,
+}
+
+impl Format {
+    /// Choice `index` of a whole answer, or what one stream chunk says of it (`finish`
+    /// set on its last).
+    fn choice<'a>(&self, index: u32, text: Option<&'a str>, logprobs: Option<TokenLogprobs>, finish: Option<&'static str>, whole: bool) -> Choice<'a> {
+        match logprobs {
+            _ if self.chat => {
+                let logprobs = match logprobs {
+                    Some(TokenLogprobs::Chat(l)) => Some(l),
+                    _ => None,
+                };
+                let delta = Delta { role: whole.then_some("assistant"), content: text };
+                let (message, delta) = if whole { (Some(delta), None) } else { (None, Some(delta)) };
+                Choice::Chat(ChatChoice { index, message, delta, logprobs, finish_reason: finish })
+            }
+            Some(TokenLogprobs::Text(l)) => Choice::Text(TextChoice { index, text: text.unwrap_or(""), logprobs: Some(l), finish_reason: finish }),
+            _ => Choice::Text(TextChoice { index, text: text.unwrap_or(""), logprobs: None, finish_reason: finish }),
+        }
+    }
+
+    /// The log-probabilities of `add`'s tokens in this format's shape, when asked for.
+    fn logprobs(&self, model: &Model, add: &Addition, offsets: &mut Offsets) -> Result<Option<TokenLogprobs>, ApiError> {
+        if !offsets.asked {
+            return Ok(None);
+        }
+        Ok(Some(if self.chat {
+            TokenLogprobs::Chat(chat_logprobs(model, &add.logprobs)?)
+        } else {
+            TokenLogprobs::Text(text_logprobs(model, &add.logprobs, &mut offsets.text)?)
+        }))
+    }
+
+    /// A whole completion, or one stream chunk.
+    fn json(&self, choices: Vec<Choice>, usage: Option<Usage>, whole: bool) -> String {
+        let object = match (self.chat, whole) {
+            (true, true) => "chat.completion",
+            (true, false) => "chat.completion.chunk",
+            (false, _) => "text_completion",
+        };
+        api::to_json(&Completion { id: &self.id, object, created: self.created, model: &self.model, choices, usage })
+    }
+
+    /// The first chunk of choice `index` of a chat stream: the assistant's role, no text yet.
+    fn role_chunk(&self, index: u32) -> String {
+        let delta = Delta { role: Some("assistant"), content: Some("") };
+        self.json(vec![Choice::Chat(ChatChoice { index, message: None, delta: Some(delta), logprobs: None, finish_reason: None })], None, false)
+    }
+
+    /// The usage chunk of a stream (`stream_options.include_usage`): no choices.
+    fn usage_chunk(&self, usage: Usage) -> String {
+        self.json(vec![], Some(usage), false)
+    }
+}
+
+/// A choice's `logprobs`, chat's or text's.
+enum TokenLogprobs {
+    Chat(api::ChatLogprobs),
+    Text(api::TextLogprobs),
+}
+
+/// Where a choice's text stands, for text completions' `text_offset`, and whether
+/// log-probabilities were asked for at all (else `logprobs` is `null`).
+#[derive(Clone, Copy, Default)]
+struct Offsets {
+    asked: bool,
+    text: u32,
+}
+
+/// A token as OpenAI shows it: its text (invalid UTF-8 as U+FFFD) and its bytes.
+fn token_text(model: &Model, token: i32) -> Result<(String, Vec<u8>), ApiError> {
+    let bytes = model.token_to_piece(token, false)?;
+    Ok((String::from_utf8_lossy(&bytes).into_owned(), bytes))
+}
+
+fn floor(logprob: f32) -> f32 {
+    if logprob.is_nan() { LOGPROB_FLOOR } else { logprob.max(LOGPROB_FLOOR) }
+}
+
+/// Chat's `logprobs.content`: each token with its bytes and its alternatives.
+fn chat_logprobs(model: &Model, all: &[Logprobs]) -> Result<api::ChatLogprobs, ApiError> {
+    let entry = |token: i32, logprob: f32| -> Result<api::TopLogprob, ApiError> {
+        let (token, bytes) = token_text(model, token)?;
+        Ok(api::TopLogprob { token, logprob: floor(logprob), bytes })
+    };
+    let content = all
+        .iter()
+        .map(|l| {
+            let chosen = entry(l.chosen.token, l.chosen.logprob)?;
+            let top_logprobs = l.top.iter().map(|t| entry(t.token, t.logprob)).collect::<Result<_, _>>()?;
+            Ok(api::ChatTokenLogprob { token: chosen.token, logprob: chosen.logprob, bytes: chosen.bytes, top_logprobs })
+        })
+        .collect::<Result<_, ApiError>>()?;
+    Ok(api::ChatLogprobs { content, refusal: None })
+}
+
+/// Text completions' `logprobs`: parallel lists, offsets counted in characters from the
+/// start of the completion (`offset` carries on across a stream's chunks).
+fn text_logprobs(model: &Model, all: &[Logprobs], offset: &mut u32) -> Result<api::TextLogprobs, ApiError> {
+    let mut out = api::TextLogprobs::default();
+    for l in all {
+        let (text, _) = token_text(model, l.chosen.token)?;
+        out.text_offset.push(*offset);
+        *offset += text.chars().count() as u32;
+        out.tokens.push(text);
+        out.token_logprobs.push(floor(l.chosen.logprob));
+        let top = l.top.iter().map(|t| Ok((token_text(model, t.token)?.0, floor(t.logprob)))).collect::<Result<_, ApiError>>()?;
+        out.top_logprobs.push(api::TopMap(top));
+    }
+    Ok(out)
+}
+
+/// The choices of one request: every prompt × `n`, running side by side on the host.
+pub struct Choices {
+    // The runs (and their contexts) drop before the model.
+    runs: Vec<Run>,
+    model: Model,
+    format: Format,
+    logprobs: bool,
+    stream: bool,
+    include_usage: bool,
+}
+
+impl Choices {
+    /// `n` runs (`sampling.n`) for each prompt, each on a context of its own: at most
+    /// [`MAX_CHOICES`] in all, else a 400 naming `n` (or `param`, for many prompts).
+    pub fn start(model: Model, prompts: &[Prompt], sampling: &Sampling, param: &str, format: Format) -> Result<Choices, ApiError> {
+        let total = prompts.len() * sampling.n as usize;
+        if total > MAX_CHOICES {
+            let message = format!("{} prompts × n = {} asks for {total} choices: at most {MAX_CHOICES} per request", prompts.len(), sampling.n);
+            return Err(ApiError::invalid(message, Some(if prompts.len() > 1 { param } else { "n" })));
+        }
+        let mut runs = Vec::with_capacity(total);
+        for (index, prompt) in prompts.iter().enumerate() {
+            for choice in 0..sampling.n {
+                runs.push(Run::start(&model, prompt, index, sampling, param, choice)?);
+            }
+        }
+        let (logprobs, stream, include_usage) = (sampling.logprobs.is_some(), sampling.stream, sampling.include_usage);
+        Ok(Choices { runs, model, format, logprobs, stream, include_usage })
+    }
+
+    /// The usage of every run: each prompt counted once (and its cached tokens with it),
+    /// every choice's generated tokens.
+    fn usage(&self) -> Usage {
+        let (mut prompt_tokens, mut completion_tokens, mut cached_tokens) = (0, 0, 0);
+        for (i, run) in self.runs.iter().enumerate() {
+            let usage = run.generation.as_ref().and_then(|g| g.usage());
+            completion_tokens += usage.map_or(0, |u| u.generated_tokens);
+            if i == 0 || self.runs[i - 1].prompt != run.prompt {
+                // A media prompt was evaluated before the generation: count it here.
+                prompt_tokens += run.n_prompt;
+                cached_tokens += usage.map_or(0, |u| u.cached_tokens);
+            }
+        }
+        let prompt_tokens_details = api::PromptTokensDetails { cached_tokens };
+        Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens, prompt_tokens_details }
+    }
+
+    /// Start every run, then take one piece from each live run in turn (the host steps
+    /// them together), telling `event` of each piece and each run's end, with the
+    /// choice's index.
+    fn drive(&mut self, mut event: impl FnMut(&Self, u32, Event) -> Result<(), ApiError>) -> Result<(), ApiError> {
+        for run in &mut self.runs {
+            run.begin()?;
+        }
+        let mut live: Vec<usize> = (0..self.runs.len()).collect();
+        while !live.is_empty() {
+            let mut still = Vec::with_capacity(live.len());
+            for i in live {
+                match self.runs[i].next()? {
+                    Some(piece) => {
+                        event(self, i as u32, Event::Piece(Addition { text: piece.text, logprobs: piece.logprobs }))?;
+                        still.push(i);
+                    }
+                    None => event(self, i as u32, Event::Ended)?,
+                }
+            }
+            live = still;
+        }
+        Ok(())
+    }
+
+    /// The whole answer now, or a stream to send.
+    pub fn finish(mut self) -> Result<Reply, ApiError> {
+        if self.stream {
+            return Ok(Reply::Stream(Box::new(Stream { choices: self })));
+        }
+        let mut whole: Vec<Addition> = (0..self.runs.len()).map(|_| Addition::default()).collect();
+        self.drive(|_, i, event| {
+            if let Event::Piece(add) = event {
+                let all = &mut whole[i as usize];
+                all.text.push_str(&add.text);
+                all.logprobs.extend(add.logprobs);
+            }
+            Ok(())
+        })?;
+        let mut choices = Vec::with_capacity(whole.len());
+        for (i, add) in whole.iter().enumerate() {
+            let logprobs = self.format.logprobs(&self.model, add, &mut Offsets { asked: self.logprobs, text: 0 })?;
+            let reason = Some(self.runs[i].finish_reason());
+            choices.push(self.format.choice(i as u32, Some(&add.text), logprobs, reason, true));
+        }
+        Ok(Reply::Json(self.format.json(choices, Some(self.usage()), true)))
+    }
+}
+
+/// What [`Choices::drive`] reports of a run.
+enum Event {
+    Piece(Addition),
+    Ended,
+}
+
+/// Generations streamed as server-sent events.
+pub struct Stream {
+    choices: Choices,
+}
+
+impl Stream {
+    /// Write each piece as it comes. A failed write means the client is gone: stop
+    /// at once (dropping the generations cancels them).
+    pub fn send(mut self, body: Body) {
+        if let Ok(last) = self.events(&body) {
+            let _ = body.finish_with(http::event(&last).as_bytes());
+        }
+    }
+
+    /// Every event but the last, which is returned: `[DONE]`, or an error.
+    fn events(&mut self, body: &Body) -> Result<String, Gone> {
+        let choices = &mut self.choices;
+        if choices.format.chat {
+            for i in 0..choices.runs.len() {
+                body.event(&choices.format.role_chunk(i as u32))?;
+            }
+        }
+        let mut offsets = vec![Offsets { asked: choices.logprobs, text: 0 }; choices.runs.len()];
+        // A failed write is kept aside: the runs' loop only knows ApiError.
+        let mut gone = None;
+        let driven = choices.drive(|c, i, event| {
+            let json = match event {
+                Event::Piece(add) if add.text.is_empty() && add.logprobs.is_empty() => return Ok(()),
+                Event::Piece(add) => {
+                    let logprobs = c.format.logprobs(&c.model, &add, &mut offsets[i as usize])?;
+                    c.format.json(vec![c.format.choice(i, Some(&add.text), logprobs, None, false)], None, false)
+                }
+                Event::Ended => {
+                    // Chat ends a choice with an empty delta, text with empty text.
+                    let reason = Some(c.runs[i as usize].finish_reason());
+                    let text = (!c.format.chat).then_some("");
+                    c.format.json(vec![c.format.choice(i, text, None, reason, false)], None, false)
+                }
+            };
+            body.event(&json).map_err(|g| {
+                gone = Some(g);
+                ApiError::invalid("the client is gone", None)
+            })
+        });
+        if let Some(g) = gone {
+            return Err(g);
+        }
+        if let Err(e) = driven {
+            // Too late for an HTTP status: the error is the stream's last event.
+            return Ok(e.to_json());
+        }
+        if choices.include_usage {
+            body.event(&choices.format.usage_chunk(choices.usage()))?;
+        }
+        Ok("[DONE]".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn format(chat: bool) -> Format {
+        Format { chat, id: "x-1".into(), created: 7, model: "m".into() }
+    }
+
+    #[test]
+    fn chat_json_shapes() {
+        let usage = Usage { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5, prompt_tokens_details: api::PromptTokensDetails { cached_tokens: 1 } };
+        let f = format(true);
+        assert_eq!(
+            f.json(vec![f.choice(0, Some("hi"), None, Some("stop"), true), f.choice(1, Some("yo"), None, Some("length"), true)], Some(usage), true),
+            r#"{"id":"x-1","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"logprobs":null,"finish_reason":"stop"},{"index":1,"message":{"role":"assistant","content":"yo"},"logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}}"#
+        );
+        assert_eq!(
+            f.role_chunk(2),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":2,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#
+        );
+        assert_eq!(
+            f.json(vec![f.choice(0, Some("hi"), None, None, false)], None, false),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":null}]}"#
+        );
+        assert_eq!(
+            f.json(vec![f.choice(0, None, None, Some("length"), false)], None, false),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"length"}]}"#
+        );
+        assert_eq!(
+            f.usage_chunk(usage),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}}"#
+        );
+    }
+
+    #[test]
+    fn text_json_shapes() {
+        let f = format(false);
+        assert_eq!(
+            f.json(vec![f.choice(3, Some("a"), None, None, false)], None, false),
+            r#"{"id":"x-1","object":"text_completion","created":7,"model":"m","choices":[{"index":3,"text":"a","logprobs":null,"finish_reason":null}]}"#
+        );
+    }
+
+    #[test]
+    fn logprob_shapes_and_the_floor() {
+        let top = api::TopMap(vec![("b".into(), -0.5), ("a".into(), -1.0)]);
+        assert_eq!(serde_json::to_string(&top).unwrap(), r#"{"b":-0.5,"a":-1.0}"#, "most likely first, not sorted by key");
+        assert_eq!((floor(f32::NEG_INFINITY), floor(f32::NAN), floor(-0.25)), (LOGPROB_FLOOR, LOGPROB_FLOOR, -0.25));
+        let text = api::TextLogprobs { tokens: vec!["a".into()], token_logprobs: vec![-0.5], top_logprobs: vec![top], text_offset: vec![0] };
+        let f = format(false);
+        assert_eq!(
+            f.json(vec![f.choice(0, Some("a"), Some(TokenLogprobs::Text(text)), None, false)], None, false),
+            r#"{"id":"x-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"a","logprobs":{"tokens":["a"],"token_logprobs":[-0.5],"top_logprobs":[{"b":-0.5,"a":-1.0}],"text_offset":[0]},"finish_reason":null}]}"#
+        );
+        let chat = api::ChatLogprobs {
+            content: vec![api::ChatTokenLogprob { token: "é".into(), logprob: -0.1, bytes: "é".into(), top_logprobs: vec![] }],
+            refusal: None,
+        };
+        let f = format(true);
+        assert_eq!(
+            f.json(vec![f.choice(0, Some("é"), Some(TokenLogprobs::Chat(chat)), None, false)], None, false),
+            r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":"é"},"logprobs":{"content":[{"token":"é","logprob":-0.1,"bytes":[195,169],"top_logprobs":[]}],"refusal":null},"finish_reason":null}]}"#
+        );
+    }
+}
