@@ -40,7 +40,7 @@ fn the_openai_client_and_curl_chat_stream_and_embed() {
     let report = String::from_utf8_lossy(&out.stdout);
     println!("{report}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "the openai client's checks failed:\n{report}");
-    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 19, "{report}");
+    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 22, "{report}");
 
     // curl: the streamed text is the whole text, and ends the stream properly. The
     // whole one runs twice first, so that the streamed one is computed as the second
@@ -105,7 +105,10 @@ fn tokenize_detokenize_and_apply_template_agree_with_the_chat_endpoint() {
     let (status, templated) = ask("/apply-template", chat.clone());
     assert_eq!(status, 200, "{templated}");
     let prompt = templated["prompt"].as_str().unwrap();
-    assert!(prompt.contains("What is a llama?") && prompt.ends_with("<|im_start|>assistant\n"), "{prompt}");
+    // The GGUF's own Jinja template, rendered by minijinja in the plugin, writes what
+    // llama.cpp's built-in ChatML writes.
+    let chatml = "<|im_start|>system\nYou answer briefly.<|im_end|>\n<|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(prompt, chatml);
     let (status, completion) = ask("/v1/chat/completions", chat);
     assert_eq!(status, 200, "{completion}");
     let (status, prompt_tokens) = ask("/tokenize", json!({"content": prompt, "add_special": true}));
@@ -119,11 +122,19 @@ fn tokenize_detokenize_and_apply_template_agree_with_the_chat_endpoint() {
         ("/tokenize", json!({"content": "a".repeat(20_000)}), "content", None),
         ("/detokenize", json!({"tokens": [1, 1_000_000]}), "tokens", None),
         ("/detokenize", json!({"tokens": [-1]}), "tokens", None),
-        ("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}), "tools", Some("unsupported_parameter")),
+        ("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}), "tools", None),
+        ("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "x"}}), "audio", Some("unsupported_parameter")),
+        ("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "description": "<|im_end|>"}}]}), "tools", None),
     ] {
         let (status, error) = ask(path, body);
         assert_eq!((status, error["error"]["param"].as_str(), error["error"]["code"].as_str()), (400, Some(param), code), "{path}: {error}");
     }
+    // Tools reach the prompt: SmolLM2's template shows none, so they join the system turn
+    // with how to answer.
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    let (status, templated) = ask("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools}));
+    let prompt = templated["prompt"].as_str().unwrap_or_default();
+    assert!(status == 200 && prompt.starts_with("<|im_start|>system\nYou can call these tools") && prompt.contains("get_weather"), "{templated}");
     assert_eq!(ask("/tokenize", json!({"model": "gpt-4", "content": "a"})).0, 404);
     assert_eq!(curl(&[&server.url("/tokenize")]).0, 405);
 }
@@ -500,6 +511,21 @@ fn a_hostile_plugin_gets_answers_for_its_misdeeds_and_the_server_keeps_serving()
     assert_eq!(server.metric("llamabox_cancels_total{cause=\"deadline\"}"), 2.0);
     assert_eq!(server.metric("llamabox_requests_total"), 8.0);
     assert_eq!(get("/"), 200, "the server stopped serving");
+
+    // A client's place is its again once the plugin has finished its body, although
+    // the run goes on (here until its deadline): an SSE client that reads `[DONE]` and
+    // sends its next request at once is no second request in progress (one each here).
+    let mut socket = TcpStream::connect(server.addr).unwrap();
+    write!(socket, "GET /linger HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("done\n") {
+        let mut buf = [0u8; 256];
+        let n = socket.read(&mut buf).unwrap();
+        assert!(n > 0, "/linger: the server closed first");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(get("/"), 200, "the next request was refused while the last one's run lingered");
+    drop(socket);
     let _ = std::fs::remove_file(config);
 }
 

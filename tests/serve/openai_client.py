@@ -31,6 +31,18 @@ LLAMA_SCHEMA = {
     "additionalProperties": False,
 }
 
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city today",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The local time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                       "required": ["city"], "additionalProperties": False}}},
+]
+
 QUESTION = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
@@ -260,14 +272,81 @@ def main():
         r = client.completions.create(model=model, prompt=prompts, max_tokens=2, temperature=0, n=2)
         assert [c.index for c in r.choices] == [0, 1, 2, 3], r.choices
 
+    def tool_round_trip():
+        ask = [{"role": "user", "content": "What is the weather like in Lima today?"}]
+        r = client.chat.completions.create(model=model, messages=ask, max_tokens=320, temperature=0, tools=TOOLS, tool_choice="required")
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", f"finish_reason {choice.finish_reason!r}: {choice.message}"
+        calls = choice.message.tool_calls
+        assert calls and choice.message.content is None, choice.message
+        by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for call in calls:
+            assert call.type == "function" and call.id.startswith("call-"), call
+            jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+        # The answer goes back as a tool message; with tool_choice none the model answers in text.
+        history = ask + [choice.message.model_dump(exclude_none=True)]
+        history += [{"role": "tool", "tool_call_id": c.id, "content": "18 degrees and sunny"} for c in calls]
+        final = client.chat.completions.create(model=model, messages=history, max_tokens=24, temperature=0, tools=TOOLS, tool_choice="none")
+        assert final.choices[0].message.tool_calls is None and final.choices[0].message.content, final.choices[0].message
+        assert final.choices[0].finish_reason in ("stop", "length"), final.choices[0].finish_reason
+        # The tool's answer reached the prompt: the same history without it is a shorter prompt.
+        without = client.chat.completions.create(model=model, messages=history[:-len(calls)], max_tokens=1, temperature=0, tools=TOOLS, tool_choice="none")
+        assert final.usage.prompt_tokens > without.usage.prompt_tokens, (final.usage, without.usage)
+
+    def tool_choice_named_and_parallel():
+        ask = [{"role": "user", "content": "What time is it in Tokyo, and what is the weather there?"}]
+        named = {"type": "function", "function": {"name": "get_time"}}
+        r = client.chat.completions.create(model=model, messages=ask, max_tokens=64, temperature=0, tools=TOOLS, tool_choice=named)
+        calls = r.choices[0].message.tool_calls
+        assert [c.function.name for c in calls] == ["get_time"], calls
+        jsonschema.validate(json.loads(calls[0].function.arguments), TOOLS[1]["function"]["parameters"])
+        one = client.chat.completions.create(model=model, messages=ask, max_tokens=96, temperature=0, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+        assert len(one.choices[0].message.tool_calls) == 1, one.choices[0].message.tool_calls
+        auto = client.chat.completions.create(model=model, messages=ask, max_tokens=64, temperature=0, tools=TOOLS)
+        message = auto.choices[0].message
+        if auto.choices[0].finish_reason == "tool_calls":
+            assert message.tool_calls and all(c.function.name in ("get_weather", "get_time") for c in message.tool_calls), message
+        else:
+            # Answered in text: the envelope is unwrapped, no JSON shows.
+            assert message.tool_calls is None and not message.content.startswith('{"response"'), message
+        try:
+            client.chat.completions.create(model=model, messages=ask, max_tokens=4, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+        except openai.BadRequestError as e:
+            assert e.body.get("param") == "tool_choice", e.body
+        else:
+            raise AssertionError("a tool_choice naming no tool was accepted")
+
+    def tool_calls_stream():
+        ask = [{"role": "user", "content": "What is the weather like in Lima today?"}]
+        stream = client.chat.completions.create(model=model, messages=ask, max_tokens=320, temperature=0, tools=TOOLS, tool_choice="required", stream=True)
+        calls, finish = {}, None
+        for chunk in stream:
+            for c in chunk.choices:
+                for d in c.delta.tool_calls or []:
+                    call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                    call["id"] = d.id or call["id"]
+                    call["name"] = (d.function.name if d.function else None) or call["name"]
+                    call["arguments"] += (d.function.arguments if d.function else "") or ""
+                finish = c.finish_reason or finish
+        assert finish == "tool_calls" and calls, (finish, calls)
+        for call in calls.values():
+            assert call["id"] and call["name"] == "get_weather", call
+            jsonschema.validate(json.loads(call["arguments"]), TOOLS[0]["function"]["parameters"])
+
     def unsupported_fields():
-        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        for field, kwargs in [("tools", {"tools": [tool]}), ("top_logprobs", {"extra_body": {"top_logprobs": 2}})]:
+        for field, kwargs in [("modalities", {"modalities": ["text", "audio"]}), ("top_logprobs", {"extra_body": {"top_logprobs": 2}})]:
             try:
                 client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, **kwargs)
             except openai.BadRequestError as e:
                 body = e.body if isinstance(e.body, dict) else {}
                 assert body.get("param") == field, f"param is {body.get('param')!r} in {e.body!r}"
+            else:
+                raise AssertionError(f"{field} was accepted and ignored")
+        for field, kwargs in [("echo", {"echo": True}), ("suffix", {"suffix": "!"}), ("best_of", {"best_of": 2})]:
+            try:
+                client.completions.create(model=model, prompt="x", max_tokens=1, **kwargs)
+            except openai.BadRequestError as e:
+                assert e.body.get("param") == field, e.body
             else:
                 raise AssertionError(f"{field} was accepted and ignored")
 
@@ -307,6 +386,9 @@ def main():
     check("logprobs-completion", logprobs_completion)
     check("n-choices", n_choices)
     check("several-prompts", several_prompts)
+    check("tool-round-trip", tool_round_trip)
+    check("tool-choice-named-and-parallel", tool_choice_named_and_parallel)
+    check("tool-calls-stream", tool_calls_stream)
     check("unsupported-fields", unsupported_fields)
     check("sampler-extras", sampler_extras)
     if failures:

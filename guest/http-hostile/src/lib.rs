@@ -8,6 +8,8 @@
 //! - `/decode-forever`: responds 200, decodes on the host until stopped, writing one
 //!   line while its first decode is running (a client's hang-up or the deadline must
 //!   stop native work in flight).
+//! - `/linger`: responds 200 with a whole body, then spins in wasm until the deadline:
+//!   the run outlives the response its client has already read.
 
 wit_bindgen::generate!({
     path: "../../wit",
@@ -53,9 +55,19 @@ impl Guest for Plugin {
                 drop(stream);
                 drop(body);
             }
+            "/linger" => {
+                let (stream, body) = start(out);
+                let _ = stream.blocking_write_and_flush(b"done\n");
+                drop(stream);
+                let _ = OutgoingBody::finish(body, None);
+                let mut n = 0u64;
+                loop {
+                    n = std::hint::black_box(n.wrapping_add(1));
+                }
+            }
             _ => {
                 let (stream, body) = start(out);
-                let _ = stream.blocking_write_and_flush(b"paths: /trap /no-response /spin /grow /endless /decode-forever\n");
+                let _ = stream.blocking_write_and_flush(b"paths: /trap /no-response /spin /grow /endless /decode-forever /linger\n");
                 drop(stream);
                 let _ = OutgoingBody::finish(body, None);
             }

@@ -152,10 +152,43 @@ impl<T> OneOrMany<T> {
 
 /// One chat message as clients send it.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Message {
     pub role: String,
     /// `null` for an assistant turn that only called tools.
+    #[serde(default)]
     pub content: Option<Content>,
+    /// The participant's name (a tool message's: the function's).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// An assistant turn's calls.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// A tool turn answers this call.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// An assistant turn that refused (OpenAI's structured outputs); read, not shown.
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub refusal: Option<String>,
+}
+
+/// A call in an assistant turn of the history.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCallIn {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCallIn,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionCallIn {
+    pub name: String,
+    /// JSON text, as OpenAI sends it.
+    pub arguments: String,
 }
 
 #[derive(Deserialize)]
@@ -348,6 +381,28 @@ pub struct Delta<'a> {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
+}
+
+/// A call the model made: whole in a message; in a stream, the first delta of call
+/// `index` carries its id, type and name, and later ones pieces of its arguments.
+#[derive(Serialize, Clone, Debug, PartialEq)]
+pub struct ToolCallOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionCallOut,
+}
+
+#[derive(Serialize, Clone, Debug, PartialEq)]
+pub struct FunctionCallOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 #[derive(Serialize)]

@@ -8,9 +8,11 @@ use crate::api::{self, ApiError, ChatChoice, Choice, Completion, Delta, TextChoi
 use crate::handlers::{Reply, Sampling, CONTEXT_STEP, DEFAULT_N_CTX, MAX_GENERATE_TOKENS};
 use crate::http::{self, Body, Gone};
 use crate::llamabox::inference::cancel::CancelToken;
-use crate::llamabox::inference::generate::{self, FinishReason, GenerateParams, Generation, Logprobs, Piece};
+use crate::llamabox::inference::generate::{self, FinishReason, GenerateParams, Generation, Logprobs, Piece, Sampler};
+use crate::tools::{Call, Reader};
 use crate::llamabox::inference::llm::{Context, ContextParams, Model};
 use crate::llamabox::inference::media::{Chunk, MediaContext};
+use crate::llamabox::inference::types::Error as HostError;
 
 /// Most choices one request may ask for (`n` × prompts): each needs a context, and
 /// the host's default `max-contexts` per run is 4.
@@ -43,6 +45,8 @@ struct Run {
     params: GenerateParams,
     /// Which of the request's prompts this choice continues (its tokens count once).
     prompt: usize,
+    /// Reads a tool-call envelope out of the answer, when the request offered tools.
+    reader: Option<Reader>,
     n_prompt: u32,
     cancel: CancelToken,
     ctx: Context,
@@ -85,7 +89,8 @@ impl Run {
         };
         let sampler = sampling.sampler(model, choice)?;
         let params = GenerateParams { prompt: tokens, seq: 0, max_tokens, stop: sampling.stop.clone(), sampler, logprobs: sampling.logprobs };
-        Ok(Run { generation: None, media, params, prompt: index, n_prompt, cancel, ctx })
+        let reader = sampling.tool_calls.then(Reader::default);
+        Ok(Run { generation: None, media, params, prompt: index, reader, n_prompt, cancel, ctx })
     }
 
     /// Evaluate the media prompt, if any, and start generating.
@@ -100,19 +105,28 @@ impl Run {
         Ok(())
     }
 
-    /// The next piece; `None` once generation has ended.
+    /// The next piece (its text what the client is shown: a tool envelope's `response`
+    /// text); `None` once generation has ended.
     fn next(&mut self) -> Result<Option<Piece>, ApiError> {
         self.begin()?;
-        match &self.generation {
-            Some(generation) => Ok(generation.next()?),
-            None => Ok(None),
+        let Some(generation) = &self.generation else { return Ok(None) };
+        let mut piece = generation.next()?;
+        if let (Some(piece), Some(reader)) = (&mut piece, &mut self.reader) {
+            piece.text = reader.push(&piece.text);
         }
+        Ok(piece)
+    }
+
+    /// The calls the answer made, once generation has ended.
+    fn calls(&self) -> Vec<Call> {
+        self.reader.as_ref().map(Reader::calls).unwrap_or_default()
     }
 
     /// OpenAI's finish reason, once generation has ended.
     fn finish_reason(&self) -> &'static str {
         match self.generation.as_ref().and_then(|g| g.finish_reason()) {
             Some(FinishReason::MaxTokens) => "length",
+            _ if !self.calls().is_empty() => "tool_calls",
             _ => "stop",
         }
     }
@@ -137,13 +151,18 @@ impl Format {
     /// Choice `index` of a whole answer, or what one stream chunk says of it (`finish`
     /// set on its last).
     fn choice<'a>(&self, index: u32, text: Option<&'a str>, logprobs: Option<TokenLogprobs>, finish: Option<&'static str>, whole: bool) -> Choice<'a> {
+        self.choice_with_calls(index, text, None, logprobs, finish, whole)
+    }
+
+    /// [`Format::choice`], with tool calls (chat only).
+    fn choice_with_calls<'a>(&self, index: u32, text: Option<&'a str>, tool_calls: Option<Vec<api::ToolCallOut>>, logprobs: Option<TokenLogprobs>, finish: Option<&'static str>, whole: bool) -> Choice<'a> {
         match logprobs {
             _ if self.chat => {
                 let logprobs = match logprobs {
                     Some(TokenLogprobs::Chat(l)) => Some(l),
                     _ => None,
                 };
-                let delta = Delta { role: whole.then_some("assistant"), content: text };
+                let delta = Delta { role: whole.then_some("assistant"), content: text, tool_calls };
                 let (message, delta) = if whole { (Some(delta), None) } else { (None, Some(delta)) };
                 Choice::Chat(ChatChoice { index, message, delta, logprobs, finish_reason: finish })
             }
@@ -176,7 +195,7 @@ impl Format {
 
     /// The first chunk of choice `index` of a chat stream: the assistant's role, no text yet.
     fn role_chunk(&self, index: u32) -> String {
-        let delta = Delta { role: Some("assistant"), content: Some("") };
+        let delta = Delta { role: Some("assistant"), content: Some(""), tool_calls: None };
         self.json(vec![Choice::Chat(ChatChoice { index, message: None, delta: Some(delta), logprobs: None, finish_reason: None })], None, false)
     }
 
@@ -243,6 +262,36 @@ fn text_logprobs(model: &Model, all: &[Logprobs], offset: &mut u32) -> Result<ap
     Ok(out)
 }
 
+/// A grammar or schema that the host will not take is the request's fault, named
+/// before anything starts (a stream could only report it as its last event): the host
+/// compiles it here once, as the generation would.
+fn check_constraint(model: &Model, sampling: &Sampling) -> Result<(), ApiError> {
+    let params = sampling.sampler(model, 0)?;
+    if params.grammar.is_none() && params.json_schema.is_none() {
+        return Ok(());
+    }
+    let param = sampling.constraint_param;
+    match Sampler::create(model, &params) {
+        Ok(_) => Ok(()),
+        Err(HostError::InvalidArgument(m) | HostError::LimitExceeded(m)) => Err(ApiError::invalid(format!("Invalid '{param}': {m}"), Some(param))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Calls as a whole message lists them, or (`index` set) as a stream's deltas do.
+fn calls_out(calls: Vec<Call>, streamed: bool) -> Vec<api::ToolCallOut> {
+    calls
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| api::ToolCallOut {
+            index: streamed.then_some(i as u32),
+            id: Some(crate::handlers::new_id("call")),
+            kind: Some("function"),
+            function: api::FunctionCallOut { name: Some(c.name), arguments: c.arguments },
+        })
+        .collect()
+}
+
 /// The choices of one request: every prompt × `n`, running side by side on the host.
 pub struct Choices {
     // The runs (and their contexts) drop before the model.
@@ -263,6 +312,7 @@ impl Choices {
             let message = format!("{} prompts × n = {} asks for {total} choices: at most {MAX_CHOICES} per request", prompts.len(), sampling.n);
             return Err(ApiError::invalid(message, Some(if prompts.len() > 1 { param } else { "n" })));
         }
+        check_constraint(&model, sampling)?;
         let mut runs = Vec::with_capacity(total);
         for (index, prompt) in prompts.iter().enumerate() {
             for choice in 0..sampling.n {
@@ -331,8 +381,12 @@ impl Choices {
         let mut choices = Vec::with_capacity(whole.len());
         for (i, add) in whole.iter().enumerate() {
             let logprobs = self.format.logprobs(&self.model, add, &mut Offsets { asked: self.logprobs, text: 0 })?;
-            let reason = Some(self.runs[i].finish_reason());
-            choices.push(self.format.choice(i as u32, Some(&add.text), logprobs, reason, true));
+            let run = &self.runs[i];
+            let reason = Some(run.finish_reason());
+            let calls = calls_out(run.calls(), false);
+            // A message that calls tools has no text (OpenAI's `content: null`).
+            let (text, calls) = if calls.is_empty() { (Some(add.text.as_str()), None) } else { (None, Some(calls)) };
+            choices.push(self.format.choice_with_calls(i as u32, text, calls, logprobs, reason, true));
         }
         Ok(Reply::Json(self.format.json(choices, Some(self.usage()), true)))
     }
@@ -368,7 +422,13 @@ impl Stream {
         }
         let mut offsets = vec![Offsets { asked: choices.logprobs, text: 0 }; choices.runs.len()];
         // A failed write is kept aside: the runs' loop only knows ApiError.
-        let mut gone = None;
+        let gone = std::cell::Cell::new(None);
+        let send = |json: &str| {
+            body.event(json).map_err(|g| {
+                gone.set(Some(g));
+                ApiError::invalid("the client is gone", None)
+            })
+        };
         let driven = choices.drive(|c, i, event| {
             let json = match event {
                 Event::Piece(add) if add.text.is_empty() && add.logprobs.is_empty() => return Ok(()),
@@ -377,18 +437,26 @@ impl Stream {
                     c.format.json(vec![c.format.choice(i, Some(&add.text), logprobs, None, false)], None, false)
                 }
                 Event::Ended => {
+                    let run = &c.runs[i as usize];
+                    // Each call as OpenAI streams it: id, type and name first, then its arguments.
+                    for call in calls_out(run.calls(), true) {
+                        let arguments = call.function.arguments.clone();
+                        let opening = api::ToolCallOut { function: api::FunctionCallOut { arguments: String::new(), ..call.function.clone() }, ..call.clone() };
+                        let rest = api::ToolCallOut { id: None, kind: None, function: api::FunctionCallOut { name: None, arguments }, ..call };
+                        for part in [opening, rest] {
+                            let choice = c.format.choice_with_calls(i, None, Some(vec![part]), None, None, false);
+                            send(&c.format.json(vec![choice], None, false))?;
+                        }
+                    }
                     // Chat ends a choice with an empty delta, text with empty text.
-                    let reason = Some(c.runs[i as usize].finish_reason());
+                    let reason = Some(run.finish_reason());
                     let text = (!c.format.chat).then_some("");
                     c.format.json(vec![c.format.choice(i, text, None, reason, false)], None, false)
                 }
             };
-            body.event(&json).map_err(|g| {
-                gone = Some(g);
-                ApiError::invalid("the client is gone", None)
-            })
+            send(&json)
         });
-        if let Some(g) = gone {
+        if let Some(g) = gone.take() {
             return Err(g);
         }
         if let Err(e) = driven {

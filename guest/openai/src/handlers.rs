@@ -2,11 +2,13 @@
 
 use crate::api::{self, ApiError, Message, Object, OneOrMany};
 use crate::completions::{Choices, Format, MediaPrompt, Prompt, Stream, MAX_CHOICES};
+use crate::template::{self, ToolCall, Turn};
+use crate::tools::Tools;
 use crate::http::{self, Body};
 use crate::vision;
 use crate::llamabox::inference::cancel::CancelToken;
 use crate::llamabox::inference::embeddings::{self, Pooling};
-use crate::llamabox::inference::generate::{self, ChatMessage, LogitBias, Penalties, SamplerParams};
+use crate::llamabox::inference::generate::{self, LogitBias, Penalties, SamplerParams};
 use crate::llamabox::inference::llm::{Context, ContextParams, Model};
 use crate::llamabox::inference::media::{Input, MediaContext};
 use crate::llamabox::inference::types::Error as HostError;
@@ -137,12 +139,22 @@ fn model_card(id: &str) -> Result<api::ModelCard, ApiError> {
 
 /// `POST /v1/chat/completions`.
 fn chat(body: &Object) -> Result<Reply, ApiError> {
-    let sampling = chat_sampling(body)?;
-    let (messages, images) = chat_messages(body)?;
+    let mut sampling = chat_sampling(body)?;
+    let tools = Tools::read(body)?;
+    if let Some(tools) = &tools {
+        if !matches!(sampling.constraint, Constraint::None) {
+            let message = "Use either 'tools' or one of 'response_format', 'grammar' and 'json_schema'";
+            return Err(ApiError::invalid(message, Some("tools")));
+        }
+        sampling.constraint = Constraint::JsonSchema(tools.schema().to_string());
+        sampling.constraint_param = "tools";
+        sampling.tool_calls = true;
+    }
+    let (turns, images) = chat_messages(body)?;
     let (name, model) = open_model(body)?;
-    let prompt = chat_template(&model, &messages)?;
+    let (prompt, texts) = chat_prompt(&model, &turns, tools.as_ref())?;
     let prompt = if images.is_empty() {
-        Prompt::Tokens(chat_tokens(&model, &prompt, &messages)?)
+        Prompt::Tokens(chat_tokens(&model, &prompt, &texts)?)
     } else {
         media_prompt(&name, &model, &prompt, images)?
     };
@@ -153,7 +165,7 @@ fn chat(body: &Object) -> Result<Reply, ApiError> {
 /// A chat body's fields beside `messages`: the shared ones, and chat's log-probabilities
 /// (`logprobs` true, then `top_logprobs` alternatives, OpenAI's 0 to 20).
 fn chat_sampling(body: &Object) -> Result<Sampling, ApiError> {
-    let mut sampling = Sampling::read(body, &["messages", "logprobs", "top_logprobs"])?;
+    let mut sampling = Sampling::read(body, &["messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"])?;
     let top: Option<u32> = body.get("top_logprobs")?;
     if let Some(n) = top.filter(|&n| n > MAX_TOP_LOGPROBS) {
         return Err(ApiError::invalid(format!("'top_logprobs' {n} must be between 0 and {MAX_TOP_LOGPROBS}"), Some("top_logprobs")));
@@ -168,30 +180,50 @@ fn chat_sampling(body: &Object) -> Result<Sampling, ApiError> {
 
 /// A chat request's `messages`, as the chat template takes them, and the images in
 /// them (each a marker in its message's text).
-fn chat_messages(body: &Object) -> Result<(Vec<ChatMessage>, Vec<Input>), ApiError> {
+fn chat_messages(body: &Object) -> Result<(Vec<Turn>, Vec<Input>), ApiError> {
     let messages: Vec<Message> = body.require("messages")?;
     if messages.is_empty() {
         return Err(ApiError::invalid("'messages' must contain at least one message", Some("messages")));
     }
     let mut images = Vec::new();
-    let messages =
-        messages.into_iter().enumerate().map(|(i, m)| chat_message(i, m, &mut images)).collect::<Result<Vec<_>, _>>()?;
-    Ok((messages, images))
+    let turns = messages.into_iter().enumerate().map(|(i, m)| chat_turn(i, m, &mut images)).collect::<Result<Vec<_>, _>>()?;
+    Ok((turns, images))
 }
 
-/// `messages` formatted with `model`'s own chat template, ending with the opening of
-/// the assistant's turn: a chat completion's prompt text.
-fn chat_template(model: &Model, messages: &[ChatMessage]) -> Result<String, ApiError> {
-    generate::apply_chat_template(model, messages, true, None).map_err(|e| too_long(e, "messages"))
+/// `turns` formatted with `model`'s own chat template (and `tools`, when the model may
+/// call them), ending with the opening of the assistant's turn: a chat completion's
+/// prompt text, and the texts in it that the client wrote.
+fn chat_prompt(model: &Model, turns: &[Turn], tools: Option<&Tools>) -> Result<(String, Vec<String>), ApiError> {
+    if let Some(tools) = tools {
+        no_special_text(model, &tools.listed().to_string(), "tools")?;
+    }
+    for (i, call) in turns.iter().enumerate().flat_map(|(i, t)| t.tool_calls.iter().map(move |c| (i, c))) {
+        no_special_text(model, &call.arguments.to_string(), &format!("messages[{i}].tool_calls"))?;
+    }
+    let instruction = tools.map(Tools::instruction);
+    template::chat_prompt(model, turns, tools.map(Tools::listed), instruction.as_deref()).map_err(|e| too_long(e, "messages"))
+}
+
+/// Text the template may write where it likes (tool definitions, call arguments) must
+/// not spell a special token: it is tokenized with the template's own text, where
+/// special tokens are parsed, and a client must not write `<|im_end|>` into its prompt.
+fn no_special_text(model: &Model, text: &str, param: &str) -> Result<(), ApiError> {
+    let parsed = tokenize(model, text, false, true, param)?;
+    if parsed != tokenize(model, text, false, false, param)? {
+        return Err(ApiError::invalid(format!("'{param}' contains a special token's text"), Some(param)));
+    }
+    Ok(())
 }
 
 /// `POST /apply-template` (llama-server's): the prompt text a chat completion of the
 /// same body starts from, its fields checked as there; images stand as their marker.
 fn post_apply_template(body: &Object) -> Result<String, ApiError> {
     chat_sampling(body)?;
-    let (messages, _images) = chat_messages(body)?;
+    let tools = Tools::read(body)?;
+    let (turns, _images) = chat_messages(body)?;
     let (_, model) = open_model_or_only(body)?;
-    Ok(api::to_json(&api::TemplatedPrompt { prompt: chat_template(&model, &messages)? }))
+    let (prompt, _) = chat_prompt(&model, &turns, tools.as_ref())?;
+    Ok(api::to_json(&api::TemplatedPrompt { prompt }))
 }
 
 /// `POST /tokenize` (llama-server's): `content` as token ids, with each one's piece
@@ -226,16 +258,16 @@ fn post_detokenize(body: &Object) -> Result<String, ApiError> {
 /// (`<|im_start|>`, ...); the messages' texts are not: a user cannot write a special
 /// token, and long texts escape the host's cap on special parsing. Should the template
 /// have changed a text so that it is not found, the whole prompt is parsed.
-fn chat_tokens(model: &Model, prompt: &str, messages: &[ChatMessage]) -> Result<Vec<i32>, ApiError> {
+fn chat_tokens(model: &Model, prompt: &str, texts: &[String]) -> Result<Vec<i32>, ApiError> {
     let mut tokens = Vec::new();
     let mut rest = prompt;
-    for m in messages.iter().filter(|m| !m.content.is_empty()) {
-        let Some(at) = rest.find(&m.content) else {
+    for text in texts.iter().filter(|t| !t.is_empty()) {
+        let Some(at) = rest.find(text.as_str()) else {
             return tokenize(model, prompt, true, true, "messages");
         };
         tokens.extend(tokenize(model, &rest[..at], tokens.is_empty(), true, "messages")?);
-        tokens.extend(tokenize(model, &m.content, tokens.is_empty(), false, "messages")?);
-        rest = &rest[at + m.content.len()..];
+        tokens.extend(tokenize(model, text, tokens.is_empty(), false, "messages")?);
+        rest = &rest[at + text.len()..];
     }
     tokens.extend(tokenize(model, rest, tokens.is_empty(), true, "messages")?);
     Ok(tokens)
@@ -270,16 +302,18 @@ fn media_prompt(name: &str, model: &Model, prompt: &str, images: Vec<Input>) -> 
     Ok(Prompt::Media(std::rc::Rc::new(MediaPrompt { chunks, media })))
 }
 
-/// One message for the chat template: roles as the template knows them, text parts
-/// joined, each image part a marker (its image pushed onto `images`).
-fn chat_message(i: usize, m: Message, images: &mut Vec<Input>) -> Result<ChatMessage, ApiError> {
+/// One turn for the chat template: roles as the template knows them, text parts
+/// joined, each image part a marker (its image pushed onto `images`), an assistant's
+/// calls with their arguments as objects, a tool's answer with the call it answers.
+fn chat_turn(i: usize, m: Message, images: &mut Vec<Input>) -> Result<Turn, ApiError> {
     let role = match m.role.as_str() {
         "system" | "developer" => "system",
         "user" => "user",
         "assistant" => "assistant",
+        "tool" => "tool",
         other => {
             let param = format!("messages[{i}].role");
-            return Err(ApiError::invalid(format!("Unsupported role '{other}': use system, user or assistant"), Some(&param)));
+            return Err(ApiError::invalid(format!("Unsupported role '{other}': use system, user, assistant or tool"), Some(&param)));
         }
     };
     let content = match m.content {
@@ -304,7 +338,29 @@ fn chat_message(i: usize, m: Message, images: &mut Vec<Input>) -> Result<ChatMes
             text
         }
     };
-    Ok(ChatMessage { role: role.into(), content })
+    let calls = m.tool_calls.unwrap_or_default();
+    if !calls.is_empty() && role != "assistant" {
+        return Err(ApiError::invalid("Only assistant messages carry 'tool_calls'", Some(&format!("messages[{i}].tool_calls"))));
+    }
+    let tool_calls = calls
+        .into_iter()
+        .enumerate()
+        .map(|(j, c)| {
+            if c.kind != "function" {
+                return Err(ApiError::invalid(format!("Unsupported tool call type '{}'", c.kind), Some(&format!("messages[{i}].tool_calls[{j}]"))));
+            }
+            // Templates read arguments as an object; text that is not JSON stays text.
+            let arguments = serde_json::from_str(&c.function.arguments).unwrap_or(serde_json::Value::String(c.function.arguments));
+            Ok(ToolCall { id: c.id, name: c.function.name, arguments })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let tool_call_id = match (role, m.tool_call_id) {
+        ("tool", None) => return Err(ApiError::invalid("A tool message needs 'tool_call_id'", Some(&format!("messages[{i}].tool_call_id")))),
+        ("tool", id) => id,
+        (_, Some(_)) => return Err(ApiError::invalid("Only tool messages carry 'tool_call_id'", Some(&format!("messages[{i}].tool_call_id")))),
+        (_, None) => None,
+    };
+    Ok(Turn { role: role.into(), content, tool_calls, tool_call_id, name: m.name })
 }
 
 /// `POST /v1/completions`.
@@ -350,7 +406,7 @@ const SAMPLING_FIELDS: &[&str] = &[
 ];
 
 /// How output is constrained: a GBNF grammar or a JSON Schema (text), or neither.
-enum Constraint {
+pub(crate) enum Constraint {
     None,
     Grammar(String),
     JsonSchema(String),
@@ -363,6 +419,10 @@ pub(crate) struct Sampling {
     /// Alternatives per token when log-probabilities were asked for (chat's
     /// `logprobs` + `top_logprobs`, text's `logprobs`); set by the endpoint.
     pub logprobs: Option<u32>,
+    /// The answer is a tool-call envelope ([`Tools`]), read back by the endpoint.
+    pub tool_calls: bool,
+    /// The field the constraint came from, for errors about it.
+    pub constraint_param: &'static str,
     pub max_tokens: Option<u32>,
     temperature: f32,
     top_p: f32,
@@ -380,7 +440,7 @@ pub(crate) struct Sampling {
     repeat_penalty: f32,
     repeat_last_n: u32,
     ignore_eos: bool,
-    constraint: Constraint,
+    pub constraint: Constraint,
 }
 
 impl Sampling {
@@ -429,16 +489,19 @@ impl Sampling {
         if !(repeat_penalty > 0.0 && repeat_penalty.is_finite()) {
             return Err(ApiError::invalid("'repeat_penalty' must be above 0", Some("repeat_penalty")));
         }
+        let (constraint, constraint_param) = constraint(body)?;
         Ok(Sampling {
             n,
             logprobs: None,
+            tool_calls: false,
+            constraint_param,
             top_k: body.get("top_k")?.unwrap_or(0),
             min_p: in_range("min_p", body.get("min_p")?, 0.0, 0.0, 1.0)?,
             typical_p: in_range("typical_p", body.get("typical_p")?, 1.0, 0.0, 1.0)?,
             repeat_penalty,
             repeat_last_n,
             ignore_eos: body.get("ignore_eos")?.unwrap_or(false),
-            constraint: constraint(body)?,
+            constraint,
             max_tokens,
             temperature: in_range("temperature", body.get("temperature")?, 1.0, 0.0, 2.0)?,
             top_p: in_range("top_p", body.get("top_p")?, 1.0, 0.0, 1.0)?,
@@ -502,7 +565,7 @@ impl Sampling {
 }
 
 /// `response_format`, llama-server's `grammar` and `json_schema`: at most one of them.
-fn constraint(body: &Object) -> Result<Constraint, ApiError> {
+fn constraint(body: &Object) -> Result<(Constraint, &'static str), ApiError> {
     let format: Option<api::ResponseFormat> = body.get("response_format")?;
     let grammar: Option<String> = body.get("grammar")?;
     let schema: Option<serde_json::Value> = body.get("json_schema")?;
@@ -513,9 +576,10 @@ fn constraint(body: &Object) -> Result<Constraint, ApiError> {
         Some(api::ResponseFormat::JsonSchema { json_schema }) => Some(json_schema.schema.unwrap_or(serde_json::Value::Bool(true))),
     };
     match (from_format, grammar, schema) {
-        (None, None, None) => Ok(Constraint::None),
-        (None, Some(text), None) => Ok(Constraint::Grammar(text)),
-        (Some(schema), None, None) | (None, None, Some(schema)) => Ok(Constraint::JsonSchema(schema.to_string())),
+        (None, None, None) => Ok((Constraint::None, "")),
+        (None, Some(text), None) => Ok((Constraint::Grammar(text), "grammar")),
+        (Some(schema), None, None) => Ok((Constraint::JsonSchema(schema.to_string()), "response_format")),
+        (None, None, Some(schema)) => Ok((Constraint::JsonSchema(schema.to_string()), "json_schema")),
         _ => Err(ApiError::invalid("Use one of 'response_format', 'grammar' and 'json_schema'", Some("response_format"))),
     }
 }
@@ -621,7 +685,7 @@ fn embed_one(ctx: &Context, tokens: &[i32], pooling: &mut Pooling, cancel: &Canc
 }
 
 /// A fresh id such as `chatcmpl-1f0c...`: 64 bits from the host's random source (via std's hasher keys).
-fn new_id(prefix: &str) -> String {
+pub(crate) fn new_id(prefix: &str) -> String {
     use std::hash::{BuildHasher, Hasher};
     let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
     format!("{prefix}-{random:016x}")
@@ -745,16 +809,33 @@ mod tests {
             assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{extra}");
         }
         let e = post_apply_template(&parse(r#"{"messages":[{"role":"tool","content":"x"}]}"#)).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].tool_call_id"));
+        let e = post_apply_template(&parse(r#"{"messages":[{"role":"critic","content":"x"}]}"#)).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
     }
 
     #[test]
     fn chat_messages_map_roles_and_parts() {
-        let m = |json: &str| chat_message(1, serde_json::from_str(json).unwrap(), &mut Vec::new());
+        let m = |json: &str| chat_turn(1, serde_json::from_str(json).unwrap(), &mut Vec::new());
         assert_eq!(m(r#"{"role":"developer","content":"x"}"#).unwrap().role, "system");
         assert_eq!(m(r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}"#).unwrap().content, "ab");
-        assert_eq!(m(r#"{"role":"tool","content":"x"}"#).err().unwrap().param.as_deref(), Some("messages[1].role"));
+        assert_eq!(m(r#"{"role":"critic","content":"x"}"#).err().unwrap().param.as_deref(), Some("messages[1].role"));
         let e = m(r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}"#).err().unwrap();
         assert_eq!(e.param.as_deref(), Some("messages[1].content[0]"));
+        // The tool exchange: calls with their arguments as objects, answers with their call.
+        let call = m(r#"{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\":1}"}}]}"#).unwrap();
+        assert_eq!(call.tool_calls, [ToolCall { id: "c1".into(), name: "f".into(), arguments: serde_json::json!({"a": 1}) }]);
+        let answer = m(r#"{"role":"tool","content":"42","tool_call_id":"c1"}"#).unwrap();
+        assert_eq!((answer.role.as_str(), answer.tool_call_id.as_deref()), ("tool", Some("c1")));
+        for (json, param) in [
+            (r#"{"role":"tool","content":"42"}"#, "messages[1].tool_call_id"),
+            (r#"{"role":"user","content":"x","tool_call_id":"c1"}"#, "messages[1].tool_call_id"),
+            (r#"{"role":"user","content":"x","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]}"#, "messages[1].tool_calls"),
+            (r#"{"role":"assistant","tool_calls":[{"id":"c","type":"search","function":{"name":"f","arguments":"{}"}}]}"#, "messages[1].tool_calls[0]"),
+        ] {
+            assert_eq!(m(json).err().unwrap_or_else(|| panic!("{json} was accepted")).param.as_deref(), Some(param), "{json}");
+        }
+        // A field nobody reads is refused, not ignored.
+        assert!(serde_json::from_str::<Message>(r#"{"role":"user","content":"x","audio":{"id":"a"}}"#).is_err());
     }
 }

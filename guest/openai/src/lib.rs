@@ -28,6 +28,9 @@
 //! - Each request gets its own context sized for prompt + max_tokens, capped by the
 //!   model's training length and `LLAMABOX_N_CTX` (default 4096). Without `max_tokens`
 //!   generation may fill the rest of that context (at most the host's 4096 tokens).
+//! - Chat prompts come from the model's own Jinja template (`template`, minijinja in
+//!   the sandbox), tools and tool calls included; the answer to a request with tools is
+//!   a JSON envelope constrained on the host and read back into `tool_calls` (`tools`).
 //! - Chat prompts are the template's text with special tokens parsed, and the messages'
 //!   texts tokenized as plain text (a user cannot write `<|im_end|>` into the prompt);
 //!   a completion's `prompt` is plain text too (token-id prompts are taken as given).
@@ -50,6 +53,8 @@ mod api;
 mod completions;
 mod vision;
 mod handlers;
+mod template;
+mod tools;
 mod http;
 
 use exports::wasi::http::incoming_handler::Guest;

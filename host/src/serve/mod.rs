@@ -379,7 +379,8 @@ impl Server {
         let (respond, response) = tokio::sync::oneshot::channel();
         let (ended, run_ended) = tokio::sync::oneshot::channel();
         let replies = Replies { respond, ended };
-        let holds = Holds { _admitted: admitted, _client: client };
+        let place = ClientPlace(Arc::new(Mutex::new(client)));
+        let holds = Holds { _admitted: admitted, client: place.clone() };
         let run = tokio::spawn(self.clone().run_request(index, key, state.clone(), holds, request, replies).in_current_span());
         let response = match response.await {
             Ok(Ok(response)) => response,
@@ -411,7 +412,7 @@ impl Server {
         let (parts, body) = response.into_parts();
         let progress = Arc::new(Progress::new());
         watch_for_stall(progress.clone(), state, peer.close, self.config.write_stall_timeout());
-        let body = GuardedBody { hang_up: Some(hang_up), inner: body, inner_ended: false, run_ended, progress: Watched(progress) };
+        let body = GuardedBody { hang_up: Some(hang_up), inner: body, inner_ended: false, run_ended, progress: Watched(progress), client: place };
         self.answer(name, &id, Response::from_parts(parts, body.boxed_unsync()))
     }
 
@@ -539,10 +540,30 @@ impl Drop for Reading {
     }
 }
 
-/// What a running request holds until its run ends.
+/// What a running request holds until its run ends (its client's place at most until
+/// then).
 struct Holds {
     _admitted: Admitted,
-    _client: Option<ClientPermit>,
+    client: ClientPlace,
+}
+
+impl Drop for Holds {
+    fn drop(&mut self) {
+        self.client.give_back();
+    }
+}
+
+/// A request's place among its client's requests in progress, given back at whichever
+/// comes first: the end of the body the plugin finished, or the end of the run. An SSE
+/// client reads `[DONE]` and sends its next request at once, while the run is still
+/// dropping its contexts; from the client's side the request is over.
+#[derive(Clone)]
+struct ClientPlace(Arc<Mutex<Option<ClientPermit>>>);
+
+impl ClientPlace {
+    fn give_back(&self) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
 }
 
 /// What a run tells the request it serves: the response head, then whether the
@@ -647,6 +668,7 @@ struct GuardedBody {
     run_ended: tokio::sync::oneshot::Receiver<bool>,
     /// Whether hyper is taking the body's pieces (see [`watch_for_stall`]).
     progress: Watched,
+    client: ClientPlace,
 }
 
 impl http_body::Body for GuardedBody {
@@ -693,6 +715,7 @@ impl GuardedBody {
     /// cause is the plugin's own.
     fn note_end(&mut self) {
         self.inner_ended = true;
+        self.client.give_back();
         if let Some(HangUp { state, .. }) = &self.hang_up {
             if state.cause.get().is_none() {
                 state.body_finished.store(true, Relaxed);
