@@ -4,7 +4,7 @@
 # objects, Rust's wasm32-wasip2 target for the guest plugins, and python3 with pip for
 # the Python plugin's toolchain, node and npm for the JavaScript plugin's (the
 # scripts/build-*-plugin.sh install those toolchains from PyPI and npm), curl and wrk
-# for the server's tests.
+# for the server's tests, headless Chromium for the chat page's.
 set -euo pipefail
 
 need=()
@@ -19,6 +19,8 @@ command -v npm >/dev/null || need+=(npm)
 # `llamabox serve`'s tests: curl and wrk are the real clients (tests/serve.rs).
 command -v curl >/dev/null || need+=(curl)
 command -v wrk >/dev/null || need+=(wrk)
+# The chat page's test drives a real browser: Debian's headless Chromium.
+command -v chromium-headless-shell >/dev/null || need+=(chromium-headless-shell)
 ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"

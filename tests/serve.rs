@@ -67,6 +67,39 @@ fn the_openai_client_and_curl_chat_stream_and_embed() {
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
 }
 
+/// The plugin's chat page in a real browser (Debian's headless Chromium, driven over
+/// the DevTools protocol by tests/serve/chat_page.py): an answer streams, Stop closes
+/// the stream once 8 tokens are shown, and the page reports the server's own figures.
+/// Asked for 1024 tokens, the server computed only the few in flight at the hang-up.
+#[test]
+fn the_chat_page_streams_and_its_stop_button_stops_the_native_work() {
+    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
+    let (status, page) = curl(&[&server.url("/")]);
+    assert_eq!(status, 200);
+    assert!(page.contains("<title>llamabox chat</title>") && !page.contains("src=\"http"), "the page loads nothing from elsewhere");
+    let websocket = Command::new(common::repo_root().join("scripts/pip-tool.sh")).args(["websocket-client", "1.9.2"]).output().unwrap();
+    assert!(websocket.status.success(), "{}", String::from_utf8_lossy(&websocket.stderr));
+    let shot = common::repo_root().join("target/chat-page.png");
+    let out = Command::new("python3")
+        .arg(common::repo_root().join("tests/serve/chat_page.py"))
+        .args([server.url("/"), shot.display().to_string()])
+        .env("PYTHONPATH", String::from_utf8(websocket.stdout).unwrap().trim())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the browser's checks failed: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    println!("{report:#}");
+    let figure = |name: &str| report[name].as_str().and_then(|v| v.parse::<f64>().ok()).unwrap_or_else(|| panic!("{name} in {report}"));
+    let (generated, shown, after_stop) = (figure("generated"), figure("shown"), figure("afterStop"));
+    assert!(shown >= 8.0 && generated >= shown, "{report}");
+    assert!(after_stop <= 8.0, "the server went on for {after_stop} tokens after Stop: {report}");
+    assert!(figure("stopMs") > 0.0, "{report}");
+    assert!(report["text"].as_str().unwrap().starts_with("Stopped."), "{report}");
+    assert_eq!(server.metric("llamabox_cancels_total{cause=\"disconnect\"}"), 1.0);
+    assert!(std::fs::metadata(&shot).unwrap().len() > 10_000, "no screenshot");
+}
+
 /// llama-server's `/tokenize`, `/detokenize` and `/apply-template` on the real model:
 /// text round-trips through token ids (and pieces), and the template's prompt is the
 /// chat endpoint's, token for token.

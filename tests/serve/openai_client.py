@@ -11,6 +11,7 @@ does not; exits 1 if any failed (2 on bad usage or a missing `openai` package).
 import json
 import math
 import sys
+import time
 
 try:
     import jsonschema
@@ -83,6 +84,8 @@ def main():
         assert model in ids, f"{model!r} is not among the served models {ids}"
         card = client.models.retrieve(model)
         assert card.id == model and card.object == "model", card
+        # When the server loaded it: a real time, not 0, and not in the future.
+        assert 1_700_000_000 < card.created <= time.time(), card
         try:
             client.models.retrieve("no-such-model")
         except openai.NotFoundError:

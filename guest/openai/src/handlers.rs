@@ -44,17 +44,25 @@ const MAX_EMBED_TOKENS: u32 = 2048;
 const MAX_EMBED_INPUTS: usize = 256;
 const MAX_EMBED_TOTAL_TOKENS: usize = 8192;
 
-/// What a handler answers: a whole JSON body, or generations to stream.
+/// What a handler answers: a whole JSON body, generations to stream, or a page.
 pub(crate) enum Reply {
     Json(String),
     Stream(Box<Stream>),
+    Page(&'static str),
 }
+
+/// `GET /`: a chat page, everything inline (no CDN). Its Stop button closes the stream,
+/// and it shows the server's own figures for what happened after (from `/metrics`).
+const CHAT_PAGE: &str = include_str!("chat.html");
 
 /// Answer one request.
 pub fn route(request: IncomingRequest, out: ResponseOutparam) {
     match handle(&request) {
         Ok(Reply::Json(json)) => http::send_json(out, 200, &json),
         Ok(Reply::Stream(stream)) => stream.send(Body::start(out, 200, "text/event-stream")),
+        Ok(Reply::Page(html)) => {
+            let _ = Body::start(out, 200, "text/html; charset=utf-8").finish_with(html.as_bytes());
+        }
         Err(e) => http::send_json(out, e.status, &e.to_json()),
     }
 }
@@ -67,7 +75,7 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
     // `GET /v1/models/{id}` (`client.models.retrieve`).
     let model_id = path.strip_prefix("/v1/models/").or_else(|| path.strip_prefix("/models/"));
     let (allowed, post) = match path {
-        "/v1/models" | "/models" => (Method::Get, false),
+        "/" | "" | "/v1/models" | "/models" => (Method::Get, false),
         _ if model_id.is_some() => (Method::Get, false),
         "/v1/chat/completions" | "/chat/completions" | "/v1/completions" | "/completions" | "/v1/embeddings"
         | "/embeddings" | "/tokenize" | "/detokenize" | "/apply-template" => (Method::Post, true),
@@ -77,9 +85,10 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
         return Err(ApiError::method_not_allowed(crate::method_name(&method), path, crate::method_name(&allowed)));
     }
     if !post {
-        return match model_id {
-            Some(id) => model_card(id).map(|card| Reply::Json(api::to_json(&card))),
-            None => Ok(Reply::Json(models())),
+        return match (path, model_id) {
+            ("/" | "", _) => Ok(Reply::Page(CHAT_PAGE)),
+            (_, Some(id)) => model_card(id).map(|card| Reply::Json(api::to_json(&card))),
+            (_, None) => Ok(Reply::Json(models())),
         };
     }
     let body = Object::parse(&http::read_body(request, http::max_body_bytes())?)?;
@@ -123,10 +132,11 @@ fn models() -> String {
     api::to_json(&api::ModelList { object: "list", data })
 }
 
-/// One served model's card (`created` is 0: the plugin is not told when the host
-/// loaded it).
+/// One served model's card; `created` is when the server loaded its models
+/// (`LLAMABOX_MODELS_LOADED_AT`, Unix seconds; 0 outside `llamabox serve`).
 fn card(id: String) -> api::ModelCard {
-    api::ModelCard { id, object: "model", created: 0, owned_by: "llamabox" }
+    let created = std::env::var("LLAMABOX_MODELS_LOADED_AT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    api::ModelCard { id, object: "model", created, owned_by: "llamabox" }
 }
 
 /// The card of model `id`, if this plugin serves it.

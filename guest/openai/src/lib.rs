@@ -3,6 +3,8 @@
 //! afresh for every request, with its route prefix already stripped.
 //!
 //! Served paths (the wire format of OpenAI's API, as the official clients send and read it):
+//! - `GET /`: a chat page (`chat.html`, all inline) whose Stop button closes the
+//!   stream, showing the server's figures for the work after Stop.
 //! - `GET /v1/models`: the models named in `LLAMABOX_MODELS` (comma-separated).
 //! - `POST /v1/chat/completions`: formatted with the model's own chat template
 //!   (`generate.apply-chat-template`), streamed (server-sent events) or not.

@@ -126,7 +126,8 @@ pub struct PluginConfig {
     /// Models (and projectors) it may open (default: all).
     #[serde(default)]
     pub models: Option<Vec<String>>,
-    /// More environment for the plugin (it always gets `LLAMABOX_MODELS`).
+    /// More environment for the plugin (it always gets `LLAMABOX_MODELS` and
+    /// `LLAMABOX_MODELS_LOADED_AT`).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     #[serde(default)]

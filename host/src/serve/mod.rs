@@ -87,7 +87,8 @@ struct Served {
     admission: PluginAdmission,
     limits: Limits,
     models: Arc<ModelRegistry>,
-    /// `LLAMABOX_MODELS` and the configured environment.
+    /// `LLAMABOX_MODELS`, `LLAMABOX_MODELS_LOADED_AT` (Unix seconds) and the configured
+    /// environment.
     env: Vec<(String, String)>,
 }
 
@@ -161,6 +162,8 @@ impl Server {
                 .with_context(|| format!("warming up model {name:?}"))?;
             say(&format!("loaded and warmed up model {name} in {:.2} s", started.elapsed().as_secs_f64()));
         }
+        // When the models were loaded, for the plugins' model cards (OpenAI's `created`).
+        let loaded_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let mut plugins = Vec::new();
         for config in &self.config.plugins {
             let started = Instant::now();
@@ -173,7 +176,7 @@ impl Server {
             let names: Vec<String> = config.models.clone().unwrap_or_else(|| {
                 self.config.models.keys().chain(self.config.projectors.keys()).cloned().collect()
             });
-            let mut env = vec![("LLAMABOX_MODELS".to_string(), names.join(","))];
+            let mut env = vec![("LLAMABOX_MODELS".to_string(), names.join(",")), ("LLAMABOX_MODELS_LOADED_AT".to_string(), loaded_at.to_string())];
             env.extend(config.env.iter().map(|(k, v)| (k.clone(), v.clone())));
             say(&format!(
                 "compiled plugin {} in {:.2} s, serving {}",
