@@ -63,8 +63,9 @@ deps:
 	@scripts/ggml-config.sh $(GGML_FLAGS)
 	@if [ "$(GPU)" = vulkan ]; then LLAMABOX_VULKAN_PREFIX=$(VULKAN_SDK) scripts/install-vulkan.sh >/dev/null; fi
 
+# The command with its `synth-*` commands (the demo's offline model).
 build: deps
-	$(CARGO) build $(PROFILE) -p llamabox $(FEATURES)
+	$(CARGO) build $(PROFILE) -p llamabox --features synthetic $(FEATURES)
 
 # The bench binary alone (scripts/device-check.sh carries it to a GPU machine).
 build-bench: deps
@@ -110,6 +111,9 @@ test-gpu: deps
 # unsafe fns without a `# Safety` section.
 lint: deps
 	$(CARGO) clippy $(PROFILE) -p llamabox $(FEATURES) --all-targets -- -D warnings
+	$(CARGO) clippy $(PROFILE) -p llamabox --no-default-features --lib --example embedder -- -D warnings
+	@! $(CARGO) tree -p llamabox --no-default-features -e normal --prefix none | grep -E '^(clap|prometheus-client|hyper-util|tracing-subscriber) ' \
+	  || { echo "the embedder's build (no default features) pulls in the CLI's or the server's crates"; exit 1; }
 
 # Offline checks of deploy/ (part of `make test`; no cluster, no build): every Kubernetes
 # manifest against the API schemas (kubernetes-validate --strict, pinned, installed once

@@ -14,7 +14,7 @@ use crate::stats::{timed, Samples};
 use crate::workload::{BenchModel, Shape};
 
 pub struct Guest {
-    plugin: llamabox::plugin::Plugin,
+    plugin: llamabox::Plugin,
     runtime: tokio::runtime::Runtime,
     shape: Shape,
 }

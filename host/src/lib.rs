@@ -2,27 +2,33 @@
 //! can cancel any call from another task and the cancel stops native work in flight.
 //!
 //! Layers, top to bottom (nothing reaches back up):
-//! - [`serve`]: `llamabox serve`, HTTP in front of plugins that are `wasi:http` handlers.
-//! - [`plugin`]: an embedder-facing host that runs plugin components.
-//! - [`component`]: the WIT interfaces over wasmtime (bindings, validation, limits).
+//! - `serve` (feature `serve`, on by default): `llamabox serve`, HTTP in front of
+//!   plugins that are `wasi:http` handlers.
+//! - `plugin`: the embedder-facing host that runs plugin components ([`PluginHost`]).
+//! - `component`: the WIT interfaces over wasmtime (bindings, validation, limits).
 //! - `engine`: the model registry, idle contexts and batches (many runs' contexts as
 //!   sequences of one shared native context, one decode per step).
-//! - [`worker`]: one thread per native context, stop-and-join on drop.
-//! - [`native`]: safe Rust over llama.cpp; no wasm types.
+//! - `worker`: one thread per native context, stop-and-join on drop.
+//! - [`native`]: safe Rust over llama.cpp; no wasm types (public: an embedder may
+//!   use llama.cpp directly, and the tests and benchmarks do).
 
 // Every `unsafe` block and impl says why it is sound, every `unsafe fn` what its caller
 // must uphold (docs/ARCHITECTURE.md, native/).
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 
-pub mod component;
+mod component;
 mod engine;
 pub mod error;
 pub mod native;
-pub mod plugin;
+mod plugin;
+#[cfg(feature = "serve")]
 pub mod serve;
-pub mod worker;
+mod worker;
 
-pub use component::{Limits, ModelRegistry, OpenError, ShareError, TokenRegistry};
+// What an embedder uses, deliberately: the host and its runs, the registries and
+// limits, errors, and for an embedder that owns its store, the linker entry point and
+// the view it needs. Everything else is the crate's own.
+pub use component::{add_to_linker, LlamaCtx, LlamaCtxView, LlamaView, Limits, ModelRegistry, OpenError, ShareError, TokenRegistry};
 pub use engine::{BatchPolicy, StepObserver, StepReport};
 pub use error::{Error, Result};
 pub use native::CancelFlag;

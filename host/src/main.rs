@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand, ValueEnum};
-use llamabox::native::{self, ProjectorSpec, TextModelSpec};
+use llamabox::native;
+#[cfg(feature = "synthetic")]
+use llamabox::native::{ProjectorSpec, TextModelSpec};
 use llamabox::serve::{ServeConfig, Server};
 use llamabox::{HostOptions, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
 use wasmtime_wasi::WasiCtxBuilder;
@@ -135,6 +137,7 @@ enum Command {
     /// backends built in) and the devices it finds.
     Info,
     /// Write a seeded synthetic llama model (random weights) for tests and offline demos.
+    #[cfg(feature = "synthetic")]
     SynthModel {
         out: PathBuf,
         #[arg(long, value_enum, default_value = "tiny")]
@@ -143,6 +146,7 @@ enum Command {
         seed: u64,
     },
     /// Write a seeded synthetic projector (mmproj) for a text model of width N-EMBD-TEXT.
+    #[cfg(feature = "synthetic")]
     SynthProjector {
         out: PathBuf,
         /// The text model's embedding width (576 for SmolLM2-135M).
@@ -153,6 +157,7 @@ enum Command {
     },
 }
 
+#[cfg(feature = "synthetic")]
 #[derive(Clone, Copy, ValueEnum)]
 enum ProjectorSize {
     TinyVision,
@@ -244,6 +249,7 @@ impl CacheFlags {
     }
 }
 
+#[cfg(feature = "synthetic")]
 #[derive(Clone, Copy, ValueEnum)]
 enum Size {
     /// Decodes in microseconds.
@@ -386,6 +392,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        #[cfg(feature = "synthetic")]
         Command::SynthModel { out, size, seed } => {
             let spec = match size {
                 Size::Tiny => TextModelSpec::tiny(),
@@ -395,6 +402,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("wrote {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
+        #[cfg(feature = "synthetic")]
         Command::SynthProjector { out, n_embd_text, kind } => {
             let spec = match kind {
                 ProjectorSize::TinyVision => ProjectorSpec::tiny_vision(n_embd_text),

@@ -9,8 +9,9 @@ use super::tokens::ShareError;
 use super::{Error, Held, LlamaCtxView, TokenRegistry};
 use crate::native::CancelFlag;
 
-/// A guest's cancel token. The embedder can make one from its own `CancelFlag` (to
-/// cancel a plugin's calls from outside) with [`CancelToken::from_flag`].
+/// A guest's cancel token: a `CancelFlag`, and the capabilities shared from it. An
+/// embedder cancels a plugin's calls from outside through a shared capability
+/// (`TokenRegistry::share`), never by holding this.
 pub struct CancelToken {
     pub(crate) flag: CancelFlag,
     /// Capabilities made from this handle: unshared when it is dropped (by the guest or
@@ -21,10 +22,6 @@ pub struct CancelToken {
 impl CancelToken {
     pub fn from_flag(flag: CancelFlag) -> Self {
         Self { flag, shares: Vec::new() }
-    }
-
-    pub fn flag(&self) -> &CancelFlag {
-        &self.flag
     }
 }
 

@@ -28,7 +28,7 @@ pub struct TokenLogprob {
 pub fn token_logprob(logits: &[f32], token: Token, top: u32) -> TokenLogprob {
     let finite = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
     let max = logits.iter().copied().map(finite).fold(f32::NEG_INFINITY, f32::max);
-    if max == f32::NEG_INFINITY || max == f32::INFINITY {
+    if max.is_infinite() {
         // No distribution to speak of (every logit -inf, or one infinite): say so
         // rather than report NaN.
         return TokenLogprob { token, logprob: f32::NEG_INFINITY, top: Vec::new() };
