@@ -10,7 +10,7 @@ use super::async_bindings::llamabox::inference::async_calls::{Host, HostWithStor
 use super::bindings::llamabox::inference::llm::Batch;
 use super::pending::finished;
 use super::bindings::llamabox::inference::generate::Piece;
-use super::{Answer, CancelToken, ChunkHandle, ContextHandle, Error, GenerationHandle, HasLlama, LlamaCtxView, MediaContextHandle};
+use super::{CancelToken, ChunkHandle, ContextHandle, GenerationHandle, HasLlama, LlamaCtxView, LlamaResult, MediaContextHandle};
 
 impl Host for LlamaCtxView<'_> {}
 
@@ -20,20 +20,14 @@ impl<T> HostWithStore<T> for HasLlama {
         ctx: Resource<ContextHandle>,
         batch: Batch,
         cancel: Resource<CancelToken>,
-    ) -> Answer<()> {
-        let queued = accessor.with(|mut access| -> wasmtime::Result<Result<_, Error>> {
+    ) -> LlamaResult<()> {
+        let (_slot, call) = accessor.with(|mut access| -> LlamaResult<_> {
             let mut view = access.get();
-            let slot = match view.ctx.pending_slot() {
-                Ok(slot) => slot,
-                Err(e) => return Ok(Err(e)),
-            };
-            Ok(Ok((slot, view.queue_decode(&ctx, batch, &cancel)?)))
-        });
-        match queued? {
-            // The slot is held until the call ends or its future is dropped.
-            Ok((_slot, call)) => Ok(finished(call.await)),
-            Err(e) => Ok(Err(e)),
-        }
+            let slot = view.ctx.pending_slot()?;
+            Ok((slot, view.queue_decode(&ctx, batch, &cancel)?))
+        })?;
+        // The slot is held until the call ends or its future is dropped.
+        Ok(finished(call.await)?)
     }
 
     async fn encode_chunk(
@@ -41,31 +35,22 @@ impl<T> HostWithStore<T> for HasLlama {
         media: Resource<MediaContextHandle>,
         chunk: Resource<ChunkHandle>,
         cancel: Resource<CancelToken>,
-    ) -> Answer<Vec<f32>> {
-        let queued = accessor.with(|mut access| -> wasmtime::Result<Result<_, Error>> {
+    ) -> LlamaResult<Vec<f32>> {
+        let (_slot, call) = accessor.with(|mut access| -> LlamaResult<_> {
             let mut view = access.get();
-            let slot = match view.ctx.pending_slot() {
-                Ok(slot) => slot,
-                Err(e) => return Ok(Err(e)),
-            };
-            Ok(view.queue_encode(&media, &chunk, &cancel)?.map(|call| (slot, call)))
-        });
-        match queued? {
-            Ok((_slot, call)) => Ok(finished(call.await)),
-            Err(e) => Ok(Err(e)),
-        }
+            let slot = view.ctx.pending_slot()?;
+            Ok((slot, view.queue_encode(&media, &chunk, &cancel)?))
+        })?;
+        Ok(finished(call.await)?)
     }
 
-    async fn generation_next(accessor: &Accessor<T, Self>, generation: Resource<GenerationHandle>) -> Answer<Option<Piece>> {
+    async fn generation_next(accessor: &Accessor<T, Self>, generation: Resource<GenerationHandle>) -> LlamaResult<Option<Piece>> {
         // The stream is lent out of the table while this call waits (the store is
         // never held across an await). If the guest drops this call's future, the
         // stream drops with it, and with the stream the generation: it is cancelled.
-        let mut lent = match accessor.with(|mut access| access.get().table.get_mut(&generation).map(GenerationHandle::lend))? {
-            Ok(lent) => lent,
-            Err(e) => return Ok(Err(e)),
-        };
+        let mut lent = accessor.with(|mut access| access.get().table.get_mut(&generation).map(GenerationHandle::lend))??;
         let piece = lent.next().await;
         accessor.with(|mut access| access.get().table.get_mut(&generation).map(|g| g.give_back(lent)))?;
-        Ok(piece)
+        Ok(piece?)
     }
 }

@@ -6,7 +6,7 @@ use wasmtime::component::Resource;
 
 use super::bindings::llamabox::inference::cancel::{Host, HostCancelToken};
 use super::tokens::ShareError;
-use super::{Error, Held, LlamaCtxView, TokenRegistry};
+use super::{Error, Held, LlamaCtxView, LlamaError, LlamaResult, TokenRegistry};
 use crate::native::CancelFlag;
 
 /// A guest's cancel token: a `CancelFlag`, and the capabilities shared from it. An
@@ -43,11 +43,9 @@ impl HostCancelToken for LlamaCtxView<'_> {
         Ok(self.table.push(CancelToken::from_flag(CancelFlag::new()))?)
     }
 
-    async fn create(&mut self) -> wasmtime::Result<Result<Resource<CancelToken>, Error>> {
-        if let Err(e) = self.ctx.admit(Held::Token) {
-            return Ok(Err(e));
-        }
-        Ok(Ok(self.table.push(CancelToken::from_flag(CancelFlag::new()))?))
+    async fn create(&mut self) -> LlamaResult<Resource<CancelToken>> {
+        self.ctx.admit(Held::Token)?;
+        Ok(self.table.push(CancelToken::from_flag(CancelFlag::new()))?)
     }
 
     async fn cancel(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<()> {
@@ -59,35 +57,33 @@ impl HostCancelToken for LlamaCtxView<'_> {
         Ok(self.table.get(&token)?.flag.is_cancelled())
     }
 
-    async fn share(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<Result<String, Error>> {
-        if let Err(e) = self.ctx.admit(Held::Share) {
-            return Ok(Err(e));
-        }
+    async fn share(&mut self, token: Resource<CancelToken>) -> LlamaResult<String> {
+        self.ctx.admit(Held::Share)?;
         let registry = self.ctx.tokens.clone();
         let handle = self.table.get_mut(&token)?;
         match registry.share(&self.ctx.group, &handle.flag) {
             Ok(capability) => {
                 handle.shares.push((registry, capability.clone()));
-                Ok(Ok(capability))
+                Ok(capability)
             }
             Err(e) => {
                 self.ctx.release(Held::Share);
                 match e {
-                    ShareError::GroupFull(_) => Ok(Err(Error::LimitExceeded(e.to_string()))),
+                    ShareError::GroupFull(_) => Err(Error::LimitExceeded(e.to_string()).into()),
                     // No random capability without the OS random source: trap rather than panic.
-                    ShareError::Random(_) => Err(wasmtime::Error::msg(e.to_string())),
+                    ShareError::Random(_) => Err(LlamaError::trap(wasmtime::Error::msg(e.to_string()))),
                 }
             }
         }
     }
 
-    async fn open_shared(&mut self, capability: String) -> wasmtime::Result<Result<Resource<CancelToken>, Error>> {
+    async fn open_shared(&mut self, capability: String) -> LlamaResult<Resource<CancelToken>> {
         match self.ctx.tokens.open(&self.ctx.group, &capability) {
             Some(flag) => match self.ctx.admit(Held::Token) {
-                Ok(()) => Ok(Ok(self.table.push(CancelToken::from_flag(flag))?)),
-                Err(e) => Ok(Err(e)),
+                Ok(()) => Ok(self.table.push(CancelToken::from_flag(flag))?),
+                Err(e) => Err(e.into()),
             },
-            None => Ok(Err(Error::InvalidArgument("no token is shared under this capability in this group".into()))),
+            None => Err(Error::InvalidArgument("no token is shared under this capability in this group".into()).into()),
         }
     }
 

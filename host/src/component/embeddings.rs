@@ -6,7 +6,7 @@ use wasmtime::component::Resource;
 use super::bindings::llamabox::inference::embeddings::{Host, Pooling};
 use super::llm::ContextHandle;
 use super::pending::finished;
-use super::{Answer, CancelToken, Error, LlamaCtxView};
+use super::{LlamaResult, CancelToken, Error, LlamaCtxView};
 use crate::native::{self, Stop, Token};
 
 impl LlamaCtxView<'_> {
@@ -39,22 +39,17 @@ impl Host for LlamaCtxView<'_> {
         pooling: Pooling,
         normalize: bool,
         cancel: Resource<CancelToken>,
-    ) -> Answer<Vec<Vec<f32>>> {
-        if let Err(e) = self.charge_embeddings(inputs.len(), inputs.iter().map(Vec::len).sum()) {
-            return Ok(Err(e));
-        }
+    ) -> LlamaResult<Vec<Vec<f32>>> {
+        self.charge_embeddings(inputs.len(), inputs.iter().map(Vec::len).sum())?;
         let token = self.table.get(&cancel)?.flag.clone();
         let pooling = match pooling {
             Pooling::Mean => native::Pooling::Mean,
             Pooling::Cls => native::Pooling::Cls,
             Pooling::Last => native::Pooling::Last,
         };
-        let worker = match self.table.get(&ctx)?.backing.own("embed") {
-            Ok(worker) => worker,
-            Err(e) => return Ok(Err(e)),
-        };
+        let worker = self.table.get(&ctx)?.backing.own("embed")?;
         let call = worker.call(move |c, abandoned| c.embed(&inputs, pooling, normalize, Some(Stop::on_either(&token, abandoned))));
-        Ok(finished(call.await))
+        Ok(finished(call.await)?)
     }
 
     async fn embed_rows(
@@ -63,16 +58,11 @@ impl Host for LlamaCtxView<'_> {
         tokens: Vec<Token>,
         normalize: bool,
         cancel: Resource<CancelToken>,
-    ) -> Answer<Vec<Vec<f32>>> {
-        if let Err(e) = self.charge_embeddings(1, tokens.len()) {
-            return Ok(Err(e));
-        }
+    ) -> LlamaResult<Vec<Vec<f32>>> {
+        self.charge_embeddings(1, tokens.len())?;
         let token = self.table.get(&cancel)?.flag.clone();
-        let worker = match self.table.get(&ctx)?.backing.own("embed") {
-            Ok(worker) => worker,
-            Err(e) => return Ok(Err(e)),
-        };
+        let worker = self.table.get(&ctx)?.backing.own("embed")?;
         let call = worker.call(move |c, abandoned| c.embed_rows(&tokens, normalize, Some(Stop::on_either(&token, abandoned))));
-        Ok(finished(call.await))
+        Ok(finished(call.await)?)
     }
 }

@@ -16,7 +16,7 @@ use super::bindings::llamabox::inference::generate::{
 };
 use super::llm::{Backing, ContextHandle, ModelHandle};
 use super::pending::{finished, subscribe_shared};
-use super::{Answer, CancelToken, Error, Held, LlamaCtxView, PendingSlot};
+use super::{LlamaResult, CancelToken, Error, Held, LlamaCtxView, PendingSlot};
 use crate::native::{self, CancelFlag, Model, Sampler, Stop, Token};
 use crate::worker::Call;
 
@@ -211,7 +211,7 @@ impl LlamaCtxView<'_> {
     /// bad parameter or grammar fails the call that passed it. Compiling a grammar
     /// (and a model's first grammar, its token trie) is bounded work, done off the
     /// executor.
-    async fn sampler_for(&mut self, model: &Arc<Model>, params: SamplerParams) -> Answer<Sampler> {
+    async fn sampler_for(&mut self, model: &Arc<Model>, params: SamplerParams) -> LlamaResult<Sampler> {
         let (model, caps) = (model.clone(), self.ctx.limits.sampler_caps());
         let params = native_sampler_params(params);
         self.off_executor(move || Sampler::new(model, &params, &caps)).await
@@ -301,20 +301,12 @@ impl Host for LlamaCtxView<'_> {
         ctx: Resource<ContextHandle>,
         params: GenerateParams,
         cancel: Resource<CancelToken>,
-    ) -> Answer<Resource<GenerationHandle>> {
+    ) -> LlamaResult<Resource<GenerationHandle>> {
         let token: CancelFlag = self.table.get(&cancel)?.flag.clone();
         let model = self.table.get(&ctx)?.model.clone();
-        if let Err(e) = self.check_generate(&params) {
-            return Ok(Err(e));
-        }
-        let mut sampler = match self.sampler_for(&model, params.sampler).await? {
-            Ok(s) => s,
-            Err(e) => return Ok(Err(e)),
-        };
-        let pending = match self.ctx.pending_slot() {
-            Ok(slot) => slot,
-            Err(e) => return Ok(Err(e)),
-        };
+        self.check_generate(&params)?;
+        let mut sampler = self.sampler_for(&model, params.sampler).await?;
+        let pending = self.ctx.pending_slot()?;
         let request = native::GenerateRequest {
             prompt: params.prompt,
             seq: params.seq,
@@ -340,7 +332,7 @@ impl Host for LlamaCtxView<'_> {
         };
         let stream = Stream { pieces: rx, peeked: None, state: StreamState::Running(call) };
         let stream = Arc::new(tokio::sync::Mutex::new(stream));
-        Ok(Ok(self.table.push(GenerationHandle { slot: Slot::Here(stream), _pending: pending })?))
+        Ok(self.table.push(GenerationHandle { slot: Slot::Here(stream), _pending: pending })?)
     }
 
     async fn apply_chat_template(
@@ -349,17 +341,17 @@ impl Host for LlamaCtxView<'_> {
         messages: Vec<ChatMessage>,
         add_assistant_prompt: bool,
         template: Option<String>,
-    ) -> Answer<String> {
+    ) -> LlamaResult<String> {
         let max = self.ctx.limits.max_text_bytes;
         let messages: Vec<native::ChatMessage> =
             messages.into_iter().map(|m| native::ChatMessage { role: m.role, content: m.content }).collect();
         let cost = native::chat::messages_cost(&messages);
         if cost > max {
-            return Ok(Err(Error::LimitExceeded(format!(
+            return Err(Error::LimitExceeded(format!(
                 "{} messages cost {cost} bytes ({} each for the template's markers), above max-text-bytes {max}",
                 messages.len(),
                 native::chat::MESSAGE_OVERHEAD
-            ))));
+            )).into());
         }
         let model = self.table.get(&model)?.model.clone();
         let template = template.map_or(native::ChatTemplate::Model, native::ChatTemplate::Named);
@@ -376,32 +368,27 @@ impl Host for LlamaCtxView<'_> {
 }
 
 impl HostSampler for LlamaCtxView<'_> {
-    async fn create(&mut self, model: Resource<ModelHandle>, params: SamplerParams) -> Answer<Resource<SamplerHandle>> {
+    async fn create(&mut self, model: Resource<ModelHandle>, params: SamplerParams) -> LlamaResult<Resource<SamplerHandle>> {
         let model = self.table.get(&model)?.model.clone();
-        let sampler = match self.sampler_for(&model, params).await? {
-            Ok(s) => s,
-            Err(e) => return Ok(Err(e)),
-        };
-        if let Err(e) = self.ctx.admit(Held::Sampler) {
-            return Ok(Err(e));
-        }
-        Ok(Ok(self.table.push(SamplerHandle { sampler: Arc::new(Mutex::new(sampler)) })?))
+        let sampler = self.sampler_for(&model, params).await?;
+        self.ctx.admit(Held::Sampler)?;
+        Ok(self.table.push(SamplerHandle { sampler: Arc::new(Mutex::new(sampler)) })?)
     }
 
-    async fn sample(&mut self, sampler: Resource<SamplerHandle>, ctx: Resource<ContextHandle>, row: u32) -> Answer<Token> {
+    async fn sample(&mut self, sampler: Resource<SamplerHandle>, ctx: Resource<ContextHandle>, row: u32) -> LlamaResult<Token> {
         let sampler = self.table.get(&sampler)?.sampler.clone();
         let context = self.table.get(&ctx)?;
         if !Arc::ptr_eq(lock(&sampler).model(), &context.model) {
-            return Ok(Err(Error::InvalidArgument("the sampler was made for another model".into())));
+            return Err(Error::InvalidArgument("the sampler was made for another model".into()).into());
         }
         // On the worker (or the batch's thread): the logits never leave it.
         let seat_sampler = sampler.clone();
         let call = context.backing.call(move |c, _| lock(&sampler).sample(c.logits_ith(row)?), |seat| seat.sample(seat_sampler, row));
-        Ok(finished(call.await))
+        Ok(finished(call.await)?)
     }
 
     /// Off the executor: a grammar's step is bounded by its limits, but milliseconds.
-    async fn accept(&mut self, sampler: Resource<SamplerHandle>, token: Token) -> Answer<()> {
+    async fn accept(&mut self, sampler: Resource<SamplerHandle>, token: Token) -> LlamaResult<()> {
         let sampler = self.table.get(&sampler)?.sampler.clone();
         self.off_executor(move || lock(&sampler).accept(token)).await
     }
@@ -425,8 +412,8 @@ fn lock(sampler: &Mutex<Sampler>) -> std::sync::MutexGuard<'_, Sampler> {
 }
 
 impl HostGeneration for LlamaCtxView<'_> {
-    async fn next(&mut self, generation: Resource<GenerationHandle>) -> Answer<Option<Piece>> {
-        Ok(self.table.get_mut(&generation)?.next().await)
+    async fn next(&mut self, generation: Resource<GenerationHandle>) -> LlamaResult<Option<Piece>> {
+        Ok(self.table.get_mut(&generation)?.next().await?)
     }
 
     async fn subscribe(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Resource<DynPollable>> {

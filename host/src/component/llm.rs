@@ -9,7 +9,7 @@ use wasmtime_wasi::p2::DynPollable;
 
 use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
 use super::pending::{finished, Pending};
-use super::{Answer, CancelToken, Error, Held, LlamaCtxView};
+use super::{LlamaResult, CancelToken, Error, Held, LlamaCtxView};
 use crate::engine::{IdleContexts, Opened, Seat, SeatSize};
 use crate::native::{self, CancelFlag, Context, Model, Stop, Token};
 use crate::worker::{Call, Worker};
@@ -84,9 +84,9 @@ impl LlamaCtxView<'_> {
         ctx: &Resource<ContextHandle>,
         own: impl FnOnce(&mut Context) -> native::Result<T> + Send + 'static,
         seat_op: impl FnOnce(&Seat) -> Call<native::Result<T>>,
-    ) -> Answer<T> {
+    ) -> LlamaResult<T> {
         let call = self.context(ctx)?.backing.call(move |c, _| own(c), seat_op);
-        Ok(finished(call.await))
+        Ok(finished(call.await)?)
     }
 
     /// Run `f` (native work that cannot stop midway, bounded by the limits on its
@@ -95,10 +95,10 @@ impl LlamaCtxView<'_> {
     pub(super) async fn off_executor<T: Send + 'static>(
         &mut self,
         f: impl FnOnce() -> native::Result<T> + Send + 'static,
-    ) -> Answer<T> {
+    ) -> LlamaResult<T> {
         match self.ctx.workers.blocking(f).await {
-            Some(result) => Ok(result.map_err(Error::from)),
-            None => Ok(Err(Error::Backend("the native call panicked".into()))),
+            Some(result) => Ok(result?),
+            None => Err(Error::Backend("the native call panicked".into()).into()),
         }
     }
 
@@ -199,12 +199,12 @@ impl LlamaCtxView<'_> {
 impl Host for LlamaCtxView<'_> {}
 
 impl HostModel for LlamaCtxView<'_> {
-    async fn open(&mut self, name: String) -> Answer<Resource<ModelHandle>> {
+    async fn open(&mut self, name: String) -> LlamaResult<Resource<ModelHandle>> {
         use crate::engine::OpenError;
         match self.ctx.registry.open_entry(&name).await {
-            Ok(opened) => Ok(Ok(self.table.push(ModelHandle { model: opened.model.clone(), opened })?)),
-            Err(OpenError::NotFound(name)) => Ok(Err(Error::ModelNotFound(name))),
-            Err(e @ OpenError::LoadFailed(_)) => Ok(Err(Error::Backend(e.to_string()))),
+            Ok(opened) => Ok(self.table.push(ModelHandle { model: opened.model.clone(), opened })?),
+            Err(OpenError::NotFound(name)) => Err(Error::ModelNotFound(name).into()),
+            Err(e @ OpenError::LoadFailed(_)) => Err(Error::Backend(e.to_string()).into()),
         }
     }
 
@@ -214,7 +214,7 @@ impl HostModel for LlamaCtxView<'_> {
         text: String,
         add_special: bool,
         parse_special: bool,
-    ) -> Answer<Vec<Token>> {
+    ) -> LlamaResult<Vec<Token>> {
         let limits = &self.ctx.limits;
         let (max, limit) = if parse_special {
             (limits.max_special_text_bytes, "max-special-text-bytes")
@@ -222,14 +222,14 @@ impl HostModel for LlamaCtxView<'_> {
             (limits.max_text_bytes, "max-text-bytes")
         };
         if text.len() > max {
-            return Ok(Err(Error::LimitExceeded(format!("text of {} bytes is above {limit} {max}", text.len()))));
+            return Err(Error::LimitExceeded(format!("text of {} bytes is above {limit} {max}", text.len())).into());
         }
         let model = self.table.get(&model)?.model.clone();
         self.off_executor(move || model.tokenize(&text, add_special, parse_special)).await
     }
 
-    async fn token_to_piece(&mut self, model: Resource<ModelHandle>, token: Token, special: bool) -> Answer<Vec<u8>> {
-        Ok(self.table.get(&model)?.model.token_to_piece(token, special).map_err(Error::from))
+    async fn token_to_piece(&mut self, model: Resource<ModelHandle>, token: Token, special: bool) -> LlamaResult<Vec<u8>> {
+        Ok(self.table.get(&model)?.model.token_to_piece(token, special)?)
     }
 
     async fn detokenize(
@@ -238,10 +238,10 @@ impl HostModel for LlamaCtxView<'_> {
         tokens: Vec<Token>,
         remove_special: bool,
         unparse_special: bool,
-    ) -> Answer<String> {
+    ) -> LlamaResult<String> {
         let max = self.ctx.limits.max_detokenize_tokens;
         if tokens.len() > max {
-            return Ok(Err(Error::LimitExceeded(format!("{} tokens is above max-detokenize-tokens {max}", tokens.len()))));
+            return Err(Error::LimitExceeded(format!("{} tokens is above max-detokenize-tokens {max}", tokens.len())).into());
         }
         let model = self.table.get(&model)?.model.clone();
         self.off_executor(move || model.detokenize(&tokens, remove_special, unparse_special)).await
@@ -278,22 +278,14 @@ impl HostModel for LlamaCtxView<'_> {
 }
 
 impl HostContext for LlamaCtxView<'_> {
-    async fn create(&mut self, model: Resource<ModelHandle>, params: ContextParams) -> Answer<Resource<ContextHandle>> {
+    async fn create(&mut self, model: Resource<ModelHandle>, params: ContextParams) -> LlamaResult<Resource<ContextHandle>> {
         let handle = self.table.get(&model)?;
         let (model, opened) = (handle.model.clone(), handle.opened.clone());
-        let requested = match self.resolve(params, &model) {
-            Ok(p) => p,
-            Err(e) => return Ok(Err(e)),
-        };
+        let requested = self.resolve(params, &model)?;
         // Charged as llama.cpp allocates: n-ctx after its padding, every layer.
-        let allocated = match requested.allocated_n_ctx() {
-            Ok(n) => n,
-            Err(e) => return Ok(Err(e.into())),
-        };
+        let allocated = requested.allocated_n_ctx()?;
         let held = Held::Context { kv_cells: allocated as u64 * model.n_layer() as u64 };
-        if let Err(e) = self.ctx.admit(held) {
-            return Ok(Err(e));
-        }
+        self.ctx.admit(held)?;
         let started = match self.lease_seat(&opened, &params, &requested, allocated).await {
             Some(seat) => seat.map(|(seat, granted)| (Backing::Seat(seat), granted)),
             None => match self.reuse_idle(&opened.idle, &requested).await {
@@ -303,18 +295,18 @@ impl HostContext for LlamaCtxView<'_> {
         };
         match started {
             Ok((backing, params)) => {
-                Ok(Ok(self.table.push(ContextHandle { backing, params, model, held, requested, opened })?))
+                Ok(self.table.push(ContextHandle { backing, params, model, held, requested, opened })?)
             }
             Err(e) => {
                 self.ctx.release(held);
-                Ok(Err(e))
+                Err(e.into())
             }
         }
     }
 
-    async fn decode(&mut self, ctx: Resource<ContextHandle>, batch: Batch, cancel: Resource<CancelToken>) -> Answer<()> {
+    async fn decode(&mut self, ctx: Resource<ContextHandle>, batch: Batch, cancel: Resource<CancelToken>) -> LlamaResult<()> {
         let call = self.queue_decode(&ctx, batch, &cancel)?;
-        Ok(finished(call.await))
+        Ok(finished(call.await)?)
     }
 
     async fn start_decode(
@@ -322,32 +314,29 @@ impl HostContext for LlamaCtxView<'_> {
         ctx: Resource<ContextHandle>,
         batch: Batch,
         cancel: Resource<CancelToken>,
-    ) -> Answer<Resource<PendingDecode>> {
-        let slot = match self.ctx.pending_slot() {
-            Ok(slot) => slot,
-            Err(e) => return Ok(Err(e)),
-        };
+    ) -> LlamaResult<Resource<PendingDecode>> {
+        let slot = self.ctx.pending_slot()?;
         let call = self.queue_decode(&ctx, batch, &cancel)?;
-        Ok(Ok(self.table.push(Pending::new(call, slot))?))
+        Ok(self.table.push(Pending::new(call, slot))?)
     }
 
-    async fn logits_ith(&mut self, ctx: Resource<ContextHandle>, row: u32) -> Answer<Vec<f32>> {
+    async fn logits_ith(&mut self, ctx: Resource<ContextHandle>, row: u32) -> LlamaResult<Vec<f32>> {
         self.on_backing(&ctx, move |c| c.logits_ith(row).map(<[f32]>::to_vec), |s| s.logits(Some(row))).await
     }
 
-    async fn last_logits(&mut self, ctx: Resource<ContextHandle>) -> Answer<Vec<f32>> {
+    async fn last_logits(&mut self, ctx: Resource<ContextHandle>) -> LlamaResult<Vec<f32>> {
         self.on_backing(&ctx, |c| c.last_logits().map(<[f32]>::to_vec), |s| s.logits(None)).await
     }
 
-    async fn seq_rm(&mut self, ctx: Resource<ContextHandle>, seq: i32, p0: i32, p1: i32) -> Answer<()> {
+    async fn seq_rm(&mut self, ctx: Resource<ContextHandle>, seq: i32, p0: i32, p1: i32) -> LlamaResult<()> {
         self.on_backing(&ctx, move |c| c.seq_rm(seq, p0, p1), |s| s.seq_rm(seq, p0, p1)).await
     }
 
-    async fn seq_pos_max(&mut self, ctx: Resource<ContextHandle>, seq: i32) -> Answer<i32> {
+    async fn seq_pos_max(&mut self, ctx: Resource<ContextHandle>, seq: i32) -> LlamaResult<i32> {
         self.on_backing(&ctx, move |c| c.seq_pos_max(seq), |s| s.seq_pos_max(seq)).await
     }
 
-    async fn clear(&mut self, ctx: Resource<ContextHandle>) -> Answer<()> {
+    async fn clear(&mut self, ctx: Resource<ContextHandle>) -> LlamaResult<()> {
         let own = |c: &mut Context| {
             c.clear();
             Ok(())
@@ -405,8 +394,8 @@ impl HostPendingDecode for LlamaCtxView<'_> {
         Pending::subscribe(self.table, &pending)
     }
 
-    async fn finish(&mut self, pending: Resource<PendingDecode>) -> Answer<()> {
-        Ok(self.table.get_mut(&pending)?.finish().await)
+    async fn finish(&mut self, pending: Resource<PendingDecode>) -> LlamaResult<()> {
+        Ok(self.table.get_mut(&pending)?.finish().await?)
     }
 
     async fn drop(&mut self, pending: Resource<PendingDecode>) -> wasmtime::Result<()> {

@@ -9,7 +9,7 @@ use wasmtime_wasi::p2::DynPollable;
 use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, HostMediaContext, HostPendingEncode, Input};
 use super::llm::{Backing, ContextHandle, ModelHandle};
 use super::pending::{finished, Pending};
-use super::{Answer, CancelToken, Error, Held, LlamaCtxView};
+use super::{LlamaResult, CancelToken, Error, Held, LlamaCtxView};
 use crate::native::{self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token};
 use crate::worker::{Call, Worker};
 
@@ -48,14 +48,12 @@ impl LlamaCtxView<'_> {
         media: &Resource<MediaContextHandle>,
         chunk: &Resource<ChunkHandle>,
         token: &Resource<CancelToken>,
-    ) -> wasmtime::Result<Result<Call<native::Result<Vec<f32>>>, Error>> {
+    ) -> LlamaResult<Call<native::Result<Vec<f32>>>> {
         let token = self.table.get(token)?.flag.clone();
         let chunk = self.table.get(chunk)?.chunk.clone();
         let media = self.media(media)?;
-        if let Err(e) = native::check_owner(media.id, &chunk) {
-            return Ok(Err(e.into()));
-        }
-        Ok(Ok(media.worker.call(move |m, abandoned| m.encode(&chunk, Some(Stop::on_either(&token, abandoned))))))
+        native::check_owner(media.id, &chunk)?;
+        Ok(media.worker.call(move |m, abandoned| m.encode(&chunk, Some(Stop::on_either(&token, abandoned)))))
     }
 }
 
@@ -91,15 +89,13 @@ impl HostChunk for LlamaCtxView<'_> {
 }
 
 impl HostMediaContext for LlamaCtxView<'_> {
-    async fn open(&mut self, projector: String, model: Resource<ModelHandle>) -> Answer<Resource<MediaContextHandle>> {
+    async fn open(&mut self, projector: String, model: Resource<ModelHandle>) -> LlamaResult<Resource<MediaContextHandle>> {
         let handle = self.table.get(&model)?;
         let (model, cores) = (handle.model.clone(), handle.opened.policy.as_ref().map(|p| p.cores.clone()));
         let Ok(path) = self.ctx.registry.projector_path(&projector) else {
-            return Ok(Err(Error::ModelNotFound(projector)));
+            return Err(Error::ModelNotFound(projector).into());
         };
-        if let Err(e) = self.ctx.admit(Held::MediaContext) {
-            return Ok(Err(e));
-        }
+        self.ctx.admit(Held::MediaContext)?;
         let threads = self.ctx.limits.default_threads;
         let (latency, fixed) = (self.ctx.limits.encode_cancel_latency, self.ctx.limits.encode_fixed_chunk_work);
         let (worker_model, meter) = (model.clone(), self.ctx.meter().clone());
@@ -120,15 +116,15 @@ impl HostMediaContext for LlamaCtxView<'_> {
             Err(e) => {
                 self.ctx.release(Held::MediaContext);
                 tracing::error!("opening projector {projector:?}: {e}");
-                return Ok(Err(Error::Backend(format!("projector {projector:?} could not be loaded for this model"))));
+                return Err(Error::Backend(format!("projector {projector:?} could not be loaded for this model")).into());
             }
         };
         let probe = worker.call(|m, _| (m.id(), m.supports_vision(), m.supports_audio(), m.audio_sample_rate(), m.uses_mrope()));
         let Some((id, vision, audio, sample_rate, mrope)) = probe.await else {
             self.ctx.release(Held::MediaContext);
-            return Ok(Err(Error::Backend("media worker stopped".into())));
+            return Err(Error::Backend("media worker stopped".into()).into());
         };
-        Ok(Ok(self.table.push(MediaContextHandle { worker, id, model, vision, audio, sample_rate, mrope })?))
+        Ok(self.table.push(MediaContextHandle { worker, id, model, vision, audio, sample_rate, mrope })?)
     }
 
     async fn supports_vision(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<bool> {
@@ -152,11 +148,11 @@ impl HostMediaContext for LlamaCtxView<'_> {
         media: Resource<MediaContextHandle>,
         prompt: String,
         inputs: Vec<Input>,
-    ) -> Answer<Vec<Resource<ChunkHandle>>> {
+    ) -> LlamaResult<Vec<Resource<ChunkHandle>>> {
         // mtmd parses special tokens in every prompt.
         let max = self.ctx.limits.max_special_text_bytes;
         if prompt.len() > max {
-            return Ok(Err(Error::LimitExceeded(format!("prompt of {} bytes is above max-special-text-bytes {max}", prompt.len()))));
+            return Err(Error::LimitExceeded(format!("prompt of {} bytes is above max-special-text-bytes {max}", prompt.len())).into());
         }
         let caps = self.ctx.limits.media_caps();
         let inputs: Vec<MediaInput> = inputs
@@ -168,19 +164,14 @@ impl HostMediaContext for LlamaCtxView<'_> {
             .collect();
         let budget = self.ctx.chunk_bytes_left();
         let call = self.media(&media)?.worker.call(move |m, _| m.tokenize(&prompt, &inputs, caps, budget));
-        let chunks = match finished(call.await) {
-            Ok(chunks) => chunks,
-            Err(e) => return Ok(Err(e)),
-        };
+        let chunks = finished(call.await)?;
         let bytes = chunks.iter().map(|c| c.native_bytes() as u64).sum();
-        if let Err(e) = self.ctx.admit(Held::Chunks { bytes }) {
-            return Ok(Err(e));
-        }
+        self.ctx.admit(Held::Chunks { bytes })?;
         let handles = chunks
             .into_iter()
             .map(|chunk| self.table.push(ChunkHandle { chunk }))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Ok(handles))
+        Ok(handles)
     }
 
     async fn encode_chunk(
@@ -188,11 +179,9 @@ impl HostMediaContext for LlamaCtxView<'_> {
         media: Resource<MediaContextHandle>,
         chunk: Resource<ChunkHandle>,
         cancel: Resource<CancelToken>,
-    ) -> Answer<Vec<f32>> {
-        match self.queue_encode(&media, &chunk, &cancel)? {
-            Ok(call) => Ok(finished(call.await)),
-            Err(e) => Ok(Err(e)),
-        }
+    ) -> LlamaResult<Vec<f32>> {
+        let call = self.queue_encode(&media, &chunk, &cancel)?;
+        Ok(finished(call.await)?)
     }
 
     async fn start_encode_chunk(
@@ -200,16 +189,13 @@ impl HostMediaContext for LlamaCtxView<'_> {
         media: Resource<MediaContextHandle>,
         chunk: Resource<ChunkHandle>,
         cancel: Resource<CancelToken>,
-    ) -> Answer<Resource<PendingEncode>> {
-        let call = match self.queue_encode(&media, &chunk, &cancel)? {
-            Ok(call) => call,
-            Err(e) => return Ok(Err(e)),
-        };
+    ) -> LlamaResult<Resource<PendingEncode>> {
+        let call = self.queue_encode(&media, &chunk, &cancel)?;
         let slot = match self.ctx.pending_slot() {
             Ok(slot) => slot,
-            Err(e) => return Ok(Err(e)), // dropping the call abandons it
+            Err(e) => return Err(e.into()), // dropping the call abandons it
         };
-        Ok(Ok(self.table.push(Pending::new(call, slot))?))
+        Ok(self.table.push(Pending::new(call, slot))?)
     }
 
     async fn eval_chunks(
@@ -219,28 +205,26 @@ impl HostMediaContext for LlamaCtxView<'_> {
         chunks: Vec<Resource<ChunkHandle>>,
         seq: i32,
         cancel: Resource<CancelToken>,
-    ) -> Answer<i32> {
+    ) -> LlamaResult<i32> {
         let token = self.table.get(&cancel)?.flag.clone();
         let chunks = chunks.iter().map(|c| Ok(self.table.get(c)?.chunk.clone())).collect::<wasmtime::Result<Vec<_>>>()?;
         let media = self.media(&media)?;
         let context = self.table.get(&ctx)?;
         if !Arc::ptr_eq(&media.model, &context.model) {
-            return Ok(Err(Error::InvalidArgument("the media context was opened for another model".into())));
+            return Err(Error::InvalidArgument("the media context was opened for another model".into()).into());
         }
-        if let Some(Err(e)) = chunks.iter().map(|c| native::check_owner(media.id, c)).find(Result::is_err) {
-            return Ok(Err(e.into()));
-        }
+        chunks.iter().try_for_each(|c| native::check_owner(media.id, c))?;
         if media.mrope && chunks.iter().any(|c| c.kind() != native::ChunkKind::Text) {
-            return Ok(Err(Error::InvalidArgument("projectors with multi-dimensional positions (M-RoPE) are not supported yet".into())));
+            return Err(Error::InvalidArgument("projectors with multi-dimensional positions (M-RoPE) are not supported yet".into()).into());
         }
         // More tokens than the whole context holds can never fit: known before anything
         // is encoded, without waiting for the context's worker (native `eval` checks the
         // sequence's own room again before it computes).
         let n_tokens = chunks.iter().map(|c| c.n_tokens()).fold(0, usize::saturating_add);
         if n_tokens > context.n_ctx() as usize {
-            return Ok(Err(Error::ContextFull));
+            return Err(Error::ContextFull.into());
         }
-        Ok(eval_chunks(&media.worker, &context.backing, chunks, seq, &token).await)
+        Ok(eval_chunks(&media.worker, &context.backing, chunks, seq, &token).await?)
     }
 
     async fn drop(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<()> {
@@ -278,8 +262,8 @@ impl HostPendingEncode for LlamaCtxView<'_> {
         Pending::subscribe(self.table, &pending)
     }
 
-    async fn finish(&mut self, pending: Resource<PendingEncode>) -> Answer<Vec<f32>> {
-        Ok(self.table.get_mut(&pending)?.finish().await)
+    async fn finish(&mut self, pending: Resource<PendingEncode>) -> LlamaResult<Vec<f32>> {
+        Ok(self.table.get_mut(&pending)?.finish().await?)
     }
 
     async fn drop(&mut self, pending: Resource<PendingEncode>) -> wasmtime::Result<()> {

@@ -35,6 +35,9 @@ pub mod bindings {
         path: "../wit",
         world: "plugin",
         imports: { default: async | trappable },
+        trappable_error_type: {
+            "llamabox:inference/types.error" => super::LlamaError,
+        },
         with: {
             "wasi:io/poll": wasmtime_wasi::p2::bindings::io::poll,
             "wasi:clocks": wasmtime_wasi::p2::bindings::clocks,
@@ -57,6 +60,9 @@ pub mod async_bindings {
         path: "../wit",
         world: "async-host",
         imports: { default: trappable },
+        trappable_error_type: {
+            "llamabox:inference/types.error" => super::LlamaError,
+        },
         with: {
             "llamabox:inference/types": super::bindings::llamabox::inference::types,
             "llamabox:inference/cancel": super::bindings::llamabox::inference::cancel,
@@ -69,8 +75,62 @@ pub mod async_bindings {
 
 pub use bindings::llamabox::inference::types::Error;
 
-/// What a host function returns: a trap (bad resource handle) or the WIT result.
-type Answer<T> = wasmtime::Result<Result<T, Error>>;
+/// Why a host function failed: the WIT `error` the guest gets back, or a trap (a bad
+/// resource handle, a host invariant broken) that ends the guest. Both convert with
+/// `?`, as wasi-nn's and wasi's trappable errors do; `convert_error` below sorts them.
+#[derive(Debug)]
+pub struct LlamaError(Failure);
+
+#[derive(Debug)]
+enum Failure {
+    Guest(Error),
+    Trap(wasmtime::Error),
+}
+
+impl LlamaError {
+    /// A failure that ends the guest rather than returning to it.
+    pub fn trap(e: impl Into<wasmtime::Error>) -> Self {
+        Self(Failure::Trap(e.into()))
+    }
+}
+
+impl From<Error> for LlamaError {
+    fn from(e: Error) -> Self {
+        Self(Failure::Guest(e))
+    }
+}
+
+impl From<crate::native::Error> for LlamaError {
+    fn from(e: crate::native::Error) -> Self {
+        Self(Failure::Guest(e.into()))
+    }
+}
+
+impl From<wasmtime::component::ResourceTableError> for LlamaError {
+    fn from(e: wasmtime::component::ResourceTableError) -> Self {
+        Self::trap(e)
+    }
+}
+
+impl From<wasmtime::Error> for LlamaError {
+    fn from(e: wasmtime::Error) -> Self {
+        Self::trap(e)
+    }
+}
+
+impl std::fmt::Display for LlamaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Failure::Guest(e) => write!(f, "{e:?}"),
+            Failure::Trap(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for LlamaError {}
+
+/// What a host function returns that can fail as the WIT says.
+type LlamaResult<T> = Result<T, LlamaError>;
 
 /// Per-store llamabox state: which models this plugin may open, the tokens it may
 /// share and open (within its group), and its limits.
@@ -262,7 +322,14 @@ pub fn add_to_linker<T: LlamaView + 'static>(linker: &mut Linker<T>) -> wasmtime
     Ok(())
 }
 
-impl bindings::llamabox::inference::types::Host for LlamaCtxView<'_> {}
+impl bindings::llamabox::inference::types::Host for LlamaCtxView<'_> {
+    fn convert_error(&mut self, err: LlamaError) -> wasmtime::Result<Error> {
+        match err.0 {
+            Failure::Guest(e) => Ok(e),
+            Failure::Trap(e) => Err(e),
+        }
+    }
+}
 
 impl From<crate::native::Error> for Error {
     fn from(e: crate::native::Error) -> Self {
