@@ -94,7 +94,7 @@ demo: build guest
 test: deps
 	scripts/validate-manifests.sh
 	$(CARGO) test $(PROFILE) -p llamabox -p llamabox-bench -- --test-threads=1
-	cd guest && $(CARGO) test --release -p llamabox-openai --target x86_64-unknown-linux-gnu --target-dir ../target/guest
+	cd guest && $(CARGO) test --release -p llamabox-openai -p llamabox-guest --target x86_64-unknown-linux-gnu --target-dir ../target/guest
 
 # The GPU tests (tests/gpu.rs) on whatever Vulkan device is present: `make GPU=vulkan
 # test-gpu`. ggml-vulkan skips CPU-type devices (lavapipe) unless GGML_VK_VISIBLE_DEVICES

@@ -215,7 +215,11 @@ async fn cancelled_calls_are_counted() {
     let out = String::from_utf8([stdout.contents(), stderr.contents()].concat()).unwrap();
     assert_eq!(report.outcome, RunOutcome::Success, "{out}");
     assert!(common::field(&out, "long-decode").starts_with("cancelled after"), "{out}");
-    assert!(report.usage.cancels >= 1, "{:?}", report.usage);
+    // The guest SDK's decode_with_timeout, at a deadline of 0 ms: cancelled in flight,
+    // memory as before.
+    assert_eq!(common::field(&out, "timed-decode"), "cancelled", "{out}");
+    assert_eq!(common::field(&out, "memory-after-timed"), common::field(&out, "memory-after"), "{out}");
+    assert!(report.usage.cancels >= 2, "{:?}", report.usage);
 }
 
 /// Counts llama.cpp's log events by whether a `llamabox_run` span encloses them.

@@ -5,9 +5,19 @@
 //!
 //! Output lines are `key: value` so tests can read them.
 
+// The plugin world's interfaces come from the shared bindings (guest/sdk); the
+// async calls and WASI 0.3 are generated here.
 wit_bindgen::generate!({
     path: ["../../wit", "../../wit/async"],
     world: "llamabox:plugin-async/plugin-async",
+    with: {
+        "llamabox:inference/types@0.1.0": llamabox_guest::types,
+        "llamabox:inference/cancel@0.1.0": llamabox_guest::cancel,
+        "llamabox:inference/llm@0.1.0": llamabox_guest::llm,
+        "llamabox:inference/media@0.1.0": llamabox_guest::media,
+        "llamabox:inference/generate@0.1.0": llamabox_guest::generate,
+        "llamabox:inference/embeddings@0.1.0": llamabox_guest::embeddings,
+    },
     generate_all,
 });
 
@@ -17,10 +27,10 @@ use std::task::Poll;
 
 use futures::join;
 use llamabox::inference::async_calls;
-use llamabox::inference::cancel::CancelToken;
-use llamabox::inference::generate::{self, GenerateParams};
-use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
-use llamabox::inference::types::Error;
+use llamabox_guest::cancel::CancelToken;
+use llamabox_guest::generate::{self, GenerateParams};
+use llamabox_guest::llm::{Batch, Context, ContextParams, Model};
+use llamabox_guest::types::Error;
 use wasi::clocks0_3_0::monotonic_clock::wait_for;
 
 

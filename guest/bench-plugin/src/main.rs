@@ -13,11 +13,8 @@
 //! Common options: `--threads T --ctx C --batch B` (context parameters, set by the host
 //! so both sides build the same context). Output: one `key: value` line per measurement.
 
-wit_bindgen::generate!({
-    path: "../../wit",
-    world: "plugin",
-    generate_all,
-});
+// The plugin world's bindings, shared by every Rust plugin (guest/sdk).
+use llamabox_guest::{argmax, digest, llamabox, sequence, wasi};
 
 use llamabox::inference::cancel::CancelToken;
 use llamabox::inference::generate::{self, GenerateParams, Sampler};
@@ -148,7 +145,7 @@ fn decode(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
         }
         let ns = monotonic_clock::now() - start;
         let logits = ctx.logits_ith(o.tokens - 1)?;
-        println!("run: ns={ns} logits={:016x}", fnv1a64(&logits));
+        println!("run: ns={ns} logits={:016x}", digest::logits(&logits));
     }
     Ok(())
 }
@@ -167,7 +164,7 @@ fn generate(o: &Options, model: &Model, ctx: &Context, n_vocab: u32) -> Result<(
     greedy(ctx, n_vocab, 1, &pick)?;
     for _ in 0..o.runs {
         let (ns, generated) = greedy(ctx, n_vocab, o.tokens, &pick)?;
-        println!("run: ns={ns} tokens={:016x}", fnv1a64_tokens(&generated));
+        println!("run: ns={ns} tokens={:016x}", digest::tokens(&generated));
     }
     Ok(())
 }
@@ -204,7 +201,7 @@ fn host_generate(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> 
         let per_token = bytes as f64 / generated.len().max(1) as f64;
         println!(
             "run: ns={ns} tokens={:016x} generated={} bytes-per-token={per_token:.1}",
-            fnv1a64_tokens(&generated),
+            digest::tokens(&generated),
             generated.len()
         );
     }
@@ -288,39 +285,4 @@ const PROMPT_TOKENS: u32 = 8;
 /// them around. What the tokens are does not change how long a decode takes.
 fn bench_tokens(n: u32, n_vocab: u32) -> Vec<i32> {
     (0..n as u64).map(|i| ((i * 2_654_435_761 + 12_345) % n_vocab as u64) as i32).collect()
-}
-
-/// Tokens of sequence 0 from position `first`, logits for the last one.
-fn sequence(tokens: &[i32], first: i32) -> Batch {
-    let n = tokens.len();
-    Batch {
-        tokens: tokens.to_vec(),
-        positions: (first..first + n as i32).collect(),
-        seq_ids: vec![0; n],
-        logits: (0..n).map(|i| i + 1 == n).collect(),
-    }
-}
-
-/// The first index of the largest logit (ties: the lowest id, as natively).
-fn argmax(logits: &[f32]) -> i32 {
-    let mut best = (0, f32::NEG_INFINITY);
-    for (i, &l) in logits.iter().enumerate() {
-        if l > best.1 {
-            best = (i, l);
-        }
-    }
-    best.0 as i32
-}
-
-/// FNV-1a over the logits' bits: equal digests mean bitwise-equal logits.
-fn fnv1a64(values: &[f32]) -> u64 {
-    fnv1a64_bytes(values.iter().flat_map(|v| v.to_bits().to_le_bytes()))
-}
-
-fn fnv1a64_tokens(tokens: &[i32]) -> u64 {
-    fnv1a64_bytes(tokens.iter().flat_map(|t| t.to_le_bytes()))
-}
-
-fn fnv1a64_bytes(bytes: impl Iterator<Item = u8>) -> u64 {
-    bytes.fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }

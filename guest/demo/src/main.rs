@@ -9,11 +9,8 @@
 //!
 //! Output lines are `key: value` so tests can read them.
 
-wit_bindgen::generate!({
-    path: "../../wit",
-    world: "plugin",
-    generate_all,
-});
+// The plugin world's bindings, shared by every Rust plugin (guest/sdk).
+use llamabox_guest::{argmax, decode_with_timeout, digest, greedy, llamabox, sequence, wasi};
 
 use llamabox::inference::cancel::CancelToken;
 use llamabox::inference::generate::{self, ChatMessage, FinishReason, GenerateParams, Generation, Grammar, Sampler, SamplerParams};
@@ -249,7 +246,7 @@ fn generate(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
     println!("prompt-tokens: {}", prompt.len());
     ctx.decode(&sequence(&prompt, 0), &never)?;
     let logits = ctx.logits_ith(prompt.len() as u32 - 1)?;
-    println!("prompt-logits: fnv1a64={:016x}", fnv1a64(&logits));
+    println!("prompt-logits: fnv1a64={:016x}", digest::logits(&logits));
 
     let mut text = Vec::new();
     let mut ids = Vec::new();
@@ -272,10 +269,6 @@ fn generate(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
 
 fn join(ids: &[i32]) -> String {
     ids.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")
-}
-
-fn greedy() -> SamplerParams {
-    generate::greedy_sampler()
 }
 
 fn params(prompt: Vec<i32>, max_tokens: u32, stop: Vec<String>, sampler: SamplerParams) -> GenerateParams {
@@ -464,7 +457,11 @@ fn cancel_long_decode(o: &Options, model: &Model, ctx: &Context) -> Result<(), E
     let report = cancel_from_event_loop(&pending.subscribe(), &token, o.cancel_after_ms, started);
     println!("long-decode: {}", report.describe(&pending.finish()));
     println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
-    Ok(())
+    // The same decode with the SDK's helper: a deadline of the plugin's own.
+    let timeout = std::time::Duration::from_millis(o.cancel_after_ms);
+    println!("timed-decode: {}", show(decode_with_timeout(ctx, &sequence(&tokens, 0), &CancelToken::new(), timeout)));
+    println!("memory-after-timed: seq-pos-max={}", ctx.seq_pos_max(0)?);
+    ctx.clear()
 }
 
 /// Drop a running pending-decode, generation and (with `--media`) pending-encode
@@ -614,7 +611,7 @@ fn soak(o: &Options, iterations: u64, model: &Model, ctx: &Context) -> Result<()
     let started = monotonic_clock::now();
     ctx.clear()?;
     ctx.decode(&batch, &CancelToken::new())?;
-    let reference = fnv1a64(&ctx.last_logits()?);
+    let reference = digest::logits(&ctx.last_logits()?);
     let full_us = ((monotonic_clock::now() - started) / 1000).max(1);
     let mut rng = o.seed | 1;
     let (mut finished, mut cancelled, mut wrong) = (0u64, 0u64, 0u64);
@@ -631,7 +628,7 @@ fn soak(o: &Options, iterations: u64, model: &Model, ctx: &Context) -> Result<()
             token.cancel();
         }
         match pending.finish() {
-            Ok(()) if fnv1a64(&ctx.last_logits()?) == reference => finished += 1,
+            Ok(()) if digest::logits(&ctx.last_logits()?) == reference => finished += 1,
             Err(Error::Cancelled) if ctx.seq_pos_max(0)? == -1 => cancelled += 1,
             _ => wrong += 1,
         }
@@ -732,32 +729,4 @@ fn show(r: Result<(), Error>) -> String {
         Err(Error::LimitExceeded(m)) => format!("limit-exceeded: {m}"),
         Err(e) => format!("{e:?}"),
     }
-}
-
-/// Tokens of sequence 0 from position `first`, logits for the last one.
-fn sequence(tokens: &[i32], first: i32) -> Batch {
-    let n = tokens.len();
-    Batch {
-        tokens: tokens.to_vec(),
-        positions: (first..first + n as i32).collect(),
-        seq_ids: vec![0; n],
-        logits: (0..n).map(|i| i + 1 == n).collect(),
-    }
-}
-
-fn argmax(logits: &[f32]) -> i32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as i32
-}
-
-/// FNV-1a over the logits' bits: equal digests mean bitwise-equal logits.
-fn fnv1a64(values: &[f32]) -> u64 {
-    values.iter().flat_map(|v| v.to_bits().to_le_bytes()).fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
 }

@@ -8,11 +8,8 @@
 //! a named error; the host must never trap the plugin or abort. Prints `fuzz-*` lines.
 //! `--grammars N` runs N hostile grammars (grammars.rs) instead of the call sequence.
 
-wit_bindgen::generate!({
-    path: "../../wit",
-    world: "plugin",
-    generate_all,
-});
+// The plugin world's bindings, shared by every Rust plugin (guest/sdk).
+use llamabox_guest::{llamabox, wasi};
 
 mod grammars;
 

@@ -11,15 +11,27 @@
 //! - `/linger`: responds 200 with a whole body, then spins in wasm until the deadline:
 //!   the run outlives the response its client has already read.
 
+// What the plugin world has comes from the shared bindings (guest/sdk); the HTTP
+// side is generated here.
 wit_bindgen::generate!({
     path: "../../wit",
     world: "http-plugin",
+    with: {
+        "llamabox:inference/types@0.1.0": llamabox_guest::types,
+        "llamabox:inference/cancel@0.1.0": llamabox_guest::cancel,
+        "llamabox:inference/llm@0.1.0": llamabox_guest::llm,
+        "llamabox:inference/media@0.1.0": llamabox_guest::media,
+        "llamabox:inference/generate@0.1.0": llamabox_guest::generate,
+        "llamabox:inference/embeddings@0.1.0": llamabox_guest::embeddings,
+        "wasi:io/poll@0.2.12": llamabox_guest::wasi::io::poll,
+        "wasi:clocks/monotonic-clock@0.2.12": llamabox_guest::wasi::clocks::monotonic_clock,
+    },
     generate_all,
 });
 
 use exports::wasi::http::incoming_handler::Guest;
-use llamabox::inference::cancel::CancelToken;
-use llamabox::inference::llm::{Batch, Context, ContextParams, Model};
+use llamabox_guest::cancel::CancelToken;
+use llamabox_guest::llm::{Batch, Context, ContextParams, Model};
 use wasi::http::types::{Fields, IncomingRequest, OutgoingBody, OutgoingResponse, ResponseOutparam};
 
 struct Plugin;

@@ -5,7 +5,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::llamabox::inference::types::Error as HostError;
+use llamabox_guest::types::Error as HostError;
 
 /// An error answered as OpenAI's `{"error": {...}}` with an HTTP status.
 #[derive(Debug)]

@@ -7,12 +7,12 @@ use std::rc::Rc;
 use crate::api::{self, ApiError, ChatChoice, Choice, Completion, Delta, TextChoice, Usage};
 use crate::handlers::{Reply, Sampling, CONTEXT_STEP, DEFAULT_N_CTX, MAX_GENERATE_TOKENS};
 use crate::http::{self, Body, Gone};
-use crate::llamabox::inference::cancel::CancelToken;
-use crate::llamabox::inference::generate::{self, FinishReason, GenerateParams, Generation, Logprobs, Piece, Sampler};
+use llamabox_guest::cancel::CancelToken;
+use llamabox_guest::generate::{self, FinishReason, GenerateParams, Generation, Logprobs, Piece, Sampler};
 use crate::tools::{Call, Reader};
-use crate::llamabox::inference::llm::{Context, ContextParams, Model};
-use crate::llamabox::inference::media::{Chunk, MediaContext};
-use crate::llamabox::inference::types::Error as HostError;
+use llamabox_guest::llm::{Context, ContextParams, Model};
+use llamabox_guest::media::{Chunk, MediaContext};
+use llamabox_guest::types::Error as HostError;
 
 /// Most choices one request may ask for (`n` × prompts): each needs a context, and
 /// the host's default `max-contexts` per run is 4.

@@ -6,12 +6,12 @@ use crate::template::{self, ToolCall, Turn};
 use crate::tools::Tools;
 use crate::http::{self, Body};
 use crate::vision;
-use crate::llamabox::inference::cancel::CancelToken;
-use crate::llamabox::inference::embeddings::{self, Pooling};
-use crate::llamabox::inference::generate::{self, LogitBias, Penalties, SamplerParams};
-use crate::llamabox::inference::llm::{Context, ContextParams, Model};
-use crate::llamabox::inference::media::{Input, MediaContext};
-use crate::llamabox::inference::types::Error as HostError;
+use llamabox_guest::cancel::CancelToken;
+use llamabox_guest::embeddings::{self, Pooling};
+use llamabox_guest::generate::{self, LogitBias, Penalties, SamplerParams};
+use llamabox_guest::llm::{Context, ContextParams, Model};
+use llamabox_guest::media::{Input, MediaContext};
+use llamabox_guest::types::Error as HostError;
 use crate::wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
 
 /// Context size cap when `LLAMABOX_N_CTX` does not set one (the model's training length caps it too).

@@ -10,9 +10,9 @@ use minijinja::value::Serde;
 use minijinja::{context, Environment, Error, ErrorKind, Value};
 use serde_json::json;
 
-use crate::llamabox::inference::generate::{self, ChatMessage};
-use crate::llamabox::inference::llm::Model;
-use crate::llamabox::inference::types::Error as HostError;
+use llamabox_guest::generate::{self, ChatMessage};
+use llamabox_guest::llm::Model;
+use llamabox_guest::types::Error as HostError;
 
 /// Work one render may do (minijinja's fuel: about one unit per instruction). Real
 /// templates take a few hundred per message; this bounds a hostile or broken one, and

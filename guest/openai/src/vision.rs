@@ -2,7 +2,7 @@
 //! URL (no fetching: a plugin has no network), decoded to RGB for the host's projector.
 
 use crate::api::ApiError;
-use crate::llamabox::inference::media::Image;
+use llamabox_guest::media::Image;
 
 /// The host's `max-image-side`: larger images are refused before they are decoded.
 const MAX_IMAGE_SIDE: u32 = 2048;

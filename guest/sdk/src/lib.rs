@@ -1,0 +1,142 @@
+//! The Rust guest SDK for llamabox plugins. It generates the `plugin` world's bindings
+//! once (`llamabox:inference` and the WASI 0.2 interfaces it uses), so every Rust plugin
+//! shares one set of types, and holds what each plugin would otherwise write again:
+//! - [`sequence`]: a batch of one sequence, logits for its last token;
+//! - [`argmax`] and [`greedy`]: greedy picking with defined NaN and tie rules;
+//! - [`decode_with_timeout`]: a decode raced against a timer and cancelled in flight;
+//! - [`digest`]: the FNV-1a digests tests compare logits and tokens by.
+//!
+//! A plugin for another world (`http-plugin`, a WASI 0.3 one) generates only what this
+//! crate lacks and maps the rest onto it with wit-bindgen's `with` (see guest/openai).
+
+wit_bindgen::generate!({
+    path: "../../wit",
+    world: "plugin",
+    generate_all,
+});
+
+use std::time::Duration;
+
+pub use llamabox::inference::{cancel, embeddings, generate, llm, media, types};
+
+use cancel::CancelToken;
+use generate::SamplerParams;
+use llm::{Batch, Context};
+use types::Error;
+use wasi::clocks::monotonic_clock;
+use wasi::io::poll;
+
+/// Tokens of sequence 0 from position `first`, logits for the last one only (what a
+/// prompt's prefill and each generated token need).
+pub fn sequence(tokens: &[i32], first: i32) -> Batch {
+    sequence_in(0, tokens, first)
+}
+
+/// [`sequence`] for sequence `seq`.
+pub fn sequence_in(seq: i32, tokens: &[i32], first: i32) -> Batch {
+    let n = tokens.len();
+    Batch {
+        tokens: tokens.to_vec(),
+        positions: (first..first + n as i32).collect(),
+        seq_ids: vec![seq; n],
+        logits: (0..n).map(|i| i + 1 == n).collect(),
+    }
+}
+
+/// The token with the largest logit: a NaN never wins, ties go to the lowest id (as
+/// llama.cpp's greedy sampler picks), and a row with nothing above -inf gives 0.
+pub fn argmax(logits: &[f32]) -> i32 {
+    let mut best = (0, f32::NEG_INFINITY);
+    for (i, &l) in logits.iter().enumerate() {
+        if l > best.1 {
+            best = (i, l);
+        }
+    }
+    best.0 as i32
+}
+
+/// Greedy sampling on the host: every stage off, no bias, no grammar. The value of
+/// `generate.greedy-sampler`, without the call; set what you need on top of it.
+pub fn greedy() -> SamplerParams {
+    SamplerParams {
+        temperature: None,
+        top_k: None,
+        top_p: None,
+        min_p: None,
+        typical_p: None,
+        penalties: None,
+        seed: None,
+        logit_bias: Vec::new(),
+        grammar: None,
+        json_schema: None,
+    }
+}
+
+/// Decode `batch` on `ctx`, waiting at most `timeout`: when the timer fires first,
+/// `token` is cancelled and the decode stops in flight (within one graph node), its
+/// memory as before the call. Returns the decode's own result: `cancelled` if the timer
+/// won.
+pub fn decode_with_timeout(ctx: &Context, batch: &Batch, token: &CancelToken, timeout: Duration) -> Result<(), Error> {
+    let pending = ctx.start_decode(batch, token)?;
+    let done = pending.subscribe();
+    let timer = monotonic_clock::subscribe_duration(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
+    if !poll::poll(&[&done, &timer]).contains(&0) {
+        token.cancel();
+        done.block();
+    }
+    // The pollable is the pending call's child: dropped before the call is finished.
+    drop(done);
+    pending.finish()
+}
+
+/// FNV-1a digests: equal digests mean bitwise-equal logits (or equal token lists), so
+/// a test can compare a plugin's numbers with the host's through one printed line.
+pub mod digest {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0100_0000_01b3;
+
+    pub fn bytes(bytes: impl IntoIterator<Item = u8>) -> u64 {
+        bytes.into_iter().fold(OFFSET, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME))
+    }
+
+    /// Over the values' bits, little-endian.
+    pub fn logits(values: &[f32]) -> u64 {
+        bytes(values.iter().flat_map(|v| v.to_bits().to_le_bytes()))
+    }
+
+    pub fn tokens(tokens: &[i32]) -> u64 {
+        bytes(tokens.iter().flat_map(|t| t.to_le_bytes()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_skips_nan_and_breaks_ties_low() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, f32::NAN, 0.25]), 1, "NaN never wins, even first");
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY, -1e30]), 2);
+        assert_eq!(argmax(&[]), 0);
+    }
+
+    #[test]
+    fn sequences_ask_for_the_last_rows_logits() {
+        let b = sequence_in(2, &[7, 8, 9], 5);
+        assert_eq!((b.tokens, b.positions, b.seq_ids, b.logits), (vec![7, 8, 9], vec![5, 6, 7], vec![2, 2, 2], vec![false, false, true]));
+        assert!(sequence(&[], 0).tokens.is_empty());
+    }
+
+    #[test]
+    fn digests_are_fnv1a() {
+        // FNV-1a's published test vectors.
+        assert_eq!(digest::bytes(*b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(digest::bytes(*b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(digest::bytes(*b"foobar"), 0x8594_4171_f739_67e8);
+        assert_eq!(digest::logits(&[1.0]), digest::bytes(1.0f32.to_bits().to_le_bytes()));
+        assert_ne!(digest::logits(&[0.0]), digest::logits(&[-0.0]), "bits, not values");
+        assert_eq!(digest::tokens(&[1, 2]), digest::bytes([1, 0, 0, 0, 2, 0, 0, 0]));
+    }
+}
