@@ -7,19 +7,10 @@
 
 // The plugin world's interfaces come from the shared bindings (guest/sdk); the
 // async calls and WASI 0.3 are generated here.
-wit_bindgen::generate!({
+llamabox_guest::generate_world!(
     path: ["../../wit", "../../wit/async"],
     world: "llamabox:plugin-async/plugin-async",
-    with: {
-        "llamabox:inference/types@0.1.0": llamabox_guest::types,
-        "llamabox:inference/cancel@0.1.0": llamabox_guest::cancel,
-        "llamabox:inference/llm@0.1.0": llamabox_guest::llm,
-        "llamabox:inference/media@0.1.0": llamabox_guest::media,
-        "llamabox:inference/generate@0.1.0": llamabox_guest::generate,
-        "llamabox:inference/embeddings@0.1.0": llamabox_guest::embeddings,
-    },
-    generate_all,
-});
+);
 
 use std::future::Future;
 use std::pin::pin;

@@ -10,7 +10,7 @@
 //! Output lines are `key: value` so tests can read them.
 
 // The plugin world's bindings, shared by every Rust plugin (guest/sdk).
-use llamabox_guest::{argmax, decode_with_timeout, digest, greedy, llamabox, sequence, wasi};
+use llamabox_guest::{argmax, decode_with_timeout, digest, greedy_next, llamabox, sequence, wasi};
 
 use llamabox::inference::cancel::CancelToken;
 use llamabox::inference::generate::{self, ChatMessage, FinishReason, GenerateParams, Generation, Grammar, Sampler, SamplerParams};
@@ -291,7 +291,7 @@ fn finish_name(generation: &Generation) -> String {
 fn host_generate(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
     let prompt = model.tokenize(&o.prompt, true, true)?;
     ctx.clear()?;
-    let generation = generate::start(ctx, &params(prompt.clone(), o.generate, Vec::new(), greedy()), &CancelToken::new())?;
+    let generation = generate::start(ctx, &params(prompt.clone(), o.generate, Vec::new(), generate::greedy_sampler()), &CancelToken::new())?;
     let mut ids = Vec::new();
     while let Some(piece) = generation.next()? {
         ids.extend(piece.tokens);
@@ -311,7 +311,7 @@ fn host_generate(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error>
     ctx.clear()?;
     let never = CancelToken::new();
     ctx.decode(&sequence(&prompt, 0), &never)?;
-    let sampler = Sampler::create(model, &greedy())?;
+    let sampler = Sampler::create(model, &generate::greedy_sampler())?;
     let mut ids = Vec::new();
     let mut pos = prompt.len() as i32;
     while ids.len() < o.generate as usize {
@@ -337,7 +337,7 @@ fn chat(o: &Options, question: &str, model: &Model, ctx: &Context) -> Result<(),
     println!("chat-prompt: {}", prompt.replace('\n', "\\n"));
     let tokens = model.tokenize(&prompt, true, true)?;
     let stop = vec!["<|im_end|>".to_string()];
-    let generation = generate::start(ctx, &params(tokens.clone(), o.generate, stop.clone(), greedy()), &CancelToken::new())?;
+    let generation = generate::start(ctx, &params(tokens.clone(), o.generate, stop.clone(), generate::greedy_sampler()), &CancelToken::new())?;
     print!("chat-answer: ");
     let mut pieces = 0;
     loop {
@@ -360,11 +360,11 @@ fn chat(o: &Options, question: &str, model: &Model, ctx: &Context) -> Result<(),
 
     let bad_template = generate::apply_chat_template(model, &messages, true, Some("no-such-template"));
     println!("chat-bad-template: {}", show(bad_template.map(|_| ())));
-    let bad_sampler = SamplerParams { top_p: Some(2.0), ..greedy() };
+    let bad_sampler = SamplerParams { top_p: Some(2.0), ..generate::greedy_sampler() };
     println!("chat-bad-sampler: {}", show(generate::start(ctx, &params(tokens.clone(), 4, Vec::new(), bad_sampler), &CancelToken::new()).map(|_| ())));
-    let bad_grammar = SamplerParams { grammar: Some(Grammar { text: "root ::= [0-9".into(), root: None }), ..greedy() };
+    let bad_grammar = SamplerParams { grammar: Some(Grammar { text: "root ::= [0-9".into(), root: None }), ..generate::greedy_sampler() };
     println!("chat-bad-grammar: {}", show(Sampler::create(model, &bad_grammar).map(|_| ())));
-    let too_many = generate::start(ctx, &params(tokens, 1 << 20, stop, greedy()), &CancelToken::new());
+    let too_many = generate::start(ctx, &params(tokens, 1 << 20, stop, generate::greedy_sampler()), &CancelToken::new());
     println!("chat-too-many-tokens: {}", show(too_many.map(|_| ())));
     Ok(())
 }
@@ -377,7 +377,7 @@ fn cancel_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Er
     let filler = model.tokenize(" the llama in the box", false, false)?;
     let prompt: Vec<i32> = filler.iter().copied().cycle().take(o.long_tokens as usize).collect();
     let token = CancelToken::new();
-    let generation = generate::start(ctx, &params(prompt, 64, Vec::new(), greedy()), &token)?;
+    let generation = generate::start(ctx, &params(prompt, 64, Vec::new(), generate::greedy_sampler()), &token)?;
     let timer = monotonic_clock::subscribe_duration(o.cancel_after_ms * 1_000_000);
     let (mut delivered, mut cancelled_at) = (0usize, None);
     loop {
@@ -406,7 +406,7 @@ fn cancel_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Er
     println!("cancel-generation-memory: {verdict}");
     drop(generation);
     ctx.clear()?;
-    let again = generate::start(ctx, &params(filler, 4, Vec::new(), greedy()), &CancelToken::new())?;
+    let again = generate::start(ctx, &params(filler, 4, Vec::new(), generate::greedy_sampler()), &CancelToken::new())?;
     while again.next()?.is_some() {}
     println!("after-cancel: {}", if again.finish_reason().is_some() { "ok" } else { "no finish reason" });
     Ok(())
@@ -414,7 +414,7 @@ fn cancel_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Er
 
 /// Generate under a grammar, on the host and with a plugin-driven sampler.
 fn constrained(o: &Options, grammar: &str, model: &Model, ctx: &Context) -> Result<(), Error> {
-    let sampler = SamplerParams { grammar: Some(Grammar { text: grammar.into(), root: None }), ..greedy() };
+    let sampler = SamplerParams { grammar: Some(Grammar { text: grammar.into(), root: None }), ..generate::greedy_sampler() };
     println!("grammar-sampler: {}", show(Sampler::create(model, &sampler).map(|_| ())));
     let prompt = model.tokenize(&o.prompt, true, true)?;
     let generation = generate::start(ctx, &params(prompt, o.generate, Vec::new(), sampler), &CancelToken::new())?;
@@ -430,7 +430,7 @@ fn constrained(o: &Options, grammar: &str, model: &Model, ctx: &Context) -> Resu
 /// waits; a cancel ends the wait, and the piece it could not deliver is not kept.
 fn stall_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
     let prompt = model.tokenize(&o.prompt, true, true)?;
-    let no_end = SamplerParams { logit_bias: vec![generate::LogitBias { token: model.eos().unwrap_or(0), bias: f32::NEG_INFINITY }], ..greedy() };
+    let no_end = SamplerParams { logit_bias: vec![generate::LogitBias { token: model.eos().unwrap_or(0), bias: f32::NEG_INFINITY }], ..generate::greedy_sampler() };
     let token = CancelToken::new();
     let generation = generate::start(ctx, &params(prompt.clone(), 256, Vec::new(), no_end), &token)?;
     monotonic_clock::subscribe_duration(o.cancel_after_ms * 1_000_000).block();
@@ -479,7 +479,7 @@ fn drop_call_first(o: &Options, model: &Model, ctx: &Context) -> Result<(), Erro
     println!("drop-first-decode-memory: seq-pos-max={}", ctx.seq_pos_max(0)?);
 
     ctx.clear()?;
-    let generation = generate::start(ctx, &params(tokens.clone(), 64, Vec::new(), greedy()), &CancelToken::new())?;
+    let generation = generate::start(ctx, &params(tokens.clone(), 64, Vec::new(), generate::greedy_sampler()), &CancelToken::new())?;
     let ready = generation.subscribe();
     drop(generation);
     outlive(ready, "generation");
@@ -581,10 +581,10 @@ fn media(o: &Options, projector: &str, model: &Model, ctx: &Context) -> Result<(
     println!("media-eval-cancelled: {:?}", media.eval_chunks(ctx, &refs, 0, &cancelled).err());
     println!("media-eval-memory: seq-pos-max={}", ctx.seq_pos_max(0)?);
     let n_past = media.eval_chunks(ctx, &refs, 0, &CancelToken::new())?;
-    let next = argmax(&ctx.last_logits()?);
+    let next = greedy_next(ctx)?;
     println!("media-eval: n-past={n_past}, next-token={next}");
     // Generate on the host from there: an empty prompt continues from the last logits.
-    let generation = generate::start(ctx, &params(Vec::new(), 4, Vec::new(), greedy()), &CancelToken::new())?;
+    let generation = generate::start(ctx, &params(Vec::new(), 4, Vec::new(), generate::greedy_sampler()), &CancelToken::new())?;
     let mut ids = Vec::new();
     while let Some(piece) = generation.next()? {
         ids.extend(piece.tokens);

@@ -47,21 +47,10 @@
 
 // What the plugin world has comes from the shared bindings (guest/sdk); the HTTP
 // side is generated here.
-wit_bindgen::generate!({
+llamabox_guest::generate_world!(
     path: "../../wit",
     world: "http-plugin",
-    with: {
-        "llamabox:inference/types@0.1.0": llamabox_guest::types,
-        "llamabox:inference/cancel@0.1.0": llamabox_guest::cancel,
-        "llamabox:inference/llm@0.1.0": llamabox_guest::llm,
-        "llamabox:inference/media@0.1.0": llamabox_guest::media,
-        "llamabox:inference/generate@0.1.0": llamabox_guest::generate,
-        "llamabox:inference/embeddings@0.1.0": llamabox_guest::embeddings,
-        "wasi:io/poll@0.2.12": llamabox_guest::wasi::io::poll,
-        "wasi:clocks/monotonic-clock@0.2.12": llamabox_guest::wasi::clocks::monotonic_clock,
-    },
-    generate_all,
-});
+);
 
 mod api;
 mod completions;

@@ -2,12 +2,12 @@
 //! once (`llamabox:inference` and the WASI 0.2 interfaces it uses), so every Rust plugin
 //! shares one set of types, and holds what each plugin would otherwise write again:
 //! - [`sequence`]: a batch of one sequence, logits for its last token;
-//! - [`argmax`] and [`greedy`]: greedy picking with defined NaN and tie rules;
+//! - [`argmax`] and [`greedy_next`]: greedy picking with defined NaN and tie rules;
 //! - [`decode_with_timeout`]: a decode raced against a timer and cancelled in flight;
 //! - [`digest`]: the FNV-1a digests tests compare logits and tokens by.
 //!
 //! A plugin for another world (`http-plugin`, a WASI 0.3 one) generates only what this
-//! crate lacks and maps the rest onto it with wit-bindgen's `with` (see guest/openai).
+//! crate lacks with [`generate_world!`], which maps the rest onto this crate.
 
 wit_bindgen::generate!({
     path: "../../wit",
@@ -20,7 +20,6 @@ use std::time::Duration;
 pub use llamabox::inference::{cancel, embeddings, generate, llm, media, types};
 
 use cancel::CancelToken;
-use generate::SamplerParams;
 use llm::{Batch, Context};
 use types::Error;
 use wasi::clocks::monotonic_clock;
@@ -55,21 +54,33 @@ pub fn argmax(logits: &[f32]) -> i32 {
     best.0 as i32
 }
 
-/// Greedy sampling on the host: every stage off, no bias, no grammar. The value of
-/// `generate.greedy-sampler`, without the call; set what you need on top of it.
-pub fn greedy() -> SamplerParams {
-    SamplerParams {
-        temperature: None,
-        top_k: None,
-        top_p: None,
-        min_p: None,
-        typical_p: None,
-        penalties: None,
-        seed: None,
-        logit_bias: Vec::new(),
-        grammar: None,
-        json_schema: None,
-    }
+/// The greedy pick from the context's last decode: [`argmax`] of its last logits row.
+pub fn greedy_next(ctx: &Context) -> Result<i32, Error> {
+    Ok(argmax(&ctx.last_logits()?))
+}
+
+/// Bindings for a plugin of another world that includes `plugin` (`http-plugin`, the
+/// WASI 0.3 `plugin-async`): wit-bindgen's `generate!` with the given `path` and
+/// `world`, generating only what this crate lacks; llamabox's interfaces, `wasi:io/poll`
+/// and the monotonic clock are this crate's, so their types are shared.
+#[macro_export]
+macro_rules! generate_world {
+    ($($options:tt)*) => {
+        wit_bindgen::generate!({
+            $($options)*
+            with: {
+                "llamabox:inference/types@0.1.0": ::llamabox_guest::types,
+                "llamabox:inference/cancel@0.1.0": ::llamabox_guest::cancel,
+                "llamabox:inference/llm@0.1.0": ::llamabox_guest::llm,
+                "llamabox:inference/media@0.1.0": ::llamabox_guest::media,
+                "llamabox:inference/generate@0.1.0": ::llamabox_guest::generate,
+                "llamabox:inference/embeddings@0.1.0": ::llamabox_guest::embeddings,
+                "wasi:io/poll@0.2.12": ::llamabox_guest::wasi::io::poll,
+                "wasi:clocks/monotonic-clock@0.2.12": ::llamabox_guest::wasi::clocks::monotonic_clock,
+            },
+            generate_all,
+        });
+    };
 }
 
 /// Decode `batch` on `ctx`, waiting at most `timeout`: when the timer fires first,
