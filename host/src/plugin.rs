@@ -408,10 +408,10 @@ impl PluginHost {
             .instantiate_pre(&component)
             .map_err(|source| Error::Link { missing: unresolved_imports(&self.linker, &component, &source), source })?;
         let entry = match CommandPre::new(pre.clone()) {
-            Ok(command) => Entry::Command(command),
+            Ok(command) => PreInstance::Command(command),
             Err(e) => match ProxyPre::new(pre.clone()) {
-                Ok(handler) => Entry::Http(handler),
-                Err(_) if component.get_export_index(None, "run").is_some() => Entry::AsyncRun(pre),
+                Ok(handler) => PreInstance::Http(handler),
+                Err(_) if component.get_export_index(None, "run").is_some() => PreInstance::AsyncRun(pre),
                 Err(_) => return Err(Error::NoEntryPoint(e)),
             },
         };
@@ -529,7 +529,7 @@ impl Drop for EpochTicker {
 }
 
 /// How a plugin is started.
-enum Entry {
+enum PreInstance {
     /// A WASI 0.2 command: `wasi:cli/run`.
     Command(CommandPre<PluginState>),
     /// A WASI 0.3 plugin (`plugin-async` world): an async `run` export, called
@@ -539,26 +539,26 @@ enum Entry {
     Http(ProxyPre<PluginState>),
 }
 
-impl Entry {
+impl PreInstance {
     /// What kind of plugin this is, for errors.
     fn kind(&self) -> &'static str {
         match self {
-            Entry::Command(_) | Entry::AsyncRun(_) => "a command (wasi:cli/run or run)",
-            Entry::Http(_) => "an HTTP handler (wasi:http/incoming-handler)",
+            PreInstance::Command(_) | PreInstance::AsyncRun(_) => "a command (wasi:cli/run or run)",
+            PreInstance::Http(_) => "an HTTP handler (wasi:http/incoming-handler)",
         }
     }
 
     fn engine(&self) -> &Engine {
         match self {
-            Entry::Command(pre) => pre.engine(),
-            Entry::AsyncRun(pre) => pre.engine(),
-            Entry::Http(pre) => pre.engine(),
+            PreInstance::Command(pre) => pre.engine(),
+            PreInstance::AsyncRun(pre) => pre.engine(),
+            PreInstance::Http(pre) => pre.engine(),
         }
     }
 }
 
 /// What a run calls in its fresh instance.
-enum Call {
+enum Invocation {
     /// The plugin's main: `wasi:cli/run`, or `run` of a WASI 0.3 plugin.
     Main,
     /// `wasi:http/incoming-handler.handle` with this request; the response the plugin
@@ -575,7 +575,7 @@ pub type ResponseSender = tokio::sync::oneshot::Sender<Result<HttpResponse, Erro
 
 /// A compiled plugin, ready to run any number of times.
 pub struct Plugin {
-    entry: Entry,
+    entry: PreInstance,
     registry: Arc<ModelRegistry>,
     tokens: Arc<TokenRegistry>,
     limits: Limits,
@@ -606,16 +606,16 @@ impl Plugin {
     /// native thread working for it, so llama.cpp's log lines from its calls) is in a
     /// `tracing` span `llamabox_run` with its `group` and `run` id.
     pub async fn run_report(&self, options: &RunOptions, wasi: WasiCtxBuilder) -> Result<RunReport> {
-        if let Entry::Http(_) = self.entry {
+        if let PreInstance::Http(_) = self.entry {
             return Err(Error::WrongKind { wanted: "a command", found: self.entry.kind() });
         }
-        self.run_call(options, wasi, Call::Main).await
+        self.run_call(options, wasi, Invocation::Main).await
     }
 
     /// Whether this plugin is an HTTP handler (`http-plugin` world), to serve with
     /// [`Plugin::serve_http`], rather than a command to [`Plugin::run`].
     pub fn serves_http(&self) -> bool {
-        matches!(self.entry, Entry::Http(_))
+        matches!(self.entry, PreInstance::Http(_))
     }
 
     /// Serve one HTTP request in a fresh instance (the `http-plugin` world): the
@@ -643,10 +643,10 @@ impl Plugin {
             return Err(Error::WrongKind { wanted: "an HTTP handler", found: self.entry.kind() });
         }
         let request = request.map(|body| body.map_err(Into::into).boxed_unsync());
-        self.run_call(options, wasi, Call::Http { request: Box::new(request), respond }).await
+        self.run_call(options, wasi, Invocation::Http { request: Box::new(request), respond }).await
     }
 
-    async fn run_call(&self, options: &RunOptions, wasi: WasiCtxBuilder, call: Call) -> Result<RunReport> {
+    async fn run_call(&self, options: &RunOptions, wasi: WasiCtxBuilder, call: Invocation) -> Result<RunReport> {
         static NEXT_RUN: AtomicU64 = AtomicU64::new(1);
         let run_id = NEXT_RUN.fetch_add(1, Relaxed);
         let span = tracing::info_span!("llamabox_run", group = %options.group, run = run_id);
@@ -664,7 +664,7 @@ impl Plugin {
         Ok(RunReport { outcome, usage, run_id })
     }
 
-    async fn run_to_end(&self, options: &RunOptions, wasi: WasiCtxBuilder, call: Call, workers: Tracker, meter: Arc<Meter>) -> Result<RunOutcome> {
+    async fn run_to_end(&self, options: &RunOptions, wasi: WasiCtxBuilder, call: Invocation, workers: Tracker, meter: Arc<Meter>) -> Result<RunOutcome> {
         let limits = options.limits.as_ref().unwrap_or(&self.limits);
         let run = self.run_in_store(options, limits, wasi, call, workers.clone(), meter);
         let deadline = async {
@@ -703,7 +703,7 @@ impl Plugin {
         options: &RunOptions,
         limits: &Limits,
         mut wasi: WasiCtxBuilder,
-        call: Call,
+        call: Invocation,
         workers: Tracker,
         meter: Arc<Meter>,
     ) -> Result<RunOutcome> {
@@ -722,17 +722,17 @@ impl Plugin {
         store.limiter(|state| &mut state.limits);
         store.epoch_deadline_async_yield_and_update(1);
         let ended = match (&self.entry, call) {
-            (Entry::Http(pre), Call::Http { request, respond }) => match pre.instantiate_async(&mut store).await {
+            (PreInstance::Http(pre), Invocation::Http { request, respond }) => match pre.instantiate_async(&mut store).await {
                 Ok(proxy) => Self::handle(&mut store, &proxy, *request, respond).await,
                 Err(e) => Err(e),
             },
-            (Entry::Http(_), Call::Main) => return Err(Error::WrongKind { wanted: "a command", found: self.entry.kind() }),
-            (_, Call::Http { .. }) => return Err(Error::WrongKind { wanted: "an HTTP handler", found: self.entry.kind() }),
-            (Entry::Command(pre), Call::Main) => match pre.instantiate_async(&mut store).await {
+            (PreInstance::Http(_), Invocation::Main) => return Err(Error::WrongKind { wanted: "a command", found: self.entry.kind() }),
+            (_, Invocation::Http { .. }) => return Err(Error::WrongKind { wanted: "an HTTP handler", found: self.entry.kind() }),
+            (PreInstance::Command(pre), Invocation::Main) => match pre.instantiate_async(&mut store).await {
                 Ok(command) => command.wasi_cli_run().call_run(&mut store).await,
                 Err(e) => Err(e),
             },
-            (Entry::AsyncRun(pre), Call::Main) => match pre.instantiate_async(&mut store).await {
+            (PreInstance::AsyncRun(pre), Invocation::Main) => match pre.instantiate_async(&mut store).await {
                 Ok(instance) => match instance.get_typed_func::<(), (Result<(), ()>,)>(&mut store, "run") {
                     Ok(run) => store
                         .run_concurrent(async |accessor| run.call_concurrent(accessor, ()).await)
@@ -758,7 +758,7 @@ impl Plugin {
         }
     }
 
-    /// Call the handler with `request`; its response goes to `respond`. The `Ok(())`
+    /// Invocation the handler with `request`; its response goes to `respond`. The `Ok(())`
     /// is the shape of a command's result: a handler has no exit status.
     async fn handle(
         store: &mut Store<PluginState>,

@@ -6,7 +6,7 @@ use wasmtime::component::Resource;
 
 use super::bindings::llamabox::inference::cancel::{Host, HostCancelToken};
 use super::tokens::ShareError;
-use super::{Error, Held, LlamaCtxView, LlamaError, LlamaResult, TokenRegistry};
+use super::{Error, Charge, LlamaCtxView, LlamaError, LlamaResult, TokenRegistry};
 use crate::native::CancelFlag;
 
 /// A guest's cancel token: a `CancelFlag`, and the capabilities shared from it. An
@@ -39,12 +39,12 @@ impl HostCancelToken for LlamaCtxView<'_> {
     async fn new(&mut self) -> wasmtime::Result<Resource<CancelToken>> {
         // A constructor cannot return an error: too many tokens traps the guest
         // (`create` returns `limit-exceeded` instead).
-        self.ctx.admit(Held::Token)?;
+        self.ctx.admit(Charge::Token)?;
         Ok(self.table.push(CancelToken::from_flag(CancelFlag::new()))?)
     }
 
     async fn create(&mut self) -> LlamaResult<Resource<CancelToken>> {
-        self.ctx.admit(Held::Token)?;
+        self.ctx.admit(Charge::Token)?;
         Ok(self.table.push(CancelToken::from_flag(CancelFlag::new()))?)
     }
 
@@ -58,7 +58,7 @@ impl HostCancelToken for LlamaCtxView<'_> {
     }
 
     async fn share(&mut self, token: Resource<CancelToken>) -> LlamaResult<String> {
-        self.ctx.admit(Held::Share)?;
+        self.ctx.admit(Charge::Share)?;
         let registry = self.ctx.tokens.clone();
         let handle = self.table.get_mut(&token)?;
         match registry.share(&self.ctx.group, &handle.flag) {
@@ -67,7 +67,7 @@ impl HostCancelToken for LlamaCtxView<'_> {
                 Ok(capability)
             }
             Err(e) => {
-                self.ctx.release(Held::Share);
+                self.ctx.release(Charge::Share);
                 match e {
                     ShareError::GroupFull(_) => Err(Error::LimitExceeded(e.to_string()).into()),
                     // No random capability without the OS random source: trap rather than panic.
@@ -79,7 +79,7 @@ impl HostCancelToken for LlamaCtxView<'_> {
 
     async fn open_shared(&mut self, capability: String) -> LlamaResult<Resource<CancelToken>> {
         match self.ctx.tokens.open(&self.ctx.group, &capability) {
-            Some(flag) => match self.ctx.admit(Held::Token) {
+            Some(flag) => match self.ctx.admit(Charge::Token) {
                 Ok(()) => Ok(self.table.push(CancelToken::from_flag(flag))?),
                 Err(e) => Err(e.into()),
             },
@@ -89,9 +89,9 @@ impl HostCancelToken for LlamaCtxView<'_> {
 
     async fn drop(&mut self, token: Resource<CancelToken>) -> wasmtime::Result<()> {
         let handle = self.table.delete(token)?;
-        self.ctx.release(Held::Token);
+        self.ctx.release(Charge::Token);
         for _ in &handle.shares {
-            self.ctx.release(Held::Share);
+            self.ctx.release(Charge::Share);
         }
         Ok(())
     }

@@ -16,7 +16,7 @@ use super::bindings::llamabox::inference::generate::{
 };
 use super::llm::{Backing, ContextHandle, ModelHandle};
 use super::pending::{finished, subscribe_shared};
-use super::{LlamaResult, CancelToken, Error, Held, LlamaCtxView, PendingSlot};
+use super::{LlamaResult, CancelToken, Error, Charge, LlamaCtxView, PendingSlot};
 use crate::native::{self, CancelFlag, Model, Sampler, Stop, Token};
 use crate::worker::Call;
 
@@ -270,7 +270,7 @@ fn finish_reason(f: native::FinishReason) -> FinishReason {
     }
 }
 
-fn usage(u: &native::Usage) -> Usage {
+fn usage(u: &native::GenerationUsage) -> Usage {
     Usage {
         prompt_tokens: u.prompt_tokens,
         cached_tokens: u.cached_tokens,
@@ -371,7 +371,7 @@ impl HostSampler for LlamaCtxView<'_> {
     async fn create(&mut self, model: Resource<ModelHandle>, params: SamplerParams) -> LlamaResult<Resource<SamplerHandle>> {
         let model = self.table.get(&model)?.model.clone();
         let sampler = self.sampler_for(&model, params).await?;
-        self.ctx.admit(Held::Sampler)?;
+        self.ctx.admit(Charge::Sampler)?;
         Ok(self.table.push(SamplerHandle { sampler: Arc::new(Mutex::new(sampler)) })?)
     }
 
@@ -402,7 +402,7 @@ impl HostSampler for LlamaCtxView<'_> {
 
     async fn drop(&mut self, sampler: Resource<SamplerHandle>) -> wasmtime::Result<()> {
         self.table.delete(sampler)?;
-        self.ctx.release(Held::Sampler);
+        self.ctx.release(Charge::Sampler);
         Ok(())
     }
 }

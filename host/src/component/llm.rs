@@ -9,7 +9,7 @@ use wasmtime_wasi::p2::DynPollable;
 
 use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
 use super::pending::{finished, Pending};
-use super::{LlamaResult, CancelToken, Error, Held, LlamaCtxView};
+use super::{LlamaResult, CancelToken, Error, Charge, LlamaCtxView};
 use crate::engine::{IdleContexts, Opened, Seat, SeatSize};
 use crate::native::{self, CancelFlag, Context, Model, Stop, Token};
 use crate::worker::{Call, Worker};
@@ -56,7 +56,7 @@ pub struct ContextHandle {
     params: native::ContextParams,
     pub(super) model: Arc<Model>,
     /// What it counts against the store's limits.
-    held: Held,
+    held: Charge,
     /// The settings it was asked with (what an idle context is matched on), and the
     /// engine state it came from (where it may be parked when dropped).
     requested: native::ContextParams,
@@ -284,7 +284,7 @@ impl HostContext for LlamaCtxView<'_> {
         let requested = self.resolve(params, &model)?;
         // Charged as llama.cpp allocates: n-ctx after its padding, every layer.
         let allocated = requested.allocated_n_ctx()?;
-        let held = Held::Context { kv_cells: allocated as u64 * model.n_layer() as u64 };
+        let held = Charge::Context { kv_cells: allocated as u64 * model.n_layer() as u64 };
         self.ctx.admit(held)?;
         let started = match self.lease_seat(&opened, &params, &requested, allocated).await {
             Some(seat) => seat.map(|(seat, granted)| (Backing::Seat(seat), granted)),

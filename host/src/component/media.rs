@@ -9,7 +9,7 @@ use wasmtime_wasi::p2::DynPollable;
 use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, HostMediaContext, HostPendingEncode, Input};
 use super::llm::{Backing, ContextHandle, ModelHandle};
 use super::pending::{finished, Pending};
-use super::{LlamaResult, CancelToken, Error, Held, LlamaCtxView};
+use super::{LlamaResult, CancelToken, Error, Charge, LlamaCtxView};
 use crate::native::{self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token};
 use crate::worker::{Call, Worker};
 
@@ -19,8 +19,8 @@ pub struct ChunkHandle {
 
 impl ChunkHandle {
     /// What it counts against `max-chunk-bytes`.
-    fn held(&self) -> Held {
-        Held::Chunks { bytes: self.chunk.native_bytes() as u64 }
+    fn held(&self) -> Charge {
+        Charge::Chunks { bytes: self.chunk.native_bytes() as u64 }
     }
 }
 
@@ -95,7 +95,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
         let Ok(path) = self.ctx.registry.projector_path(&projector) else {
             return Err(Error::ModelNotFound(projector).into());
         };
-        self.ctx.admit(Held::MediaContext)?;
+        self.ctx.admit(Charge::MediaContext)?;
         let threads = self.ctx.limits.default_threads;
         let (latency, fixed) = (self.ctx.limits.encode_cancel_latency, self.ctx.limits.encode_fixed_chunk_work);
         let (worker_model, meter) = (model.clone(), self.ctx.meter().clone());
@@ -114,14 +114,14 @@ impl HostMediaContext for LlamaCtxView<'_> {
         let worker = match started {
             Ok(worker) => worker,
             Err(e) => {
-                self.ctx.release(Held::MediaContext);
+                self.ctx.release(Charge::MediaContext);
                 tracing::error!("opening projector {projector:?}: {e}");
                 return Err(Error::Backend(format!("projector {projector:?} could not be loaded for this model")).into());
             }
         };
         let probe = worker.call(|m, _| (m.id(), m.supports_vision(), m.supports_audio(), m.audio_sample_rate(), m.uses_mrope()));
         let Some((id, vision, audio, sample_rate, mrope)) = probe.await else {
-            self.ctx.release(Held::MediaContext);
+            self.ctx.release(Charge::MediaContext);
             return Err(Error::Backend("media worker stopped".into()).into());
         };
         Ok(self.table.push(MediaContextHandle { worker, id, model, vision, audio, sample_rate, mrope })?)
@@ -166,7 +166,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
         let call = self.media(&media)?.worker.call(move |m, _| m.tokenize(&prompt, &inputs, caps, budget));
         let chunks = finished(call.await)?;
         let bytes = chunks.iter().map(|c| c.native_bytes() as u64).sum();
-        self.ctx.admit(Held::Chunks { bytes })?;
+        self.ctx.admit(Charge::Chunks { bytes })?;
         let handles = chunks
             .into_iter()
             .map(|chunk| self.table.push(ChunkHandle { chunk }))
@@ -231,7 +231,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
         // Stops its running encode, then waits for the projector to be freed.
         let handle = self.table.delete(media)?;
         handle.worker.stop().await;
-        self.ctx.release(Held::MediaContext);
+        self.ctx.release(Charge::MediaContext);
         Ok(())
     }
 }

@@ -177,7 +177,7 @@ struct Usage {
 
 /// Something a plugin holds that counts against a limit.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Held {
+pub(crate) enum Charge {
     /// A context with n-ctx × n-layer KV cells.
     Context { kv_cells: u64 },
     MediaContext,
@@ -237,23 +237,23 @@ impl LlamaCtx {
     }
 
     /// Count `held` against this store's limits, or name the limit it would exceed.
-    pub(crate) fn admit(&mut self, held: Held) -> Result<(), Error> {
+    pub(crate) fn admit(&mut self, held: Charge) -> Result<(), Error> {
         let (u, l) = (&mut self.usage, &self.limits);
         let over = |name: &str, max: String| Err(Error::LimitExceeded(format!("{name}: this plugin already holds {max}")));
         match held {
-            Held::Context { .. } if u.contexts >= l.max_contexts => return over("max-contexts", l.max_contexts.to_string()),
-            Held::Context { kv_cells } if u.kv_cells + kv_cells > l.max_kv_cells => {
+            Charge::Context { .. } if u.contexts >= l.max_contexts => return over("max-contexts", l.max_contexts.to_string()),
+            Charge::Context { kv_cells } if u.kv_cells + kv_cells > l.max_kv_cells => {
                 return over("max-kv-cells", format!("{} of {} KV cells (n-ctx x layers)", u.kv_cells, l.max_kv_cells))
             }
-            Held::MediaContext if u.media_contexts >= l.max_media_contexts => {
+            Charge::MediaContext if u.media_contexts >= l.max_media_contexts => {
                 return over("max-media-contexts", l.max_media_contexts.to_string())
             }
-            Held::Token if u.tokens >= l.max_tokens => return over("max-tokens", l.max_tokens.to_string()),
-            Held::Share if u.shares >= l.max_shares => return over("max-shares", l.max_shares.to_string()),
-            Held::Chunks { bytes } if u.chunk_bytes.saturating_add(bytes) > l.max_chunk_bytes => {
+            Charge::Token if u.tokens >= l.max_tokens => return over("max-tokens", l.max_tokens.to_string()),
+            Charge::Share if u.shares >= l.max_shares => return over("max-shares", l.max_shares.to_string()),
+            Charge::Chunks { bytes } if u.chunk_bytes.saturating_add(bytes) > l.max_chunk_bytes => {
                 return over("max-chunk-bytes", format!("{} of {} bytes in media chunks (this needs {bytes} more)", u.chunk_bytes, l.max_chunk_bytes))
             }
-            Held::Sampler if u.samplers >= l.max_samplers => return over("max-samplers", l.max_samplers.to_string()),
+            Charge::Sampler if u.samplers >= l.max_samplers => return over("max-samplers", l.max_samplers.to_string()),
             _ => {}
         }
         self.count(held, true);
@@ -266,26 +266,26 @@ impl LlamaCtx {
     }
 
     /// Stop counting `held` (its resource was dropped).
-    pub(crate) fn release(&mut self, held: Held) {
+    pub(crate) fn release(&mut self, held: Charge) {
         self.count(held, false);
     }
 
-    fn count(&mut self, held: Held, add: bool) {
+    fn count(&mut self, held: Charge, add: bool) {
         let u = &mut self.usage;
         let step = |n: &mut u32| *n = if add { *n + 1 } else { n.saturating_sub(1) };
         match held {
-            Held::Context { kv_cells } => {
+            Charge::Context { kv_cells } => {
                 step(&mut u.contexts);
                 u.kv_cells = if add { u.kv_cells + kv_cells } else { u.kv_cells.saturating_sub(kv_cells) };
                 self.meter.note_kv_cells(u.kv_cells);
             }
-            Held::MediaContext => step(&mut u.media_contexts),
-            Held::Token => step(&mut u.tokens),
-            Held::Share => step(&mut u.shares),
-            Held::Chunks { bytes } => {
+            Charge::MediaContext => step(&mut u.media_contexts),
+            Charge::Token => step(&mut u.tokens),
+            Charge::Share => step(&mut u.shares),
+            Charge::Chunks { bytes } => {
                 u.chunk_bytes = if add { u.chunk_bytes + bytes } else { u.chunk_bytes.saturating_sub(bytes) };
             }
-            Held::Sampler => step(&mut u.samplers),
+            Charge::Sampler => step(&mut u.samplers),
         }
     }
 }
@@ -363,28 +363,28 @@ mod tests {
     fn each_held_thing_counts_against_its_own_limit_until_released() {
         let limits = Limits { max_contexts: 2, max_kv_cells: 1000, max_pending_calls: 1, max_tokens: 1, max_media_contexts: 1, ..Limits::default() };
         let mut c = ctx(limits);
-        let small = Held::Context { kv_cells: 400 };
+        let small = Charge::Context { kv_cells: 400 };
         c.admit(small).unwrap();
-        assert!(limit_named(c.admit(Held::Context { kv_cells: 601 })).starts_with("max-kv-cells"));
+        assert!(limit_named(c.admit(Charge::Context { kv_cells: 601 })).starts_with("max-kv-cells"));
         c.admit(small).unwrap();
-        assert!(limit_named(c.admit(Held::Context { kv_cells: 1 })).starts_with("max-contexts"));
+        assert!(limit_named(c.admit(Charge::Context { kv_cells: 1 })).starts_with("max-contexts"));
         c.release(small);
-        c.admit(Held::Context { kv_cells: 200 }).unwrap();
+        c.admit(Charge::Context { kv_cells: 200 }).unwrap();
 
         let mut c2 = ctx(Limits { max_samplers: 1, ..Limits::default() });
-        c2.admit(Held::Sampler).unwrap();
-        assert!(limit_named(c2.admit(Held::Sampler)).starts_with("max-samplers"));
+        c2.admit(Charge::Sampler).unwrap();
+        assert!(limit_named(c2.admit(Charge::Sampler)).starts_with("max-samplers"));
 
         let limits = Limits { max_chunk_bytes: 100, ..Limits::default() };
         let mut c = ctx(limits);
-        c.admit(Held::Chunks { bytes: 60 }).unwrap();
-        assert!(limit_named(c.admit(Held::Chunks { bytes: 41 })).starts_with("max-chunk-bytes"));
-        c.release(Held::Chunks { bytes: 60 });
-        c.admit(Held::Chunks { bytes: 100 }).unwrap();
+        c.admit(Charge::Chunks { bytes: 60 }).unwrap();
+        assert!(limit_named(c.admit(Charge::Chunks { bytes: 41 })).starts_with("max-chunk-bytes"));
+        c.release(Charge::Chunks { bytes: 60 });
+        c.admit(Charge::Chunks { bytes: 100 }).unwrap();
 
         let limits = Limits { max_pending_calls: 2, max_tokens: 1, max_shares: 1, max_media_contexts: 1, ..Limits::default() };
         let mut c = ctx(limits);
-        for (held, name) in [(Held::Token, "max-tokens"), (Held::Share, "max-shares"), (Held::MediaContext, "max-media-contexts")] {
+        for (held, name) in [(Charge::Token, "max-tokens"), (Charge::Share, "max-shares"), (Charge::MediaContext, "max-media-contexts")] {
             c.admit(held).unwrap();
             assert!(limit_named(c.admit(held)).starts_with(name));
             c.release(held);

@@ -628,7 +628,7 @@ impl Steps {
                 }
                 if caller.stop().is_set() {
                     self.member(id).meter.add_cancel();
-                        caller.reply.send(Ok(Outcome { finish: FinishReason::Cancelled, usage: native::Usage::default() }));
+                        caller.reply.send(Ok(Outcome { finish: FinishReason::Cancelled, usage: native::GenerationUsage::default() }));
                     return;
                 }
                 let end_before = self.end_of(id);
@@ -845,7 +845,7 @@ impl Steps {
                         } else {
                             self.truncate(id, g.end_before);
                         }
-                        let cancelled = Outcome { finish: FinishReason::Cancelled, usage: native::Usage::default() };
+                        let cancelled = Outcome { finish: FinishReason::Cancelled, usage: native::GenerationUsage::default() };
                         g.caller.reply.send(result.map(|_| cancelled));
                     }
                 }

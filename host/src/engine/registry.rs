@@ -34,14 +34,14 @@ pub struct ModelRegistry {
 
 #[derive(Default)]
 struct Inner {
-    models: HashMap<String, Arc<Entry>>,
+    models: HashMap<String, Arc<Registration>>,
     /// Projectors (mmproj files) by name; each media context loads its own copy.
     projectors: HashMap<String, PathBuf>,
 }
 
 /// One registration. Replacing a name makes a new entry, so an `open` racing with the
 /// replacement loads either the old file or the new one, never a mix.
-struct Entry {
+struct Registration {
     path: PathBuf,
     loaded: OnceCell<Arc<Model>>,
     /// Contexts on this entry's model that runs left for later runs.
@@ -97,7 +97,7 @@ impl ModelRegistry {
     /// already opened the old model keep it; later opens load `path`.
     pub fn register(&self, name: impl Into<String>, path: impl Into<PathBuf>) -> &Self {
         let idle = Arc::new(IdleContexts::new(self.keep_idle.clone()));
-        let entry = Arc::new(Entry { path: path.into(), loaded: OnceCell::new(), idle, batch: Arc::default() });
+        let entry = Arc::new(Registration { path: path.into(), loaded: OnceCell::new(), idle, batch: Arc::default() });
         self.write().models.insert(name.into(), entry);
         self
     }

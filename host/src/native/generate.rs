@@ -68,7 +68,7 @@ pub enum FinishReason {
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Usage {
+pub struct GenerationUsage {
     /// Prompt tokens decoded into memory (0 if the prefill did not complete).
     pub prompt_tokens: u32,
     /// Of those, the leading ones found in memory and not computed again: a prefix an
@@ -83,7 +83,7 @@ pub struct Usage {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Outcome {
     pub finish: FinishReason,
-    pub usage: Usage,
+    pub usage: GenerationUsage,
 }
 
 /// Where pieces go. Returns false when the piece could not be delivered (the reader
@@ -130,7 +130,7 @@ pub struct TokenLoop {
     /// The log-probability of the token [`TokenLoop::pick`] chose, for its piece.
     picked: Option<TokenLogprob>,
     text: TextStream,
-    usage: Usage,
+    usage: GenerationUsage,
     /// Where the next token goes in the sequence.
     pos: i32,
     /// A token decoded whose piece is not delivered yet (a batch picks the next token
@@ -151,7 +151,7 @@ impl TokenLoop {
     /// After a prefill of `prompt_tokens` (`cached_tokens` of them found in memory) that
     /// took `prefill`; the next token goes at `pos`.
     pub fn new(model: std::sync::Arc<super::Model>, request: &GenerateRequest, pos: i32, prompt_tokens: u32, cached_tokens: u32, prefill: Duration) -> Self {
-        let usage = Usage { prompt_tokens, cached_tokens, prefill, ..Usage::default() };
+        let usage = GenerationUsage { prompt_tokens, cached_tokens, prefill, ..GenerationUsage::default() };
         let text = TextStream::new(&request.stop);
         Self { model, max_tokens: request.max_tokens, logprobs: request.logprobs, picked: None, text, usage, pos, in_flight: false, started: Instant::now() }
     }
@@ -194,7 +194,7 @@ impl TokenLoop {
 
     /// The outcome, once `finish` is decided and the held-back text flushed.
     pub fn outcome(&self, finish: FinishReason) -> Outcome {
-        Outcome { finish, usage: Usage { generation: self.started.elapsed(), ..self.usage } }
+        Outcome { finish, usage: GenerationUsage { generation: self.started.elapsed(), ..self.usage } }
     }
 }
 
@@ -218,7 +218,7 @@ pub fn generate(
     let started = Instant::now();
     let cached = match prefill(ctx, prompt, seq, stop) {
         Ok(cached) => cached,
-        Err(Error::Cancelled) => return Ok(Outcome { finish: FinishReason::Cancelled, usage: Usage::default() }),
+        Err(Error::Cancelled) => return Ok(Outcome { finish: FinishReason::Cancelled, usage: GenerationUsage::default() }),
         Err(e) => return Err(e),
     };
     let pos = ctx.seq_pos_max(seq)? + 1;

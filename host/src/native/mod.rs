@@ -26,7 +26,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use cores::{Cores, Turn};
 pub use devices::{devices, gpu_backends, Device, DeviceKind, Offload};
 pub use context::{warm_up, Batch, Context, ContextParams, Pooling, PromptPiece};
-pub use generate::{check_request, generate, nothing_to_continue, FinishReason, GenerateRequest, Outcome, Pick, Piece, TokenLoop, Usage};
+pub use generate::{check_request, generate, nothing_to_continue, FinishReason, GenerateRequest, Outcome, Pick, Piece, TokenLoop, GenerationUsage};
 pub use logprobs::{token_logprob, TokenLogprob, MAX_TOP_LOGPROBS};
 pub use meter::Meter;
 pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};

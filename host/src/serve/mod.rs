@@ -98,7 +98,7 @@ impl Server {
     pub async fn run(config: ServeConfig, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
         let listener = listen(config.listen).with_context(|| format!("listening on {}", config.listen))?;
         let addr = listener.local_addr()?;
-        say(&format!("listening on http://{addr}"));
+        status_line(&format!("listening on http://{addr}"));
         let registry = ModelRegistry::new();
         for (name, path) in &config.models {
             registry.register(name.clone(), path.clone());
@@ -135,7 +135,7 @@ impl Server {
                 loaded = server.load() => {
                     let plugins = loaded?;
                     let _ = server.plugins.set(plugins);
-                    say("ready");
+                    status_line("ready");
                     tokio::select! {
                         () = &mut accepting => {}
                         () = &mut shutdown => {}
@@ -153,14 +153,14 @@ impl Server {
     async fn load(&self) -> anyhow::Result<Vec<Served>> {
         let registry = self.host.models();
         for (name, path) in &self.config.models {
-            say(&format!("loading model {name} from {}", path.display()));
+            status_line(&format!("loading model {name} from {}", path.display()));
             let started = Instant::now();
             let model = registry.open(name).await.map_err(|e| anyhow::anyhow!("model {name:?} ({}): {e}", path.display()))?;
             let threads = self.config.threads;
             tokio::task::spawn_blocking(move || crate::native::warm_up(model, threads))
                 .await?
                 .with_context(|| format!("warming up model {name:?}"))?;
-            say(&format!("loaded and warmed up model {name} in {:.2} s", started.elapsed().as_secs_f64()));
+            status_line(&format!("loaded and warmed up model {name} in {:.2} s", started.elapsed().as_secs_f64()));
         }
         // When the models were loaded, for the plugins' model cards (OpenAI's `created`).
         let loaded_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -178,7 +178,7 @@ impl Server {
             });
             let mut env = vec![("LLAMABOX_MODELS".to_string(), names.join(",")), ("LLAMABOX_MODELS_LOADED_AT".to_string(), loaded_at.to_string())];
             env.extend(config.env.iter().map(|(k, v)| (k.clone(), v.clone())));
-            say(&format!(
+            status_line(&format!(
                 "compiled plugin {} in {:.2} s, serving {}",
                 config.name,
                 started.elapsed().as_secs_f64(),
@@ -246,13 +246,13 @@ impl Server {
     async fn drain(&self, graceful: hyper_util::server::graceful::GracefulShutdown) {
         self.draining.store(true, Relaxed);
         let running = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).len();
-        say(&format!("draining: {running} requests in flight, {} ms grace", self.config.shutdown_grace_ms));
+        status_line(&format!("draining: {running} requests in flight, {} ms grace", self.config.shutdown_grace_ms));
         let connections = graceful.shutdown();
         tokio::pin!(connections);
         let finished = tokio::time::timeout(self.config.shutdown_grace(), &mut connections).await.is_ok();
         if !finished {
             let states: Vec<_> = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
-            say(&format!("grace period over: stopping {} requests", states.len()));
+            status_line(&format!("grace period over: stopping {} requests", states.len()));
             for state in states {
                 state.stop(Cause::Shutdown);
             }
@@ -266,7 +266,7 @@ impl Server {
         {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        say("stopped");
+        status_line("stopped");
     }
 
     async fn route(self: Arc<Self>, request: Request<Incoming>, peer: Peer) -> Response<Body> {
@@ -887,7 +887,7 @@ fn error(status: StatusCode, message: &str, retry_after: Option<u64>) -> Respons
 
 /// A line on stdout for whoever started the server (and the tests, which wait for
 /// `ready`).
-fn say(line: &str) {
+fn status_line(line: &str) {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
