@@ -69,7 +69,7 @@ pub struct Server {
     config: ServeConfig,
     host: Arc<PluginHost>,
     /// Set once every model is loaded and every plugin compiled (`/readyz`).
-    plugins: OnceLock<Vec<Served>>,
+    plugins: OnceLock<Vec<Arc<Served>>>,
     admission: Admission,
     /// Requests in progress per client.
     clients: Clients,
@@ -150,7 +150,7 @@ impl Server {
     }
 
     /// Load (and warm up) every model once and compile every plugin.
-    async fn load(&self) -> anyhow::Result<Vec<Served>> {
+    async fn load(&self) -> anyhow::Result<Vec<Arc<Served>>> {
         let registry = self.host.models();
         for (name, path) in &self.config.models {
             status_line(&format!("loading model {name} from {}", path.display()));
@@ -184,7 +184,7 @@ impl Server {
                 started.elapsed().as_secs_f64(),
                 config.route()
             ));
-            plugins.push(Served {
+            plugins.push(Arc::new(Served {
                 // Batched requests hold no threads of their own: every step runs on all.
                 admission: PluginAdmission::new(
                     config.max_concurrent.unwrap_or(self.config.max_concurrent),
@@ -195,7 +195,7 @@ impl Server {
                 env,
                 plugin,
                 config: config.clone(),
-            });
+            }));
         }
         // Longest route first, so `/a/b` wins over `/a` and `/`.
         plugins.sort_by_key(|served| std::cmp::Reverse(served.config.route().len()));
@@ -295,11 +295,11 @@ impl Server {
         let Some(plugins) = self.plugins.get() else {
             return error(StatusCode::SERVICE_UNAVAILABLE, "the server is loading its models", Some(1));
         };
-        match plugins.iter().position(|served| route_matches(served.config.route(), path)) {
-            Some(index) => {
+        match plugins.iter().find(|served| route_matches(served.config.route(), path)).cloned() {
+            Some(served) => {
                 let id = self.request_id(&request);
-                let span = tracing::info_span!("request", id = %id, plugin = %plugins[index].config.name);
-                self.serve_plugin(index, id, request, peer).instrument(span).await
+                let span = tracing::info_span!("request", id = %id, plugin = %served.config.name);
+                self.serve_plugin(served, id, request, peer).instrument(span).await
             }
             None => error(StatusCode::NOT_FOUND, "no plugin serves this path", None),
         }
@@ -314,10 +314,7 @@ impl Server {
         }
     }
 
-    async fn serve_plugin(self: Arc<Self>, index: usize, id: String, request: Request<Incoming>, peer: Peer) -> Response<Body> {
-        let Some(served) = self.plugins.get().and_then(|plugins| plugins.get(index)) else {
-            return error(StatusCode::INTERNAL_SERVER_ERROR, "no such plugin", None);
-        };
+    async fn serve_plugin(self: Arc<Self>, served: Arc<Served>, id: String, request: Request<Incoming>, peer: Peer) -> Response<Body> {
         let name = served.config.name.as_str();
         let retry_after = self.config.queue_timeout().as_secs().max(1);
         if self.draining.load(Relaxed) {
@@ -377,14 +374,14 @@ impl Server {
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).insert(key, state.clone());
         self.metrics.in_flight.inc();
         // From here on a drop of this future (the client left) stops the run.
-        let mut hang_up = HangUp { server: self.clone(), plugin: index, state: state.clone(), answered: false, completed: false };
+        let mut hang_up = HangUp { server: self.clone(), plugin: served.clone(), state: state.clone(), answered: false, completed: false };
         let request = for_plugin(Request::from_parts(parts, body), served.config.route(), self.config.listen);
         let (respond, response) = tokio::sync::oneshot::channel();
         let (ended, run_ended) = tokio::sync::oneshot::channel();
         let replies = Replies { respond, ended };
         let place = ClientPlace(Arc::new(Mutex::new(client)));
         let holds = Holds { _admitted: admitted, client: place.clone() };
-        let run = tokio::spawn(self.clone().run_request(index, key, state.clone(), holds, request, replies).in_current_span());
+        let run = tokio::spawn(self.clone().run_request(served.clone(), key, state.clone(), holds, request, replies).in_current_span());
         let response = match response.await {
             Ok(Ok(response)) => response,
             Ok(Err(code)) => {
@@ -433,16 +430,13 @@ impl Server {
     /// body streams from it) and ends before its native threads are gone.
     async fn run_request(
         self: Arc<Self>,
-        index: usize,
+        served: Arc<Served>,
         key: u64,
         state: Arc<RequestState>,
         holds: Holds,
         request: Request<PluginBody>,
         replies: Replies,
     ) -> RunEnd {
-        let Some(served) = self.plugins.get().and_then(|plugins| plugins.get(index)) else {
-            return RunEnd::Failed;
-        };
         let options = RunOptions {
             group: served.config.group.clone(),
             deadline: Some(Duration::from_millis(served.config.deadline_ms)),
@@ -634,7 +628,7 @@ impl RequestState {
 /// it is dropped before the body ended, the client hung up.
 struct HangUp {
     server: Arc<Server>,
-    plugin: usize,
+    plugin: Arc<Served>,
     state: Arc<RequestState>,
     /// A status was counted for this request.
     answered: bool,
@@ -650,9 +644,7 @@ impl Drop for HangUp {
         self.state.stop(Cause::Disconnect);
         if !self.answered {
             // nginx's "client closed request": every request is counted once.
-            if let Some(served) = self.server.plugins.get().and_then(|plugins| plugins.get(self.plugin)) {
-                self.server.metrics.answered(&served.config.name, 499);
-            }
+            self.server.metrics.answered(&self.plugin.config.name, 499);
         }
     }
 }
