@@ -33,7 +33,7 @@ pub use engine::{BatchPolicy, StepObserver, StepReport};
 pub use error::{Error, Result};
 pub use native::CancelFlag;
 pub use plugin::{
-    CompileCacheStats, HostOptions, HttpResponse, Plugin, PluginHost, PluginState, RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
+    CompileCacheStats, HostOptions, HttpResponse, Plugin, PluginHost, PluginState, ResponseSender, RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
 };
 
 /// The wasmtime and wasmtime-wasi this API is built on (`WasiCtxBuilder`, traps, the
