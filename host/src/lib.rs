@@ -28,7 +28,7 @@ mod worker;
 // What an embedder uses, deliberately: the host and its runs, the registries and
 // limits, errors, and for an embedder that owns its store, the linker entry point and
 // the view it needs. Everything else is the crate's own.
-pub use component::{add_to_linker, LlamaCtx, LlamaCtxView, LlamaView, Limits, ModelRegistry, OpenError, ShareError, TokenRegistry};
+pub use component::{add_to_linker, LimitOverrides, LlamaCtx, LlamaCtxView, LlamaView, Limits, ModelRegistry, OpenError, ShareError, TokenRegistry};
 pub use engine::{BatchPolicy, StepObserver, StepReport};
 pub use error::{Error, Result};
 pub use native::CancelFlag;

@@ -10,7 +10,7 @@ use llamabox::native;
 #[cfg(feature = "synthetic")]
 use llamabox::native::{ProjectorSpec, TextModelSpec};
 use llamabox::serve::{ServeConfig, Server};
-use llamabox::{HostOptions, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
+use llamabox::{HostOptions, LimitOverrides, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
 use wasmtime_wasi::WasiCtxBuilder;
 
 #[derive(Parser)]
@@ -205,22 +205,15 @@ struct LimitFlags {
 
 impl LimitFlags {
     fn apply(&self, limits: &mut Limits) {
-        if let Some(n) = self.max_threads {
-            limits.max_threads = n.max(1);
-            limits.default_threads = limits.default_threads.min(limits.max_threads);
-        }
-        if let Some(mib) = self.max_memory_mib {
-            limits.max_wasm_memory = mib << 20;
-        }
-        if let Some(n) = self.max_contexts {
-            limits.max_contexts = n;
-        }
-        if let Some(n) = self.max_n_ctx {
-            limits.max_n_ctx = n;
-        }
-        if let Some(n) = self.max_kv_cells {
-            limits.max_kv_cells = n;
-        }
+        let overrides = LimitOverrides {
+            max_threads: self.max_threads,
+            max_memory_mib: self.max_memory_mib,
+            max_contexts: self.max_contexts,
+            max_n_ctx: self.max_n_ctx,
+            max_kv_cells: self.max_kv_cells,
+            ..LimitOverrides::default()
+        };
+        *limits = overrides.apply(limits);
     }
 }
 

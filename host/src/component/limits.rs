@@ -161,3 +161,56 @@ impl Limits {
         crate::native::MediaCaps { max_image_side: self.max_image_side, max_audio_samples: self.max_audio_samples }
     }
 }
+
+/// Host policy that differs from a base [`Limits`]: what `llamabox run`'s flags and a
+/// serve.toml `[plugins.limits]` table set, read the same way by both.
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitOverrides {
+    /// Most threads a context may use (at least 1); a context's default follows it down.
+    pub max_threads: Option<u32>,
+    pub max_n_ctx: Option<u32>,
+    pub max_kv_cells: Option<u64>,
+    /// The plugin's linear memory, in MiB.
+    pub max_memory_mib: Option<usize>,
+    pub max_contexts: Option<u32>,
+    pub max_generate_tokens: Option<u32>,
+    pub max_embed_inputs: Option<u32>,
+    pub max_embed_tokens: Option<u64>,
+}
+
+impl LimitOverrides {
+    /// `base` with these overrides.
+    pub fn apply(&self, base: &Limits) -> Limits {
+        let mut limits = base.clone();
+        if let Some(n) = self.max_threads {
+            limits.max_threads = n.max(1);
+            limits.default_threads = limits.default_threads.min(limits.max_threads);
+        }
+        limits.max_n_ctx = self.max_n_ctx.unwrap_or(limits.max_n_ctx);
+        limits.max_kv_cells = self.max_kv_cells.unwrap_or(limits.max_kv_cells);
+        limits.max_wasm_memory = self.max_memory_mib.map_or(limits.max_wasm_memory, |mib| mib << 20);
+        limits.max_contexts = self.max_contexts.unwrap_or(limits.max_contexts);
+        limits.max_generate_tokens = self.max_generate_tokens.unwrap_or(limits.max_generate_tokens);
+        limits.max_embed_inputs = self.max_embed_inputs.unwrap_or(limits.max_embed_inputs);
+        limits.max_embed_tokens = self.max_embed_tokens.unwrap_or(limits.max_embed_tokens);
+        limits
+    }
+}
+
+#[cfg(test)]
+mod overrides_tests {
+    use super::*;
+
+    #[test]
+    fn overrides_change_only_what_they_name_and_threads_pull_the_default_down() {
+        let base = Limits { max_threads: 8, default_threads: 4, ..Limits::default() };
+        assert_eq!(format!("{:?}", LimitOverrides::default().apply(&base)), format!("{base:?}"));
+        let l = LimitOverrides { max_threads: Some(2), max_memory_mib: Some(64), max_contexts: Some(1), ..LimitOverrides::default() }.apply(&base);
+        assert_eq!((l.max_threads, l.default_threads, l.max_wasm_memory, l.max_contexts), (2, 2, 64 << 20, 1));
+        assert_eq!((l.max_n_ctx, l.max_kv_cells), (base.max_n_ctx, base.max_kv_cells));
+        let zero = LimitOverrides { max_threads: Some(0), ..LimitOverrides::default() }.apply(&base);
+        assert_eq!((zero.max_threads, zero.default_threads), (1, 1), "at least one thread");
+    }
+}
+

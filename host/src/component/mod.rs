@@ -20,7 +20,7 @@ use wasmtime::component::{HasData, Linker, ResourceTable};
 use crate::worker::Tracker;
 
 pub use cancel::CancelToken;
-pub use limits::Limits;
+pub use limits::{LimitOverrides, Limits};
 pub use llm::{ContextHandle, ModelHandle, PendingDecode};
 pub use generate::{GenerationHandle, SamplerHandle};
 pub use media::{ChunkHandle, MediaContextHandle, PendingEncode};

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::Limits;
+use crate::{LimitOverrides, Limits};
 
 /// The whole server. Field names are the TOML keys.
 #[derive(Clone, Debug, Deserialize)]
@@ -134,19 +134,6 @@ pub struct PluginConfig {
     pub limits: LimitOverrides,
 }
 
-/// Per-run limits that differ from `Limits::default()`.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LimitOverrides {
-    pub max_n_ctx: Option<u32>,
-    pub max_kv_cells: Option<u64>,
-    pub max_memory_mib: Option<usize>,
-    pub max_contexts: Option<u32>,
-    pub max_generate_tokens: Option<u32>,
-    pub max_embed_inputs: Option<u32>,
-    pub max_embed_tokens: Option<u64>,
-}
-
 fn all_cores() -> u32 {
     std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
 }
@@ -267,6 +254,9 @@ impl ServeConfig {
         if self.threads == 0 || self.max_concurrent == 0 {
             bail!("threads and max_concurrent must be at least 1");
         }
+        if let Some(plugin) = self.plugins.iter().find(|p| p.limits.max_threads.is_some()) {
+            bail!("plugin {:?}: set its contexts' threads with the plugin's `threads`, not limits.max_threads", plugin.name);
+        }
         if self.body_timeout_ms == 0 || self.write_stall_timeout_ms == 0 {
             bail!("body_timeout_ms and write_stall_timeout_ms must be at least 1");
         }
@@ -372,17 +362,11 @@ impl PluginConfig {
     /// This plugin's per-run limits: `base` with its overrides, contexts capped at its
     /// `threads`.
     pub fn limits(&self, base: &Limits) -> Limits {
-        let o = &self.limits;
-        let mut limits = base.clone();
+        // The plugin's `threads` are its contexts' threads, cap and default both.
+        // (`check` refuses limits.max_threads: `threads` says it.)
+        let mut limits = self.limits.apply(base);
         limits.max_threads = self.threads;
         limits.default_threads = self.threads;
-        limits.max_n_ctx = o.max_n_ctx.unwrap_or(limits.max_n_ctx);
-        limits.max_kv_cells = o.max_kv_cells.unwrap_or(limits.max_kv_cells);
-        limits.max_wasm_memory = o.max_memory_mib.map_or(limits.max_wasm_memory, |mib| mib << 20);
-        limits.max_contexts = o.max_contexts.unwrap_or(limits.max_contexts);
-        limits.max_generate_tokens = o.max_generate_tokens.unwrap_or(limits.max_generate_tokens);
-        limits.max_embed_inputs = o.max_embed_inputs.unwrap_or(limits.max_embed_inputs);
-        limits.max_embed_tokens = o.max_embed_tokens.unwrap_or(limits.max_embed_tokens);
         limits
     }
 }
@@ -447,6 +431,7 @@ threads = 2
             (FULL.replace("name = \"other\"", "name = \"other\"\nroute = \"/openai\""), "served by another plugin"),
             (FULL.replace("name = \"other\"", "name = \"other\"\nroute = \"/metrics\""), "the server's own"),
             (FULL.replace("max_n_ctx", "max_n_cxt"), "unknown field"),
+            (FULL.replace("max_n_ctx = 4096", "max_threads = 1"), "the plugin's `threads`"),
             (FULL.replace("name = \"openai\"", "name = \"a/b\""), "use letters"),
         ] {
             let error = ServeConfig::from_toml(&broken).unwrap_err().to_string();
