@@ -167,9 +167,9 @@ pub struct Message {
     /// A tool turn answers this call.
     #[serde(default)]
     pub tool_call_id: Option<String>,
-    /// An assistant turn that refused (OpenAI's structured outputs); read, not shown.
+    /// An assistant turn that refused (OpenAI's structured outputs): its text, when the
+    /// turn has no content.
     #[serde(default)]
-    #[allow(dead_code)]
     pub refusal: Option<String>,
 }
 

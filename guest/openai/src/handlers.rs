@@ -327,7 +327,8 @@ fn chat_turn(i: usize, m: Message, images: &mut Vec<Input>) -> Result<Turn, ApiE
         }
     };
     let content = match m.content {
-        None => String::new(),
+        // A refusal an assistant turn gave is what it said.
+        None => m.refusal.unwrap_or_default(),
         Some(api::Content::Text(text)) => text,
         Some(api::Content::Parts(parts)) => {
             let mut text = String::new();
@@ -845,6 +846,7 @@ mod tests {
         ] {
             assert_eq!(m(json).err().unwrap_or_else(|| panic!("{json} was accepted")).param.as_deref(), Some(param), "{json}");
         }
+        assert_eq!(m(r#"{"role":"assistant","content":null,"refusal":"I cannot help with that."}"#).unwrap().content, "I cannot help with that.");
         // A field nobody reads is refused, not ignored.
         assert!(serde_json::from_str::<Message>(r#"{"role":"user","content":"x","audio":{"id":"a"}}"#).is_err());
     }
