@@ -1,6 +1,7 @@
-//! A complete embedder: a tokio app that loads a model once, compiles a plugin once and
-//! runs it for three tenants at once, each run with its own captured output, limits and
-//! way of ending:
+//! A complete embedder: a tokio app that loads a model once, compiles two plugins once
+//! (the demo, and the test suite's plugin that misbehaves on purpose) and runs them for
+//! three tenants at once, each run with its own captured output, limits and way of
+//! ending:
 //!
 //! - `alpha` runs to the end (prompt, generation, a cancelled long decode) and reports
 //!   its usage;
@@ -11,8 +12,8 @@
 //!   passed.
 //!
 //! Run it with `cargo run --release -p llamabox --example embedder -- [MODEL.gguf
-//! [PLUGIN.wasm]]` (without a model it writes a small generated one; the plugin defaults
-//! to the demo plugin that `make guest` builds). `make test` runs it
+//! [DEMO.wasm TEST-PLUGIN.wasm]]` (without a model it writes a small generated one; the
+//! plugins default to the ones `make guest` builds). `make test` runs it
 //! (tests/embedder_example.rs).
 
 use std::path::{Path, PathBuf};
@@ -42,12 +43,13 @@ async fn run(plugin: &Plugin, tenant: &'static str, options: RunOptions, args: &
 }
 
 /// Everything the example does; returns each run's result, in the order above.
-pub async fn run_tenants(model: &Path, plugin: &Path) -> anyhow::Result<Vec<Finished>> {
+pub async fn run_tenants(model: &Path, demo: &Path, misbehaving: &Path) -> anyhow::Result<Vec<Finished>> {
     let registry = ModelRegistry::new();
     registry.register("m", model);
-    // One host for all tenants: one engine, one compiled plugin, one loaded model.
+    // One host for all tenants: one engine, each plugin compiled once, one loaded model.
     let host = Arc::new(PluginHost::new(registry, Limits::default())?);
-    let plugin = host.load_async(plugin).await?;
+    let demo = host.load_async(demo).await?;
+    let misbehaving = host.load_async(misbehaving).await?;
 
     // beta: the embedder shares its own token in beta's group and cancels it itself
     // (a client went away, say). Unshare it when done: the registry holds it until then.
@@ -66,19 +68,19 @@ pub async fn run_tenants(model: &Path, plugin: &Path) -> anyhow::Result<Vec<Fini
     };
     let gamma_stop = RunStop::new();
 
-    let alpha_run = run(&plugin, "alpha", RunOptions { group: "alpha".into(), ..RunOptions::default() }, &["--model", "m"]);
-    let beta_args = ["--model", "m", "--token", &capability, "--decode-until-stopped"];
-    let beta_run = run(&plugin, "beta", RunOptions { group: "beta".into(), ..RunOptions::default() }, &beta_args);
+    let alpha_run = run(&demo, "alpha", RunOptions { group: "alpha".into(), ..RunOptions::default() }, &["--model", "m"]);
+    let beta_args = ["decode-until-stopped", "--model", "m", "--token", &capability];
+    let beta_run = run(&misbehaving, "beta", RunOptions { group: "beta".into(), ..RunOptions::default() }, &beta_args);
     let beta_cancel = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
         beta_token.cancel();
     };
-    let gamma_spin = run(&plugin, "gamma", gamma(Some(Duration::from_millis(200)), None), &["--spin"]);
+    let gamma_spin = run(&misbehaving, "gamma", gamma(Some(Duration::from_millis(200)), None), &["spin"]);
     let gamma_decode = run(
-        &plugin,
+        &misbehaving,
         "gamma",
         gamma(None, Some(gamma_stop.clone())),
-        &["--model", "m", "--long-tokens", "512", "--decode-until-stopped"],
+        &["decode-until-stopped", "--model", "m", "--long-tokens", "512"],
     );
     let gamma_kill = async {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -109,10 +111,10 @@ async fn main() -> anyhow::Result<()> {
         Some(model) => (model, false),
         None => (generated_model()?, true),
     };
-    let plugin = args.next().unwrap_or_else(|| {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/guest/wasm32-wasip2/release/llamabox-demo.wasm")
-    });
-    let finished = run_tenants(&model, &plugin).await;
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/guest/wasm32-wasip2/release");
+    let demo = args.next().unwrap_or_else(|| built.join("llamabox-demo.wasm"));
+    let misbehaving = args.next().unwrap_or_else(|| built.join("llamabox-test-plugin.wasm"));
+    let finished = run_tenants(&model, &demo, &misbehaving).await;
     if generated {
         let _ = std::fs::remove_file(&model);
     }

@@ -19,6 +19,11 @@ fn host() -> (PluginHost, Plugin) {
     (host, plugin)
 }
 
+/// The test suite's plugin on `host`: the decoding, tokenizing and looping runs.
+fn test_plugin(host: &PluginHost) -> Plugin {
+    host.load(common::test_plugin()).unwrap()
+}
+
 async fn run(plugin: &Plugin, group: &str, deadline: Option<Duration>, args: &[&str]) -> (RunOutcome, String) {
     let out = MemoryOutputPipe::new(1 << 16);
     let mut wasi = WasiCtxBuilder::new();
@@ -52,9 +57,10 @@ async fn another_instance_cancels_a_blocking_decode_through_a_shared_capability(
     let capability = host.tokens().share("tenant", &flag).expect("a capability");
     // A decodes under the shared token until it is cancelled: only B can end it,
     // whether B lands before A's first decode, between two, or in the middle of one.
-    let a_args = ["--model", "slow", "--token", &capability, "--decode-until-stopped"];
+    let a_args = ["decode-until-stopped", "--model", "slow", "--token", &capability];
     let b_args = ["--cancel-shared", &capability];
-    let decoding = run(&plugin, "tenant", None, &a_args);
+    let decoder = test_plugin(&host);
+    let decoding = run(&decoder, "tenant", None, &a_args);
     let cancelling = run(&plugin, "tenant", None, &b_args);
     let ((a, a_out), (b, b_out)) = tokio::join!(decoding, cancelling);
     assert_eq!((a, b), (RunOutcome::Success, RunOutcome::Success));
@@ -83,8 +89,8 @@ async fn a_deadline_stops_native_work_and_joins_every_worker() {
     let flag = CancelFlag::new(); // never cancelled: only the deadline stops the decode
     let capability = host.tokens().share("tenant", &flag).expect("a capability");
     // Decodes until stopped: only the deadline ends it.
-    let args = ["--model", "slow", "--token", &capability, "--long-tokens", "512", "--decode-until-stopped"];
-    let (outcome, _) = run(&plugin, "tenant", Some(Duration::from_millis(300)), &args).await;
+    let args = ["decode-until-stopped", "--model", "slow", "--token", &capability, "--long-tokens", "512"];
+    let (outcome, _) = run(&test_plugin(&host), "tenant", Some(Duration::from_millis(300)), &args).await;
     assert_eq!(outcome, RunOutcome::DeadlineExceeded);
     assert_eq!(host.live_workers(), 0, "no worker may outlive its store");
     assert!(!flag.is_cancelled(), "the deadline stops the call without cancelling the caller's token");
@@ -102,10 +108,10 @@ async fn a_deadline_ends_a_run_that_is_tokenizing_the_slowest_text_it_may() {
         let registry = ModelRegistry::new();
         registry.register(name, path);
         let host = PluginHost::new(registry, Limits::default()).unwrap();
-        let plugin = host.load(common::demo_plugin()).unwrap();
+        let plugin = test_plugin(&host);
         let deadline = Duration::from_millis(300);
         let started = std::time::Instant::now();
-        let (outcome, out) = run(&plugin, "tenant", Some(deadline), &["--model", name, "--tokenize-until-stopped"]).await;
+        let (outcome, out) = run(&plugin, "tenant", Some(deadline), &["tokenize-until-stopped", "--model", name]).await;
         let overshoot = started.elapsed().saturating_sub(deadline);
         assert_eq!(outcome, RunOutcome::DeadlineExceeded, "{out}");
         assert_eq!(host.live_workers(), 0, "the tokenizer thread ended before the run returned");
@@ -115,8 +121,8 @@ async fn a_deadline_ends_a_run_that_is_tokenizing_the_slowest_text_it_may() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_that_loops_forever_is_stopped_by_its_deadline() {
-    let (_host, plugin) = host();
-    let (outcome, out) = run(&plugin, "tenant", Some(Duration::from_millis(200)), &["--spin"]).await;
+    let (host, _) = host();
+    let (outcome, out) = run(&test_plugin(&host), "tenant", Some(Duration::from_millis(200)), &["spin"]).await;
     assert_eq!(outcome, RunOutcome::DeadlineExceeded);
     assert!(out.contains("spinning"));
 }
@@ -125,14 +131,15 @@ async fn a_guest_that_loops_forever_is_stopped_by_its_deadline() {
 /// still has its deadlines (a looping guest only yields at epoch ticks).
 #[test]
 fn a_plugin_that_outlives_its_host_still_meets_its_deadline() {
-    let (host, plugin) = host();
+    let (host, _) = host();
+    let plugin = test_plugin(&host);
     drop(host);
     // On a thread of its own: without ticks the guest never yields, and the run (and its
     // runtime) would never end; the test then fails after a minute instead of hanging.
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let _ = tx.send(runtime.block_on(run(&plugin, "tenant", Some(Duration::from_millis(200)), &["--spin"])));
+        let _ = tx.send(runtime.block_on(run(&plugin, "tenant", Some(Duration::from_millis(200)), &["spin"])));
     });
     let (outcome, out) = rx.recv_timeout(Duration::from_secs(60)).expect("the deadline never fired");
     assert_eq!(outcome, RunOutcome::DeadlineExceeded);
@@ -141,11 +148,12 @@ fn a_plugin_that_outlives_its_host_still_meets_its_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_cannot_take_more_memory_than_its_limit() {
-    let (_host, plugin) = host();
+    let (host, _) = host();
+    let plugin = test_plugin(&host);
     let out = MemoryOutputPipe::new(1 << 16);
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(out.clone()).stderr(out.clone());
-    wasi.args(&["demo", "--hog-memory"]);
+    wasi.args(&["test-plugin", "hog-memory"]);
     // The default limit is 256 MiB of linear memory: the guest's allocator fails (a
     // trap in Rust) well before the host notices anything.
     let result = plugin.run_with(&RunOptions::default(), wasi).await;
@@ -227,12 +235,13 @@ async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() 
 /// starts ends it at once. No thread of the run is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_embedders_stop_handle_ends_a_run_now() {
-    let (host, plugin) = host();
+    let (host, _) = host();
+    let plugin = test_plugin(&host);
     let stop = RunStop::new();
     let options = RunOptions { group: "tenant".into(), stop: Some(stop.clone()), ..RunOptions::default() };
     let out = MemoryOutputPipe::new(1 << 16);
     let mut wasi = WasiCtxBuilder::new();
-    wasi.stdout(out.clone()).args(&["demo", "--spin"]);
+    wasi.stdout(out.clone()).args(&["test-plugin", "spin"]);
     let run = plugin.run_with(&options, wasi);
     let stopper = async {
         // Stop once the guest has started looping.
@@ -246,7 +255,7 @@ async fn the_embedders_stop_handle_ends_a_run_now() {
     assert_eq!(host.live_workers(), 0);
 
     let mut wasi = WasiCtxBuilder::new();
-    wasi.args(&["demo", "--spin"]);
+    wasi.args(&["test-plugin", "spin"]);
     assert!(stop.is_stopped());
     assert_eq!(plugin.run_with(&options, wasi).await.unwrap(), RunOutcome::Stopped, "already stopped: ends at once");
 }

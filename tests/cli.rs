@@ -108,11 +108,11 @@ fn synth_model_writes_a_loadable_model() {
 
 #[test]
 fn a_deadline_stops_the_plugin_with_status_124() {
-    let plugin = common::demo_plugin().to_str().unwrap();
+    let plugin = common::test_plugin().to_str().unwrap();
     let model = format!("slow={}", common::slow_model().display());
     // The plugin decodes until it is stopped: only the deadline can end it, however
     // fast or slow this machine is.
-    let args = ["--model", "slow", "--long-tokens", "512", "--decode-until-stopped"];
+    let args = ["decode-until-stopped", "--model", "slow", "--long-tokens", "512"];
     let out = llamabox(&[&["run", plugin, "--model", &model, "--deadline-ms", "200", "--"][..], &args].concat());
     assert_eq!(out.status.code(), Some(124), "{}", stderr(&out));
     assert!(stderr(&out).contains("deadline of 200 ms passed"), "{}", stderr(&out));

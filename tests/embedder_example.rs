@@ -11,7 +11,7 @@ use llamabox::RunOutcome;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_embedder_example_runs_three_tenants_at_once() {
-    let finished = example::run_tenants(common::tiny_model(), common::demo_plugin()).await.unwrap();
+    let finished = example::run_tenants(common::tiny_model(), common::demo_plugin(), common::test_plugin()).await.unwrap();
     let [alpha, beta, gamma_spin, gamma_decode] = &finished[..] else { panic!("four runs") };
     for f in &finished {
         println!("== {} {:?} {:?}\n{}", f.tenant, f.report.outcome, f.report.usage, f.output);

@@ -272,6 +272,7 @@ async fn a_running_context_keeps_its_model_when_the_name_is_replaced() {
     let host = host();
     host.models().register("m", common::tiny_model());
     let plugin = host.load(common::demo_plugin()).unwrap();
+    let decoder = host.load(common::test_plugin()).unwrap();
     let flag = llamabox::CancelFlag::new();
     let capability = host.tokens().share("t", &flag).unwrap();
     let options = RunOptions { group: "t".into(), ..RunOptions::default() };
@@ -285,8 +286,8 @@ async fn a_running_context_keeps_its_model_when_the_name_is_replaced() {
     let text = |pipe: &MemoryOutputPipe| String::from_utf8_lossy(&pipe.contents()).into_owned();
 
     // A decodes on the tiny model until the embedder cancels its token.
-    let (wasi, a_out) = start(&["--model", "m", "--token", &capability, "--long-tokens", "64", "--decode-until-stopped"]);
-    let a = plugin.run_report(&options, wasi);
+    let (wasi, a_out) = start(&["decode-until-stopped", "--model", "m", "--token", &capability, "--long-tokens", "64"]);
+    let a = decoder.run_report(&options, wasi);
     let replace_then_cancel = async {
         // Waits for A's line (not a timing: the bound only turns a broken A into a failure).
         for _ in 0..12_000 {

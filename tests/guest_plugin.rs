@@ -28,7 +28,7 @@ async fn guest_generates_then_cancels_a_long_decode_in_flight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
-    let (outcome, out) = common::run_demo(&[("tiny", common::tiny_model())], &["--model", "tiny", "--bad-inputs"]).await;
+    let (outcome, out) = common::run_plugin(common::test_plugin(), &[("tiny", common::tiny_model())], &[], &["bad-inputs", "--model", "tiny"]).await;
     assert_eq!(outcome, RunOutcome::Success);
     let expect = [
         ("token-too-large", "invalid-argument: token"),
@@ -63,11 +63,11 @@ async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
 async fn chunks_stay_with_their_media_context_and_every_budget_is_charged_as_allocated() {
     let models = [("tiny", common::tiny_model())];
     let projectors = [("eyes", common::tiny_vision())];
-    let args = ["--model", "tiny", "--bad-inputs", "--media", "eyes"];
-    // The demo's own context: n-ctx 1024 (padded as asked) x 2 layers. The padded
+    let args = ["bad-inputs", "--model", "tiny", "--media", "eyes"];
+    // The test plugin's own context: n-ctx 1024 (padded as asked) x 2 layers. The padded
     // 16-sequence context needs 16 x 256 cells x 2 layers more: one cell too many.
     let limits = llamabox::Limits { max_kv_cells: 1024 * 2 + 4096 * 2 - 1, ..llamabox::Limits::default() };
-    let (outcome, out) = common::run_plugin_with_limits(common::demo_plugin(), &models, &projectors, limits, &args).await;
+    let (outcome, out) = common::run_plugin_with_limits(common::test_plugin(), &models, &projectors, limits, &args).await;
     assert_eq!(outcome, RunOutcome::Success);
     assert_eq!(common::field(&out, "bad-input chunk-budget"), "ok");
     for case in ["foreign-chunk-encode", "foreign-chunk-start-encode", "foreign-chunk-eval"] {
@@ -80,7 +80,7 @@ async fn chunks_stay_with_their_media_context_and_every_budget_is_charged_as_all
 
     // A chunk budget smaller than one tokenized image: refused by name, nothing kept.
     let limits = llamabox::Limits { max_chunk_bytes: 4096, ..llamabox::Limits::default() };
-    let (outcome, out) = common::run_plugin_with_limits(common::demo_plugin(), &models, &projectors, limits, &args).await;
+    let (outcome, out) = common::run_plugin_with_limits(common::test_plugin(), &models, &projectors, limits, &args).await;
     assert_eq!(outcome, RunOutcome::Success);
     assert!(common::field(&out, "bad-input chunk-budget").starts_with("limit-exceeded: max-chunk-bytes"), "{out}");
 }
@@ -170,10 +170,11 @@ async fn dropping_a_call_before_its_pollable_never_traps() {
     // The order a garbage collector may choose: pending-decode, generation and
     // pending-encode each dropped while the pollable from its subscribe() lives, then
     // that pollable waited on (ready at once) and dropped.
-    let (outcome, out) = common::run_demo_with(
+    let (outcome, out) = common::run_plugin(
+        common::test_plugin(),
         &[("tiny", common::tiny_model())],
         &[("eyes", common::slow_vision())],
-        &["--model", "tiny", "--media", "eyes", "--long-tokens", "512", "--drop-call-first"],
+        &["drop-call-first", "--model", "tiny", "--media", "eyes", "--long-tokens", "512"],
     )
     .await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");

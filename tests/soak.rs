@@ -35,7 +35,7 @@ async fn round(plugin: &Arc<Plugin>, instances: u64, iters: u64, seed: u64) -> (
             let mut wasi = WasiCtxBuilder::new();
             wasi.stdout(out.clone()).stderr(out.clone());
             let (iters, seed) = (iters.to_string(), (seed * 1000 + i).to_string());
-            wasi.args(&["demo", "--model", "tiny", "--long-tokens", "96", "--soak", &iters, "--seed", &seed]);
+            wasi.args(&["test-plugin", "soak", "--model", "tiny", "--long-tokens", "96", "--iterations", &iters, "--seed", &seed]);
             let outcome = plugin.run(wasi).await.unwrap();
             let text = String::from_utf8(out.contents().to_vec()).unwrap();
             assert_eq!(outcome, RunOutcome::Success, "{text}");
@@ -56,7 +56,7 @@ async fn instances_decode_and_cancel_at_random_without_wrong_results_or_growth()
     let registry = ModelRegistry::new();
     registry.register("tiny", common::tiny_model());
     let host = PluginHost::new(registry, Limits::default()).unwrap();
-    let plugin = Arc::new(host.load(common::demo_plugin()).unwrap());
+    let plugin = Arc::new(host.load(common::test_plugin()).unwrap());
 
     // Warm-up: the allocator's per-thread arenas fill up as worker threads come and go
     // (every context runs on a fresh thread); resident memory settles after a few rounds.

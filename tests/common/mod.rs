@@ -105,6 +105,13 @@ pub fn demo_plugin() -> &'static Path {
     CELL.get_or_init(|| guests_dir().join("llamabox-demo.wasm"))
 }
 
+/// The test suite's plugin (guest/test-plugin): one misbehaviour or probe per run,
+/// named by its first argument.
+pub fn test_plugin() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    CELL.get_or_init(|| guests_dir().join("llamabox-test-plugin.wasm"))
+}
+
 /// The WASI 0.3 (async) demo plugin.
 pub fn async_demo_plugin() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();

@@ -166,9 +166,5 @@ async fn first_of<A: Future, B: Future>(a: A, b: B) -> Option<A::Output> {
 }
 
 fn show(outcome: &Result<(), Error>) -> String {
-    match outcome {
-        Ok(()) => "ok".into(),
-        Err(Error::Cancelled) => "cancelled".into(),
-        Err(e) => format!("{e:?}"),
-    }
+    llamabox_guest::outcome(outcome.clone())
 }

@@ -14,6 +14,7 @@
 //! so both sides build the same context). Output: one `key: value` line per measurement.
 
 // The plugin world's bindings, shared by every Rust plugin (guest/sdk).
+use llamabox_guest::args::Args;
 use llamabox_guest::{argmax, digest, llamabox, sequence, wasi};
 
 use llamabox::inference::cancel::CancelToken;
@@ -56,42 +57,20 @@ impl Options {
             Some("noop") => Mode::Noop,
             other => return Err(format!("expected decode|generate|host-generate|boundary|noop, got {other:?}")),
         };
-        let mut o = Options {
+        let mut args = Args::parse(args, &[])?;
+        let o = Options {
             mode,
-            model: "default".into(),
-            tokens: 512,
-            runs: 5,
-            pending: false,
-            host_sampler: false,
-            iters: 10_000,
-            threads: 1,
-            ctx: 1024,
-            batch: 512,
+            model: args.string("model", "default"),
+            tokens: args.number("tokens", 512)?,
+            runs: args.number("runs", 5)?,
+            pending: args.either("mode", "blocking", "pending")?,
+            host_sampler: args.either("sample", "wasm", "host")?,
+            iters: args.number("iters", 10_000)?,
+            threads: args.number("threads", 1)?,
+            ctx: args.number("ctx", 1024)?,
+            batch: args.number("batch", 512)?,
         };
-        while let Some(flag) = args.next() {
-            let value = args.next().ok_or(format!("{flag} needs a value"))?;
-            let number = || value.parse::<u32>().map_err(|_| format!("{flag}: {value:?} is not a number"));
-            match flag.as_str() {
-                "--model" => o.model = value.clone(),
-                "--tokens" => o.tokens = number()?,
-                "--runs" => o.runs = number()?,
-                "--iters" => o.iters = number()?,
-                "--threads" => o.threads = number()?,
-                "--ctx" => o.ctx = number()?,
-                "--batch" => o.batch = number()?,
-                "--mode" => match value.as_str() {
-                    "blocking" => o.pending = false,
-                    "pending" => o.pending = true,
-                    _ => return Err(format!("--mode: expected blocking|pending, got {value:?}")),
-                },
-                "--sample" => match value.as_str() {
-                    "wasm" => o.host_sampler = false,
-                    "host" => o.host_sampler = true,
-                    _ => return Err(format!("--sample: expected wasm|host, got {value:?}")),
-                },
-                _ => return Err(format!("unknown argument {flag:?}")),
-            }
-        }
+        args.finish()?;
         Ok(o)
     }
 }

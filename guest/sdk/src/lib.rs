@@ -4,7 +4,11 @@
 //! - [`sequence`]: a batch of one sequence, logits for its last token;
 //! - [`argmax`] and [`greedy_next`]: greedy picking with defined NaN and tie rules;
 //! - [`decode_with_timeout`]: a decode raced against a timer and cancelled in flight;
-//! - [`digest`]: the FNV-1a digests tests compare logits and tokens by.
+//! - [`digest`]: the FNV-1a digests tests compare logits and tokens by;
+//! - [`filler`] and [`greedy_params`]: a long prompt to cancel, a greedy generation's
+//!   parameters;
+//! - [`args`]: the plugin's `--flag value` command line;
+//! - [`outcome`]: a call's result as the `key: value` lines tests read it.
 //!
 //! A plugin for another world (`http-plugin`, a WASI 0.3 one) generates only what this
 //! crate lacks with [`generate_world!`], which maps the rest onto this crate.
@@ -15,12 +19,15 @@ wit_bindgen::generate!({
     generate_all,
 });
 
+pub mod args;
+
 use std::time::Duration;
 
 pub use llamabox::inference::{cancel, embeddings, generate, llm, media, types};
 
 use cancel::CancelToken;
-use llm::{Batch, Context};
+use generate::{FinishReason, GenerateParams};
+use llm::{Batch, Context, Model};
 use types::Error;
 use wasi::clocks::monotonic_clock;
 use wasi::io::poll;
@@ -98,6 +105,45 @@ pub fn decode_with_timeout(ctx: &Context, batch: &Batch, token: &CancelToken, ti
     // The pollable is the pending call's child: dropped before the call is finished.
     drop(done);
     pending.finish()
+}
+
+/// `n` tokens of " the llama in the box" over and over: a prompt long enough to cancel
+/// in flight, the same on every model.
+pub fn filler(model: &Model, n: u32) -> Result<Vec<i32>, Error> {
+    let words = model.tokenize(" the llama in the box", false, false)?;
+    Ok(words.iter().copied().cycle().take(n as usize).collect())
+}
+
+/// A greedy generation of at most `max_tokens` on sequence 0, with no stop strings.
+pub fn greedy_params(prompt: Vec<i32>, max_tokens: u32) -> GenerateParams {
+    GenerateParams { prompt, seq: 0, max_tokens, stop: Vec::new(), sampler: generate::greedy_sampler(), logprobs: None }
+}
+
+/// A generation's finish reason as its WIT name (`stop 0`, `max-tokens`, …; `none`
+/// before the end).
+pub fn finish_name(reason: Option<FinishReason>) -> String {
+    match reason {
+        Some(FinishReason::Stop(i)) => format!("stop {i}"),
+        Some(FinishReason::EndOfGeneration) => "end-of-generation".into(),
+        Some(FinishReason::MaxTokens) => "max-tokens".into(),
+        Some(FinishReason::Cancelled) => "cancelled".into(),
+        None => "none".into(),
+    }
+}
+
+/// A unit call's result as a line: `ok`, `cancelled`, or the error's kebab-case name
+/// and message (`invalid-argument: …`), as the WIT names them.
+pub fn outcome(result: Result<(), Error>) -> String {
+    let (name, detail) = match result {
+        Ok(()) => return "ok".into(),
+        Err(Error::Cancelled) => return "cancelled".into(),
+        Err(Error::ContextFull) => return "context-full".into(),
+        Err(Error::InvalidArgument(m)) => ("invalid-argument", m),
+        Err(Error::ModelNotFound(m)) => ("model-not-found", m),
+        Err(Error::LimitExceeded(m)) => ("limit-exceeded", m),
+        Err(Error::Backend(m)) => ("backend", m),
+    };
+    format!("{name}: {detail}")
 }
 
 /// FNV-1a digests: equal digests mean bitwise-equal logits (or equal token lists), so
