@@ -4,7 +4,8 @@
 # objects, Rust's wasm32-wasip2 target for the guest plugins, and python3 with pip for
 # the Python plugin's toolchain, node and npm for the JavaScript plugin's (the
 # scripts/build-*-plugin.sh install those toolchains from PyPI and npm), curl and wrk
-# for the server's tests, headless Chromium for the chat page's.
+# for the server's tests, headless Chromium for the chat page's, lld and wasi-libc for
+# the C plugin's.
 set -euo pipefail
 
 need=()
@@ -21,6 +22,11 @@ command -v curl >/dev/null || need+=(curl)
 command -v wrk >/dev/null || need+=(wrk)
 # The chat page's test drives a real browser: Debian's headless Chromium.
 command -v chromium-headless-shell >/dev/null || need+=(chromium-headless-shell)
+# The C plugin (scripts/build-c-plugin.sh): Debian's clang for wasm32-wasi, its linker,
+# compiler runtime and libc.
+ls /usr/lib/llvm-*/bin/wasm-ld >/dev/null 2>&1 || need+=(lld)
+ls /usr/lib/llvm-*/lib/clang/*/lib/wasi/libclang_rt.builtins-wasm32.a >/dev/null 2>&1 || need+=(libclang-rt-dev-wasm32)
+[ -e /usr/lib/wasm32-wasi/libc.a ] || need+=(wasi-libc)
 ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"

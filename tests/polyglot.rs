@@ -16,9 +16,9 @@ const PROMPT: &str = "The llama in the box";
 
 /// Build a plugin with `script` (which installs its toolchain if missing). A toolchain
 /// that cannot be installed fails the test, loudly.
-fn build(script: &str, name: &str) -> PathBuf {
+fn build(script: &str, name: &str, extra: &[&Path]) -> PathBuf {
     let out = common::repo_root().join("target/guest/polyglot").join(name);
-    let status = Command::new(common::repo_root().join("scripts").join(script)).arg(&out).status();
+    let status = Command::new(common::repo_root().join("scripts").join(script)).arg(&out).args(extra).status();
     match status {
         Ok(s) if s.success() => out,
         other => panic!("scripts/{script} failed ({other:?}): the {name} toolchain could not be installed or the plugin did not build"),
@@ -27,12 +27,25 @@ fn build(script: &str, name: &str) -> PathBuf {
 
 fn python_plugin() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    CELL.get_or_init(|| build("build-python-plugin.sh", "python-plugin.wasm"))
+    CELL.get_or_init(|| build("build-python-plugin.sh", "python-plugin.wasm", &[]))
 }
 
 fn js_plugin() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    CELL.get_or_init(|| build("build-js-plugin.sh", "js-plugin.wasm"))
+    CELL.get_or_init(|| build("build-js-plugin.sh", "js-plugin.wasm", &[]))
+}
+
+/// The C plugin: Debian's clang and wasi-libc make a WASI preview 1 module (a reactor),
+/// which wasmtime's preview 1 reactor adapter (from the crate wasmtime publishes it in,
+/// the release the host runs) turns into a WASI 0.2 component.
+fn c_plugin() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    CELL.get_or_init(|| {
+        let adapter = common::repo_root().join("target/guest/polyglot/wasi_snapshot_preview1.reactor.wasm");
+        std::fs::create_dir_all(adapter.parent().unwrap()).unwrap();
+        std::fs::write(&adapter, wasi_preview1_component_adapter_provider::WASI_SNAPSHOT_PREVIEW1_REACTOR_ADAPTER).unwrap();
+        build("build-c-plugin.sh", "c-plugin.wasm", &[&adapter])
+    })
 }
 
 /// A host whose compile cache outlives the test run, so an unchanged plugin (18 MB for
@@ -65,25 +78,27 @@ async fn run_twice(plugin: &Path, models: &[(&str, &Path)], args: &[&str]) -> St
     unreachable!()
 }
 
-/// The Rust demo's greedy host-side generation for the same model and prompt.
-async fn rust_greedy(model: &Path, generate: &str) -> String {
+/// The Rust demo's output for the same model and prompt, greedy on the host and in wasm.
+async fn rust_demo(model: &Path, generate: &str) -> String {
     let (outcome, out) = common::run_demo(&[("slow", model)], &["--model", "slow", "--prompt", PROMPT, "--generate", generate, "--host-generate"]).await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
-    common::field(&out, "host-generated-ids").to_string()
+    out
 }
 
-/// What every language's plugin prints, checked the same way.
-async fn check_like_the_rust_demo(plugin: &Path) {
+/// What every language's plugin prints, checked the same way. Returns its output.
+async fn check_like_the_rust_demo(plugin: &Path) -> String {
     let model = common::slow_model();
     let args = ["--model", "slow", "--prompt", PROMPT, "--generate", "8", "--long-tokens", "512", "--cancel-after-ms", "0"];
     let out = run_twice(plugin, &[("slow", model)], &args).await;
-    assert_eq!(common::field(&out, "host-generated-ids"), rust_greedy(model, "8").await, "greedy output differs from the Rust demo's");
+    let rust = rust_demo(model, "8").await;
+    assert_eq!(common::field(&out, "host-generated-ids"), common::field(&rust, "host-generated-ids"), "greedy output differs from the Rust demo's");
     // Cancelled at once from the plugin's event loop (a 0 ms timer against a 512-token
     // decode, as in guest_plugin): `cancelled`, and memory untouched.
     assert_eq!(common::field(&out, "long-decode"), "cancelled");
     assert_eq!(common::field(&out, "memory-after"), "seq-pos-max=-1");
     assert_eq!(common::field(&out, "bad-model"), "model-not-found: no-such-model");
     assert!(common::field(&out, "bad-batch").starts_with("invalid-argument: batch columns differ"), "{out}");
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -96,12 +111,24 @@ async fn javascript_plugin_does_what_the_rust_demo_does() {
     check_like_the_rust_demo(js_plugin()).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c_plugin_does_what_the_rust_demo_does() {
+    let out = check_like_the_rust_demo(c_plugin()).await;
+    // Its own greedy loop in wasm too (decode, last-logits, argmax): the Rust demo's.
+    let rust = rust_demo(common::slow_model(), "8").await;
+    assert_eq!(common::field(&out, "generated-ids"), common::field(&rust, "generated-ids"), "the C argmax loop differs from the Rust demo's");
+    assert_eq!(common::field(&out, "prompt-tokens").split(',').count().to_string(), common::field(&rust, "prompt-tokens"));
+    // A batch over the context's n-batch: named, and nothing kept.
+    assert!(common::field(&out, "too-long").starts_with("invalid-argument: batch of 513 tokens is larger than n-batch 512"), "{out}");
+    assert_eq!(common::field(&out, "memory-after-too-long"), "seq-pos-max=-1");
+}
+
 /// Every code block under a `<!-- snippet: PATH -->` line in docs/plugins/ must
 /// appear verbatim in PATH, a guest the suite builds and runs; every guide has some.
 #[test]
 fn the_plugin_guides_quote_the_tested_guests() {
     let root = common::repo_root();
-    for guide in ["rust.md", "python.md", "javascript.md"] {
+    for guide in ["rust.md", "python.md", "javascript.md", "c.md"] {
         let text = std::fs::read_to_string(root.join("docs/plugins").join(guide)).unwrap();
         let mut quoted = 0;
         let mut lines = text.lines();
@@ -127,7 +154,7 @@ fn wasm_tools_shows_each_plugins_interface() {
     let out = Command::new(common::repo_root().join("scripts/wasm-tools.sh")).output().expect("running scripts/wasm-tools.sh");
     assert!(out.status.success(), "wasm-tools could not be installed: {}", String::from_utf8_lossy(&out.stderr));
     let wasm_tools = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
-    for plugin in [common::demo_plugin(), python_plugin(), js_plugin()] {
+    for plugin in [common::demo_plugin(), python_plugin(), js_plugin(), c_plugin()] {
         let out = Command::new(&wasm_tools).args(["component", "wit"]).arg(plugin).output().expect("running wasm-tools");
         let wit = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{}: {}", plugin.display(), String::from_utf8_lossy(&out.stderr));
