@@ -44,6 +44,11 @@ import tempfile
 import threading
 import time
 
+# The keep-alive getter and the Prometheus text parser of the loopback disconnect tool.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "deploy", "loopback"))
+from disconnect import Getter, total  # noqa: E402
+from disconnect import parse as prometheus  # noqa: E402
+
 SYSTEM = "You are a helpful assistant."
 MARKER = "<!-- Notes below are written by hand; `make bench-server` keeps them. -->"
 BUSY_PATTERN = "rustc|cc1plus|cargo test|/deps/serve-"
@@ -296,42 +301,6 @@ def stream_chat(port, body, close_after=None, close_after_pieces=None, timeout=1
     return r
 
 
-class Getter:
-    """GETs on one keep-alive connection."""
-
-    def __init__(self, port):
-        self.port = port
-        self.conn = None
-
-    def get(self, path):
-        for _ in range(3):
-            try:
-                if self.conn is None:
-                    self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-                self.conn.request("GET", path)
-                response = self.conn.getresponse()
-                return response.status, response.read().decode()
-            except (OSError, http.client.HTTPException):
-                self.conn = None
-        raise RuntimeError(f"GET {path} on 127.0.0.1:{self.port} failed")
-
-
-def prometheus(text):
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            try:
-                samples[key.strip()] = float(value)
-            except ValueError:
-                pass
-    return samples
-
-
-def total(samples, name, label=None):
-    return sum(v for k, v in samples.items() if k.split("{", 1)[0] == name and (label is None or label in k))
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -379,7 +348,7 @@ class Server:
             time.sleep(0.1)
         else:
             raise RuntimeError(f"{self.short} did not become ready in 60 s")
-        self.getter = Getter(self.port)
+        self.getter = Getter("127.0.0.1", self.port, timeout=60, tries=3)
 
     def stop(self):
         if self.proc and self.proc.poll() is None:

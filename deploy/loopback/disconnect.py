@@ -39,29 +39,41 @@ def loopback(url):
     return url
 
 
+class Getter:
+    """GETs on one keep-alive connection, reconnecting (up to `tries` times) when the
+    server closed it. bench/server_bench.py uses it too."""
+
+    def __init__(self, host, port, timeout=5, tries=2):
+        self.host, self.port, self.timeout, self.tries = host, port, timeout, tries
+        self.conn = None
+
+    def get(self, path):
+        for _ in range(self.tries):
+            try:
+                if self.conn is None:
+                    self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                self.conn.request("GET", path)
+                response = self.conn.getresponse()
+                return response.status, response.read().decode()
+            except (OSError, http.client.HTTPException):
+                self.conn = None
+        raise RuntimeError(f"GET {path} on {self.host}:{self.port} failed")
+
+
 class Metrics:
-    """One keep-alive connection to a replica's /metrics."""
+    """A replica's /metrics, parsed."""
 
     def __init__(self, base):
         u = urllib.parse.urlsplit(base)
-        self.host, self.port = u.hostname, u.port
-        self.conn = None
+        self.getter = Getter(u.hostname, u.port)
 
     def read(self):
-        for _ in range(2):
-            try:
-                if self.conn is None:
-                    self.conn = http.client.HTTPConnection(self.host, self.port, timeout=5)
-                self.conn.request("GET", "/metrics")
-                response = self.conn.getresponse()
-                return parse(response.read().decode())
-            except (OSError, http.client.HTTPException):
-                self.conn = None
-        raise RuntimeError(f"no /metrics from {self.host}:{self.port}")
+        return parse(self.getter.get("/metrics")[1])
 
 
 def parse(text):
-    """Prometheus text format -> {'name{labels}': value} (labels as written)."""
+    """Prometheus text format -> {'name{labels}': value} (labels as written).
+    bench/server_bench.py uses it too."""
     samples = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
