@@ -213,8 +213,7 @@ async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() 
     };
     // Count the polls of a whole evaluation: the text chunk's decode nodes, the image
     // encode's boundaries, the embeddings' decode nodes, the last text chunk's nodes.
-    let counter = CancelFlag::new();
-    counter.trip_after(u64::MAX);
+    let counter = CancelFlag::counting();
     let out = run_with(counter.clone()).await;
     assert_eq!(common::field(&out, "media-eval-shared"), "ok");
     let total = counter.polls();

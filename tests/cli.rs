@@ -8,6 +8,13 @@ fn llamabox(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_llamabox")).args(args).output().expect("running llamabox")
 }
 
+/// `llamabox run PLUGIN --model NAME=PATH HOST_FLAGS -- PLUGIN_ARGS`.
+fn run(plugin: &std::path::Path, (name, model): (&str, &std::path::Path), host_flags: &[&str], plugin_args: &[&str]) -> Output {
+    let model = format!("{name}={}", model.display());
+    let run = ["run", plugin.to_str().unwrap(), "--model", &model];
+    llamabox(&[&run[..], host_flags, &["--"], plugin_args].concat())
+}
+
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -82,15 +89,14 @@ fn model_flags_are_checked() {
 
 #[test]
 fn runs_the_demo_and_reports_unknown_model_names() {
-    let plugin = common::demo_plugin().to_str().unwrap();
-    let model = format!("tiny={}", common::tiny_model().display());
-    let ok = llamabox(&["run", plugin, "--model", &model, "--", "--model", "tiny", "--long-tokens", "64"]);
+    let tiny = ("tiny", common::tiny_model());
+    let ok = run(common::demo_plugin(), tiny, &[], &["--model", "tiny", "--long-tokens", "64"]);
     let stdout = String::from_utf8_lossy(&ok.stdout);
     assert!(ok.status.success(), "{stdout}\n{}", stderr(&ok));
     assert!(stdout.contains("generated-tokens: 16"), "{stdout}");
     assert!(stdout.contains("long-decode: "), "{stdout}");
 
-    let unknown = llamabox(&["run", plugin, "--model", &model, "--", "--model", "other"]);
+    let unknown = run(common::demo_plugin(), tiny, &[], &["--model", "other"]);
     assert_eq!(unknown.status.code(), Some(1));
     assert!(stderr(&unknown).contains("ModelNotFound(\"other\")"), "{}", stderr(&unknown));
 }
@@ -108,21 +114,17 @@ fn synth_model_writes_a_loadable_model() {
 
 #[test]
 fn a_deadline_stops_the_plugin_with_status_124() {
-    let plugin = common::test_plugin().to_str().unwrap();
-    let model = format!("slow={}", common::slow_model().display());
     // The plugin decodes until it is stopped: only the deadline can end it, however
     // fast or slow this machine is.
     let args = ["decode-until-stopped", "--model", "slow", "--long-tokens", "512"];
-    let out = llamabox(&[&["run", plugin, "--model", &model, "--deadline-ms", "200", "--"][..], &args].concat());
+    let out = run(common::test_plugin(), ("slow", common::slow_model()), &["--deadline-ms", "200"], &args);
     assert_eq!(out.status.code(), Some(124), "{}", stderr(&out));
     assert!(stderr(&out).contains("deadline of 200 ms passed"), "{}", stderr(&out));
 }
 
 #[test]
 fn limit_flags_reach_the_plugin() {
-    let plugin = common::demo_plugin().to_str().unwrap();
-    let model = format!("tiny={}", common::tiny_model().display());
-    let out = llamabox(&["run", plugin, "--model", &model, "--max-n-ctx", "100", "--", "--model", "tiny"]);
+    let out = run(common::demo_plugin(), ("tiny", common::tiny_model()), &["--max-n-ctx", "100"], &["--model", "tiny"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("n-ctx 1024 is above this host's limit 100"), "{}", stderr(&out));
 }

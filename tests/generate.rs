@@ -214,15 +214,10 @@ fn a_stop_string_ends_generation_and_is_not_delivered() {
 
 /// Polls of the abort callback in a prefill of `prompt` and in one generated token.
 fn polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
-    let count = |max_tokens| {
+    common::prefill_and_token_polls(|max_tokens, counter| {
         let mut ctx = Context::new(model.clone(), params()).unwrap();
-        let counter = CancelFlag::new();
-        counter.trip_after(u64::MAX);
-        run(&mut ctx, &SamplerParams::greedy(), &request(prompt.to_vec(), max_tokens), &counter).0.unwrap();
-        counter.polls()
-    };
-    let prefill = count(0);
-    (prefill, count(1) - prefill)
+        run(&mut ctx, &SamplerParams::greedy(), &request(prompt.to_vec(), max_tokens), counter).0.unwrap();
+    })
 }
 
 #[test]

@@ -48,9 +48,7 @@ fn prompt(model: &Model, n: usize) -> Vec<Token> {
     words.iter().copied().cycle().take(n).collect()
 }
 
-fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
+use common::bitwise_eq;
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
@@ -89,8 +87,7 @@ fn a_decode_on_the_device_is_chunked_without_changing_its_logits_and_stops_at_bo
     };
     let mut ctx = chunked(&model);
     ctx.decode(&Batch::sequence(&head, 0, 0), None).unwrap();
-    let counter = CancelFlag::new();
-    counter.trip_after(u64::MAX); // count the polls (boundaries and CPU nodes), never trip
+    let counter = CancelFlag::counting();
     ctx.decode(&Batch::sequence(&rest, 16, 0), Some(Stop::on(&counter))).unwrap();
     let polls = counter.polls();
     assert!(polls >= 8, "expected boundaries in every ubatch, got {polls} polls");
@@ -136,15 +133,10 @@ fn run(ctx: &mut Context, request: &GenerateRequest, token: &CancelFlag) -> (nat
 
 /// Polls of a chunked generation of `prompt`: its prefill, and each generated token's decode.
 fn generation_polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
-    let count = |max_tokens| {
-        let counter = CancelFlag::new();
-        counter.trip_after(u64::MAX);
+    common::prefill_and_token_polls(|max_tokens, counter| {
         let request = GenerateRequest { prompt: prompt.to_vec(), seq: 0, max_tokens, stop: Vec::new(), logprobs: None };
-        run(&mut chunked(model), &request, &counter).0.unwrap();
-        counter.polls()
-    };
-    let prefill = count(0);
-    (prefill, count(1) - prefill)
+        run(&mut chunked(model), &request, counter).0.unwrap();
+    })
 }
 
 #[test]
@@ -182,20 +174,7 @@ fn an_encode_on_the_device_stops_at_boundary_k_and_the_next_equals_an_uncancelle
     let chunks = media.tokenize(&format!("look: {}", MediaContext::marker()), &[input], caps, usize::MAX).unwrap();
     let chunk = chunks.into_iter().find(|c| c.kind() != ChunkKind::Text).unwrap();
     let plain = media.encode(&chunk, None).unwrap();
-    let counter = CancelFlag::new();
-    counter.trip_after(u64::MAX);
-    let chunked = media.encode(&chunk, Some(Stop::on(&counter))).unwrap();
-    let boundaries = counter.polls();
-    assert!(boundaries >= 2, "{boundaries} boundaries");
-    assert!(bitwise_eq(&plain, &chunked), "chunked encode differs by {}", max_diff(&plain, &chunked));
-    for k in [1, boundaries - 1] {
-        let token = CancelFlag::new();
-        token.trip_after(k);
-        assert_eq!(media.encode(&chunk, Some(Stop::on(&token))), Err(Error::Cancelled));
-        assert_eq!(token.polls(), k, "stopped at boundary {k}");
-        let again = media.encode(&chunk, Some(Stop::on(&CancelFlag::new()))).unwrap();
-        assert!(bitwise_eq(&plain, &again), "the encode after a cancel differs");
-    }
+    common::check_encode_stops_at_each_boundary(&mut media, &chunk, &plain);
     let on_cpu = MediaContext::new(common::tiny_vision(), on_cpu(common::tiny_model()), 1).unwrap().encode(&chunk, None);
     // A chunk belongs to the media context that made it: encoding it on another is refused.
     assert!(on_cpu.is_err());

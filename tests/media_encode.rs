@@ -44,21 +44,7 @@ fn chunked_encode_is_bitwise_identical_to_plain_and_stops_at_boundary_k() {
         let plain = m.encode(&chunk, None).unwrap();
         assert_eq!(plain.len(), chunk.n_tokens() * model.n_embd_inp() as usize);
 
-        let counter = CancelFlag::new();
-        counter.trip_after(u64::MAX); // count boundaries, never trip
-        let chunked = m.encode(&chunk, Some(Stop::on(&counter))).unwrap();
-        let boundaries = counter.polls();
-        assert!(boundaries >= 2, "{projector:?}: expected several boundaries, got {boundaries}");
-        assert!(bitwise_eq(&plain, &chunked), "{projector:?}: chunked output differs from plain");
-
-        for k in [1, boundaries - 1] {
-            let token = CancelFlag::new();
-            token.trip_after(k);
-            assert_eq!(m.encode(&chunk, Some(Stop::on(&token))), Err(Error::Cancelled));
-            assert_eq!(token.polls(), k, "stopped at boundary {k}");
-            let again = m.encode(&chunk, Some(Stop::on(&CancelFlag::new()))).unwrap();
-            assert!(bitwise_eq(&plain, &again), "the encode after a cancel must equal the one before");
-        }
+        common::check_encode_stops_at_each_boundary(&mut m, &chunk, &plain);
     }
 }
 
@@ -84,8 +70,7 @@ fn media_embeddings_decode_into_a_context_and_a_cancel_leaves_no_trace() {
 
     let mut reference = Context::new(model.clone(), params).unwrap();
     reference.decode(&Batch::sequence(&[1, 100, 101], 0, 0), None).unwrap();
-    let counter = CancelFlag::new();
-    counter.trip_after(u64::MAX);
+    let counter = CancelFlag::counting();
     reference.decode_embeddings(&embd, 0, false, true, Some(Stop::on(&counter))).unwrap();
     let expected = reference.last_logits().unwrap().to_vec();
     assert_eq!(chunk.n_tokens(), 64, "two 32-row pieces of two ubatches each");
@@ -171,9 +156,7 @@ fn media_chunks_are_charged_input_by_input() {
     assert_eq!(vision.tokenize(&prompt, &inputs, CAPS, total).unwrap().len(), 6, "a budget that fits is enough");
 }
 
-fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
+use common::bitwise_eq;
 
 /// Regression (issue 10): a chunk tokenized by one media context and encoded by
 /// another with a different projector made clip assert ("Output buffer size

@@ -38,8 +38,7 @@ fn reference(model: &Arc<Model>, n_ubatch: u32, prefix: &Batch, batch: &Batch) -
 /// Graph nodes the CPU backend polls the abort callback for in one ubatch of `n` tokens.
 fn polls_per_ubatch(model: &Arc<Model>, n: usize) -> u64 {
     let mut ctx = Context::new(model.clone(), params(n as u32)).unwrap();
-    let counter = CancelFlag::new();
-    counter.trip_after(u64::MAX); // count, never trip
+    let counter = CancelFlag::counting();
     decode(&mut ctx, &Batch::sequence(&tokens(model, n, 9), 0, 0), &counter).unwrap();
     counter.polls()
 }

@@ -38,8 +38,7 @@ fn cancel_in_second_ubatch_restores_memory_on_the_real_model() {
     let first = Batch::sequence(&prompt, 0, 0);
     let second = Batch::sequence(&long, prompt.len() as i32, 0);
 
-    let counter = CancelFlag::new();
-    counter.trip_after(u64::MAX);
+    let counter = CancelFlag::counting();
     let mut fresh = Context::new(model.clone(), params).unwrap();
     fresh.decode(&first, None).unwrap();
     fresh.decode(&second, Some(Stop::on(&counter))).unwrap();
@@ -59,15 +58,7 @@ fn cancel_in_second_ubatch_restores_memory_on_the_real_model() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_on_the_real_model_matches_native_logits() {
-    let path = common::real_model();
-    let (outcome, out) = common::run_demo(
-        &[("smollm2", path)],
-        &["--model", "smollm2", "--prompt", PROMPT, "--generate", "8", "--long-tokens", "256", "--cancel-after-ms", "2"],
-    )
-    .await;
-    assert_eq!(outcome, RunOutcome::Success);
-    assert_eq!(common::field(&out, "prompt-logits"), common::native_prompt_digest(path, PROMPT, 256));
-    assert_eq!(common::field(&out, "generated-tokens"), "8");
+    let out = common::demo_generates_on_native_logits("smollm2", common::real_model(), PROMPT, 256, "2").await;
     assert!(common::field(&out, "generated").to_lowercase().contains("llama"), "{out}");
 }
 
@@ -126,12 +117,10 @@ fn a_cancel_in_generation_on_the_real_model_keeps_exactly_the_delivered_tokens()
         let outcome = generate(ctx, &mut sampler, &request, Stop::on(token), &mut sink).unwrap();
         (outcome, tokens)
     };
-    let counter = CancelFlag::new();
-    counter.trip_after(u64::MAX);
+    let counter = CancelFlag::counting();
     let (_, reference) = run(&mut Context::new(model.clone(), params).unwrap(), &prompt, 12, &counter);
     let all_polls = counter.polls();
-    let counter = CancelFlag::new();
-    counter.trip_after(u64::MAX);
+    let counter = CancelFlag::counting();
     run(&mut Context::new(model.clone(), params).unwrap(), &prompt, 0, &counter);
     let prefill = counter.polls();
     let per_token = (all_polls - prefill) / reference.len() as u64;

@@ -303,6 +303,17 @@ fn main() -> ExitCode {
     }
 }
 
+/// `config.FIELD = v` for each flag `FIELD` given (`Some(v)`); with `optional`, for
+/// fields that are themselves options, the flag as it is when given.
+macro_rules! flags_over_file {
+    ($config:ident: optional $($field:ident),+) => {
+        $( if $field.is_some() { $config.$field = $field; } )+
+    };
+    ($config:ident: $($field:ident),+) => {
+        $( if let Some(value) = $field { $config.$field = value; } )+
+    };
+}
+
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve {
@@ -339,26 +350,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     config
                 }
             };
-            if let Some(n) = threads {
-                config.threads = n;
-            }
+            // What the command line gives wins over serve.toml.
+            flags_over_file!(config: threads, max_concurrent, max_queue, max_body_bytes, queue_timeout_ms, body_timeout_ms);
+            flags_over_file!(config: write_stall_timeout_ms, shutdown_grace_ms, batch, batch_seats, batch_n_ctx);
+            flags_over_file!(config: optional max_client_requests, idle_contexts);
             for plugin in &mut config.plugins {
                 plugin.threads = request_threads.unwrap_or(plugin.threads);
                 plugin.deadline_ms = deadline_ms.unwrap_or(plugin.deadline_ms);
                 plugin.env.extend(plugin_env.iter().cloned());
             }
-            config.max_concurrent = max_concurrent.unwrap_or(config.max_concurrent);
-            config.max_queue = max_queue.unwrap_or(config.max_queue);
-            config.max_body_bytes = max_body_bytes.unwrap_or(config.max_body_bytes);
-            config.queue_timeout_ms = queue_timeout_ms.unwrap_or(config.queue_timeout_ms);
-            config.body_timeout_ms = body_timeout_ms.unwrap_or(config.body_timeout_ms);
-            config.write_stall_timeout_ms = write_stall_timeout_ms.unwrap_or(config.write_stall_timeout_ms);
-            config.max_client_requests = max_client_requests.or(config.max_client_requests);
-            config.shutdown_grace_ms = shutdown_grace_ms.unwrap_or(config.shutdown_grace_ms);
-            config.idle_contexts = idle_contexts.or(config.idle_contexts);
-            config.batch = batch.unwrap_or(config.batch);
-            config.batch_seats = batch_seats.unwrap_or(config.batch_seats);
-            config.batch_n_ctx = batch_n_ctx.unwrap_or(config.batch_n_ctx);
             config.gpu_layers = offload.gpu_layers.or(config.gpu_layers);
             config.device = offload.device.clone().or(config.device.take());
             if config.compile_cache.is_none() {

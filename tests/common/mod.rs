@@ -197,6 +197,44 @@ pub async fn run_on(host: &PluginHost, plugin: &Path, args: &[&str]) -> (RunOutc
     (outcome.unwrap(), text)
 }
 
+/// Whether two float slices are equal bit for bit.
+pub fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Counts the cancel boundaries of `chunk`'s encode (at least 2) and checks the
+/// boundaried encode equals `plain` bit for bit; then trips it at the first and at the
+/// last boundary: each stops exactly there with `cancelled`, and the next encode equals
+/// `plain` again.
+pub fn check_encode_stops_at_each_boundary(media: &mut llamabox::native::MediaContext, chunk: &llamabox::native::Chunk, plain: &[f32]) {
+    use llamabox::native::{CancelFlag, Error, Stop};
+    let counter = CancelFlag::counting();
+    let chunked = media.encode(chunk, Some(Stop::on(&counter))).unwrap();
+    let boundaries = counter.polls();
+    assert!(boundaries >= 2, "expected several boundaries, got {boundaries}");
+    assert!(bitwise_eq(plain, &chunked), "the boundaried encode differs from the plain one");
+    for k in [1, boundaries - 1] {
+        let token = CancelFlag::new();
+        token.trip_after(k);
+        assert_eq!(media.encode(chunk, Some(Stop::on(&token))), Err(Error::Cancelled));
+        assert_eq!(token.polls(), k, "stopped at boundary {k}");
+        let again = media.encode(chunk, Some(Stop::on(&CancelFlag::new()))).unwrap();
+        assert!(bitwise_eq(plain, &again), "the encode after a cancel at {k} differs");
+    }
+}
+
+/// Polls of a generation's prefill, and of one generated token's decode:
+/// `generate(max_tokens, flag)` runs a generation of at most `max_tokens` under `flag`.
+pub fn prefill_and_token_polls(generate: impl Fn(u32, &llamabox::native::CancelFlag)) -> (u64, u64) {
+    let count = |max_tokens| {
+        let counter = llamabox::native::CancelFlag::counting();
+        generate(max_tokens, &counter);
+        counter.polls()
+    };
+    let prefill = count(0);
+    (prefill, count(1) - prefill)
+}
+
 /// The value of the first `key: value` line.
 pub fn field<'a>(output: &'a str, key: &str) -> &'a str {
     let prefix = format!("{key}: ");
@@ -204,6 +242,19 @@ pub fn field<'a>(output: &'a str, key: &str) -> &'a str {
         .lines()
         .find_map(|l| l.strip_prefix(prefix.as_str()))
         .unwrap_or_else(|| panic!("no {key:?} line in:\n{output}"))
+}
+
+/// Runs the demo on `model` (registered as `name`): 8 tokens greedily from `prompt`,
+/// then a `long_tokens` decode cancelled after `cancel_after_ms`. Checks that it ran,
+/// generated 8 tokens and saw bitwise the native logits of the prompt; returns its output.
+pub async fn demo_generates_on_native_logits(name: &str, model: &Path, prompt: &str, long_tokens: u32, cancel_after_ms: &str) -> String {
+    let long = long_tokens.to_string();
+    let args = ["--model", name, "--prompt", prompt, "--generate", "8", "--long-tokens", &long, "--cancel-after-ms", cancel_after_ms];
+    let (outcome, out) = run_demo(&[(name, model)], &args).await;
+    assert_eq!(outcome, RunOutcome::Success, "{out}");
+    assert_eq!(field(&out, "generated-tokens"), "8");
+    assert_eq!(field(&out, "prompt-logits"), native_prompt_digest(model, prompt, long_tokens), "guest and native logits differ");
+    out
 }
 
 /// The digest the demo plugin prints as `prompt-logits` for `prompt` run with

@@ -47,9 +47,8 @@ struct Options {
 }
 
 impl Options {
-    fn parse() -> Result<Self, String> {
-        let mut args = std::env::args().skip(1);
-        let mode = match args.next().as_deref() {
+    fn read(args: &mut Args) -> Result<Self, String> {
+        let mode = match args.word().as_deref() {
             Some("decode") => Mode::Decode,
             Some("generate") => Mode::Generate,
             Some("host-generate") => Mode::HostGenerate,
@@ -57,8 +56,7 @@ impl Options {
             Some("noop") => Mode::Noop,
             other => return Err(format!("expected decode|generate|host-generate|boundary|noop, got {other:?}")),
         };
-        let mut args = Args::parse(args, &[])?;
-        let o = Options {
+        Ok(Options {
             mode,
             model: args.string("model", "default"),
             tokens: args.number("tokens", 512)?,
@@ -69,18 +67,12 @@ impl Options {
             threads: args.number("threads", 1)?,
             ctx: args.number("ctx", 1024)?,
             batch: args.number("batch", 512)?,
-        };
-        args.finish()?;
-        Ok(o)
+        })
     }
 }
 
 fn main() {
-    let result = Options::parse().and_then(|o| run(&o).map_err(|e| format!("{e:?}")));
-    if let Err(e) = result {
-        eprintln!("bench-plugin: {e}");
-        std::process::exit(1);
-    }
+    llamabox_guest::args::command("bench-plugin", &[], Options::read, run);
 }
 
 fn run(o: &Options) -> Result<(), Error> {

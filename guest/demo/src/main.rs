@@ -50,9 +50,8 @@ struct Options {
 }
 
 impl Options {
-    fn parse() -> Result<Self, String> {
-        let mut args = Args::from_env(&["host-generate", "cancel-generation"])?;
-        let o = Options {
+    fn read(args: &mut Args) -> Result<Self, String> {
+        Ok(Options {
             model: args.string("model", "default"),
             prompt: args.string("prompt", "The llama in the box"),
             generate: args.number("generate", 16)?,
@@ -66,18 +65,12 @@ impl Options {
             chat: args.value("chat"),
             cancel_generation: args.switch("cancel-generation"),
             grammar: args.value("grammar"),
-        };
-        args.finish()?;
-        Ok(o)
+        })
     }
 }
 
 fn main() {
-    let result = Options::parse().and_then(|o| run(&o).map_err(|e| format!("{e:?}")));
-    if let Err(e) = result {
-        eprintln!("demo: {e}");
-        std::process::exit(1);
-    }
+    llamabox_guest::args::command("demo", &["host-generate", "cancel-generation"], Options::read, run);
 }
 
 fn run(o: &Options) -> Result<(), Error> {

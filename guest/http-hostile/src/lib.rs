@@ -13,65 +13,58 @@
 
 // What the plugin world has comes from the shared bindings (guest/sdk); the HTTP
 // side is generated here.
-llamabox_guest::generate_world!(
-    path: "../../wit",
-    world: "http-plugin",
-);
+llamabox_guest::http_plugin!(path: "../../wit", handler: misbehave);
 
-use exports::wasi::http::incoming_handler::Guest;
 use llamabox_guest::cancel::CancelToken;
 use llamabox_guest::llm::{Batch, Context, ContextParams, Model};
 use wasi::http::types::{Fields, IncomingRequest, OutgoingBody, OutgoingResponse, ResponseOutparam};
 
-struct Plugin;
-
-impl Guest for Plugin {
-    fn handle(request: IncomingRequest, out: ResponseOutparam) {
-        match request.path_with_query().unwrap_or_default().as_str() {
-            "/trap" => core::arch::wasm32::unreachable(),
-            "/no-response" => {}
-            "/spin" => {
-                let mut n = 0u64;
-                loop {
-                    n = std::hint::black_box(n.wrapping_add(1));
-                }
+/// Misbehaves as the request's path says (see the crate's doc).
+fn misbehave(request: IncomingRequest, out: ResponseOutparam) {
+    match request.path_with_query().unwrap_or_default().as_str() {
+        "/trap" => core::arch::wasm32::unreachable(),
+        "/no-response" => {}
+        "/spin" => {
+            let mut n = 0u64;
+            loop {
+                n = std::hint::black_box(n.wrapping_add(1));
             }
-            "/grow" => {
-                let mut held: Vec<Vec<u8>> = Vec::new();
-                loop {
-                    held.push(vec![1; 1 << 20]);
-                    std::hint::black_box(&held);
-                }
+        }
+        "/grow" => {
+            let mut held: Vec<Vec<u8>> = Vec::new();
+            loop {
+                held.push(vec![1; 1 << 20]);
+                std::hint::black_box(&held);
             }
-            "/endless" => {
-                let (stream, body) = start(out);
-                while stream.blocking_write_and_flush(b"more\n").is_ok() {}
-                // The stream is the body's child: drop it first.
-                drop(stream);
-                drop(body);
+        }
+        "/endless" => {
+            let (stream, body) = start(out);
+            while stream.blocking_write_and_flush(b"more\n").is_ok() {}
+            // The stream is the body's child: drop it first.
+            drop(stream);
+            drop(body);
+        }
+        "/decode-forever" => {
+            let (stream, body) = start(out);
+            decode_forever(&stream);
+            drop(stream);
+            drop(body);
+        }
+        "/linger" => {
+            let (stream, body) = start(out);
+            let _ = stream.blocking_write_and_flush(b"done\n");
+            drop(stream);
+            let _ = OutgoingBody::finish(body, None);
+            let mut n = 0u64;
+            loop {
+                n = std::hint::black_box(n.wrapping_add(1));
             }
-            "/decode-forever" => {
-                let (stream, body) = start(out);
-                decode_forever(&stream);
-                drop(stream);
-                drop(body);
-            }
-            "/linger" => {
-                let (stream, body) = start(out);
-                let _ = stream.blocking_write_and_flush(b"done\n");
-                drop(stream);
-                let _ = OutgoingBody::finish(body, None);
-                let mut n = 0u64;
-                loop {
-                    n = std::hint::black_box(n.wrapping_add(1));
-                }
-            }
-            _ => {
-                let (stream, body) = start(out);
-                let _ = stream.blocking_write_and_flush(b"paths: /trap /no-response /spin /grow /endless /decode-forever /linger\n");
-                drop(stream);
-                let _ = OutgoingBody::finish(body, None);
-            }
+        }
+        _ => {
+            let (stream, body) = start(out);
+            let _ = stream.blocking_write_and_flush(b"paths: /trap /no-response /spin /grow /endless /decode-forever /linger\n");
+            drop(stream);
+            let _ = OutgoingBody::finish(body, None);
         }
     }
 }
@@ -113,5 +106,3 @@ fn decode_forever(stream: &wasi::io::streams::OutputStream) {
         }
     }
 }
-
-export!(Plugin);

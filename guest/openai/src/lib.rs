@@ -46,11 +46,8 @@
 //!   last `data: {"error":...}` event.
 
 // What the plugin world has comes from the shared bindings (guest/sdk); the HTTP
-// side is generated here.
-llamabox_guest::generate_world!(
-    path: "../../wit",
-    world: "http-plugin",
-);
+// side is generated here, and every request goes to `handlers::route`.
+llamabox_guest::http_plugin!(path: "../../wit", handler: handlers::route);
 
 mod api;
 mod completions;
@@ -60,18 +57,8 @@ mod template;
 mod tools;
 mod http;
 
-use exports::wasi::http::incoming_handler::Guest;
-use wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
+use wasi::http::types::Method;
 
-struct Plugin;
-
-impl Guest for Plugin {
-    fn handle(request: IncomingRequest, out: ResponseOutparam) {
-        handlers::route(request, out);
-    }
-}
-
-export!(Plugin);
 
 /// The request's method, as its name.
 fn method_name(method: &Method) -> &str {

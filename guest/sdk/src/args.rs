@@ -1,13 +1,31 @@
-//! The plugin's command line (what follows `--` on `llamabox run`): `--name value` flags
-//! and `--name` switches, read by name with defaults, and any flag nobody read refused,
-//! so a misspelt flag fails the run instead of being ignored.
+//! The plugin's command line (what follows `--` on `llamabox run`): words (a mode, say),
+//! `--name value` flags and `--name` switches, read by name with defaults, and anything
+//! nobody read refused, so a misspelt flag fails the run instead of being ignored.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::str::FromStr;
 
-/// Flags not yet read, by name (without the `--`); a repeated flag keeps its last value.
+use crate::types::Error;
+
+/// Words and flags not yet read: flags by name (without the `--`), a repeated flag
+/// keeping its last value.
 pub struct Args {
+    words: VecDeque<String>,
     flags: BTreeMap<String, Option<String>>,
+}
+
+/// A command plugin's `main`: reads its options with `read` (from the process's
+/// arguments; `switches` take no value), refuses what `read` left, runs `run`, and on
+/// any error prints it after the plugin's `name` and exits with status 1.
+pub fn command<O>(name: &str, switches: &[&str], read: impl FnOnce(&mut Args) -> Result<O, String>, run: impl FnOnce(&O) -> Result<(), Error>) {
+    let options = Args::from_env(switches).and_then(|mut args| {
+        let options = read(&mut args)?;
+        args.finish().map(|()| options)
+    });
+    if let Err(e) = options.and_then(|o| run(&o).map_err(|e| format!("{e:?}"))) {
+        eprintln!("{name}: {e}");
+        std::process::exit(1);
+    }
 }
 
 impl Args {
@@ -17,14 +35,22 @@ impl Args {
     }
 
     pub fn parse(args: impl IntoIterator<Item = String>, switches: &[&str]) -> Result<Args, String> {
-        let mut flags = BTreeMap::new();
+        let (mut words, mut flags) = (VecDeque::new(), BTreeMap::new());
         let mut args = args.into_iter();
         while let Some(arg) = args.next() {
-            let name = arg.strip_prefix("--").filter(|n| !n.is_empty()).ok_or(format!("unexpected argument {arg:?}"))?;
+            let Some(name) = arg.strip_prefix("--").filter(|n| !n.is_empty()) else {
+                words.push_back(arg);
+                continue;
+            };
             let value = if switches.contains(&name) { None } else { Some(args.next().ok_or(format!("{arg} needs a value"))?) };
             flags.insert(name.to_string(), value);
         }
-        Ok(Args { flags })
+        Ok(Args { words, flags })
+    }
+
+    /// The next word that is not a flag, if any.
+    pub fn word(&mut self) -> Option<String> {
+        self.words.pop_front()
     }
 
     /// Flag `name`'s value, if given.
@@ -60,11 +86,12 @@ impl Args {
         self.flags.remove(name).is_some()
     }
 
-    /// Refuses every flag that was not read.
+    /// Refuses every word and flag that was not read.
     pub fn finish(self) -> Result<(), String> {
-        match self.flags.keys().next() {
-            Some(name) => Err(format!("unknown argument \"--{name}\"")),
-            None => Ok(()),
+        match (self.words.front(), self.flags.keys().next()) {
+            (Some(word), _) => Err(format!("unexpected argument {word:?}")),
+            (None, Some(name)) => Err(format!("unknown argument \"--{name}\"")),
+            (None, None) => Ok(()),
         }
     }
 }
@@ -79,7 +106,9 @@ mod tests {
 
     #[test]
     fn flags_are_read_by_name_with_defaults() {
-        let mut a = args(&["--model", "m", "--spin", "--tokens", "12", "--tokens", "13"]).unwrap();
+        let mut a = args(&["decode", "--model", "m", "--spin", "--tokens", "12", "--tokens", "13"]).unwrap();
+        assert_eq!(a.word().as_deref(), Some("decode"));
+        assert_eq!(a.word(), None);
         assert_eq!(a.string("model", "default"), "m");
         assert_eq!(a.string("prompt", "hi"), "hi");
         assert_eq!(a.number("tokens", 0u32), Ok(13), "the last value wins");
@@ -92,8 +121,8 @@ mod tests {
     #[test]
     fn bad_command_lines_are_refused_by_name() {
         assert_eq!(args(&["--model"]).err().unwrap(), "--model needs a value");
-        assert_eq!(args(&["model"]).err().unwrap(), "unexpected argument \"model\"");
-        assert_eq!(args(&["--"]).err().unwrap(), "unexpected argument \"--\"");
+        assert_eq!(args(&["model"]).unwrap().finish().unwrap_err(), "unexpected argument \"model\"");
+        assert_eq!(args(&["--"]).unwrap().finish().unwrap_err(), "unexpected argument \"--\"");
         let mut a = args(&["--tokens", "many", "--typo", "1", "--mode", "fast"]).unwrap();
         assert_eq!(a.either("mode", "blocking", "pending").unwrap_err(), "--mode: expected blocking|pending, got \"fast\"");
         assert_eq!(a.number("tokens", 0u32).unwrap_err(), "--tokens: \"many\" is not a number");

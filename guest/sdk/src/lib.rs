@@ -90,6 +90,30 @@ macro_rules! generate_world {
     };
 }
 
+/// An `http-plugin` component (what `llamabox serve` runs) whose incoming handler is
+/// `handler(request, out)`: the world's bindings as [`generate_world!`] makes them, the
+/// handler's glue and the export. `path` is llamabox's `wit` folder, relative to the
+/// plugin's manifest.
+#[macro_export]
+macro_rules! http_plugin {
+    (path: $path:literal, handler: $handler:path $(,)?) => {
+        $crate::generate_world!(
+            path: $path,
+            world: "http-plugin",
+        );
+
+        struct HttpPlugin;
+
+        impl exports::wasi::http::incoming_handler::Guest for HttpPlugin {
+            fn handle(request: wasi::http::types::IncomingRequest, out: wasi::http::types::ResponseOutparam) {
+                $handler(request, out)
+            }
+        }
+
+        export!(HttpPlugin);
+    };
+}
+
 /// Decode `batch` on `ctx`, waiting at most `timeout`: when the timer fires first,
 /// `token` is cancelled and the decode stops in flight (within one graph node), its
 /// memory as before the call. Returns the decode's own result: `cancelled` if the timer

@@ -28,39 +28,30 @@ struct Options {
     long_tokens: u32,
     /// A shared token's capability to decode under (`decode-until-stopped`).
     token: Option<String>,
-    /// A projector: `bad-inputs` and `drop-call-first` add their media cases.
-    media: Option<String>,
     cancel_after_ms: u64,
     iterations: u64,
     seed: u64,
+    /// A projector: `bad-inputs` and `drop-call-first` add their media cases.
+    media: Option<String>,
 }
 
 impl Options {
-    fn parse() -> Result<Self, String> {
-        let mut argv = std::env::args().skip(1);
-        let mode = argv.next().ok_or("which mode? see the crate's doc")?;
-        let mut args = Args::parse(argv, &[])?;
-        let o = Options {
-            mode,
+    fn read(args: &mut Args) -> Result<Self, String> {
+        Ok(Options {
+            mode: args.word().ok_or("which mode? see the crate's doc")?,
             model: args.string("model", "default"),
             long_tokens: args.number("long-tokens", 512)?,
             token: args.value("token"),
-            media: args.value("media"),
             cancel_after_ms: args.number("cancel-after-ms", 20)?,
             iterations: args.number("iterations", 100)?,
             seed: args.number("seed", 1)?,
-        };
-        args.finish()?;
-        Ok(o)
+            media: args.value("media"),
+        })
     }
 }
 
 fn main() {
-    let result = Options::parse().and_then(|o| run(&o).map_err(|e| format!("{e:?}")));
-    if let Err(e) = result {
-        eprintln!("test-plugin: {e}");
-        std::process::exit(1);
-    }
+    llamabox_guest::args::command("test-plugin", &[], Options::read, run);
 }
 
 fn run(o: &Options) -> Result<(), Error> {

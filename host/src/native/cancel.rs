@@ -43,6 +43,15 @@ impl CancelFlag {
         self.0.trip_at.store(n, Relaxed);
     }
 
+    /// Test hook: a flag that never trips and counts its polls, to learn how many
+    /// graph nodes (or boundaries) a call has before tripping it at one of them.
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub fn counting() -> Self {
+        let flag = Self::new();
+        flag.trip_after(u64::MAX);
+        flag
+    }
+
     /// How many times native code has polled this flag since the last `trip_after`.
     #[cfg(any(test, feature = "test-hooks"))]
     pub fn polls(&self) -> u64 {
