@@ -188,10 +188,13 @@ static bool host_generate(lb_context ctx, const lb_tokens *prompt, uint32_t max_
       break;
     }
     if (!piece.is_some) break;
-    ids = realloc(ids, (n + piece.val.tokens.len) * sizeof(int32_t));
-    if (!ids) abort();
-    memcpy(ids + n, piece.val.tokens.ptr, piece.val.tokens.len * sizeof(int32_t));
-    n += piece.val.tokens.len;
+    size_t more = piece.val.tokens.len;  // may be 0: a piece of text held back earlier
+    if (more > 0) {
+      ids = realloc(ids, (n + more) * sizeof(int32_t));
+      if (!ids) abort();
+      memcpy(ids + n, piece.val.tokens.ptr, more * sizeof(int32_t));
+      n += more;
+    }
     llamabox_inference_generate_option_piece_free(&piece);
   }
   if (ok) {
