@@ -734,7 +734,7 @@ def main():
     two = max(1, args.threads // 2)  # one thread's worth per slot on 2 cores
     slots = args.threads // two
 
-    def pair(label, n_slots, llamabox_flags):
+    def server_pair(label, n_slots, llamabox_flags):
         """llamabox with `llamabox_flags` and llama-server with `n_slots` slots, both on all threads."""
         lb = Server("llamabox", [args.llamabox, "serve", "--listen", "127.0.0.1:0", "--plugin", f"openai={args.plugin}",
                                  "--model", f"{MODEL_NAME}={args.model}", "--threads", str(args.threads),
@@ -754,11 +754,11 @@ def main():
 
     def servers(request_threads, n_slots, label):
         """The unbatched control: each llamabox request on a context of its own."""
-        return pair(label, n_slots, ["--request-threads", str(request_threads), "--batch", "false"])
+        return server_pair(label, n_slots, ["--request-threads", str(request_threads), "--batch", "false"])
 
     def batched_servers(c):
         """Both servers batching `c` slots into one decode per step on all threads."""
-        return pair(f"batch{c}", c, ["--batch", "true", "--batch-seats", str(c), "--batch-n-ctx", str(args.n_ctx)])
+        return server_pair(f"batch{c}", c, ["--batch", "true", "--batch-seats", str(c), "--batch-n-ctx", str(args.n_ctx)])
 
     def note_busy(phase):
         if busy_processes():
