@@ -7,7 +7,7 @@ use super::bindings::llamabox::inference::embeddings::{Host, Pooling};
 use super::llm::ContextHandle;
 use super::pending::finished;
 use super::{LlamaResult, CancelToken, Error, LlamaCtxView};
-use crate::native::{self, Stop, Token};
+use crate::native::{self, Token};
 
 impl LlamaCtxView<'_> {
     /// Charge `inputs` more inputs of `tokens` tokens in all to this store's embedding
@@ -47,8 +47,7 @@ impl Host for LlamaCtxView<'_> {
             Pooling::Cls => native::Pooling::Cls,
             Pooling::Last => native::Pooling::Last,
         };
-        let worker = self.table.get(&ctx)?.backing.own("embed")?;
-        let call = worker.call(move |c, abandoned| c.embed(&inputs, pooling, normalize, Some(Stop::on_either(&token, abandoned))));
+        let call = self.table.get(&ctx)?.lease.embed(inputs, pooling, normalize, token)?;
         Ok(finished(call.await)?)
     }
 
@@ -61,8 +60,7 @@ impl Host for LlamaCtxView<'_> {
     ) -> LlamaResult<Vec<Vec<f32>>> {
         self.charge_embeddings(1, tokens.len())?;
         let token = self.table.get(&cancel)?.flag.clone();
-        let worker = self.table.get(&ctx)?.backing.own("embed")?;
-        let call = worker.call(move |c, abandoned| c.embed_rows(&tokens, normalize, Some(Stop::on_either(&token, abandoned))));
+        let call = self.table.get(&ctx)?.lease.embed_rows(tokens, normalize, token)?;
         Ok(finished(call.await)?)
     }
 }

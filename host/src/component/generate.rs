@@ -1,11 +1,10 @@
 //! `llamabox:inference/generate`: samplers, streamed generation and chat templates.
-//! The token loop itself is `native::generate`, run on the context's worker thread;
-//! this module checks host policy, builds the sampler (so a bad grammar fails `start`
-//! itself) and carries pieces to the guest through a bounded channel.
+//! The token loop itself runs where the engine runs the context (`engine::Lease`: its
+//! own worker thread, or its batch's); this module checks host policy, builds the
+//! sampler (so a bad grammar fails `start` itself) and carries pieces to the guest.
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
 
 use tokio::sync::mpsc;
 use wasmtime::component::Resource;
@@ -14,18 +13,11 @@ use wasmtime_wasi::p2::{DynPollable, Pollable};
 use super::bindings::llamabox::inference::generate::{
     ChatMessage, FinishReason, GenerateParams, Host, HostGeneration, HostSampler, Logprobs, Piece, SamplerParams, TokenLogprob, Usage,
 };
-use super::llm::{Backing, ContextHandle, ModelHandle};
+use super::llm::{ContextHandle, ModelHandle};
 use super::pending::{finished, subscribe_shared};
 use super::{LlamaResult, CancelToken, Error, Charge, LlamaCtxView, PendingSlot};
-use crate::native::{self, CancelFlag, Model, Sampler, Stop, Token};
+use crate::native::{self, CancelFlag, Model, Sampler, Token};
 use crate::worker::Call;
-
-/// Pieces buffered between the worker and a guest that reads slower than it generates.
-/// A full buffer pauses the generation (the worker waits, still stoppable).
-const PIECE_BUFFER: usize = 32;
-
-/// How often a worker waiting for buffer room checks its stop.
-const FULL_BUFFER_POLL: Duration = Duration::from_millis(1);
 
 pub struct SamplerHandle {
     sampler: Arc<Mutex<Sampler>>,
@@ -186,26 +178,6 @@ impl Drop for LentStream {
     }
 }
 
-/// Hand `piece` to the guest's buffer, waiting for room while the call is not
-/// stopped. False if it could not be delivered (reader gone, or stopped while full).
-fn deliver(pieces: &mpsc::Sender<native::Piece>, mut piece: native::Piece, stop: Stop<'_>) -> bool {
-    loop {
-        match pieces.try_send(piece) {
-            Ok(()) => return true,
-            Err(mpsc::error::TrySendError::Closed(_)) => return false,
-            Err(mpsc::error::TrySendError::Full(back)) => {
-                piece = back;
-                std::thread::sleep(FULL_BUFFER_POLL);
-                // Checked before retrying: a cancel while waiting ends the generation
-                // even if the reader has made room since.
-                if stop.is_set() {
-                    return false;
-                }
-            }
-        }
-    }
-}
-
 impl LlamaCtxView<'_> {
     /// Host policy and the sampler's own checks; the sampler is built here, so that a
     /// bad parameter or grammar fails the call that passed it. Compiling a grammar
@@ -305,7 +277,7 @@ impl Host for LlamaCtxView<'_> {
         let token: CancelFlag = self.table.get(&cancel)?.flag.clone();
         let model = self.table.get(&ctx)?.model.clone();
         self.check_generate(&params)?;
-        let mut sampler = self.sampler_for(&model, params.sampler).await?;
+        let sampler = self.sampler_for(&model, params.sampler).await?;
         let pending = self.ctx.pending_slot()?;
         let request = native::GenerateRequest {
             prompt: params.prompt,
@@ -314,22 +286,7 @@ impl Host for LlamaCtxView<'_> {
             stop: params.stop,
             logprobs: params.logprobs,
         };
-        let (tx, rx) = mpsc::channel(PIECE_BUFFER);
-        let call = match &self.table.get(&ctx)?.backing {
-            Backing::Own(worker) => worker.call(move |c, abandoned| {
-                let stop = Stop::on_either(&token, abandoned);
-                let mut sink = |piece| deliver(&tx, piece, stop);
-                let outcome = native::generate(c, &mut sampler, &request, stop, &mut sink);
-                if let Ok(o) = &outcome {
-                    c.meter().add_generated(o.usage.generated_tokens.into());
-                }
-                outcome
-                // `tx` drops here: the reader sees the end of the pieces.
-            }),
-            // The batch's thread never waits for a slow reader: a full buffer only
-            // keeps this seat out of the next steps.
-            Backing::Seat(seat) => seat.generate(sampler, request, token, tx),
-        };
+        let (call, rx) = self.table.get(&ctx)?.lease.generate(sampler, request, token);
         let stream = Stream { pieces: rx, peeked: None, state: StreamState::Running(call) };
         let stream = Arc::new(tokio::sync::Mutex::new(stream));
         Ok(self.table.push(GenerationHandle { slot: Slot::Here(stream), _pending: pending })?)
@@ -381,9 +338,8 @@ impl HostSampler for LlamaCtxView<'_> {
         if !Arc::ptr_eq(lock(&sampler).model(), &context.model) {
             return Err(Error::InvalidArgument("the sampler was made for another model".into()).into());
         }
-        // On the worker (or the batch's thread): the logits never leave it.
-        let seat_sampler = sampler.clone();
-        let call = context.backing.call(move |c, _| lock(&sampler).sample(c.logits_ith(row)?), |seat| seat.sample(seat_sampler, row));
+        // Where the logits are (the context's thread or its batch's): they never leave it.
+        let call = context.lease.sample(sampler, row);
         Ok(finished(call.await)?)
     }
 

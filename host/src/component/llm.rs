@@ -1,6 +1,6 @@
 //! `llamabox:inference/llm`: models, contexts and decodes. Every argument is checked
 //! here against host policy and by `crate::native` against llama.cpp's preconditions;
-//! the native work itself runs on the context's worker thread.
+//! the engine decides what backs a context (`engine::Lease`) and runs its native work.
 
 use std::sync::Arc;
 
@@ -10,9 +10,9 @@ use wasmtime_wasi::p2::DynPollable;
 use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
 use super::pending::{finished, Pending};
 use super::{LlamaResult, CancelToken, Error, Charge, LlamaCtxView};
-use crate::engine::{IdleContexts, Opened, Seat, SeatSize};
-use crate::native::{self, CancelFlag, Context, Model, Stop, Token};
-use crate::worker::{Call, Worker};
+use crate::engine::{Lease, LeaseRequest, Opened};
+use crate::native::{self, CancelFlag, Model, Token};
+use crate::worker::Call;
 
 pub struct ModelHandle {
     pub(super) model: Arc<Model>,
@@ -20,39 +20,9 @@ pub struct ModelHandle {
     pub(super) opened: Opened,
 }
 
-/// What runs a plugin's context: a native context of its own on its own thread, or a
-/// seat (one sequence) of a batch the engine shares between runs.
-pub(super) enum Backing {
-    Own(Worker<Context>),
-    Seat(Seat),
-}
-
-impl Backing {
-    /// Run `f` on the context's own thread; on a seat, `seat_op` instead.
-    pub(super) fn call<T: Send + 'static>(
-        &self,
-        own: impl FnOnce(&mut Context, &CancelFlag) -> native::Result<T> + Send + 'static,
-        seat_op: impl FnOnce(&Seat) -> Call<native::Result<T>>,
-    ) -> Call<native::Result<T>> {
-        match self {
-            Backing::Own(worker) => worker.call(own),
-            Backing::Seat(seat) => seat_op(seat),
-        }
-    }
-
-    /// The native context of its own, for what a seat cannot do.
-    pub(super) fn own(&self, what: &str) -> Result<&Worker<Context>, Error> {
-        match self {
-            Backing::Own(worker) => Ok(worker),
-            Backing::Seat(_) => Err(Error::InvalidArgument(format!(
-                "this context is a sequence of a batched context, which cannot {what}: create the context with n-ubatch set to get a context of its own"
-            ))),
-        }
-    }
-}
-
 pub struct ContextHandle {
-    pub(super) backing: Backing,
+    /// What the engine runs it on.
+    pub(super) lease: Lease,
     params: native::ContextParams,
     pub(super) model: Arc<Model>,
     /// What it counts against the store's limits.
@@ -78,14 +48,13 @@ impl LlamaCtxView<'_> {
         Ok(self.table.get(ctx)?)
     }
 
-    /// Run `own` on the context's worker thread, or `seat_op` on its seat, and wait.
-    async fn on_backing<T: Send + 'static>(
+    /// Wait for a call on the context's lease.
+    async fn on_lease<T: Send + 'static>(
         &mut self,
         ctx: &Resource<ContextHandle>,
-        own: impl FnOnce(&mut Context) -> native::Result<T> + Send + 'static,
-        seat_op: impl FnOnce(&Seat) -> Call<native::Result<T>>,
+        call: impl FnOnce(&Lease) -> Call<native::Result<T>>,
     ) -> LlamaResult<T> {
-        let call = self.context(ctx)?.backing.call(move |c, _| own(c), seat_op);
+        let call = call(&self.context(ctx)?.lease);
         Ok(finished(call.await)?)
     }
 
@@ -117,61 +86,7 @@ impl LlamaCtxView<'_> {
             seq_ids: batch.seq_ids,
             logits: batch.logits,
         };
-        Ok(match &self.context(ctx)?.backing {
-            Backing::Own(worker) => worker.call(move |c, abandoned| c.decode(&batch, Some(Stop::on_either(&token, abandoned)))),
-            Backing::Seat(seat) => seat.decode(batch, token),
-        })
-    }
-
-    /// A seat for a context asked for with `params` (resolved as `requested`), when
-    /// the host batches it: one sequence, n-ubatch left to the host, n-ctx within a
-    /// seat. `None`: it gets a context of its own.
-    async fn lease_seat(&mut self, opened: &Opened, params: &ContextParams, requested: &native::ContextParams, n_ctx: u32) -> Option<Result<(Seat, native::ContextParams), Error>> {
-        let policy = opened.policy.as_ref()?;
-        if requested.n_seq_max != 1 || params.n_ubatch.is_some() {
-            return None;
-        }
-        let seat = opened
-            .batch
-            .lease(policy, &opened.model, SeatSize { n_ctx, n_batch: requested.n_batch }, &self.ctx.group, self.ctx.meter.clone(), &self.ctx.workers)
-            .await?;
-        Some(seat.map_err(Error::from).map(|seat| {
-            let granted = native::ContextParams { n_ctx, n_ubatch: seat.n_ubatch().min(requested.n_batch), n_threads: policy.threads, ..*requested };
-            (seat, granted)
-        }))
-    }
-
-    /// A new context on its own worker thread, and the settings llama.cpp gave it.
-    async fn start_context(&mut self, opened: &Opened, params: native::ContextParams) -> Result<(Worker<Context>, native::ContextParams), Error> {
-        let (model, cores) = (opened.model.clone(), opened.policy.as_ref().map(|p| p.cores.clone()));
-        let meter = self.ctx.meter.clone();
-        let init = move || {
-            let mut context = Context::new(model, params)?;
-            context.set_meter(meter);
-            // Beside batches, it decodes in turns with them (their steps use every core).
-            context.share_cores(cores);
-            Ok::<_, native::Error>(context)
-        };
-        let worker = Worker::start("llamabox-context", &self.ctx.workers, init).await?;
-        match worker.call(|c, _| c.params()).await {
-            Some(params) => Ok((worker, params)),
-            None => Err(Error::Backend("context worker stopped".into())),
-        }
-    }
-
-    /// An idle context of this store's group made with `params`, now counted in this
-    /// store and metering its run; `None` if there is none (or its thread is gone).
-    async fn reuse_idle(&mut self, idle: &IdleContexts, params: &native::ContextParams) -> Option<(Worker<Context>, native::ContextParams)> {
-        let worker = idle.take(&self.ctx.group, params)?;
-        worker.retrack(&self.ctx.workers);
-        let meter = self.ctx.meter.clone();
-        let params = worker
-            .call(move |c, _| {
-                c.set_meter(meter);
-                c.params()
-            })
-            .await?;
-        Some((worker, params))
+        Ok(self.context(ctx)?.lease.decode(batch, token))
     }
 
     /// Resolve `params` against the host's defaults and caps. Only host limits are
@@ -286,20 +201,19 @@ impl HostContext for LlamaCtxView<'_> {
         let allocated = requested.allocated_n_ctx()?;
         let held = Charge::Context { kv_cells: allocated as u64 * model.n_layer() as u64 };
         self.ctx.admit(held)?;
-        let started = match self.lease_seat(&opened, &params, &requested, allocated).await {
-            Some(seat) => seat.map(|(seat, granted)| (Backing::Seat(seat), granted)),
-            None => match self.reuse_idle(&opened.idle, &requested).await {
-                Some((worker, params)) => Ok((Backing::Own(worker), params)),
-                None => self.start_context(&opened, requested).await.map(|(worker, params)| (Backing::Own(worker), params)),
-            },
+        let want = LeaseRequest {
+            params: requested,
+            ubatch_chosen: params.n_ubatch.is_some(),
+            allocated_n_ctx: allocated,
+            group: &self.ctx.group,
+            meter: self.ctx.meter.clone(),
+            tracker: &self.ctx.workers,
         };
-        match started {
-            Ok((backing, params)) => {
-                Ok(self.table.push(ContextHandle { backing, params, model, held, requested, opened })?)
-            }
+        match opened.lease(want).await {
+            Ok((lease, params)) => Ok(self.table.push(ContextHandle { lease, params, model, held, requested, opened })?),
             Err(e) => {
                 self.ctx.release(held);
-                Err(e.into())
+                Err(Error::from(e).into())
             }
         }
     }
@@ -321,27 +235,23 @@ impl HostContext for LlamaCtxView<'_> {
     }
 
     async fn logits_ith(&mut self, ctx: Resource<ContextHandle>, row: u32) -> LlamaResult<Vec<f32>> {
-        self.on_backing(&ctx, move |c| c.logits_ith(row).map(<[f32]>::to_vec), |s| s.logits(Some(row))).await
+        self.on_lease(&ctx, |l| l.logits(Some(row))).await
     }
 
     async fn last_logits(&mut self, ctx: Resource<ContextHandle>) -> LlamaResult<Vec<f32>> {
-        self.on_backing(&ctx, |c| c.last_logits().map(<[f32]>::to_vec), |s| s.logits(None)).await
+        self.on_lease(&ctx, |l| l.logits(None)).await
     }
 
     async fn seq_rm(&mut self, ctx: Resource<ContextHandle>, seq: i32, p0: i32, p1: i32) -> LlamaResult<()> {
-        self.on_backing(&ctx, move |c| c.seq_rm(seq, p0, p1), |s| s.seq_rm(seq, p0, p1)).await
+        self.on_lease(&ctx, |l| l.seq_rm(seq, p0, p1)).await
     }
 
     async fn seq_pos_max(&mut self, ctx: Resource<ContextHandle>, seq: i32) -> LlamaResult<i32> {
-        self.on_backing(&ctx, move |c| c.seq_pos_max(seq), |s| s.seq_pos_max(seq)).await
+        self.on_lease(&ctx, |l| l.seq_pos_max(seq)).await
     }
 
     async fn clear(&mut self, ctx: Resource<ContextHandle>) -> LlamaResult<()> {
-        let own = |c: &mut Context| {
-            c.clear();
-            Ok(())
-        };
-        self.on_backing(&ctx, own, Seat::clear).await
+        self.on_lease(&ctx, Lease::clear).await
     }
 
     async fn n_ctx(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<u32> {
@@ -361,29 +271,10 @@ impl HostContext for LlamaCtxView<'_> {
     }
 
     async fn drop(&mut self, ctx: Resource<ContextHandle>) -> wasmtime::Result<()> {
-        let ContextHandle { backing, requested, opened, held, .. } = self.table.delete(ctx)?;
-        let worker = match backing {
-            Backing::Own(worker) => worker,
-            // The batch stops the seat's call, undoes it and frees its sequence (keeping
-            // its tokens as a leftover for this group) before the run's tracker says so.
-            Backing::Seat(seat) => {
-                drop(seat);
-                self.ctx.release(held);
-                return Ok(());
-            }
-        };
-        let idle = &opened.idle;
-        // With nothing queued on it (no pending decode or generation), a context can be
-        // parked for a later run of this group: on its own thread, so that when the
-        // call returns it reads as new and no call of this run is left on it.
-        if idle.keeps_any() && worker.is_idle() && worker.call(|c, _| c.park()).await.is_some() {
-            idle.put(self.ctx.group.clone(), requested, worker);
-        } else {
-            // Stopping the worker stops its running call; its thread frees the native
-            // context after the call has returned, and this waits (off the executor's
-            // threads) until it has, so its memory is back before the budget is.
-            worker.stop().await;
-        }
+        let ContextHandle { lease, requested, opened, held, .. } = self.table.delete(ctx)?;
+        // A seat's call is stopped and undone and its sequence freed before the run's
+        // tracker says so; a context of its own is parked or freed (`give_back`).
+        opened.give_back(lease, self.ctx.group.clone(), requested).await;
         self.ctx.release(held);
         Ok(())
     }

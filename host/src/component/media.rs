@@ -7,7 +7,8 @@ use wasmtime::component::Resource;
 use wasmtime_wasi::p2::DynPollable;
 
 use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, HostMediaContext, HostPendingEncode, Input};
-use super::llm::{Backing, ContextHandle, ModelHandle};
+use super::llm::{ContextHandle, ModelHandle};
+use crate::engine::Lease;
 use super::pending::{finished, Pending};
 use super::{LlamaResult, CancelToken, Error, Charge, LlamaCtxView};
 use crate::native::{self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token};
@@ -224,7 +225,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
         if n_tokens > context.n_ctx() as usize {
             return Err(Error::ContextFull.into());
         }
-        Ok(eval_chunks(&media.worker, &context.backing, chunks, seq, &token).await?)
+        Ok(eval_chunks(&media.worker, &context.lease, chunks, seq, &token).await?)
     }
 
     async fn drop(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<()> {
@@ -241,7 +242,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
 /// all-or-nothing call, each stage stoppable by `token`.
 async fn eval_chunks(
     media: &Worker<MediaContext>,
-    context: &Backing,
+    context: &Lease,
     chunks: Vec<Arc<Chunk>>,
     seq: i32,
     token: &CancelFlag,
@@ -249,12 +250,7 @@ async fn eval_chunks(
     let encode_token = token.clone();
     let encoded = media.call(move |m, abandoned| m.encode_for_eval(&chunks, Some(Stop::on_either(&encode_token, abandoned))));
     let pieces = finished(encoded.await)?;
-    let token = token.clone();
-    let call = match context {
-        Backing::Own(worker) => worker.call(move |c, abandoned| c.eval(&pieces, seq, Some(Stop::on_either(&token, abandoned)))),
-        Backing::Seat(seat) => seat.eval(pieces, seq, token),
-    };
-    finished(call.await)
+    finished(context.eval(pieces, seq, token.clone()).await)
 }
 
 impl HostPendingEncode for LlamaCtxView<'_> {
