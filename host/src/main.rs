@@ -128,6 +128,18 @@ enum Command {
         /// Tokens each seat of a batch holds (default 4096); larger contexts get their own.
         #[arg(long, value_name = "N")]
         batch_n_ctx: Option<u32>,
+        /// Milliseconds other requests' prompts may add to a batch step, the most a
+        /// streaming client waits for its next token because of them (default 250).
+        #[arg(long, value_name = "MS")]
+        batch_step_ms: Option<u64>,
+        /// Prompts with more tokens than this left are long: they yield to streams and
+        /// shorter prompts (default 512).
+        #[arg(long, value_name = "N")]
+        batch_long_prompt_rows: Option<u32>,
+        /// The most of the time long prompts take while others have work, 0 to 1
+        /// (default 0.25).
+        #[arg(long, value_name = "SHARE")]
+        batch_long_prompt_share: Option<f64>,
         #[command(flatten)]
         offload: OffloadFlags,
         #[command(flatten)]
@@ -338,6 +350,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             batch,
             batch_seats,
             batch_n_ctx,
+            batch_step_ms,
+            batch_long_prompt_rows,
+            batch_long_prompt_share,
             offload,
             cache,
         } => {
@@ -353,6 +368,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             // What the command line gives wins over serve.toml.
             flags_over_file!(config: threads, max_concurrent, max_queue, max_body_bytes, queue_timeout_ms, body_timeout_ms);
             flags_over_file!(config: write_stall_timeout_ms, shutdown_grace_ms, batch, batch_seats, batch_n_ctx);
+            flags_over_file!(config: batch_step_ms, batch_long_prompt_rows, batch_long_prompt_share);
             flags_over_file!(config: optional max_client_requests, idle_contexts);
             for plugin in &mut config.plugins {
                 plugin.threads = request_threads.unwrap_or(plugin.threads);

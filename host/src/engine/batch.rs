@@ -27,7 +27,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc as pieces;
@@ -51,6 +51,16 @@ pub(crate) struct SeatSize {
 }
 
 /// How a host batches one-sequence contexts (`ModelRegistry::batch`).
+///
+/// Each step decodes one row for every generating seat, then prompt rows (a decode's
+/// batch, a generation's prompt), shortest first:
+/// - prompts add at most about `step_target` to a step, so a generating client waits at
+///   most that long for its next token because of other clients' prompts;
+/// - a *long* prompt (more than `long_prompt_rows` rows left) yields to everything else,
+///   taking at most `long_prompt_share` of the time while anyone else has work;
+/// - a step of long prompts alone runs up to `step_rows` rows, and yields in flight when
+///   another seat's call arrives: it is rolled back, and the next step takes the
+///   newcomer first.
 #[derive(Clone)]
 pub struct BatchPolicy {
     /// Seats (native sequences) per shared context: contexts beyond this get contexts
@@ -60,9 +70,15 @@ pub struct BatchPolicy {
     pub seat_n_ctx: u32,
     /// Threads of the shared context's decodes: the share of the machine for this model.
     pub threads: u32,
-    /// Most rows one step decodes (the shared context's n-batch): how long a generating
-    /// seat can wait for its next token because of others' prompts.
+    /// Most rows one step decodes (the shared context's n-batch and n-ubatch).
     pub step_rows: u32,
+    /// How long prompt rows may make a step with other work in it: the rows it takes
+    /// come from the measured speed of earlier steps.
+    pub step_target: Duration,
+    /// Prompts with more rows than this left are long (a document, not a chat turn).
+    pub long_prompt_rows: u32,
+    /// The most of the time long prompts take while other seats generate or prefill.
+    pub long_prompt_share: f64,
     /// Called after every step (metrics).
     pub observer: Option<StepObserver>,
     /// Whose turn it is on the cores: shared by every batch made by this policy (and
@@ -78,14 +94,41 @@ impl std::fmt::Debug for BatchPolicy {
             .field("seat_n_ctx", &self.seat_n_ctx)
             .field("threads", &self.threads)
             .field("step_rows", &self.step_rows)
+            .field("step_target", &self.step_target)
+            .field("long_prompt_rows", &self.long_prompt_rows)
+            .field("long_prompt_share", &self.long_prompt_share)
             .finish_non_exhaustive()
     }
 }
 
 impl BatchPolicy {
-    /// `seats` seats of `seat_n_ctx` cells on `threads` threads, 512-row steps.
+    /// Whether `other` is this policy: the same settings, observer and cores.
+    fn same_as(&self, other: &BatchPolicy) -> bool {
+        let same_observer = match (&self.observer, &other.observer) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        (self.seats, self.seat_n_ctx, self.threads, self.step_rows, self.step_target, self.long_prompt_rows) == (other.seats, other.seat_n_ctx, other.threads, other.step_rows, other.step_target, other.long_prompt_rows)
+            && self.long_prompt_share.to_bits() == other.long_prompt_share.to_bits()
+            && same_observer
+            && Arc::ptr_eq(&self.cores, &other.cores)
+    }
+
+    /// `seats` seats of `seat_n_ctx` cells on `threads` threads; 512-row steps, prompts
+    /// adding at most 250 ms to a step, prompts of more than 512 rows long, taking at
+    /// most a quarter of the time while others have work.
     pub fn new(seats: u32, seat_n_ctx: u32, threads: u32) -> Self {
-        Self { seats, seat_n_ctx, threads, step_rows: 512, observer: None, cores: Arc::default() }
+        Self {
+            seats,
+            seat_n_ctx,
+            threads,
+            step_rows: 512,
+            step_target: Duration::from_millis(250),
+            long_prompt_rows: 512,
+            long_prompt_share: 0.25,
+            observer: None,
+            cores: Arc::default(),
+        }
     }
 }
 
@@ -95,11 +138,16 @@ pub struct StepReport {
     /// Seats with rows in the step.
     pub seats: usize,
     pub rows: usize,
+    /// Rows of long prompts among them.
+    pub long_rows: usize,
     /// Seats holding a lease on the shared context now.
     pub active_seats: usize,
     pub elapsed: Duration,
     /// The step was stopped by a member's cancel and rolled back for all of them.
     pub rolled_back: bool,
+    /// The step (long prompts alone) yielded in flight to a newcomer's call and was
+    /// rolled back; its rows run again after the newcomer's.
+    pub yielded: bool,
 }
 
 /// Most rows with logits one decode on a seat may ask for: each is copied out of the
@@ -132,7 +180,10 @@ impl BatchPool {
             return None;
         }
         let mut batchers = self.batchers.lock().await;
-        let batcher = match batchers.iter().find(|b| b.seat_n_ctx == policy.seat_n_ctx) {
+        // A batch made under another policy (the embedder changed it) takes no new seats:
+        // the pool forgets it, and its thread ends once its last seat has left.
+        batchers.retain(|b| b.policy.same_as(policy));
+        let batcher = match batchers.first() {
             Some(b) => b.clone(),
             None => match Batcher::start(model.clone(), policy.clone()).await {
                 Ok(b) => {
@@ -166,8 +217,12 @@ impl BatchPool {
 /// seat have let go of it (the op channel closes).
 struct Batcher {
     ops: mpsc::Sender<Op>,
+    /// The policy it was made under.
+    policy: BatchPolicy,
+    /// Set when a seat sends a call that computes: a step of long prompts alone then
+    /// yields to it. The thread puts a fresh flag here before it takes what was sent.
+    arrived: Arc<Mutex<CancelFlag>>,
     seats: u32,
-    seat_n_ctx: u32,
     step_rows: u32,
     /// Seats leased and not yet dropped.
     taken: Arc<AtomicU32>,
@@ -175,14 +230,17 @@ struct Batcher {
 }
 
 impl Batcher {
-    async fn start(model: Arc<Model>, mut policy: BatchPolicy) -> Result<Arc<Self>, Error> {
+    async fn start(model: Arc<Model>, asked: BatchPolicy) -> Result<Arc<Self>, Error> {
+        let mut policy = asked.clone();
         // Every seat may add a generation row to a step (and llama.cpp wants an output
         // row per sequence within n-batch).
         policy.step_rows = policy.step_rows.max(policy.seats);
         let (ops, ops_rx) = mpsc::channel();
+        let arrived: Arc<Mutex<CancelFlag>> = Arc::default();
+        let thread_arrived = arrived.clone();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let taken = Arc::new(AtomicU32::new(0));
-        let (seats, seat_n_ctx, step_rows) = (policy.seats, policy.seat_n_ctx, policy.step_rows);
+        let (seats, step_rows) = (policy.seats, policy.step_rows);
         let span = tracing::Span::current();
         std::thread::Builder::new()
             .name("llamabox-batch".into())
@@ -198,7 +256,7 @@ impl Batcher {
                 match Context::new(model, params) {
                     Ok(ctx) => {
                         let _ = ready_tx.send(Ok(()));
-                        Steps::new(ctx, policy).run(ops_rx);
+                        Steps::new(ctx, policy, thread_arrived).run(ops_rx);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -207,7 +265,7 @@ impl Batcher {
             })
             .map_err(|e| Error::Backend(format!("could not start a batch thread: {e}")))?;
         match ready_rx.await {
-            Ok(Ok(())) => Ok(Arc::new(Self { ops, seats, seat_n_ctx, step_rows, taken, next_id: AtomicU64::new(0) })),
+            Ok(Ok(())) => Ok(Arc::new(Self { ops, policy: asked, arrived, seats, step_rows, taken, next_id: AtomicU64::new(0) })),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(Error::Backend("the batch thread panicked while creating its context".into())),
         }
@@ -224,8 +282,15 @@ pub struct Seat {
 impl Seat {
     fn send<R: Send + 'static>(&self, make: impl FnOnce(Reply<R>) -> SeatOp) -> Call<R> {
         let (call, reply) = Call::channel();
+        let op = make(reply);
+        let computes = op.computes();
         // If the thread is gone, the op (and its reply) drops: the call resolves to `None`.
-        let _ = self.batcher.ops.send(Op::Seat { id: self.id, op: make(reply) });
+        let _ = self.batcher.ops.send(Op::Seat { id: self.id, op });
+        if computes {
+            // After the send: a flag put in place before it is set; one put after it
+            // belongs to a loop that takes the op first.
+            self.batcher.arrived.lock().unwrap_or_else(PoisonError::into_inner).cancel();
+        }
         call
     }
 
@@ -298,6 +363,9 @@ enum Op {
     /// can queue several seats' calls for one step.
     #[cfg(test)]
     Pause(mpsc::Receiver<()>),
+    /// Test hook: the next step that may yield does so at this node.
+    #[cfg(test)]
+    YieldAt(u64),
     Join { id: u64, group: String, meter: Arc<Meter>, alive: Alive, n_ctx: u32, n_batch: u32 },
     Seat { id: u64, op: SeatOp },
     Leave { id: u64 },
@@ -314,6 +382,14 @@ enum SeatOp {
     Clear { reply: Reply<native::Result<()>> },
 }
 
+impl SeatOp {
+    /// Whether it becomes a running call with rows to decode (it may then end a step of
+    /// long prompts alone).
+    fn computes(&self) -> bool {
+        matches!(self, SeatOp::Decode { .. } | SeatOp::Generate { .. } | SeatOp::Eval { .. })
+    }
+}
+
 /// One native sequence of the shared context.
 #[derive(Default)]
 struct Slot {
@@ -323,6 +399,9 @@ struct Slot {
     group: String,
     /// What it holds, token by token, while that is known (not after embeddings).
     tokens: Option<Vec<Token>>,
+    /// When its last seat left (`Steps::releases` then): of two leftovers that serve a
+    /// call as well, the older one goes, so the newest stays for its likely next turn.
+    released: u64,
 }
 
 struct Member {
@@ -340,6 +419,8 @@ struct Member {
     queue: VecDeque<SeatOp>,
     /// The compute op at the front, once started.
     running: Option<Running>,
+    /// Steps in a row its prompt had rows left and got none.
+    passed_over: u32,
 }
 
 /// A decode or generation in progress across steps.
@@ -387,6 +468,51 @@ struct Share {
     id: u64,
     slot: usize,
     rows: Batch,
+    /// Rows of a long prompt (see `BatchPolicy::long_prompt_rows`).
+    long: bool,
+}
+
+/// What the next step decodes, and whether it may yield to a newcomer.
+#[derive(Default)]
+struct Plan {
+    shares: Vec<Share>,
+    /// Long prompts alone, up to `step_rows`: a newcomer's call ends it in flight.
+    yields: bool,
+}
+
+/// The speed of earlier steps, in rows per second, for the next step's row budget.
+/// Steps too small to time well are left out; each timed one moves the estimate
+/// halfway, so one disturbed by a busy machine does not swing it.
+#[derive(Default)]
+struct StepPace {
+    rows_per_sec: Option<f64>,
+}
+
+/// A short prompt passed over this many steps in a row (shorter ones kept taking the
+/// budget) goes before every other short prompt: shortest-first cannot starve it.
+const PASSED_OVER_STEPS: u32 = 8;
+
+/// Fewest prompt rows a step offers (when it has room): below this a step's fixed cost
+/// (a graph, the weights read once more) outweighs its rows, and the estimate is noise.
+const MIN_CHUNK_ROWS: usize = 16;
+
+impl StepPace {
+    fn observe(&mut self, rows: usize, elapsed: Duration) {
+        if rows < MIN_CHUNK_ROWS || elapsed.is_zero() {
+            return;
+        }
+        let rate = rows as f64 / elapsed.as_secs_f64();
+        self.rows_per_sec = Some(self.rows_per_sec.map_or(rate, |old| (old + rate) / 2.0));
+    }
+
+    /// Rows a step of about `target` takes (before any step was timed: no bound but
+    /// the step's own, so the first big step measures the speed).
+    fn rows(&self, target: Duration) -> usize {
+        match self.rows_per_sec {
+            None => usize::MAX,
+            Some(rate) => ((rate * target.as_secs_f64()) as usize).max(MIN_CHUNK_ROWS),
+        }
+    }
 }
 
 /// The batch's thread: the shared context and its members.
@@ -395,44 +521,91 @@ struct Steps {
     policy: BatchPolicy,
     slots: Vec<Slot>,
     members: BTreeMap<u64, Member>,
-    /// Which member's prompt goes first in the next step.
-    rotation: u64,
+    pace: StepPace,
+    /// Seconds of step time long prompts have earned while they waited for others
+    /// (at `long_prompt_share`), less what they spent; they get rows once it covers a
+    /// step target. Back to 0 whenever no long prompt waits.
+    long_credit: f64,
+    /// The last step yielded: the next one is not ended by arrivals (so a long prompt
+    /// always gets on), and its rows are one target's worth.
+    yielded_last: bool,
+    /// The last plan left a long prompt waiting beside other work (see `account_long`).
+    long_waiting: bool,
+    /// Seats that have left, counted (`Slot::released`).
+    releases: u64,
+    /// Where seats signal an arrival (`Batcher::arrived`), and the flag of this loop.
+    arrived_slot: Arc<Mutex<CancelFlag>>,
+    arrived: CancelFlag,
+    /// Test hook: the next step that may yield does so at this node (as if a call
+    /// arrived then).
+    #[cfg(test)]
+    yield_at: Option<u64>,
 }
 
 impl Steps {
-    fn new(ctx: Context, policy: BatchPolicy) -> Self {
+    fn new(ctx: Context, policy: BatchPolicy, arrived_slot: Arc<Mutex<CancelFlag>>) -> Self {
         let slots = (0..policy.seats).map(|_| Slot::default()).collect();
-        Self { ctx, policy, slots, members: BTreeMap::new(), rotation: 0 }
+        Self {
+            ctx,
+            policy,
+            slots,
+            members: BTreeMap::new(),
+            pace: StepPace::default(),
+            long_credit: 0.0,
+            yielded_last: false,
+            long_waiting: false,
+            releases: 0,
+            arrived_slot,
+            arrived: CancelFlag::new(),
+            #[cfg(test)]
+            yield_at: None,
+        }
     }
 
+    /// Take what the seats sent, settle it (`advance`: pieces out, ends answered), then
+    /// step if anyone has rows; block only when nobody has. The pieces of the step just
+    /// computed are handed over before that question is asked, so a generation goes
+    /// from step to step without waiting (it used to sleep one `DELIVERY_POLL` a token).
     fn run(mut self, ops: mpsc::Receiver<Op>) {
         loop {
-            let op = if self.has_rows() {
-                ops.try_recv().map_err(|e| e == mpsc::TryRecvError::Disconnected)
-            } else if self.members.values().any(|m| m.running.is_some()) {
+            // A fresh arrival flag before taking what was sent: a call sent from here on
+            // sets it, and one sent before is taken below.
+            self.arrived = CancelFlag::new();
+            *self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner) = self.arrived.clone();
+            let disconnected = loop {
+                match ops.try_recv() {
+                    Ok(op) => self.take(op),
+                    Err(e) => break e == mpsc::TryRecvError::Disconnected,
+                }
+            };
+            if disconnected {
+                return self.close();
+            }
+            self.advance();
+            if self.has_rows() {
+                self.step();
+                continue;
+            }
+            // Nothing to compute: wait for a seat's op, polling while a reader's full
+            // buffer holds a generation back.
+            let op = if self.members.values().any(|m| m.running.is_some()) {
                 ops.recv_timeout(DELIVERY_POLL).map_err(|e| e == mpsc::RecvTimeoutError::Disconnected)
             } else {
                 ops.recv().map_err(|_| true)
             };
             match op {
-                Ok(op) => {
-                    self.take(op);
-                    while let Ok(op) = ops.try_recv() {
-                        self.take(op);
-                    }
-                }
-                Err(true) => {
-                    // Nobody can send any more (every seat left first): the context is
-                    // freed here, on its own thread.
-                    let ids: Vec<u64> = self.members.keys().copied().collect();
-                    ids.into_iter().for_each(|id| self.leave(id));
-                    return;
-                }
+                Ok(op) => self.take(op),
+                Err(true) => return self.close(),
                 Err(false) => {}
             }
-            self.advance();
-            self.step();
         }
+    }
+
+    /// Nobody can send any more (every seat left first): the context is freed here, on
+    /// its own thread, when `self` drops.
+    fn close(mut self) {
+        let ids: Vec<u64> = self.members.keys().copied().collect();
+        ids.into_iter().for_each(|id| self.leave(id));
     }
 
     fn take(&mut self, op: Op) {
@@ -441,8 +614,10 @@ impl Steps {
             Op::Pause(gate) => {
                 let _ = gate.recv();
             }
+            #[cfg(test)]
+            Op::YieldAt(node) => self.yield_at = Some(node),
             Op::Join { id, group, meter, alive, n_ctx, n_batch } => {
-                let member = Member { group, meter, alive, n_ctx, n_batch, slot: None, logits: Vec::new(), queue: VecDeque::new(), running: None };
+                let member = Member { group, meter, alive, n_ctx, n_batch, slot: None, logits: Vec::new(), queue: VecDeque::new(), running: None, passed_over: 0 };
                 self.members.insert(id, member);
             }
             // A seat that left has no calls (its ops would drop unanswered).
@@ -463,8 +638,9 @@ impl Steps {
         }
         let Some(member) = self.members.remove(&id) else { return };
         if let Some(slot) = member.slot {
-            self.slots[slot].seat = None;
-            self.slots[slot].group = member.group;
+            self.releases += 1;
+            let s = &mut self.slots[slot];
+            (s.seat, s.group, s.released) = (None, member.group, self.releases);
         }
         // `member.alive` drops here: its run sees this seat's native work ended.
     }
@@ -474,7 +650,7 @@ impl Steps {
         self.members.values().any(|m| match &m.running {
             Some(Running::Decode(_)) => true,
             Some(Running::Generate(g)) => g.undelivered.is_empty() && g.finish.is_none(),
-            None => m.queue.front().is_some_and(|op| matches!(op, SeatOp::Decode { .. } | SeatOp::Generate { .. } | SeatOp::Eval { .. })),
+            None => m.queue.front().is_some_and(SeatOp::computes),
         })
     }
 
@@ -701,10 +877,11 @@ impl Steps {
             _ => 0,
         };
         let free = || self.slots.iter().enumerate().filter(|(_, s)| s.seat.is_none());
-        let best = free().map(|(i, s)| (common(s), std::cmp::Reverse(i))).max();
+        // The longest shared start; of equal ones, the least recently left.
+        let best = free().map(|(i, s)| (common(s), std::cmp::Reverse(s.released), std::cmp::Reverse(i))).max();
         let lowest = free().map(|(i, _)| i).next().expect("a seat was leased, so a sequence is free");
         let (slot, kept) = match best {
-            Some((kept, std::cmp::Reverse(i))) if kept > 0 => (i, kept),
+            Some((kept, _, std::cmp::Reverse(i))) if kept > 0 => (i, kept),
             _ => (lowest, 0),
         };
         // The rest of what the sequence held goes (all of it from another group).
@@ -865,63 +1042,91 @@ impl Steps {
         g.caller.reply.send(outcome);
     }
 
-    /// Each member's rows for the next step: generation tokens first, then prompt
-    /// chunks in turn from `rotation` while the step has room.
-    fn plan(&mut self) -> Vec<Share> {
-        let mut budget = self.policy.step_rows as usize;
+    /// Each member's rows for the next step (the policy is `BatchPolicy`'s doc): a row
+    /// for every generating seat, then prompt rows, short prompts before long ones and
+    /// each kind shortest first (ties: the seat that joined first), within the budget.
+    fn plan(&mut self) -> Plan {
+        let step_rows = self.policy.step_rows as usize;
         let mut shares = Vec::new();
         for (&id, m) in &self.members {
             if let (Some(Running::Generate(g)), Some(slot)) = (&m.running, m.slot) {
                 if let (Some(token), true) = (g.next, g.undelivered.is_empty() && g.finish.is_none()) {
                     let pos = g.tokens.as_ref().expect("a token loop").pos();
-                    shares.push(Share { id, slot, rows: Batch::sequence(&[token], pos, slot as i32) });
-                    budget = budget.saturating_sub(1);
+                    shares.push(Share { id, slot, rows: Batch::sequence(&[token], pos, slot as i32), long: false });
                 }
             }
         }
-        let after = self.members.range(self.rotation..).chain(self.members.range(..self.rotation));
-        let mut first = None;
-        for (&id, m) in after {
-            if budget == 0 {
-                break;
+        let generating = shares.len();
+        let long_rows = self.policy.long_prompt_rows as usize;
+        // (long, not passed over too often, rows left, seat): the order prompts get rows.
+        let mut prompts: Vec<(bool, bool, usize, u64)> = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.slot.is_some())
+            .filter_map(|(&id, m)| {
+                let left = match &m.running {
+                    Some(Running::Decode(d)) => d.batch.len() - d.done,
+                    Some(Running::Generate(g)) if g.tokens.is_none() => g.request.prompt.len() - g.prompt_done,
+                    _ => return None,
+                };
+                Some((left > long_rows, m.passed_over < PASSED_OVER_STEPS, left, id))
+            })
+            .collect();
+        prompts.sort_unstable();
+        let others = generating > 0 || prompts.iter().any(|&(long, ..)| !long);
+        // Long prompts alone run in big steps that a newcomer ends; anything else, and
+        // the step after one that yielded, gets one target's worth of prompt rows.
+        let yields = !others && !self.yielded_last;
+        let budget = if yields { step_rows } else { self.pace.rows(self.policy.step_target) };
+        let mut budget = budget.min(step_rows.saturating_sub(generating));
+        let long_may = !others || self.long_credit >= self.policy.step_target.as_secs_f64() || self.policy.long_prompt_share >= 1.0;
+        for &(long, _, left, id) in &prompts {
+            if budget == 0 || (long && !long_may) {
+                self.member(id).passed_over += 1;
+                continue;
             }
-            let Some(slot) = m.slot else { continue };
-            let rows = match &m.running {
-                Some(Running::Decode(d)) => {
-                    let n = (d.batch.len() - d.done).min(budget);
-                    let range = d.done..d.done + n;
-                    Batch {
-                        tokens: d.batch.tokens[range.clone()].to_vec(),
-                        positions: d.batch.positions[range.clone()].to_vec(),
-                        seq_ids: vec![slot as i32; n],
-                        logits: d.batch.logits[range].to_vec(),
-                    }
-                }
-                Some(Running::Generate(g)) if g.tokens.is_none() => {
-                    let prompt = &g.request.prompt;
-                    let n = (prompt.len() - g.prompt_done).min(budget);
-                    let mut rows = Batch::sequence(&prompt[g.prompt_done..g.prompt_done + n], g.end_before + 1 + g.prompt_done as i32, slot as i32);
-                    rows.logits = (0..n).map(|r| g.prompt_done + r + 1 == prompt.len()).collect();
-                    rows
-                }
-                _ => continue,
-            };
-            first.get_or_insert(id);
-            budget -= rows.len();
-            shares.push(Share { id, slot, rows });
-        }
-        if let Some(first) = first {
-            self.rotation = first + 1; // the next step starts after the first prompt served
+            let n = left.min(budget);
+            budget -= n;
+            self.member(id).passed_over = 0;
+            let (rows, slot) = self.prompt_rows(id, n);
+            shares.push(Share { id, slot, rows, long });
         }
         // Ascending sequence ids: llama.cpp's per-sequence KV streams put only
         // consecutive ids in one ubatch.
         shares.sort_by_key(|s| s.slot);
-        shares
+        self.long_waiting = prompts.iter().any(|&(long, ..)| long) && others;
+        Plan { yields: yields && !shares.is_empty(), shares }
+    }
+
+    /// The next `n` rows of `id`'s prompt (a decode's batch or a generation's prompt),
+    /// and its sequence.
+    fn prompt_rows(&self, id: u64, n: usize) -> (Batch, usize) {
+        let m = &self.members[&id];
+        let slot = m.slot.expect("a member with a prompt running is bound");
+        let rows = match &m.running {
+            Some(Running::Decode(d)) => {
+                let range = d.done..d.done + n;
+                Batch {
+                    tokens: d.batch.tokens[range.clone()].to_vec(),
+                    positions: d.batch.positions[range.clone()].to_vec(),
+                    seq_ids: vec![slot as i32; n],
+                    logits: d.batch.logits[range].to_vec(),
+                }
+            }
+            Some(Running::Generate(g)) => {
+                let prompt = &g.request.prompt;
+                let mut rows = Batch::sequence(&prompt[g.prompt_done..g.prompt_done + n], g.end_before + 1 + g.prompt_done as i32, slot as i32);
+                rows.logits = (0..n).map(|r| g.prompt_done + r + 1 == prompt.len()).collect();
+                rows
+            }
+            None => unreachable!("planned members are running"),
+        };
+        (rows, slot)
     }
 
     /// One `llama_decode` of every member's rows.
     fn step(&mut self) {
-        let shares = self.plan();
+        let Plan { shares, yields } = self.plan();
         if shares.is_empty() {
             return;
         }
@@ -932,8 +1137,13 @@ impl Steps {
             batch.seq_ids.extend(&share.rows.seq_ids);
             batch.logits.extend(&share.rows.logits);
         }
-        let (result, elapsed) = {
-            let stops: Vec<Stop<'_>> = shares
+        #[cfg(test)]
+        if let (true, Some(node)) = (yields, self.yield_at) {
+            self.yield_at = None;
+            self.arrived.trip_after(node);
+        }
+        let (result, elapsed, cancelled) = {
+            let mut stops: Vec<Stop<'_>> = shares
                 .iter()
                 .map(|s| match &self.members[&s.id].running {
                     Some(Running::Decode(d)) => d.caller.stop(),
@@ -941,20 +1151,39 @@ impl Steps {
                     None => unreachable!("planned members are running"),
                 })
                 .collect();
+            let members = stops.len();
+            if yields {
+                stops.push(Stop::on(&self.arrived));
+            }
             let _turn = self.policy.cores.turn();
             let started = Instant::now();
-            (self.ctx.decode(&batch, Some(Stop::Any(&stops))), started.elapsed())
+            let result = self.ctx.decode(&batch, Some(Stop::Any(&stops)));
+            (result, started.elapsed(), stops[..members].iter().any(Stop::is_set))
         };
         for share in &shares {
             let m = &self.members[&share.id];
             m.alive.add_busy(elapsed.mul_f64(share.rows.len() as f64 / batch.len() as f64));
         }
-        let report = StepReport { seats: shares.len(), rows: batch.len(), active_seats: self.members.len(), elapsed, rolled_back: result.is_err() };
+        let long_rows = shares.iter().filter(|s| s.long).map(|s| s.rows.len()).sum();
+        let stopped = result == Err(Error::Cancelled);
+        let yielded = stopped && !cancelled;
+        let report = StepReport {
+            seats: shares.len(),
+            rows: batch.len(),
+            long_rows,
+            active_seats: self.members.len(),
+            elapsed,
+            rolled_back: result.is_err() && !yielded,
+            yielded,
+        };
         if let Some(observe) = &self.policy.observer {
             observe(&report);
         }
+        self.yielded_last = yielded;
+        self.account_long(long_rows, batch.len(), elapsed);
         match result {
             Ok(()) => {
+                self.pace.observe(batch.len(), elapsed);
                 let mut row = 0;
                 for share in shares {
                     let n = share.rows.len();
@@ -963,7 +1192,7 @@ impl Steps {
                 }
             }
             // Rolled back for everyone; the cancelled end between steps (`advance`), the
-            // others' rows run again in the next step.
+            // others' rows run again in the next step (after the newcomer's, if it yielded).
             Err(Error::Cancelled) => {}
             Err(e) => {
                 for share in shares {
@@ -975,9 +1204,25 @@ impl Steps {
         }
     }
 
+    /// Long prompts beside other work earn `long_prompt_share` of the time the others'
+    /// rows took, and spend what theirs took (a step's time split by rows); with nobody
+    /// waiting beside them, the account is settled at 0. So they run beside others only
+    /// on time earned first, one step target at a time.
+    fn account_long(&mut self, long_rows: usize, rows: usize, elapsed: Duration) {
+        if !self.long_waiting {
+            self.long_credit = 0.0;
+            return;
+        }
+        let share = self.policy.long_prompt_share.clamp(0.0, 0.99);
+        let long_time = elapsed.as_secs_f64() * long_rows as f64 / rows.max(1) as f64;
+        let other_time = elapsed.as_secs_f64() - long_time;
+        let target = self.policy.step_target.as_secs_f64();
+        self.long_credit = (self.long_credit + share / (1.0 - share) * other_time - long_time).min(target);
+    }
+
     /// A share of a successful step, whose rows started at `first_row` of the step.
     fn decoded(&mut self, share: Share, first_row: usize) {
-        let Share { id, slot, rows } = share;
+        let Share { id, slot, rows, .. } = share;
         let n = rows.len();
         if let Some(held) = &mut self.slots[slot].tokens {
             held.extend(&rows.tokens);
@@ -1355,6 +1600,168 @@ mod tests {
         assert!(d_batched < 1e-2 * scale, "batched chunks vs whole: {d_batched} (logits up to {scale}); own chunks vs whole: {d_own}");
         let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i);
         assert_eq!(argmax(&chunked), argmax(&whole));
+    }
+
+    #[tokio::test]
+    async fn a_changed_policy_makes_a_new_batch_and_the_old_one_serves_its_seats_out() {
+        let mut f = Fixture::new(512);
+        let old = f.seat().await;
+        f.policy = BatchPolicy { step_rows: 64, ..f.policy.clone() };
+        let new = f.seat().await;
+        assert_eq!((old.n_ubatch(), new.n_ubatch()), (512, 64), "the second seat is in a batch made under the new policy");
+        assert!(!Arc::ptr_eq(&old.batcher, &new.batcher));
+        let tokens = prompt(11, 8);
+        old.decode(Batch::sequence(&tokens, 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        new.decode(Batch::sequence(&tokens, 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        assert_eq!(f.pool.seats_taken(), 1, "the pool counts only the new batch's seat");
+    }
+
+    #[tokio::test]
+    async fn of_two_leftovers_that_serve_a_prompt_alike_the_older_one_is_taken() {
+        let f = Fixture::new(512);
+        let system = prompt(40, 12);
+        let with = |rest: &[Token]| [system.as_slice(), rest].concat();
+        let (a, b) = (with(&prompt(41, 6)), with(&prompt(42, 6)));
+        let (first, second) = (f.seat().await, f.seat().await);
+        first.decode(Batch::sequence(&a, 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        second.decode(Batch::sequence(&b, 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        // `second`'s leftover (sequence 1) is the older one.
+        drop(second);
+        drop(first);
+        let shares_system = f.seat().await;
+        shares_system.decode(Batch::sequence(&with(&prompt(43, 6)), 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        // `first`'s leftover is still whole for the conversation it came from.
+        let meter = Arc::new(Meter::new());
+        let continues = f.seat_in("g", meter.clone()).await;
+        let turn = [a.as_slice(), &prompt(44, 4)].concat();
+        continues.decode(Batch::sequence(&turn, 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        assert_eq!(meter.reused(), a.len() as u64, "the newest leftover was kept for its own continuation");
+    }
+
+    #[tokio::test]
+    async fn shorter_prompts_go_first_whoever_joined_first() {
+        let f = Fixture::new(32);
+        let (long, short) = (f.seat().await, f.seat().await);
+        let gate = pause(&long);
+        let long_call = long.decode(Batch::sequence(&prompt(3, 100), 0, 0), CancelFlag::new());
+        let mut short_call = short.decode(Batch::sequence(&prompt(4, 10), 0, 0), CancelFlag::new());
+        drop(gate);
+        // The 10-row prompt fits the first 32-row step whole; the 100-row one needs four.
+        tokio::select! {
+            biased;
+            done = &mut short_call => done.unwrap().unwrap(),
+            _ = long_call => panic!("the longer prompt, which joined first, finished first"),
+        }
+        let steps = f.steps();
+        assert_eq!((steps[0].seats, steps[0].rows), (2, 32), "the short prompt whole, the rest of the step for the long one: {steps:?}");
+    }
+
+    #[tokio::test]
+    async fn a_prompt_passed_over_by_shorter_ones_for_eight_steps_goes_first() {
+        let f = Fixture::new(8);
+        let flood = [f.seat().await, f.seat().await, f.seat().await];
+        let waiting = f.seat().await;
+        let gate = pause(&waiting);
+        // Each flooding seat queues 20 decodes of 8 rows: every one fills a step alone.
+        let mut floods = Vec::new();
+        for (i, seat) in flood.iter().enumerate() {
+            for k in 0..20 {
+                floods.push(seat.decode(Batch::sequence(&prompt(20 + i as i32, 8), k * 8, 0), CancelFlag::new()));
+            }
+        }
+        let mut last = floods.pop().expect("queued");
+        let mut waited = waiting.decode(Batch::sequence(&prompt(30, 30), 0, 0), CancelFlag::new());
+        drop(gate);
+        // 60 steps of floods; the 30-row prompt gets a step after every 8 it is passed
+        // over, so it is done in about 36.
+        tokio::select! {
+            biased;
+            done = &mut waited => done.unwrap().unwrap(),
+            _ = &mut last => panic!("the 30-row prompt waited for every shorter one: {:?}", f.steps().len()),
+        }
+        last.await.unwrap().unwrap();
+        for call in floods {
+            call.await.unwrap().unwrap();
+        }
+    }
+
+    /// A policy whose prompts of more than 32 rows are long.
+    fn long_prompt_fixture(share: f64, target: Duration) -> Fixture {
+        let mut f = Fixture::new(256);
+        f.policy.long_prompt_rows = 32;
+        f.policy.long_prompt_share = share;
+        f.policy.step_target = target;
+        f
+    }
+
+    #[tokio::test]
+    async fn a_step_of_long_prompts_alone_yields_to_an_arrival_and_runs_again_after_it() {
+        let f = long_prompt_fixture(0.25, Duration::from_millis(50));
+        let seat = f.seat().await;
+        let long = prompt(5, 200);
+        let gate = pause(&seat);
+        // As if another seat's call arrived after node 3 of the first step.
+        seat.batcher.ops.send(Op::YieldAt(3)).unwrap();
+        let call = seat.decode(Batch::sequence(&long, 0, 0), CancelFlag::new());
+        drop(gate);
+        call.await.unwrap().unwrap();
+        let steps = f.steps();
+        assert!(steps[0].yielded && !steps[0].rolled_back && steps[0].rows == 200, "the first step yielded: {steps:?}");
+        assert!(steps[1..].iter().all(|s| !s.yielded && !s.rolled_back), "the rows ran again, once: {steps:?}");
+        assert_eq!(steps[1..].iter().map(|s| s.rows).sum::<usize>(), 200, "every row once after the yield: {steps:?}");
+        // Memory as if it never yielded: the whole prompt, and logits of what it holds.
+        assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), 199);
+        let (batched, whole) = (seat.logits(None).await.unwrap().unwrap(), solo_logits(&long));
+        let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(max_diff(&batched, &whole) < 1e-2 * scale, "after a yield: {} (logits up to {scale})", max_diff(&batched, &whole));
+    }
+
+    #[tokio::test]
+    async fn a_step_with_a_generation_in_it_never_yields() {
+        let f = long_prompt_fixture(1.0, Duration::from_millis(50));
+        let (generating, prefilling) = (f.seat().await, f.seat().await);
+        let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+        let (tx, rx) = pieces::channel(64);
+        let gate = pause(&generating);
+        generating.batcher.ops.send(Op::YieldAt(1)).unwrap();
+        let generation = generating.generate(sampler, request(prompt(7, 4), 8), CancelFlag::new(), tx);
+        let decode = prefilling.decode(Batch::sequence(&prompt(8, 100), 0, 0), CancelFlag::new());
+        drop(gate);
+        decode.await.unwrap().unwrap();
+        assert_eq!(read_all(rx).await.len(), 8);
+        generation.await.unwrap().unwrap();
+        assert!(f.steps().iter().all(|s| !s.yielded), "{:?}", f.steps());
+    }
+
+    #[tokio::test]
+    async fn a_long_prompt_beside_a_generation_runs_only_on_time_it_earned() {
+        let share = 0.25;
+        let target = Duration::from_millis(2);
+        let f = long_prompt_fixture(share, target);
+        let (generating, prefilling) = (f.seat().await, f.seat().await);
+        let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+        let (tx, rx) = pieces::channel(256);
+        let gate = pause(&generating);
+        let generation = generating.generate(sampler, request(prompt(9, 4), 120), CancelFlag::new(), tx);
+        let decode = prefilling.decode(Batch::sequence(&prompt(10, 250), 0, 0), CancelFlag::new());
+        drop(gate);
+        decode.await.unwrap().unwrap();
+        read_all(rx).await;
+        generation.await.unwrap().unwrap();
+        let steps = f.steps();
+        // Until the long prompt first ran beside the generation, the generation's steps
+        // had to earn it a target's worth at a quarter of the time: three targets.
+        let first = steps.iter().position(|s| s.long_rows > 0 && s.long_rows < s.rows).expect("the long prompt ran beside the generation");
+        let earned: Duration = steps[..first].iter().filter(|s| s.long_rows == 0).map(|s| s.elapsed).sum();
+        assert!(earned.as_secs_f64() >= target.as_secs_f64() * (1.0 - share) / share * 0.999, "it ran after {earned:?} of others' steps: {steps:?}");
+        // Over the steps they shared, the long prompt took about its share: at most what
+        // the others' time earned, plus the one target it may run ahead.
+        let end = steps.iter().rposition(|s| s.long_rows > 0).expect("the long prompt ran");
+        let shared: Vec<&StepReport> = steps[..=end].iter().filter(|s| s.long_rows < s.rows).collect();
+        let long: f64 = shared.iter().map(|s| s.elapsed.as_secs_f64() * s.long_rows as f64 / s.rows as f64).sum();
+        let other: f64 = shared.iter().map(|s| s.elapsed.as_secs_f64()).sum::<f64>() - long;
+        let last = shared.iter().map(|s| s.elapsed.as_secs_f64()).fold(0.0, f64::max);
+        assert!(long <= share / (1.0 - share) * other + target.as_secs_f64() + last, "long {long} s beside others' {other} s: {steps:?}");
     }
 
     /// Not a gate (timings): what a member's cancel costs the others, on the real model.

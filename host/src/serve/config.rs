@@ -83,6 +83,19 @@ pub struct ServeConfig {
     /// comes (docs/DEPLOY.md has the sizes). Default: 4096, the openai plugin's cap.
     #[serde(default = "default_batch_n_ctx")]
     pub batch_n_ctx: u32,
+    /// How long other requests' prompts may make a batch step: a streaming client waits
+    /// at most about this for its next token because of them (default 250).
+    #[serde(default = "default_batch_step_ms")]
+    pub batch_step_ms: u64,
+    /// Prompts with more tokens than this left are long (default 512): they yield to
+    /// streaming requests and shorter prompts, taking at most `batch_long_prompt_share`
+    /// of the time while those have work.
+    #[serde(default = "default_batch_long_prompt_rows")]
+    pub batch_long_prompt_rows: u32,
+    /// 0 to 1 (default 0.25): 0 makes long prompts wait until nothing else runs, 1 treats
+    /// them as any other prompt.
+    #[serde(default = "default_batch_long_prompt_share")]
+    pub batch_long_prompt_share: f64,
     /// Model layers on the GPU (default: all when there is one; 0: the CPU alone).
     #[serde(default)]
     pub gpu_layers: Option<u32>,
@@ -190,6 +203,15 @@ fn default_batch_seats() -> u32 {
 fn default_batch_n_ctx() -> u32 {
     4096
 }
+fn default_batch_step_ms() -> u64 {
+    crate::BatchPolicy::new(1, 1, 1).step_target.as_millis() as u64
+}
+fn default_batch_long_prompt_rows() -> u32 {
+    crate::BatchPolicy::new(1, 1, 1).long_prompt_rows
+}
+fn default_batch_long_prompt_share() -> f64 {
+    crate::BatchPolicy::new(1, 1, 1).long_prompt_share
+}
 
 impl ServeConfig {
     /// Read and check a TOML file.
@@ -223,6 +245,9 @@ impl ServeConfig {
             batch: yes(),
             batch_seats: default_batch_seats(),
             batch_n_ctx: default_batch_n_ctx(),
+            batch_step_ms: default_batch_step_ms(),
+            batch_long_prompt_rows: default_batch_long_prompt_rows(),
+            batch_long_prompt_share: default_batch_long_prompt_share(),
             gpu_layers: None,
             device: None,
             models: BTreeMap::new(),
@@ -265,6 +290,9 @@ impl ServeConfig {
         }
         if self.batch_n_ctx < 16 {
             bail!("batch_n_ctx must be at least 16");
+        }
+        if self.batch_step_ms == 0 || !(0.0..=1.0).contains(&self.batch_long_prompt_share) {
+            bail!("batch_step_ms must be at least 1 and batch_long_prompt_share in 0..=1");
         }
         let only = self.plugins.len() == 1;
         let mut routes = std::collections::HashSet::new();
@@ -317,9 +345,15 @@ impl ServeConfig {
     }
 
     /// How the server batches, if it does: `batch_seats` seats of `batch_n_ctx` cells,
-    /// every step on all `threads`.
+    /// every step on all `threads`, prompts scheduled by the `batch_step_ms` and
+    /// long-prompt settings.
     pub fn batch_policy(&self) -> Option<crate::BatchPolicy> {
-        self.batch.then(|| crate::BatchPolicy::new(self.batch_seats, self.batch_n_ctx, self.threads))
+        self.batch.then(|| crate::BatchPolicy {
+            step_target: std::time::Duration::from_millis(self.batch_step_ms),
+            long_prompt_rows: self.batch_long_prompt_rows,
+            long_prompt_share: self.batch_long_prompt_share,
+            ..crate::BatchPolicy::new(self.batch_seats, self.batch_n_ctx, self.threads)
+        })
     }
 
     /// Where the models' layers go.

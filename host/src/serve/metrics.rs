@@ -114,6 +114,7 @@ struct BatchMetrics {
     step_seconds: Histogram,
     seats_active: Gauge,
     rollbacks: Counter,
+    yields: Counter,
 }
 
 impl Default for Metrics {
@@ -173,6 +174,7 @@ impl Metrics {
             step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             seats_active: Gauge::default(),
             rollbacks: Counter::default(),
+            yields: Counter::default(),
         };
         registry.register("batch_step_rows", "Rows (tokens) one batched step decoded", batch.rows.clone());
         registry.register("batch_step_seats", "Requests' sequences with rows in one batched step", batch.seats.clone());
@@ -182,6 +184,11 @@ impl Metrics {
             "batch_step_rollbacks",
             "Batched steps stopped in flight by one member's cancel, rolled back for all and re-run without it",
             batch.rollbacks.clone(),
+        );
+        registry.register(
+            "batch_step_yields",
+            "Batched steps of long prompts alone stopped in flight for a newcomer's call, rolled back and re-run after it",
+            batch.yields.clone(),
         );
         Self {
             registry,
@@ -213,6 +220,9 @@ impl Metrics {
             batch.seats_active.set(step.active_seats as i64);
             if step.rolled_back {
                 batch.rollbacks.inc();
+            }
+            if step.yielded {
+                batch.yields.inc();
             }
         })
     }
