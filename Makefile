@@ -56,7 +56,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build build-bench guest demo test test-gpu bench-gpu lint validate-manifests scale-test bench bench-grammar bench-server fuzz soak memcheck mutants clean-models
+.PHONY: deps build build-bench guest demo test test-gpu bench-gpu lint validate-manifests scale-test bench bench-batch bench-grammar bench-server fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -169,6 +169,17 @@ bench-gpu: deps
 	@llama_bench=$$(GPU=vulkan CPU=$(CPU) LLAMA_BENCH_SAME_FLAGS=1 bench/llama-bench.sh) || { llama_bench=; echo "llama-bench (Vulkan) could not be built: leaving out that comparison"; }; \
 	GGML_VK_VISIBLE_DEVICES=$${GGML_VK_VISIBLE_DEVICES-0} $(CARGO) run $(PROFILE) -p llamabox-bench $(FEATURES) -- --gpu-report $(GPU_OUT) \
 	  $${llama_bench:+--llama-bench "$$llama_bench"} $(GPU_BENCH_ARGS)
+
+# Many generations at once on the real model (never part of `make test`; ~10 minutes on
+# a quiet 2-core machine): N plugin runs batched as seats of one context, against N
+# contexts of their own (the unbatched host's best thread split) and llama.cpp's
+# llama-batched-bench (built beside llama-bench, GGML_NATIVE=ON), N = 1, 4, 8, 16, at 1
+# thread and at every core; writes bench/BATCH.md. BATCH_BENCH_ARGS for more flags.
+BATCH_BENCH_ARGS ?= --runs 3 --gen-tokens 64
+bench-batch: deps guest
+	@model=$$(scripts/fetch-model.sh) && llama_bench=$$(CPU=native bench/llama-bench.sh) && \
+	$(CARGO) run $(PROFILE) -p llamabox-bench -- --real-model "$$model" --batch-report bench/BATCH.md \
+	  --llama-batched-bench "$$(dirname "$$llama_bench")/llama-batched-bench" $(BATCH_BENCH_ARGS)
 
 # Grammar-constrained sampling on the real model (never part of `make test`; a few
 # minutes): llamabox's llguidance matcher against llama.cpp's GBNF matcher on the same

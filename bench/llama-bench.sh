@@ -90,10 +90,11 @@ if [ "$target" != llama-bench ]; then
   echo "$bin"
   exit 0
 fi
-# llama-simple (llama.cpp's plain greedy loop) beside it: the bench checks that the host's
-# generation loop gives its tokens.
-if [ ! -x "$build/bin/llama-simple" ]; then
+# Beside it: llama-simple, llama.cpp's plain greedy loop (the bench checks that the host's
+# generation loop gives its tokens), and llama-batched-bench, N sequences of one context
+# (`make bench-batch`'s peer), in the same folder.
+if [ ! -x "$build/bin/llama-simple" ] || [ ! -x "$build/bin/llama-batched-bench" ]; then
   cmake -S "$cache/llama_cpp_python-$version/vendor/llama.cpp" -B "$build" -DLLAMA_BUILD_EXAMPLES=ON >&2
-  cmake --build "$build" --target llama-simple -j "$(nproc)" >&2
+  cmake --build "$build" --target llama-simple llama-batched-bench -j "$(nproc)" >&2
 fi
 echo "$bin"

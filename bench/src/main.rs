@@ -7,6 +7,7 @@
 //! rotating, llama-bench included) so that load changing on a shared machine falls on
 //! every way alike.
 
+mod batch;
 mod builds;
 mod encode;
 mod gpu;
@@ -104,6 +105,18 @@ struct Cli {
     /// generated model.
     #[arg(long)]
     gpu_report: Option<PathBuf>,
+    /// Only the many-generations rows (`make bench-batch`): N plugin runs batched as
+    /// seats of one context against N contexts of their own and llama.cpp's
+    /// llama-batched-bench, at 1 thread and at every core, N = `--batch-levels`;
+    /// written here. On `--real-model` if given, else the generated model.
+    #[arg(long)]
+    batch_report: Option<PathBuf>,
+    #[arg(long, default_value = "1,4,8,16", value_delimiter = ',')]
+    batch_levels: Vec<u32>,
+    /// llama.cpp's llama-batched-bench (bench/llama-bench.sh builds it beside
+    /// llama-bench), for the batch rows.
+    #[arg(long)]
+    llama_batched_bench: Option<PathBuf>,
 }
 
 /// Everything below this line in RESULTS.md is written by hand and kept across runs.
@@ -134,6 +147,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         };
         let report = gpu::report(&model, cli.llama_bench.as_deref(), shape, cli.runs, cli.cancels, &cli.model_dir)?;
         std::fs::write(out, &report).with_context(|| format!("writing {}", out.display()))?;
+        println!("{report}");
+        return Ok(());
+    }
+    if let Some(out) = &cli.batch_report {
+        let model = match &cli.real_model {
+            Some(path) => workload::real_model(path.clone())?,
+            None => workload::synthetic_model(&cli.model_dir)?,
+        };
+        let peer = cli.llama_batched_bench.as_ref().map(|bin| batch::BatchedBench { bin: bin.clone(), model: model.path.clone() });
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        let mut threads = vec![1, cores];
+        threads.dedup();
+        let report = batch::report(&cli.plugin, &model, peer.as_ref(), &threads, &cli.batch_levels, cli.gen_tokens, cli.runs)?;
+        write_report(out, &report)?;
         println!("{report}");
         return Ok(());
     }

@@ -11,7 +11,9 @@
 //! llamabox-bench-plugin noop
 //! ```
 //! Common options: `--threads T --ctx C --batch B` (context parameters, set by the host
-//! so both sides build the same context). Output: one `key: value` line per measurement.
+//! so both sides build the same context), `--ubatch host` to leave n-ubatch to the host
+//! (which may then make the context a seat of a batch). Output: one `key: value` line
+//! per measurement.
 
 // The plugin world's bindings, shared by every Rust plugin (guest/sdk).
 use llamabox_guest::args::Args;
@@ -44,6 +46,8 @@ struct Options {
     threads: u32,
     ctx: u32,
     batch: u32,
+    /// Leave n-ubatch unset: the host may batch the context with others' (a seat).
+    host_ubatch: bool,
 }
 
 impl Options {
@@ -67,6 +71,7 @@ impl Options {
             threads: args.number("threads", 1)?,
             ctx: args.number("ctx", 1024)?,
             batch: args.number("batch", 512)?,
+            host_ubatch: args.either("ubatch", "set", "host")?,
         })
     }
 }
@@ -83,7 +88,7 @@ fn run(o: &Options) -> Result<(), Error> {
     let params = ContextParams {
         n_ctx: Some(o.ctx),
         n_batch: Some(o.batch),
-        n_ubatch: Some(o.batch),
+        n_ubatch: (!o.host_ubatch).then_some(o.batch),
         n_seq_max: Some(1),
         n_threads: Some(o.threads),
     };

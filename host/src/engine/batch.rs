@@ -1781,7 +1781,7 @@ mod tests {
         let (pool, tracker) = (BatchPool::default(), Tracker::new());
         let seat = || pool.lease(&policy, &model, SeatSize { n_ctx: 2048, n_batch: 512 }, "g", Arc::default(), &tracker);
         let n_vocab = model.n_vocab() as i32;
-        let (mut lost, mut gen_steps) = (Vec::new(), Vec::new());
+        let (mut lost, mut gen_steps, mut shared_steps) = (Vec::new(), Vec::new(), Vec::new());
         let mut rng = crate::native::synthetic::SplitMix64(11);
         for trial in 0..24 {
             let generators = [seat().await.unwrap().unwrap(), seat().await.unwrap().unwrap(), seat().await.unwrap().unwrap()];
@@ -1807,17 +1807,24 @@ mod tests {
             let seen = steps.lock().unwrap().clone();
             lost.extend(seen.iter().filter(|s| s.rolled_back).map(|s| s.elapsed.as_secs_f64() * 1e3));
             gen_steps.extend(seen.iter().filter(|s| !s.rolled_back && s.rows == 3).map(|s| s.elapsed.as_secs_f64() * 1e3));
+            // Steps the generations shared with the prompt: how long they waited for a token.
+            shared_steps.extend(seen.iter().filter(|s| s.rows > 3).map(|s| s.elapsed.as_secs_f64() * 1e3));
         }
         let q = |v: &mut Vec<f64>, p: f64| {
             v.sort_by(f64::total_cmp);
             v[((v.len() - 1) as f64 * p).round() as usize]
         };
         println!(
-            "threads {threads}: a cancelled step cost its survivors p50 {:.2} ms, p99 {:.2} ms ({} cancels); a 3-seat generation step takes p50 {:.2} ms",
+            "threads {threads}: a cancelled step cost its survivors p50 {:.2} ms, p99 {:.2} ms ({} cancels); a 3-seat generation step takes p50 {:.2} ms; \
+             beside the 500-row prompt a generating seat waited for its next token p50 {:.2} ms, p99 {:.2} ms, at most {:.2} ms (step target {:?})",
             q(&mut lost, 0.5),
             q(&mut lost, 0.99),
             lost.len(),
-            q(&mut gen_steps, 0.5)
+            q(&mut gen_steps, 0.5),
+            q(&mut shared_steps, 0.5),
+            q(&mut shared_steps, 0.99),
+            q(&mut shared_steps, 1.0),
+            policy.step_target,
         );
     }
 }
