@@ -60,7 +60,7 @@ pub(crate) struct SeatSize {
 ///   taking at most `long_prompt_share` of the time while anyone else has work;
 /// - a step of long prompts alone runs up to `step_rows` rows, and yields in flight when
 ///   another seat's call arrives: it is rolled back, and the next step takes the
-///   newcomer first.
+///   newcomer first; what a yield threw away is made good before the next may yield.
 #[derive(Clone)]
 pub struct BatchPolicy {
     /// Seats (native sequences) per shared context: contexts beyond this get contexts
@@ -363,7 +363,7 @@ enum Op {
     /// can queue several seats' calls for one step.
     #[cfg(test)]
     Pause(mpsc::Receiver<()>),
-    /// Test hook: the next step that may yield does so at this node.
+    /// Test hook: every step that may yield does so at this node.
     #[cfg(test)]
     YieldAt(u64),
     Join { id: u64, group: String, meter: Arc<Meter>, alive: Alive, n_ctx: u32, n_batch: u32 },
@@ -526,9 +526,11 @@ struct Steps {
     /// (at `long_prompt_share`), less what they spent; they get rows once it covers a
     /// step target. Back to 0 whenever no long prompt waits.
     long_credit: f64,
-    /// The last step yielded: the next one is not ended by arrivals (so a long prompt
-    /// always gets on), and its rows are one target's worth.
-    yielded_last: bool,
+    /// Seconds of long prompts' work thrown away by yields and not yet made good: while
+    /// above 0, their steps take one target's worth of rows and do not yield, so the
+    /// time they compute for good is at least the time arrivals made them lose (a flood
+    /// of calls, even ones that fail, costs a long prompt at most half its speed).
+    yield_debt: f64,
     /// The last plan left a long prompt waiting beside other work (see `account_long`).
     long_waiting: bool,
     /// Seats that have left, counted (`Slot::released`).
@@ -536,8 +538,8 @@ struct Steps {
     /// Where seats signal an arrival (`Batcher::arrived`), and the flag of this loop.
     arrived_slot: Arc<Mutex<CancelFlag>>,
     arrived: CancelFlag,
-    /// Test hook: the next step that may yield does so at this node (as if a call
-    /// arrived then).
+    /// Test hook: every step that may yield does so at this node (as if a call arrived
+    /// then: a flood of arrivals).
     #[cfg(test)]
     yield_at: Option<u64>,
 }
@@ -552,7 +554,7 @@ impl Steps {
             members: BTreeMap::new(),
             pace: StepPace::default(),
             long_credit: 0.0,
-            yielded_last: false,
+            yield_debt: 0.0,
             long_waiting: false,
             releases: 0,
             arrived_slot,
@@ -1075,8 +1077,8 @@ impl Steps {
         prompts.sort_unstable();
         let others = generating > 0 || prompts.iter().any(|&(long, ..)| !long);
         // Long prompts alone run in big steps that a newcomer ends; anything else, and
-        // the step after one that yielded, gets one target's worth of prompt rows.
-        let yields = !others && !self.yielded_last;
+        // long prompts making good what a yield threw away, get one target's worth.
+        let yields = !others && self.yield_debt <= 0.0;
         let budget = if yields { step_rows } else { self.pace.rows(self.policy.step_target) };
         let mut budget = budget.min(step_rows.saturating_sub(generating));
         let long_may = !others || self.long_credit >= self.policy.step_target.as_secs_f64() || self.policy.long_prompt_share >= 1.0;
@@ -1139,7 +1141,6 @@ impl Steps {
         }
         #[cfg(test)]
         if let (true, Some(node)) = (yields, self.yield_at) {
-            self.yield_at = None;
             self.arrived.trip_after(node);
         }
         let (result, elapsed, cancelled) = {
@@ -1179,8 +1180,13 @@ impl Steps {
         if let Some(observe) = &self.policy.observer {
             observe(&report);
         }
-        self.yielded_last = yielded;
         self.account_long(long_rows, batch.len(), elapsed);
+        if yielded {
+            self.yield_debt += elapsed.as_secs_f64();
+        } else if result.is_ok() {
+            // A step's time split by rows, as `account_long` does.
+            self.yield_debt = (self.yield_debt - elapsed.as_secs_f64() * long_rows as f64 / batch.len() as f64).max(0.0);
+        }
         match result {
             Ok(()) => {
                 self.pace.observe(batch.len(), elapsed);
@@ -1714,6 +1720,33 @@ mod tests {
         let (batched, whole) = (seat.logits(None).await.unwrap().unwrap(), solo_logits(&long));
         let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
         assert!(max_diff(&batched, &whole) < 1e-2 * scale, "after a yield: {} (logits up to {scale})", max_diff(&batched, &whole));
+    }
+
+    #[tokio::test]
+    async fn a_flood_of_arrivals_costs_a_long_prompt_at_most_half_its_time() {
+        let f = long_prompt_fixture(0.25, Duration::from_millis(1));
+        let seat = f.seat().await;
+        // One timed step first: the batch then plans a millisecond's rows per chunk.
+        seat.decode(Batch::sequence(&prompt(5, 32), 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        seat.clear().await.unwrap().unwrap();
+        f.steps.lock().unwrap().clear();
+        let long = prompt(6, 240);
+        let gate = pause(&seat);
+        // Every step that may yield does, late in the step.
+        seat.batcher.ops.send(Op::YieldAt(20)).unwrap();
+        let call = seat.decode(Batch::sequence(&long, 0, 0), CancelFlag::new());
+        drop(gate);
+        // Without making good what it lost, it would yield at every step, for ever.
+        let done = tokio::time::timeout(Duration::from_secs(30), call).await.expect("the long prompt got through the flood");
+        done.unwrap().unwrap();
+        let steps = f.steps();
+        let lost: Duration = steps.iter().filter(|s| s.yielded).map(|s| s.elapsed).sum();
+        let kept: Duration = steps.iter().filter(|s| !s.yielded).map(|s| s.elapsed).sum();
+        let last_yield = steps.iter().filter(|s| s.yielded).map(|s| s.elapsed).max().unwrap_or_default();
+        assert!(steps.iter().filter(|s| s.yielded).count() >= 2, "the flood made it yield again once the first was made good: {steps:?}");
+        assert!(lost <= kept + last_yield, "lost {lost:?} to yields against {kept:?} kept: {steps:?}");
+        assert_eq!(steps.iter().filter(|s| !s.yielded).map(|s| s.rows).sum::<usize>(), 240, "every row computed for good once");
+        assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), 239);
     }
 
     #[tokio::test]
