@@ -473,7 +473,6 @@ struct Share {
 }
 
 /// What the next step decodes, and whether it may yield to a newcomer.
-#[derive(Default)]
 struct Plan {
     shares: Vec<Share>,
     /// Long prompts alone, up to `step_rows`: a newcomer's call ends it in flight.
@@ -1185,12 +1184,13 @@ impl Steps {
         if let Some(observe) = &self.policy.observer {
             observe(&report);
         }
-        self.account_long(long_rows, batch.len(), elapsed);
+        // Long prompts' part of the step: its time split by rows.
+        let long_time = elapsed.as_secs_f64() * long_rows as f64 / batch.len() as f64;
+        self.account_long(long_time, elapsed);
         if yielded {
             self.yield_debt += elapsed.as_secs_f64();
         } else if result.is_ok() {
-            // A step's time split by rows, as `account_long` does.
-            self.yield_debt = (self.yield_debt - elapsed.as_secs_f64() * long_rows as f64 / batch.len() as f64).max(0.0);
+            self.yield_debt = (self.yield_debt - long_time).max(0.0);
         }
         match result {
             Ok(()) => {
@@ -1216,16 +1216,15 @@ impl Steps {
     }
 
     /// Long prompts beside other work earn `long_prompt_share` of the time the others'
-    /// rows took, and spend what theirs took (a step's time split by rows); with nobody
-    /// waiting beside them, the account is settled at 0. So they run beside others only
-    /// on time earned first, one step target at a time.
-    fn account_long(&mut self, long_rows: usize, rows: usize, elapsed: Duration) {
+    /// rows took, and spend `long_time`, what theirs took; with nobody waiting beside
+    /// them, the account is settled at 0. So they run beside others only on time earned
+    /// first, one step target at a time.
+    fn account_long(&mut self, long_time: f64, elapsed: Duration) {
         if !self.long_waiting {
             self.long_credit = 0.0;
             return;
         }
         let share = self.policy.long_prompt_share.clamp(0.0, 0.99);
-        let long_time = elapsed.as_secs_f64() * long_rows as f64 / rows.max(1) as f64;
         let other_time = elapsed.as_secs_f64() - long_time;
         let target = self.policy.step_target.as_secs_f64();
         self.long_credit = (self.long_credit + share / (1.0 - share) * other_time - long_time).min(target);
