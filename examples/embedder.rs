@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use llamabox::wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use llamabox::wasmtime_wasi::WasiCtxBuilder;
-use llamabox::{CancelFlag, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunReport, RunStop};
+use llamabox::{
+    CancelFlag, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunReport, RunStop,
+};
 
 /// One run's report and everything it printed.
 pub struct Finished {
@@ -33,17 +35,30 @@ pub struct Finished {
 
 /// Run `plugin` for `options.group` with `args`, capturing its stdout and stderr (a
 /// plugin's output goes nowhere unless the embedder gives it a place).
-async fn run(plugin: &Plugin, tenant: &'static str, options: RunOptions, args: &[&str]) -> Result<Finished, llamabox::Error> {
+async fn run(
+    plugin: &Plugin,
+    tenant: &'static str,
+    options: RunOptions,
+    args: &[&str],
+) -> Result<Finished, llamabox::Error> {
     let output = MemoryOutputPipe::new(64 << 10); // at most 64 KiB kept per run
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(output.clone()).stderr(output.clone());
     wasi.args(&std::iter::once("plugin").chain(args.iter().copied()).collect::<Vec<_>>());
     let report = plugin.run_report(&options, wasi).await?;
-    Ok(Finished { tenant, report, output: String::from_utf8_lossy(&output.contents()).into_owned() })
+    Ok(Finished {
+        tenant,
+        report,
+        output: String::from_utf8_lossy(&output.contents()).into_owned(),
+    })
 }
 
 /// Everything the example does; returns each run's result, in the order above.
-pub async fn run_tenants(model: &Path, demo: &Path, misbehaving: &Path) -> anyhow::Result<Vec<Finished>> {
+pub async fn run_tenants(
+    model: &Path,
+    demo: &Path,
+    misbehaving: &Path,
+) -> anyhow::Result<Vec<Finished>> {
     let registry = ModelRegistry::new();
     registry.register("m", model);
     // One host for all tenants: one engine, each plugin compiled once, one loaded model.
@@ -68,14 +83,25 @@ pub async fn run_tenants(model: &Path, demo: &Path, misbehaving: &Path) -> anyho
     };
     let gamma_stop = RunStop::new();
 
-    let alpha_run = run(&demo, "alpha", RunOptions { group: "alpha".into(), ..RunOptions::default() }, &["--model", "m"]);
+    let alpha_run = run(
+        &demo,
+        "alpha",
+        RunOptions { group: "alpha".into(), ..RunOptions::default() },
+        &["--model", "m"],
+    );
     let beta_args = ["decode-until-stopped", "--model", "m", "--token", &capability];
-    let beta_run = run(&misbehaving, "beta", RunOptions { group: "beta".into(), ..RunOptions::default() }, &beta_args);
+    let beta_run = run(
+        &misbehaving,
+        "beta",
+        RunOptions { group: "beta".into(), ..RunOptions::default() },
+        &beta_args,
+    );
     let beta_cancel = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
         beta_token.cancel();
     };
-    let gamma_spin = run(&misbehaving, "gamma", gamma(Some(Duration::from_millis(200)), None), &["spin"]);
+    let gamma_spin =
+        run(&misbehaving, "gamma", gamma(Some(Duration::from_millis(200)), None), &["spin"]);
     let gamma_decode = run(
         &misbehaving,
         "gamma",
@@ -97,7 +123,8 @@ pub async fn run_tenants(model: &Path, demo: &Path, misbehaving: &Path) -> anyho
 
 /// A model for the example when none is given: a small generated one (random weights).
 fn generated_model() -> anyhow::Result<PathBuf> {
-    let path = std::env::temp_dir().join(format!("llamabox-embedder-example-{}.gguf", std::process::id()));
+    let path =
+        std::env::temp_dir().join(format!("llamabox-embedder-example-{}.gguf", std::process::id()));
     llamabox::native::TextModelSpec::tiny().write(&path)?;
     Ok(path)
 }
@@ -105,7 +132,9 @@ fn generated_model() -> anyhow::Result<PathBuf> {
 #[allow(dead_code)] // a test calls `run_tenants` instead
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .init();
     let mut args = std::env::args_os().skip(1).map(PathBuf::from);
     let (model, generated) = match args.next() {
         Some(model) => (model, false),

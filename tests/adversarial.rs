@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use llamabox::native::synthetic::SplitMix64;
 use llamabox::native::{
-    Batch, CancelFlag, Context, ContextParams, Error, MediaCaps, MediaContext, MediaInput, Model, Stop,
+    Batch, CancelFlag, Context, ContextParams, Error, MediaCaps, MediaContext, MediaInput, Model,
+    Stop,
 };
 
 /// Seeded, so a failing run can be replayed from its seed.
@@ -29,7 +30,8 @@ impl Rng {
     /// Mostly plausible values, sometimes the edges that break C code.
     fn int(&mut self, plausible: i64) -> i64 {
         match self.below(10) {
-            0 => [-1, 0, i32::MIN as i64, i32::MAX as i64, plausible, plausible + 1][self.below(6) as usize],
+            0 => [-1, 0, i32::MIN as i64, i32::MAX as i64, plausible, plausible + 1]
+                [self.below(6) as usize],
             1 => self.next() as i32 as i64,
             _ => self.below(plausible.max(1) as u64) as i64,
         }
@@ -51,7 +53,11 @@ fn random_batch(rng: &mut Rng, ctx: &Context, n_vocab: i64) -> Batch {
         0 => rng.int(64) as i32,
         _ => ctx.seq_pos_max(seq.clamp(0, ctx.params().n_seq_max as i32 - 1)).unwrap_or(-1) + 1,
     };
-    let mut batch = Batch::sequence(&(0..n).map(|_| rng.below(n_vocab as u64) as i32).collect::<Vec<_>>(), start, seq);
+    let mut batch = Batch::sequence(
+        &(0..n).map(|_| rng.below(n_vocab as u64) as i32).collect::<Vec<_>>(),
+        start,
+        seq,
+    );
     // At most one thing wrong per batch, so valid decodes are common too.
     match rng.below(12) {
         0 => batch.logits.pop().map(drop).unwrap_or(()),
@@ -101,22 +107,37 @@ fn random_decodes_memory_ops_and_media_inputs_never_crash_or_leak_state() {
             }
             _ => {
                 let (w, h) = (rng.int(300) as u32, rng.int(300) as u32);
-                let bytes = (w as usize).saturating_mul(h as usize).saturating_mul(3).min(300 * 300 * 3);
+                let bytes =
+                    (w as usize).saturating_mul(h as usize).saturating_mul(3).min(300 * 300 * 3);
                 let rgb = vec![(i % 251) as u8; if rng.below(4) == 0 { bytes + 1 } else { bytes }];
                 let markers = rng.below(3) as usize;
                 let prompt = format!("x{}", MediaContext::marker().repeat(markers));
-                vision.tokenize(&prompt, &[MediaInput::Image { width: w, height: h, rgb }], caps, usize::MAX).map(drop)
+                vision
+                    .tokenize(
+                        &prompt,
+                        &[MediaInput::Image { width: w, height: h, rgb }],
+                        caps,
+                        usize::MAX,
+                    )
+                    .map(drop)
             }
         };
         match &result {
             Ok(()) => ok += 1,
             Err(Error::Cancelled) => cancelled += 1,
-            Err(Error::InvalidArgument(_)) | Err(Error::ContextFull) | Err(Error::LimitExceeded(_)) => refused += 1,
-            Err(Error::Backend(m)) => panic!("call {i} (seed {seed}): unexpected backend error {m}"),
+            Err(Error::InvalidArgument(_))
+            | Err(Error::ContextFull)
+            | Err(Error::LimitExceeded(_)) => refused += 1,
+            Err(Error::Backend(m)) => {
+                panic!("call {i} (seed {seed}): unexpected backend error {m}")
+            }
         }
         let after = memory(&ctx);
         if result.is_err() {
-            assert_eq!(before, after, "call {i} (seed {seed}) failed ({result:?}) but changed memory");
+            assert_eq!(
+                before, after,
+                "call {i} (seed {seed}) failed ({result:?}) but changed memory"
+            );
         }
         if after.iter().any(|&p| p > 200) {
             ctx.clear();
@@ -147,11 +168,20 @@ fn check_params(model: &Arc<Model>, params: ContextParams) -> Result<bool, Error
         return Ok(false);
     }
     let mut ctx = Context::new(model.clone(), params)?;
-    assert_eq!(ctx.params().n_ctx, allocated, "{params:?}: llama.cpp allocated another n-ctx than predicted");
+    assert_eq!(
+        ctx.params().n_ctx,
+        allocated,
+        "{params:?}: llama.cpp allocated another n-ctx than predicted"
+    );
     // One token in every sequence, each with an output row: the shape llama.cpp's
     // output buffer asserts on.
     let n_seq = params.n_seq_max.min(ctx.params().n_batch) as i32;
-    let batch = Batch { tokens: vec![1; n_seq as usize], positions: vec![0; n_seq as usize], seq_ids: (0..n_seq).collect(), logits: vec![true; n_seq as usize] };
+    let batch = Batch {
+        tokens: vec![1; n_seq as usize],
+        positions: vec![0; n_seq as usize],
+        seq_ids: (0..n_seq).collect(),
+        logits: vec![true; n_seq as usize],
+    };
     ctx.decode(&batch, None).unwrap_or_else(|e| panic!("{params:?}: decode failed: {e}"));
     Ok(true)
 }
@@ -159,7 +189,13 @@ fn check_params(model: &Arc<Model>, params: ContextParams) -> Result<bool, Error
 #[test]
 fn every_context_params_combination_gives_a_context_or_a_named_error() {
     let model = Arc::new(Model::load(common::tiny_model()).unwrap());
-    let p = |n_ctx, n_batch, n_ubatch, n_seq_max| ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads: 1 };
+    let p = |n_ctx, n_batch, n_ubatch, n_seq_max| ContextParams {
+        n_ctx,
+        n_batch,
+        n_ubatch,
+        n_seq_max,
+        n_threads: 1,
+    };
     // The shapes that aborted the host: n-seq-max above the n-batch llama.cpp settles on.
     for (params, message) in [
         (p(8, 512, 8, 16), "n-seq-max 16 needs an n-batch of at least 16 (one output row per sequence), but n-batch is 8 (n-batch 512 is cut to n-ctx 8)"),
@@ -174,21 +210,38 @@ fn every_context_params_combination_gives_a_context_or_a_named_error() {
     assert_eq!(check_params(&model, p(16, 16, 1, 16)), Ok(true));
     assert_eq!(check_params(&model, p(1, 1, 1, 1)), Ok(true));
     assert_eq!(p(8, 8, 8, 1).allocated_n_ctx(), Ok(256), "n-ctx is padded to 256");
-    assert_eq!(p(300, 64, 64, 3).allocated_n_ctx(), Ok(3 * 256), "each sequence's share is padded again");
+    assert_eq!(
+        p(300, 64, 64, 3).allocated_n_ctx(),
+        Ok(3 * 256),
+        "each sequence's share is padded again"
+    );
     assert_eq!(p(4096, 64, 64, 16).allocated_n_ctx(), Ok(4096));
-    assert_eq!(p(480, 64, 64, 16).allocated_n_ctx(), Ok(4096), "16 sequences take 16 x 256 cells whatever n-ctx asks");
+    assert_eq!(
+        p(480, 64, 64, 16).allocated_n_ctx(),
+        Ok(4096),
+        "16 sequences take 16 x 256 cells whatever n-ctx asks"
+    );
 
     let seed = env("LLAMABOX_FUZZ_SEED", 11);
     let iters = env("LLAMABOX_FUZZ_ITERS", 400);
     let mut rng = Rng(SplitMix64(seed));
     let (mut created, mut refused, mut checked) = (0, 0, 0);
     for i in 0..iters {
-        let params = ContextParams { n_ctx: param(&mut rng), n_batch: param(&mut rng), n_ubatch: param(&mut rng), n_seq_max: param(&mut rng), n_threads: param(&mut rng).min(if rng.below(2) == 0 { 1 } else { u32::MAX }) };
+        let params = ContextParams {
+            n_ctx: param(&mut rng),
+            n_batch: param(&mut rng),
+            n_ubatch: param(&mut rng),
+            n_seq_max: param(&mut rng),
+            n_threads: param(&mut rng).min(if rng.below(2) == 0 { 1 } else { u32::MAX }),
+        };
         match check_params(&model, params) {
             Ok(true) => created += 1,
             Ok(false) => checked += 1,
             Err(Error::InvalidArgument(m)) => {
-                assert!(!m.contains('{') && !m.contains("ContextParams"), "call {i}: a Debug struct in {m:?}");
+                assert!(
+                    !m.contains('{') && !m.contains("ContextParams"),
+                    "call {i}: a Debug struct in {m:?}"
+                );
                 refused += 1
             }
             Err(e) => panic!("call {i} (seed {seed}) {params:?}: {e:?}"),

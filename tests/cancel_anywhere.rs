@@ -7,7 +7,9 @@ mod common;
 
 use std::time::Duration;
 
-use llamabox::{CancelFlag, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome, RunStop};
+use llamabox::{
+    CancelFlag, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome, RunStop,
+};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
 
@@ -24,7 +26,12 @@ fn test_plugin(host: &PluginHost) -> Plugin {
     host.load(common::test_plugin()).unwrap()
 }
 
-async fn run(plugin: &Plugin, group: &str, deadline: Option<Duration>, args: &[&str]) -> (RunOutcome, String) {
+async fn run(
+    plugin: &Plugin,
+    group: &str,
+    deadline: Option<Duration>,
+    args: &[&str],
+) -> (RunOutcome, String) {
     let out = MemoryOutputPipe::new(1 << 16);
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(out.clone()).stderr(out.clone());
@@ -43,7 +50,8 @@ async fn the_embedder_cancels_a_plugins_decode_with_its_own_token() {
     let capability = host.tokens().share("tenant", &flag).expect("a capability");
     // Deterministic: the embedder's token trips after the decode's 20th graph node.
     flag.trip_after(20);
-    let (outcome, out) = run(&plugin, "tenant", None, &["--model", "slow", "--token", &capability]).await;
+    let (outcome, out) =
+        run(&plugin, "tenant", None, &["--model", "slow", "--token", &capability]).await;
     assert_eq!(outcome, RunOutcome::Success);
     assert_eq!(common::field(&out, "shared-decode"), "cancelled");
     assert_eq!(flag.polls(), 20, "stopped at the tripping node, in flight");
@@ -66,7 +74,11 @@ async fn another_instance_cancels_a_blocking_decode_through_a_shared_capability(
     assert_eq!((a, b), (RunOutcome::Success, RunOutcome::Success));
     assert_eq!(common::field(&b_out, "cancel-shared"), "ok");
     assert!(a_out.contains("stopped: cancelled"), "{a_out}");
-    assert_eq!(common::field(&a_out, "memory-after"), "seq-pos-max=-1", "a cancelled decode leaves no trace");
+    assert_eq!(
+        common::field(&a_out, "memory-after"),
+        "seq-pos-max=-1",
+        "a cancelled decode leaves no trace"
+    );
     assert!(flag.is_cancelled());
 }
 
@@ -76,9 +88,15 @@ async fn forged_and_other_group_capabilities_are_refused() {
     let flag = CancelFlag::new();
     let capability = host.tokens().share("tenant-a", &flag).expect("a capability");
     let (_, other_group) = run(&plugin, "tenant-b", None, &["--cancel-shared", &capability]).await;
-    let (_, forged) = run(&plugin, "tenant-a", None, &["--cancel-shared", "0123456789abcdef0123456789abcdef"]).await;
+    let (_, forged) =
+        run(&plugin, "tenant-a", None, &["--cancel-shared", "0123456789abcdef0123456789abcdef"])
+            .await;
     for out in [other_group, forged] {
-        assert!(common::field(&out, "cancel-shared").starts_with("invalid-argument: no token is shared"), "{out}");
+        assert!(
+            common::field(&out, "cancel-shared")
+                .starts_with("invalid-argument: no token is shared"),
+            "{out}"
+        );
     }
     assert!(!flag.is_cancelled());
 }
@@ -89,13 +107,19 @@ async fn a_deadline_stops_native_work_and_joins_every_worker() {
     let flag = CancelFlag::new(); // never cancelled: only the deadline stops the decode
     let capability = host.tokens().share("tenant", &flag).expect("a capability");
     // Decodes until stopped: only the deadline ends it.
-    let args = ["decode-until-stopped", "--model", "slow", "--token", &capability, "--long-tokens", "512"];
-    let (outcome, _) = run(&test_plugin(&host), "tenant", Some(Duration::from_millis(300)), &args).await;
+    let args =
+        ["decode-until-stopped", "--model", "slow", "--token", &capability, "--long-tokens", "512"];
+    let (outcome, _) =
+        run(&test_plugin(&host), "tenant", Some(Duration::from_millis(300)), &args).await;
     assert_eq!(outcome, RunOutcome::DeadlineExceeded);
     assert_eq!(host.live_workers(), 0, "no worker may outlive its store");
-    assert!(!flag.is_cancelled(), "the deadline stops the call without cancelling the caller's token");
+    assert!(
+        !flag.is_cancelled(),
+        "the deadline stops the call without cancelling the caller's token"
+    );
     // The host keeps serving: the same plugin runs again at once.
-    let (again, out) = run(&plugin, "tenant", None, &["--model", "slow", "--cancel-shared", &capability]).await;
+    let (again, out) =
+        run(&plugin, "tenant", None, &["--model", "slow", "--cancel-shared", &capability]).await;
     assert_eq!((again, common::field(&out, "cancel-shared")), (RunOutcome::Success, "ok"));
 }
 
@@ -111,18 +135,23 @@ async fn a_deadline_ends_a_run_that_is_tokenizing_the_slowest_text_it_may() {
         let plugin = test_plugin(&host);
         let deadline = Duration::from_millis(300);
         let started = std::time::Instant::now();
-        let (outcome, out) = run(&plugin, "tenant", Some(deadline), &["tokenize-until-stopped", "--model", name]).await;
+        let (outcome, out) =
+            run(&plugin, "tenant", Some(deadline), &["tokenize-until-stopped", "--model", name])
+                .await;
         let overshoot = started.elapsed().saturating_sub(deadline);
         assert_eq!(outcome, RunOutcome::DeadlineExceeded, "{out}");
         assert_eq!(host.live_workers(), 0, "the tokenizer thread ended before the run returned");
-        println!("{name}: deadline overshoot while tokenizing: {overshoot:?} (a figure, not a gate)");
+        println!(
+            "{name}: deadline overshoot while tokenizing: {overshoot:?} (a figure, not a gate)"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_that_loops_forever_is_stopped_by_its_deadline() {
     let (host, _) = host();
-    let (outcome, out) = run(&test_plugin(&host), "tenant", Some(Duration::from_millis(200)), &["spin"]).await;
+    let (outcome, out) =
+        run(&test_plugin(&host), "tenant", Some(Duration::from_millis(200)), &["spin"]).await;
     assert_eq!(outcome, RunOutcome::DeadlineExceeded);
     assert!(out.contains("spinning"));
 }
@@ -139,9 +168,15 @@ fn a_plugin_that_outlives_its_host_still_meets_its_deadline() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let _ = tx.send(runtime.block_on(run(&plugin, "tenant", Some(Duration::from_millis(200)), &["spin"])));
+        let _ = tx.send(runtime.block_on(run(
+            &plugin,
+            "tenant",
+            Some(Duration::from_millis(200)),
+            &["spin"],
+        )));
     });
-    let (outcome, out) = rx.recv_timeout(Duration::from_secs(60)).expect("the deadline never fired");
+    let (outcome, out) =
+        rx.recv_timeout(Duration::from_secs(60)).expect("the deadline never fired");
     assert_eq!(outcome, RunOutcome::DeadlineExceeded);
     assert!(out.contains("spinning"));
 }
@@ -159,21 +194,33 @@ async fn a_guest_cannot_take_more_memory_than_its_limit() {
     let result = plugin.run_with(&RunOptions::default(), wasi).await;
     let text = String::from_utf8(out.contents().to_vec()).unwrap();
     let hoarded = text.lines().filter(|l| l.starts_with("hoarded")).count();
-    assert!(result.is_err() || result.as_ref().is_ok_and(|o| *o != RunOutcome::Success), "{result:?}");
+    assert!(
+        result.is_err() || result.as_ref().is_ok_and(|o| *o != RunOutcome::Success),
+        "{result:?}"
+    );
     assert!((1..=16).contains(&hoarded), "stopped at the 256 MiB limit, after {hoarded} × 16 MiB");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wasi_0_3_guest_tasks_cancel_in_flight_by_token_or_by_dropping_the_future() {
-    let (outcome, out) =
-        common::run_plugin(common::async_demo_plugin(), &[("slow", common::slow_model())], &[], &["slow", "512"]).await;
+    let (outcome, out) = common::run_plugin(
+        common::async_demo_plugin(),
+        &[("slow", common::slow_model())],
+        &[],
+        &["slow", "512"],
+    )
+    .await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
     // Each scenario stops its decode at once: queued or running, never finished.
     assert_eq!(common::field(&out, "async-spawn"), "cancelled");
     assert_eq!(common::field(&out, "async-join"), "cancelled");
     assert_eq!(common::field(&out, "async-drop"), "dropped");
     for scenario in ["spawn", "join", "drop"] {
-        assert_eq!(common::field(&out, &format!("memory-after-{scenario}")), "seq-pos-max=-1", "{scenario} left a trace");
+        assert_eq!(
+            common::field(&out, &format!("memory-after-{scenario}")),
+            "seq-pos-max=-1",
+            "{scenario} left a trace"
+        );
     }
     assert_eq!(common::field(&out, "async-two-contexts"), "kept ok, stopped cancelled");
     assert_eq!(common::field(&out, "memory-after-two"), "seq-pos-max=511 and -1");
@@ -187,7 +234,11 @@ async fn wasi_0_3_guest_tasks_cancel_in_flight_by_token_or_by_dropping_the_futur
     assert_eq!(common::field(&out, "async-generation"), "4 tokens");
     assert_eq!(common::field(&out, "async-generation-drop"), "dropped");
     assert_eq!(common::field(&out, "async-generation-after-drop"), "cancelled");
-    assert_eq!(common::field(&out, "memory-after-generation-drop"), "seq-pos-max=-1", "a dropped generation-next left a trace");
+    assert_eq!(
+        common::field(&out, "memory-after-generation-drop"),
+        "seq-pos-max=-1",
+        "a dropped generation-next left a trace"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -196,11 +247,15 @@ async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() 
     registry.register("tiny", common::tiny_model());
     registry.register_projector("eyes", common::tiny_vision());
     // Stop points at fixed work, not paced by measured speed: the same polls every run.
-    let limits = Limits { encode_fixed_chunk_work: Some(llamabox::native::chunker::CHUNK_WORK), ..Limits::default() };
+    let limits = Limits {
+        encode_fixed_chunk_work: Some(llamabox::native::chunker::CHUNK_WORK),
+        ..Limits::default()
+    };
     let host = PluginHost::new(registry, limits).unwrap();
     let plugin = host.load(common::demo_plugin()).unwrap();
     let args = |cap: &str| {
-        ["--model", "tiny", "--media", "eyes", "--cancel-after-ms", "100000", "--token", cap].map(String::from)
+        ["--model", "tiny", "--media", "eyes", "--cancel-after-ms", "100000", "--token", cap]
+            .map(String::from)
     };
     let run_with = |flag: CancelFlag| {
         let capability = host.tokens().share("tenant", &flag).expect("a capability");
@@ -223,8 +278,16 @@ async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() 
         let flag = CancelFlag::new();
         flag.trip_after(k);
         let out = run_with(flag.clone()).await;
-        assert_eq!(common::field(&out, "media-eval-shared"), "cancelled", "stopped at poll {k} of {total}");
-        assert_eq!(common::field(&out, "media-eval-shared-memory"), "seq-pos-max=-1", "poll {k}: earlier stages must be undone");
+        assert_eq!(
+            common::field(&out, "media-eval-shared"),
+            "cancelled",
+            "stopped at poll {k} of {total}"
+        );
+        assert_eq!(
+            common::field(&out, "media-eval-shared-memory"),
+            "seq-pos-max=-1",
+            "poll {k}: earlier stages must be undone"
+        );
         assert_eq!(flag.polls(), k);
     }
 }
@@ -237,7 +300,8 @@ async fn the_embedders_stop_handle_ends_a_run_now() {
     let (host, _) = host();
     let plugin = test_plugin(&host);
     let stop = RunStop::new();
-    let options = RunOptions { group: "tenant".into(), stop: Some(stop.clone()), ..RunOptions::default() };
+    let options =
+        RunOptions { group: "tenant".into(), stop: Some(stop.clone()), ..RunOptions::default() };
     let out = MemoryOutputPipe::new(1 << 16);
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(out.clone()).args(&["test-plugin", "spin"]);
@@ -256,7 +320,11 @@ async fn the_embedders_stop_handle_ends_a_run_now() {
     let mut wasi = WasiCtxBuilder::new();
     wasi.args(&["test-plugin", "spin"]);
     assert!(stop.is_stopped());
-    assert_eq!(plugin.run_with(&options, wasi).await.unwrap(), RunOutcome::Stopped, "already stopped: ends at once");
+    assert_eq!(
+        plugin.run_with(&options, wasi).await.unwrap(),
+        RunOutcome::Stopped,
+        "already stopped: ends at once"
+    );
 }
 
 /// Limits per run: one plugin, compiled once, runs for two tenants with different caps.
@@ -264,7 +332,10 @@ async fn the_embedders_stop_handle_ends_a_run_now() {
 async fn each_run_can_have_its_own_limits() {
     let (_host, plugin) = host();
     let args = ["--model", "slow", "--prompt", "per-run limits", "--generate", "2"];
-    let tight = RunOptions { limits: Some(Limits { max_contexts: 0, ..Limits::default() }), ..RunOptions::default() };
+    let tight = RunOptions {
+        limits: Some(Limits { max_contexts: 0, ..Limits::default() }),
+        ..RunOptions::default()
+    };
     let out = MemoryOutputPipe::new(1 << 16);
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(out.clone()).stderr(out.clone());
@@ -273,5 +344,9 @@ async fn each_run_can_have_its_own_limits() {
     let text = String::from_utf8_lossy(&out.contents()).into_owned();
     assert!(text.contains("max-contexts"), "{text}");
     let (outcome, out) = run(&plugin, "tenant", None, &args).await;
-    assert_eq!((outcome, common::field(&out, "generated-tokens")), (RunOutcome::Success, "2"), "the host's own limits for the next run");
+    assert_eq!(
+        (outcome, common::field(&out, "generated-tokens")),
+        (RunOutcome::Success, "2"),
+        "the host's own limits for the next run"
+    );
 }

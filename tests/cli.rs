@@ -9,7 +9,12 @@ fn llamabox(args: &[&str]) -> Output {
 }
 
 /// `llamabox run PLUGIN --model NAME=PATH HOST_FLAGS -- PLUGIN_ARGS`.
-fn run(plugin: &std::path::Path, (name, model): (&str, &std::path::Path), host_flags: &[&str], plugin_args: &[&str]) -> Output {
+fn run(
+    plugin: &std::path::Path,
+    (name, model): (&str, &std::path::Path),
+    host_flags: &[&str],
+    plugin_args: &[&str],
+) -> Output {
     let model = format!("{name}={}", model.display());
     let run = ["run", plugin.to_str().unwrap(), "--model", &model];
     llamabox(&[&run[..], host_flags, &["--"], plugin_args].concat())
@@ -28,12 +33,20 @@ fn info_names_the_cpu_features_and_flags_ggml_was_built_for_and_the_devices() {
         .strip_prefix("ggml CPU features: ")
         .and_then(|rest| rest.split_once("\nbuild: "))
         .unwrap_or_else(|| panic!("unexpected output: {text}"));
-    let (build, devices) = rest.split_once("\nGPU backends: ").unwrap_or_else(|| panic!("no GPU backends line: {text}"));
+    let (build, devices) = rest
+        .split_once("\nGPU backends: ")
+        .unwrap_or_else(|| panic!("no GPU backends line: {text}"));
     let devices: Vec<&str> = devices.lines().skip(1).collect();
     let listed = llamabox::native::devices();
     assert_eq!(devices.len(), listed.len(), "one line per device: {text}");
     for (line, device) in devices.iter().zip(&listed) {
-        assert!(line.starts_with(&format!("device {}: {} ({:?}", device.name, device.description, device.kind)), "{line}");
+        assert!(
+            line.starts_with(&format!(
+                "device {}: {} ({:?}",
+                device.name, device.description, device.kind
+            )),
+            "{line}"
+        );
     }
     assert!(listed.iter().any(|d| d.kind == llamabox::native::DeviceKind::Cpu), "{text}");
     if llamabox::native::gpu_backends().is_empty() {
@@ -57,7 +70,12 @@ fn an_offload_this_machine_cannot_do_is_refused_by_name_before_anything_runs() {
     if llamabox::native::devices().iter().all(|d| !d.kind.is_gpu()) {
         let out = llamabox(&["run", "/nonexistent/plugin.wasm", "--gpu-layers", "4"]);
         assert!(!out.status.success());
-        assert!(stderr(&out).contains("GPU layers were asked for, but this build and machine have no GPU"), "{}", stderr(&out));
+        assert!(
+            stderr(&out)
+                .contains("GPU layers were asked for, but this build and machine have no GPU"),
+            "{}",
+            stderr(&out)
+        );
     }
 }
 
@@ -84,7 +102,11 @@ fn model_flags_are_checked() {
     assert!(stderr(&out).contains("expected NAME=PATH"), "{}", stderr(&out));
     let out = llamabox(&["run", plugin, "--model", "m=/nonexistent/model.gguf"]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("model \"m\": file /nonexistent/model.gguf not found"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("model \"m\": file /nonexistent/model.gguf not found"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
@@ -103,7 +125,9 @@ fn runs_the_demo_and_reports_unknown_model_names() {
 
 #[test]
 fn synth_model_writes_a_loadable_model() {
-    let path = common::repo_root().join("target/test-models").join(format!("cli-synth-{}.gguf", std::process::id()));
+    let path = common::repo_root()
+        .join("target/test-models")
+        .join(format!("cli-synth-{}.gguf", std::process::id()));
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     let out = llamabox(&["synth-model", path.to_str().unwrap(), "--seed", "7"]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -117,14 +141,24 @@ fn a_deadline_stops_the_plugin_with_status_124() {
     // The plugin decodes until it is stopped: only the deadline can end it, however
     // fast or slow this machine is.
     let args = ["decode-until-stopped", "--model", "slow", "--long-tokens", "512"];
-    let out = run(common::test_plugin(), ("slow", common::slow_model()), &["--deadline-ms", "200"], &args);
+    let out = run(
+        common::test_plugin(),
+        ("slow", common::slow_model()),
+        &["--deadline-ms", "200"],
+        &args,
+    );
     assert_eq!(out.status.code(), Some(124), "{}", stderr(&out));
     assert!(stderr(&out).contains("deadline of 200 ms passed"), "{}", stderr(&out));
 }
 
 #[test]
 fn limit_flags_reach_the_plugin() {
-    let out = run(common::demo_plugin(), ("tiny", common::tiny_model()), &["--max-n-ctx", "100"], &["--model", "tiny"]);
+    let out = run(
+        common::demo_plugin(),
+        ("tiny", common::tiny_model()),
+        &["--max-n-ctx", "100"],
+        &["--model", "tiny"],
+    );
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("n-ctx 1024 is above this host's limit 100"), "{}", stderr(&out));
 }

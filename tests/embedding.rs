@@ -10,11 +10,20 @@ use std::sync::Arc;
 use llamabox::wasmtime::StoreContextMut;
 use llamabox::wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use llamabox::wasmtime_wasi::WasiCtxBuilder;
-use llamabox::{Error, Limits, ModelRegistry, OpenError, PluginHost, PluginState, RunOptions, RunOutcome, RunReport};
+use llamabox::{
+    Error, Limits, ModelRegistry, OpenError, PluginHost, PluginState, RunOptions, RunOutcome,
+    RunReport,
+};
 
 /// A WASI command whose `run` is `body` (core wasm returning 0 for success), with
 /// `imports` (component-level) and `core_imports` (how the core module gets them).
-fn command(imports: &str, lowered: &str, core_imports: &str, body: &str, instantiate_with: &str) -> Vec<u8> {
+fn command(
+    imports: &str,
+    lowered: &str,
+    core_imports: &str,
+    body: &str,
+    instantiate_with: &str,
+) -> Vec<u8> {
     let wat = format!(
         r#"(component
             {imports}
@@ -56,12 +65,22 @@ async fn load_errors_say_what_is_wrong() {
     )"#;
     match host.load_bytes(imports_unknown) {
         Err(Error::Link { missing, .. }) => {
-            assert_eq!(missing, ["nope:missing/thing@1.0.0", "wasi:cli/environment@0.2.0", "nope:missing/other@1.0.0"])
+            assert_eq!(
+                missing,
+                [
+                    "nope:missing/thing@1.0.0",
+                    "wasi:cli/environment@0.2.0",
+                    "nope:missing/other@1.0.0"
+                ]
+            )
         }
         other => panic!("expected a link error, got {:?}", other.err()),
     }
     assert!(matches!(host.load_bytes(b"(component)"), Err(Error::NoEntryPoint(_))));
-    assert!(host.load_bytes(&plain_command("i32.const 0")).is_ok(), "the test's own command is well formed");
+    assert!(
+        host.load_bytes(&plain_command("i32.const 0")).is_ok(),
+        "the test's own command is well formed"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,7 +88,11 @@ async fn a_trap_carries_its_code_and_an_exit_status_is_an_outcome() {
     let host = host();
     let trapping = host.load_bytes(&plain_command("unreachable")).unwrap();
     let error = trapping.run(WasiCtxBuilder::new()).await.unwrap_err();
-    assert_eq!(error.trap_code(), Some(llamabox::wasmtime::Trap::UnreachableCodeReached), "{error:?}");
+    assert_eq!(
+        error.trap_code(),
+        Some(llamabox::wasmtime::Trap::UnreachableCodeReached),
+        "{error:?}"
+    );
 
     let failing = host.load_bytes(&plain_command("i32.const 1")).unwrap();
     assert_eq!(failing.run(WasiCtxBuilder::new()).await.unwrap(), RunOutcome::Failed(1));
@@ -80,10 +103,18 @@ async fn a_trap_carries_its_code_and_an_exit_status_is_an_outcome() {
 async fn growing_past_the_runs_memory_limit_is_a_limit_error() {
     let host = host();
     // Grows by 100 pages (6.4 MB); traps if the growth failed.
-    let body = "(if (i32.eq (memory.grow (i32.const 100)) (i32.const -1)) (then unreachable)) i32.const 0";
+    let body =
+        "(if (i32.eq (memory.grow (i32.const 100)) (i32.const -1)) (then unreachable)) i32.const 0";
     let plugin = host.load_bytes(&plain_command(body)).unwrap();
-    assert_eq!(plugin.run(WasiCtxBuilder::new()).await.unwrap(), RunOutcome::Success, "the default limit allows it");
-    let tight = RunOptions { limits: Some(Limits { max_wasm_memory: 1 << 20, ..Limits::default() }), ..RunOptions::default() };
+    assert_eq!(
+        plugin.run(WasiCtxBuilder::new()).await.unwrap(),
+        RunOutcome::Success,
+        "the default limit allows it"
+    );
+    let tight = RunOptions {
+        limits: Some(Limits { max_wasm_memory: 1 << 20, ..Limits::default() }),
+        ..RunOptions::default()
+    };
     match plugin.run_with(&tight, WasiCtxBuilder::new()).await {
         Err(Error::Limit { limit, .. }) => assert_eq!(limit, "max-wasm-memory"),
         other => panic!("expected the memory limit, got {other:?}"),
@@ -97,7 +128,10 @@ async fn the_products_own_host_function_reaches_its_run_state() {
         linker.instance("product:host/counter@0.1.0")?.func_wrap(
             "bump",
             |store: StoreContextMut<'_, PluginState>, (n,): (u32,)| {
-                let calls = store.data().embedder::<AtomicU32>().ok_or_else(|| llamabox::wasmtime::Error::msg("no counter"))?;
+                let calls = store
+                    .data()
+                    .embedder::<AtomicU32>()
+                    .ok_or_else(|| llamabox::wasmtime::Error::msg("no counter"))?;
                 calls.fetch_add(1, SeqCst);
                 Ok((n + 1,))
             },
@@ -115,7 +149,10 @@ async fn the_products_own_host_function_reaches_its_run_state() {
     let plugin = host.load_bytes(&bytes).unwrap();
     let calls = Arc::new(AtomicU32::new(0));
     let options = RunOptions { embedder: Some(calls.clone()), ..RunOptions::default() };
-    assert_eq!(plugin.run_with(&options, WasiCtxBuilder::new()).await.unwrap(), RunOutcome::Success);
+    assert_eq!(
+        plugin.run_with(&options, WasiCtxBuilder::new()).await.unwrap(),
+        RunOutcome::Success
+    );
     assert_eq!(calls.load(SeqCst), 1, "the guest called the product's function once");
     // Without the embedder's state the function fails, and the plugin with it.
     assert!(matches!(plugin.run(WasiCtxBuilder::new()).await, Err(Error::Trap { code: None, .. })));
@@ -126,7 +163,11 @@ fn bench_plugin() -> std::path::PathBuf {
 }
 
 /// Run `plugin` with `args`; its report and its stdout and stderr.
-async fn run_reported(plugin: &llamabox::Plugin, options: &RunOptions, args: &[&str]) -> (RunReport, String) {
+async fn run_reported(
+    plugin: &llamabox::Plugin,
+    options: &RunOptions,
+    args: &[&str],
+) -> (RunReport, String) {
     let (stdout, stderr) = (MemoryOutputPipe::new(1 << 20), MemoryOutputPipe::new(1 << 20));
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(stdout.clone()).stderr(stderr.clone());
@@ -137,7 +178,8 @@ async fn run_reported(plugin: &llamabox::Plugin, options: &RunOptions, args: &[&
     (report, text)
 }
 
-const DECODE_16X3: &[&str] = &["decode", "--model", "m", "--tokens", "16", "--runs", "3", "--ctx", "64", "--batch", "16"];
+const DECODE_16X3: &[&str] =
+    &["decode", "--model", "m", "--tokens", "16", "--runs", "3", "--ctx", "64", "--batch", "16"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_are_added_replaced_and_unloaded_while_the_host_lives() {
@@ -159,7 +201,8 @@ async fn models_are_added_replaced_and_unloaded_while_the_host_lives() {
     assert!(!models.is_loaded("m"), "a replacement is loaded on its first open");
     let new = models.open("m").await.unwrap();
     assert!(!Arc::ptr_eq(&old, &new));
-    let (tiny, slow) = (llamabox::native::TextModelSpec::tiny(), llamabox::native::TextModelSpec::slow());
+    let (tiny, slow) =
+        (llamabox::native::TextModelSpec::tiny(), llamabox::native::TextModelSpec::slow());
     assert_ne!(tiny.n_layer, slow.n_layer, "the test tells the two models apart by their layers");
     assert_eq!((old.n_layer(), new.n_layer()), (tiny.n_layer, slow.n_layer));
 
@@ -186,14 +229,40 @@ async fn a_run_reports_what_it_decoded_generated_and_held() {
     assert_eq!(usage.tokens_decoded, 3 * 16);
     assert_eq!((usage.tokens_generated, usage.cancels), (0, 0));
     let model = llamabox::native::Model::load(common::tiny_model()).unwrap();
-    let params = llamabox::native::ContextParams { n_ctx: 64, n_batch: 16, n_ubatch: 16, n_seq_max: 1, n_threads: 1 };
-    assert_eq!(usage.peak_kv_cells, params.allocated_n_ctx().unwrap() as u64 * model.n_layer() as u64);
+    let params = llamabox::native::ContextParams {
+        n_ctx: 64,
+        n_batch: 16,
+        n_ubatch: 16,
+        n_seq_max: 1,
+        n_threads: 1,
+    };
+    assert_eq!(
+        usage.peak_kv_cells,
+        params.allocated_n_ctx().unwrap() as u64 * model.n_layer() as u64
+    );
     assert!(!usage.native_time.is_zero());
 
-    let args = ["host-generate", "--model", "m", "--tokens", "4", "--runs", "1", "--ctx", "64", "--batch", "16"];
+    let args = [
+        "host-generate",
+        "--model",
+        "m",
+        "--tokens",
+        "4",
+        "--runs",
+        "1",
+        "--ctx",
+        "64",
+        "--batch",
+        "16",
+    ];
     let (report, out) = run_reported(&plugin, &RunOptions::default(), &args).await;
     assert_eq!(report.outcome, RunOutcome::Success);
-    let generated: u64 = common::field(&out, "run").split(' ').find_map(|f| f.strip_prefix("generated=")).unwrap().parse().unwrap();
+    let generated: u64 = common::field(&out, "run")
+        .split(' ')
+        .find_map(|f| f.strip_prefix("generated="))
+        .unwrap()
+        .parse()
+        .unwrap();
     // A one-token warm-up generation, then the measured one.
     assert_eq!(report.usage.tokens_generated, 1 + generated);
     assert!(report.usage.tokens_decoded >= report.usage.tokens_generated);
@@ -209,7 +278,19 @@ async fn cancelled_calls_are_counted() {
     let (stdout, stderr) = (MemoryOutputPipe::new(1 << 20), MemoryOutputPipe::new(1 << 20));
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(stdout.clone()).stderr(stderr.clone());
-    let args = ["demo", "--model", "slow", "--prompt", "a", "--generate", "2", "--long-tokens", "512", "--cancel-after-ms", "0"];
+    let args = [
+        "demo",
+        "--model",
+        "slow",
+        "--prompt",
+        "a",
+        "--generate",
+        "2",
+        "--long-tokens",
+        "512",
+        "--cancel-after-ms",
+        "0",
+    ];
     wasi.args(&args);
     let report = plugin.run_report(&RunOptions::default(), wasi).await.unwrap();
     let out = String::from_utf8([stdout.contents(), stderr.contents()].concat()).unwrap();
@@ -218,7 +299,11 @@ async fn cancelled_calls_are_counted() {
     // The guest SDK's decode_with_timeout, at a deadline of 0 ms: cancelled in flight,
     // memory as before.
     assert_eq!(common::field(&out, "timed-decode"), "cancelled", "{out}");
-    assert_eq!(common::field(&out, "memory-after-timed"), common::field(&out, "memory-after"), "{out}");
+    assert_eq!(
+        common::field(&out, "memory-after-timed"),
+        common::field(&out, "memory-after"),
+        "{out}"
+    );
     assert!(report.usage.cancels >= 2, "{:?}", report.usage);
 }
 
@@ -236,7 +321,9 @@ where
         if event.metadata().target() != "llama_cpp" {
             return;
         }
-        let in_run = ctx.event_scope(event).is_some_and(|mut scope| scope.any(|span| span.name() == "llamabox_run"));
+        let in_run = ctx
+            .event_scope(event)
+            .is_some_and(|mut scope| scope.any(|span| span.name() == "llamabox_run"));
         let on_worker = std::thread::current().name().is_some_and(|n| n.starts_with("llamabox-"));
         if in_run {
             self.in_run.fetch_add(1, SeqCst);
@@ -264,7 +351,11 @@ async fn llama_cpp_logs_from_a_runs_threads_carry_its_span() {
     assert_eq!(report.outcome, RunOutcome::Success);
     // Loading the model and creating the context log at llama.cpp's INFO level.
     assert!(in_run.load(SeqCst) > 0, "no llama.cpp log line was attributed to the run");
-    assert_eq!(outside.load(SeqCst), 0, "a llama.cpp log line from a worker thread had no run span");
+    assert_eq!(
+        outside.load(SeqCst),
+        0,
+        "a llama.cpp log line from a worker thread had no run span"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -286,7 +377,15 @@ async fn a_running_context_keeps_its_model_when_the_name_is_replaced() {
     let text = |pipe: &MemoryOutputPipe| String::from_utf8_lossy(&pipe.contents()).into_owned();
 
     // A decodes on the tiny model until the embedder cancels its token.
-    let (wasi, a_out) = start(&["decode-until-stopped", "--model", "m", "--token", &capability, "--long-tokens", "64"]);
+    let (wasi, a_out) = start(&[
+        "decode-until-stopped",
+        "--model",
+        "m",
+        "--token",
+        &capability,
+        "--long-tokens",
+        "64",
+    ]);
     let a = decoder.run_report(&options, wasi);
     let replace_then_cancel = async {
         // Waits for A's line (not a timing: the bound only turns a broken A into a failure).
@@ -296,7 +395,11 @@ async fn a_running_context_keeps_its_model_when_the_name_is_replaced() {
             }
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
-        assert!(text(&a_out).contains("decoding until stopped"), "A never started decoding: {}", text(&a_out));
+        assert!(
+            text(&a_out).contains("decoding until stopped"),
+            "A never started decoding: {}",
+            text(&a_out)
+        );
         // A's context is live now: the name moves to another model under it.
         host.models().register("m", common::slow_model());
         flag.cancel();
@@ -305,14 +408,24 @@ async fn a_running_context_keeps_its_model_when_the_name_is_replaced() {
     let a_text = text(&a_out);
     assert_eq!(a.unwrap().outcome, RunOutcome::Success, "{a_text}");
     let tiny = llamabox::native::TextModelSpec::tiny();
-    assert!(common::field(&a_text, "model").ends_with(&format!("embd {})", tiny.n_embd)), "{a_text}");
-    assert!(a_text.contains("stopped: cancelled"), "A's context kept working on the old model: {a_text}");
+    assert!(
+        common::field(&a_text, "model").ends_with(&format!("embd {})", tiny.n_embd)),
+        "{a_text}"
+    );
+    assert!(
+        a_text.contains("stopped: cancelled"),
+        "A's context kept working on the old model: {a_text}"
+    );
 
     // A new run opens the new model under the same name.
     let (wasi, b_out) = start(&["--model", "m", "--token", &capability]);
     assert_eq!(plugin.run_report(&options, wasi).await.unwrap().outcome, RunOutcome::Success);
     let slow = llamabox::native::TextModelSpec::slow();
-    assert!(common::field(&text(&b_out), "model").ends_with(&format!("embd {})", slow.n_embd)), "{}", text(&b_out));
+    assert!(
+        common::field(&text(&b_out), "model").ends_with(&format!("embd {})", slow.n_embd)),
+        "{}",
+        text(&b_out)
+    );
     host.tokens().unshare(&capability);
     assert_eq!(host.live_workers(), 0);
 }
@@ -327,7 +440,15 @@ async fn idle_contexts_serve_later_runs_of_their_group_only() {
     registry.register("tiny", common::tiny_model()).keep_idle_contexts(2);
     let host = PluginHost::new(registry, Limits::default()).unwrap();
     let plugin = host.load(common::demo_plugin()).unwrap();
-    let args = ["--model", "tiny", "--prompt", "the same prompt on every run", "--generate", "8", "--host-generate"];
+    let args = [
+        "--model",
+        "tiny",
+        "--prompt",
+        "the same prompt on every run",
+        "--generate",
+        "8",
+        "--host-generate",
+    ];
     let run = |group: &str| {
         let options = RunOptions { group: group.into(), ..RunOptions::default() };
         let plugin = &plugin;
@@ -337,11 +458,17 @@ async fn idle_contexts_serve_later_runs_of_their_group_only() {
             (report.usage, out)
         }
     };
-    let prompt_tokens = |out: &str| -> u64 { common::field(out, "host-usage").split(' ').nth(1).unwrap().parse().unwrap() };
+    let prompt_tokens = |out: &str| -> u64 {
+        common::field(out, "host-usage").split(' ').nth(1).unwrap().parse().unwrap()
+    };
 
     let (first, first_out) = run("a").await;
     assert_eq!(first.tokens_reused, 0);
-    assert_eq!((host.models().idle_contexts(), host.live_workers()), (1, 0), "kept, and not counted as a run's thread");
+    assert_eq!(
+        (host.models().idle_contexts(), host.live_workers()),
+        (1, 0),
+        "kept, and not counted as a run's thread"
+    );
     let (again, again_out) = run("a").await;
     let n = prompt_tokens(&first_out);
     assert_eq!(again.tokens_reused, n - 1, "all of the prompt but its last token is reused");

@@ -9,8 +9,9 @@ mod common;
 use std::sync::Arc;
 
 use llamabox::native::{
-    generate, Batch, CancelFlag, ChatMessage, ChatTemplate, ChunkKind, Context, ContextParams, Error, FinishReason, GenerateRequest,
-    Grammar, MediaCaps, MediaContext, MediaInput, Model, Outcome, Piece, Pooling, Sampler, SamplerCaps, SamplerParams, Stop, Token,
+    generate, Batch, CancelFlag, ChatMessage, ChatTemplate, ChunkKind, Context, ContextParams,
+    Error, FinishReason, GenerateRequest, Grammar, MediaCaps, MediaContext, MediaInput, Model,
+    Outcome, Piece, Pooling, Sampler, SamplerCaps, SamplerParams, Stop, Token,
 };
 use llamabox::RunOutcome;
 
@@ -33,7 +34,12 @@ fn long_prompt(model: &Model) -> Vec<Token> {
 }
 
 /// Run one generation, collecting every piece.
-fn run(ctx: &mut Context, sampler: &SamplerParams, request: &GenerateRequest, token: &CancelFlag) -> (Result<Outcome, Error>, Vec<Piece>) {
+fn run(
+    ctx: &mut Context,
+    sampler: &SamplerParams,
+    request: &GenerateRequest,
+    token: &CancelFlag,
+) -> (Result<Outcome, Error>, Vec<Piece>) {
     let mut sampler = Sampler::new(ctx.model().clone(), sampler, &SamplerCaps::default()).unwrap();
     let mut pieces = Vec::new();
     let mut sink = |p: Piece| {
@@ -60,13 +66,16 @@ fn text_of(pieces: &[Piece]) -> String {
 fn greedy_loop(model: &Arc<Model>, prompt: &[Token], n: usize) -> Vec<Token> {
     let mut ctx = Context::new(model.clone(), params()).unwrap();
     for (i, piece) in prompt.chunks(params().n_batch as usize).enumerate() {
-        ctx.decode(&Batch::sequence(piece, (i * params().n_batch as usize) as i32, 0), None).unwrap();
+        ctx.decode(&Batch::sequence(piece, (i * params().n_batch as usize) as i32, 0), None)
+            .unwrap();
     }
     let mut out = Vec::new();
     let mut pos = prompt.len() as i32;
     while out.len() < n {
         let logits = ctx.last_logits().unwrap();
-        let next = (0..logits.len()).fold(0, |best, i| if logits[i] > logits[best] { i } else { best }) as Token;
+        let next = (0..logits.len())
+            .fold(0, |best, i| if logits[i] > logits[best] { i } else { best })
+            as Token;
         if model.is_eog(next) {
             break;
         }
@@ -84,7 +93,12 @@ fn greedy_generation_equals_the_plain_greedy_loop() {
         for prompt in [prompt(&model), long_prompt(&model)] {
             let expected = greedy_loop(&model, &prompt, 24);
             let mut ctx = Context::new(model.clone(), params()).unwrap();
-            let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request(prompt.clone(), 24), &CancelFlag::new());
+            let (outcome, pieces) = run(
+                &mut ctx,
+                &SamplerParams::greedy(),
+                &request(prompt.clone(), 24),
+                &CancelFlag::new(),
+            );
             let outcome = outcome.unwrap();
             assert_eq!(tokens_of(&pieces), expected);
             assert_eq!(outcome.usage.prompt_tokens as usize, prompt.len());
@@ -92,7 +106,11 @@ fn greedy_generation_equals_the_plain_greedy_loop() {
             if expected.len() == 24 {
                 assert_eq!(outcome.finish, FinishReason::MaxTokens);
             }
-            assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt.len() + expected.len() - 1, "memory: prompt + delivered");
+            assert_eq!(
+                ctx.seq_pos_max(0).unwrap() as usize,
+                prompt.len() + expected.len() - 1,
+                "memory: prompt + delivered"
+            );
             assert_eq!(text_of(&pieces), String::from_utf8_lossy(&bytes_of(&model, &expected)));
         }
     }
@@ -128,7 +146,11 @@ fn logprobs_are_the_models_own_distribution_at_each_delivered_token() {
     let delivered = tokens_of(&pieces);
     assert_eq!(delivered.len(), 24);
     for p in &pieces {
-        assert_eq!(p.logprobs.iter().map(|l| l.token).collect::<Vec<_>>(), p.tokens, "one entry per token, in order");
+        assert_eq!(
+            p.logprobs.iter().map(|l| l.token).collect::<Vec<_>>(),
+            p.tokens,
+            "one entry per token, in order"
+        );
     }
     let got: Vec<_> = pieces.iter().flat_map(|p| p.logprobs.iter().cloned()).collect();
     let mut replay = Context::new(model.clone(), params()).unwrap();
@@ -137,7 +159,11 @@ fn logprobs_are_the_models_own_distribution_at_each_delivered_token() {
     for (k, (&token, entry)) in delivered.iter().zip(&got).enumerate() {
         let expected = llamabox::native::token_logprob(replay.last_logits().unwrap(), token, 4);
         assert_eq!(entry, &expected, "token {k}");
-        assert!(entry.logprob <= 0.0 && entry.top.len() == 4 && entry.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        assert!(
+            entry.logprob <= 0.0
+                && entry.top.len() == 4
+                && entry.top.windows(2).all(|w| w[0].1 >= w[1].1)
+        );
         below_the_top += usize::from(entry.top[0].0 != token);
         replay.decode(&Batch::sequence(&[token], (prompt.len() + k) as i32, 0), None).unwrap();
     }
@@ -146,16 +172,22 @@ fn logprobs_are_the_models_own_distribution_at_each_delivered_token() {
     assert!(below_the_top > 0, "every drawn token was the model's favourite");
     // Not asked for: no entries.
     let mut ctx = Context::new(model.clone(), params()).unwrap();
-    let (_, plain) = run(&mut ctx, &seeded(&model, 5), &request(prompt.clone(), 4), &CancelFlag::new());
+    let (_, plain) =
+        run(&mut ctx, &seeded(&model, 5), &request(prompt.clone(), 4), &CancelFlag::new());
     assert!(plain.iter().all(|p| p.logprobs.is_empty()));
     // Over the bound: refused before anything runs.
     let over = GenerateRequest { logprobs: Some(21), ..request(prompt, 4) };
-    assert!(matches!(run(&mut ctx, &SamplerParams::greedy(), &over, &CancelFlag::new()).0, Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        run(&mut ctx, &SamplerParams::greedy(), &over, &CancelFlag::new()).0,
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 /// The token whose piece is exactly `text`.
 fn token_for(model: &Model, text: &[u8]) -> Token {
-    (0..model.n_vocab() as Token).find(|&t| model.token_to_piece(t, false).unwrap() == text).unwrap()
+    (0..model.n_vocab() as Token)
+        .find(|&t| model.token_to_piece(t, false).unwrap() == text)
+        .unwrap()
 }
 
 #[test]
@@ -163,7 +195,8 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() {
     let model = load(common::tiny_model());
     let generate_with = |seed| {
         let mut ctx = Context::new(model.clone(), params()).unwrap();
-        let (outcome, pieces) = run(&mut ctx, &seeded(&model, seed), &request(prompt(&model), 32), &CancelFlag::new());
+        let (outcome, pieces) =
+            run(&mut ctx, &seeded(&model, seed), &request(prompt(&model), 32), &CancelFlag::new());
         outcome.unwrap();
         tokens_of(&pieces)
     };
@@ -171,7 +204,11 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() {
     assert_eq!(a.len(), 32);
     assert_eq!(a, generate_with(7), "same seed, same tokens");
     assert_ne!(a, generate_with(8), "another seed, other tokens");
-    assert_ne!(a, greedy_loop(&model, &prompt(&model), 32), "sampling at temperature 1.5 is not greedy");
+    assert_ne!(
+        a,
+        greedy_loop(&model, &prompt(&model), 32),
+        "sampling at temperature 1.5 is not greedy"
+    );
 }
 
 #[test]
@@ -181,10 +218,14 @@ fn a_digits_only_grammar_yields_only_digits() {
     for seed in 1..4 {
         let sampler = SamplerParams { grammar: Some(grammar.clone()), ..seeded(&model, seed) };
         let mut ctx = Context::new(model.clone(), params()).unwrap();
-        let (outcome, pieces) = run(&mut ctx, &sampler, &request(prompt(&model), 12), &CancelFlag::new());
+        let (outcome, pieces) =
+            run(&mut ctx, &sampler, &request(prompt(&model), 12), &CancelFlag::new());
         assert_eq!(outcome.unwrap().usage.generated_tokens, 12);
         let text = text_of(&pieces);
-        assert!(!text.is_empty() && text.chars().all(|c| c.is_ascii_digit()), "not only digits: {text:?}");
+        assert!(
+            !text.is_empty() && text.chars().all(|c| c.is_ascii_digit()),
+            "not only digits: {text:?}"
+        );
     }
 }
 
@@ -192,7 +233,8 @@ fn a_digits_only_grammar_yields_only_digits() {
 fn a_stop_string_ends_generation_and_is_not_delivered() {
     let model = load(common::tiny_model());
     let mut ctx = Context::new(model.clone(), params()).unwrap();
-    let (_, reference) = run(&mut ctx, &SamplerParams::greedy(), &request(prompt(&model), 24), &CancelFlag::new());
+    let (_, reference) =
+        run(&mut ctx, &SamplerParams::greedy(), &request(prompt(&model), 24), &CancelFlag::new());
     let full = text_of(&reference);
     // A stop string from the middle of the greedy text, crossing token boundaries.
     let chars: Vec<char> = full.chars().collect();
@@ -208,7 +250,11 @@ fn a_stop_string_ends_generation_and_is_not_delivered() {
     assert_eq!(outcome.finish, FinishReason::Stop { index: 1 });
     assert_eq!(text_of(&pieces), full[..at], "text up to the stop string, not including it");
     let delivered = tokens_of(&pieces);
-    assert_eq!(delivered, tokens_of(&reference)[..delivered.len()], "the same tokens, up to the stop");
+    assert_eq!(
+        delivered,
+        tokens_of(&reference)[..delivered.len()],
+        "the same tokens, up to the stop"
+    );
     assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt(&model).len() + delivered.len() - 1);
 }
 
@@ -216,7 +262,9 @@ fn a_stop_string_ends_generation_and_is_not_delivered() {
 fn polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
     common::prefill_and_token_polls(|max_tokens, counter| {
         let mut ctx = Context::new(model.clone(), params()).unwrap();
-        run(&mut ctx, &SamplerParams::greedy(), &request(prompt.to_vec(), max_tokens), counter).0.unwrap();
+        run(&mut ctx, &SamplerParams::greedy(), &request(prompt.to_vec(), max_tokens), counter)
+            .0
+            .unwrap();
     })
 }
 
@@ -261,17 +309,31 @@ fn a_cancel_in_generation_keeps_exactly_the_delivered_tokens() {
         let token = CancelFlag::new();
         // In the middle of the decode of generated token k (0-based).
         token.trip_after(prefill + k as u64 * per_token + per_token / 2);
-        let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request(prompt.clone(), 12), &token);
+        let (outcome, pieces) =
+            run(&mut ctx, &SamplerParams::greedy(), &request(prompt.clone(), 12), &token);
         let outcome = outcome.unwrap();
         assert_eq!(outcome.finish, FinishReason::Cancelled);
         assert_eq!(tokens_of(&pieces), reference[..k], "tokens delivered before the cancel");
         assert_eq!(outcome.usage.generated_tokens as usize, k);
-        assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt.len() + k - 1, "memory: prompt + delivered tokens");
+        assert_eq!(
+            ctx.seq_pos_max(0).unwrap() as usize,
+            prompt.len() + k - 1,
+            "memory: prompt + delivered tokens"
+        );
 
         // Continue from memory with the token that was in flight: greedy picks the rest.
-        let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request(vec![reference[k]], 4), &CancelFlag::new());
+        let (outcome, pieces) = run(
+            &mut ctx,
+            &SamplerParams::greedy(),
+            &request(vec![reference[k]], 4),
+            &CancelFlag::new(),
+        );
         outcome.unwrap();
-        assert_eq!(tokens_of(&pieces), reference[k + 1..k + 5], "continuing after a cancel as if it never happened");
+        assert_eq!(
+            tokens_of(&pieces),
+            reference[k + 1..k + 5],
+            "continuing after a cancel as if it never happened"
+        );
     }
 }
 
@@ -280,13 +342,21 @@ fn a_sink_that_refuses_a_piece_cancels_and_the_token_is_not_kept() {
     let model = load(common::tiny_model());
     let prompt = prompt(&model);
     let mut ctx = Context::new(model.clone(), params()).unwrap();
-    let mut sampler = Sampler::new(model.clone(), &SamplerParams::greedy(), &SamplerCaps::default()).unwrap();
+    let mut sampler =
+        Sampler::new(model.clone(), &SamplerParams::greedy(), &SamplerCaps::default()).unwrap();
     let mut delivered = 0;
     let mut sink = |_: Piece| {
         delivered += 1;
         delivered <= 3
     };
-    let outcome = generate(&mut ctx, &mut sampler, &request(prompt.clone(), 12), Stop::on(&CancelFlag::new()), &mut sink).unwrap();
+    let outcome = generate(
+        &mut ctx,
+        &mut sampler,
+        &request(prompt.clone(), 12),
+        Stop::on(&CancelFlag::new()),
+        &mut sink,
+    )
+    .unwrap();
     assert_eq!((outcome.finish, outcome.usage.generated_tokens), (FinishReason::Cancelled, 3));
     assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt.len() + 3 - 1);
 }
@@ -306,7 +376,8 @@ fn bad_sampler_parameters_and_grammars_are_named_errors() {
     assert!(bad(SamplerParams { top_p: Some(1.5), ..d() }).contains("top-p"));
     assert!(bad(SamplerParams { min_p: Some(f32::INFINITY), ..d() }).contains("min-p"));
     assert!(bad(SamplerParams { top_k: Some(0), ..d() }).contains("top-k"));
-    assert!(bad(SamplerParams { logit_bias: vec![(model.n_vocab() as i32, 1.0)], ..d() }).contains("outside the vocabulary"));
+    assert!(bad(SamplerParams { logit_bias: vec![(model.n_vocab() as i32, 1.0)], ..d() })
+        .contains("outside the vocabulary"));
     assert!(bad(SamplerParams { logit_bias: vec![(5, f32::NAN)], ..d() }).contains("logit bias"));
     let grammar = |text: &str, root: Option<&str>| SamplerParams {
         grammar: Some(Grammar { text: text.into(), root: root.map(Into::into) }),
@@ -314,9 +385,13 @@ fn bad_sampler_parameters_and_grammars_are_named_errors() {
     };
     let unparsable = bad(grammar("root ::= [0-9", None));
     assert!(unparsable.starts_with("grammar: "), "{unparsable}");
-    assert!(bad(grammar("digits ::= [0-9]+", None)).contains("root"), "a grammar without its start rule");
+    assert!(
+        bad(grammar("digits ::= [0-9]+", None)).contains("root"),
+        "a grammar without its start rule"
+    );
     // llguidance's Earley matcher takes left recursion, which llama.cpp refused.
-    let mut left = Sampler::new(model.clone(), &grammar("root ::= root \"a\" | \"a\"", None), &caps).unwrap();
+    let mut left =
+        Sampler::new(model.clone(), &grammar("root ::= root \"a\" | \"a\"", None), &caps).unwrap();
     let mut no_end = vec![0.0; model.n_vocab() as usize];
     no_end[model.eos().unwrap() as usize] = f32::NEG_INFINITY;
     for _ in 0..3 {
@@ -327,7 +402,12 @@ fn bad_sampler_parameters_and_grammars_are_named_errors() {
     // blamed a grammar that was not there).
     let mut logits = vec![0.0f32; model.n_vocab() as usize];
     logits[7] = 1.0;
-    let mut tiny_t = Sampler::new(model.clone(), &SamplerParams { temperature: Some(1e-45), seed: Some(1), ..d() }, &caps).unwrap();
+    let mut tiny_t = Sampler::new(
+        model.clone(),
+        &SamplerParams { temperature: Some(1e-45), seed: Some(1), ..d() },
+        &caps,
+    )
+    .unwrap();
     assert_eq!(tiny_t.sample(&logits).unwrap(), 7);
     assert!(bad(grammar("root ::= undefined-rule", None)).starts_with("grammar: "));
     // llama.cpp would generate 2^64 - 3 rules for this one: refused up front.
@@ -340,10 +420,16 @@ fn bad_sampler_parameters_and_grammars_are_named_errors() {
     assert!(bad(grammar(&deep, None)).contains("nests"));
     // The largest grammar the caps allow (a chain of rules, each one recursion level
     // in llama.cpp's matcher) parses and samples without overflowing the stack.
-    let chain: String = (0..1200).map(|i| format!("r{i}::=r{}\n", i + 1)).collect::<String>() + "r1200 ::= [0-9]\nroot ::= r0\n";
+    let chain: String = (0..1200).map(|i| format!("r{i}::=r{}\n", i + 1)).collect::<String>()
+        + "r1200 ::= [0-9]\nroot ::= r0\n";
     assert!(chain.len() <= caps.max_grammar_bytes);
     let mut ctx = Context::new(model.clone(), params()).unwrap();
-    let (outcome, pieces) = run(&mut ctx, &SamplerParams { grammar: Some(Grammar { text: chain, root: None }), ..d() }, &request(prompt(&model), 4), &CancelFlag::new());
+    let (outcome, pieces) = run(
+        &mut ctx,
+        &SamplerParams { grammar: Some(Grammar { text: chain, root: None }), ..d() },
+        &request(prompt(&model), 4),
+        &CancelFlag::new(),
+    );
     outcome.unwrap();
     assert!(text_of(&pieces).chars().all(|c| c.is_ascii_digit()));
 }
@@ -351,12 +437,20 @@ fn bad_sampler_parameters_and_grammars_are_named_errors() {
 #[test]
 fn a_plugin_driven_sampler_refuses_tokens_its_grammar_forbids() {
     let model = load(common::tiny_model());
-    let p = SamplerParams { grammar: Some(Grammar { text: "root ::= \"ab\"".into(), root: None }), ..SamplerParams::default() };
+    let p = SamplerParams {
+        grammar: Some(Grammar { text: "root ::= \"ab\"".into(), root: None }),
+        ..SamplerParams::default()
+    };
     let mut sampler = Sampler::new(model.clone(), &p, &SamplerCaps::default()).unwrap();
     let (a, z) = (token_for(&model, b"a"), token_for(&model, b"z"));
     let eos = model.eos().unwrap();
-    assert!(matches!(sampler.accept(z), Err(Error::InvalidArgument(m)) if m.contains("not allowed")));
-    assert!(matches!(sampler.accept(eos), Err(Error::InvalidArgument(_))), "end of generation before the grammar is complete");
+    assert!(
+        matches!(sampler.accept(z), Err(Error::InvalidArgument(m)) if m.contains("not allowed"))
+    );
+    assert!(
+        matches!(sampler.accept(eos), Err(Error::InvalidArgument(_))),
+        "end of generation before the grammar is complete"
+    );
     sampler.accept(a).unwrap();
     // Logits that favour "z" above all: the grammar still forces "b".
     let mut logits = vec![0.0f32; model.n_vocab() as usize];
@@ -365,7 +459,9 @@ fn a_plugin_driven_sampler_refuses_tokens_its_grammar_forbids() {
     assert_eq!(model.token_to_piece(b, false).unwrap(), b"b");
     // Now only the end is allowed; a row that bans it leaves nothing to pick.
     logits[eos as usize] = f32::NEG_INFINITY;
-    assert!(matches!(sampler.sample(&logits), Err(Error::InvalidArgument(m)) if m.contains("no token is allowed")));
+    assert!(
+        matches!(sampler.sample(&logits), Err(Error::InvalidArgument(m)) if m.contains("no token is allowed"))
+    );
     assert!(sampler.sample(&[0.0; 3]).is_err(), "a row of the wrong width");
 }
 
@@ -378,27 +474,40 @@ fn chat_templates_from_the_model_or_by_name_and_named_errors() {
     ];
     let chatml = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
     assert_eq!(tiny.apply_chat_template(&ChatTemplate::Model, &messages, true).unwrap(), chatml);
-    assert_eq!(tiny.apply_chat_template(&ChatTemplate::Named("chatml".into()), &messages, true).unwrap(), chatml);
+    assert_eq!(
+        tiny.apply_chat_template(&ChatTemplate::Named("chatml".into()), &messages, true).unwrap(),
+        chatml
+    );
     let no_prompt = tiny.apply_chat_template(&ChatTemplate::Model, &messages, false).unwrap();
     assert_eq!(no_prompt, chatml.trim_end_matches("<|im_start|>assistant\n"));
-    let llama3 = tiny.apply_chat_template(&ChatTemplate::Named("llama3".into()), &messages, true).unwrap();
+    let llama3 =
+        tiny.apply_chat_template(&ChatTemplate::Named("llama3".into()), &messages, true).unwrap();
     assert!(llama3.contains("<|start_header_id|>user<|end_header_id|>"), "{llama3}");
 
     let named = |r: Result<String, Error>| match r {
         Err(Error::InvalidArgument(m)) => m,
         other => panic!("expected invalid-argument, got {other:?}"),
     };
-    assert!(named(tiny.apply_chat_template(&ChatTemplate::Named("no-such".into()), &messages, true)).contains("unknown chat template"));
+    assert!(named(tiny.apply_chat_template(
+        &ChatTemplate::Named("no-such".into()),
+        &messages,
+        true
+    ))
+    .contains("unknown chat template"));
     let slow = load(common::slow_model());
     assert_eq!(slow.chat_template(), None);
-    assert!(named(slow.apply_chat_template(&ChatTemplate::Model, &messages, true)).contains("no chat template"));
+    assert!(named(slow.apply_chat_template(&ChatTemplate::Model, &messages, true))
+        .contains("no chat template"));
     let nul = vec![ChatMessage { role: "user".into(), content: "a\0b".into() }];
     assert!(named(tiny.apply_chat_template(&ChatTemplate::Model, &nul, true)).contains("NUL"));
     // Empty messages are not free: what a template adds per message is charged (a
     // million of them once cost 0 bytes and formatted to 24-48 MB).
     for name in ["chatml", "llama3", "gemma", "mistral-v7", "phi3", "deepseek3"] {
         let empty = vec![ChatMessage { role: "user".into(), content: String::new() }; 500];
-        let Ok(text) = tiny.apply_chat_template(&ChatTemplate::Named(name.into()), &empty, true) else { continue };
+        let Ok(text) = tiny.apply_chat_template(&ChatTemplate::Named(name.into()), &empty, true)
+        else {
+            continue;
+        };
         let cost = llamabox::native::chat::messages_cost(&empty);
         assert!(text.len() <= cost, "{name}: {} bytes formatted from {cost} charged", text.len());
     }
@@ -417,9 +526,17 @@ fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
         assert_eq!(first.len(), 2);
         assert!(first.iter().all(|v| v.len() == n_embd));
         let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&first[0]), bits(&again[0]), "identical inputs, bitwise identical vectors ({pooling:?})");
+        assert_eq!(
+            bits(&first[0]),
+            bits(&again[0]),
+            "identical inputs, bitwise identical vectors ({pooling:?})"
+        );
         if pooling != Pooling::Cls {
-            assert_ne!(bits(&first[0]), bits(&first[1]), "different inputs, different vectors ({pooling:?})");
+            assert_ne!(
+                bits(&first[0]),
+                bits(&first[1]),
+                "different inputs, different vectors ({pooling:?})"
+            );
         }
         let normalised = ctx.embed(std::slice::from_ref(&a), pooling, true, None).unwrap();
         let norm = normalised[0].iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
@@ -429,24 +546,38 @@ fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
     let rows = ctx.embed_rows(&a, false, None).unwrap();
     assert_eq!((rows.len(), rows[0].len()), (a.len(), n_embd));
     let mean = ctx.embed(std::slice::from_ref(&a), Pooling::Mean, false, None).unwrap();
-    let by_hand: Vec<f32> = (0..n_embd).map(|j| rows.iter().map(|r| r[j]).sum::<f32>() / rows.len() as f32).collect();
+    let by_hand: Vec<f32> =
+        (0..n_embd).map(|j| rows.iter().map(|r| r[j]).sum::<f32>() / rows.len() as f32).collect();
     assert_eq!(mean[0], by_hand, "mean pooling is the mean of the rows");
-    assert_eq!(ctx.embed(std::slice::from_ref(&a), Pooling::Last, false, None).unwrap()[0], rows[a.len() - 1]);
+    assert_eq!(
+        ctx.embed(std::slice::from_ref(&a), Pooling::Last, false, None).unwrap()[0],
+        rows[a.len() - 1]
+    );
 
     // Generation still works on the same context afterwards (embedding output is off).
-    let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request(prompt(&model), 6), &CancelFlag::new());
+    let (outcome, pieces) =
+        run(&mut ctx, &SamplerParams::greedy(), &request(prompt(&model), 6), &CancelFlag::new());
     outcome.unwrap();
     assert_eq!(tokens_of(&pieces), greedy_loop(&model, &prompt(&model), 6));
 
     // Cancelled in flight: cancelled, memory empty, the next call as before.
     let token = CancelFlag::new();
     token.trip_after(7);
-    assert_eq!(ctx.embed(std::slice::from_ref(&a), Pooling::Mean, false, Some(Stop::on(&token))), Err(Error::Cancelled));
+    assert_eq!(
+        ctx.embed(std::slice::from_ref(&a), Pooling::Mean, false, Some(Stop::on(&token))),
+        Err(Error::Cancelled)
+    );
     assert_eq!(ctx.seq_pos_max(0).unwrap(), -1);
     assert_eq!(ctx.embed(std::slice::from_ref(&a), Pooling::Mean, false, None).unwrap(), mean);
     let too_many = vec![a.clone(); params().n_seq_max as usize + 1];
-    assert!(matches!(ctx.embed(&too_many, Pooling::Mean, false, None), Err(Error::InvalidArgument(_))));
-    assert!(matches!(ctx.embed(&[vec![]], Pooling::Mean, false, None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        ctx.embed(&too_many, Pooling::Mean, false, None),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        ctx.embed(&[vec![]], Pooling::Mean, false, None),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 #[test]
@@ -463,7 +594,10 @@ fn a_model_that_pools_by_itself_gives_its_own_vectors_for_its_own_pooling() {
     assert!(own.iter().all(|v| v.len() == pooled.n_embd() as usize));
     assert_ne!(own[0], own[1]);
     // The same weights without the pooling key: llama.cpp's mean and ours agree to rounding.
-    let ours = Context::new(plain.clone(), params()).unwrap().embed(&inputs, Pooling::Mean, false, None).unwrap();
+    let ours = Context::new(plain.clone(), params())
+        .unwrap()
+        .embed(&inputs, Pooling::Mean, false, None)
+        .unwrap();
     for (x, y) in own.iter().flatten().zip(ours.iter().flatten()) {
         assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "llama.cpp's mean {x} vs ours {y}");
     }
@@ -471,8 +605,14 @@ fn a_model_that_pools_by_itself_gives_its_own_vectors_for_its_own_pooling() {
     let norm = normalised[1].iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
     assert!((norm - 1.0).abs() < 1e-5, "norm {norm}");
     let refused = |r: Result<Vec<Vec<f32>>, Error>| matches!(r, Err(Error::InvalidArgument(m)) if m.contains("pools its embeddings itself"));
-    assert!(refused(ctx.embed(&inputs, Pooling::Cls, false, None)), "another pooling than the model's");
-    assert!(refused(ctx.embed_rows(&inputs[0], false, None)), "no per-row vectors from a pooling model");
+    assert!(
+        refused(ctx.embed(&inputs, Pooling::Cls, false, None)),
+        "another pooling than the model's"
+    );
+    assert!(
+        refused(ctx.embed_rows(&inputs[0], false, None)),
+        "no per-row vectors from a pooling model"
+    );
     assert_eq!(ctx.seq_pos_max(0).unwrap(), -1);
 }
 
@@ -482,7 +622,9 @@ fn context_after_an_image(model: &Arc<Model>) -> Context {
     let mut media = MediaContext::new(common::tiny_vision(), model.clone(), 1).unwrap();
     let caps = MediaCaps { max_image_side: 4096, max_audio_samples: 1 << 20 };
     let image = MediaInput::Image { width: 64, height: 64, rgb: common::gradient(64, 64) };
-    let chunks = media.tokenize(&format!("Describe this: {}", MediaContext::marker()), &[image], caps, usize::MAX).unwrap();
+    let chunks = media
+        .tokenize(&format!("Describe this: {}", MediaContext::marker()), &[image], caps, usize::MAX)
+        .unwrap();
     assert!(chunks.iter().any(|c| c.kind() == ChunkKind::Image));
     let mut ctx = Context::new(model.clone(), params()).unwrap();
     for (i, chunk) in chunks.iter().enumerate() {
@@ -508,13 +650,22 @@ fn an_empty_prompt_continues_after_a_media_prompt() {
     for pos in n_past..n_past + 8 {
         // Greedy with end-of-generation banned, as the sampler below is told.
         let logits = plain.last_logits().unwrap();
-        let next = (0..logits.len()).filter(|&i| i != eos).fold(0, |best, i| if logits[i] > logits[best] { i } else { best }) as Token;
+        let next = (0..logits.len()).filter(|&i| i != eos).fold(0, |best, i| {
+            if logits[i] > logits[best] {
+                i
+            } else {
+                best
+            }
+        }) as Token;
         expected.push(next);
         plain.decode(&Batch::sequence(&[next], pos, 0), None).unwrap();
     }
 
     let mut ctx = context_after_an_image(&model);
-    let eos_banned = SamplerParams { logit_bias: vec![(model.eos().unwrap(), f32::NEG_INFINITY)], ..SamplerParams::default() };
+    let eos_banned = SamplerParams {
+        logit_bias: vec![(model.eos().unwrap(), f32::NEG_INFINITY)],
+        ..SamplerParams::default()
+    };
     let (outcome, pieces) = run(&mut ctx, &eos_banned, &request(Vec::new(), 8), &CancelFlag::new());
     let outcome = outcome.unwrap();
     assert_eq!(tokens_of(&pieces), expected);
@@ -522,7 +673,8 @@ fn an_empty_prompt_continues_after_a_media_prompt() {
     assert_eq!(ctx.seq_pos_max(0).unwrap(), n_past + outcome.usage.generated_tokens as i32 - 1);
 
     let mut empty = Context::new(model.clone(), params()).unwrap();
-    let (outcome, _) = run(&mut empty, &SamplerParams::greedy(), &request(Vec::new(), 8), &CancelFlag::new());
+    let (outcome, _) =
+        run(&mut empty, &SamplerParams::greedy(), &request(Vec::new(), 8), &CancelFlag::new());
     assert!(matches!(outcome, Err(Error::InvalidArgument(m)) if m.contains("no logits")));
 }
 
@@ -531,16 +683,22 @@ fn an_empty_prompt_continues_after_a_media_prompt() {
 #[tokio::test(flavor = "multi_thread")]
 async fn guest_host_side_greedy_equals_its_own_greedy_loop_and_the_native_one() {
     let model = common::tiny_model();
-    let (outcome, out) = common::run_demo(&[("tiny", model)], &["--model", "tiny", "--generate", "16", "--host-generate"]).await;
+    let (outcome, out) = common::run_demo(
+        &[("tiny", model)],
+        &["--model", "tiny", "--generate", "16", "--host-generate"],
+    )
+    .await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
     let guest = common::field(&out, "generated-ids");
     assert_eq!(common::field(&out, "host-generated-ids"), guest);
     let native = load(model);
     let prompt = native.tokenize("The llama in the box", true, true).unwrap();
-    let expected: Vec<String> = greedy_loop(&native, &prompt, 16).iter().map(ToString::to_string).collect();
+    let expected: Vec<String> =
+        greedy_loop(&native, &prompt, 16).iter().map(ToString::to_string).collect();
     assert_eq!(guest, expected.join(","));
     assert_eq!(common::field(&out, "host-finish"), "max-tokens");
-    assert!(common::field(&out, "host-usage").starts_with(&format!("prompt {} generated 16", prompt.len())));
+    assert!(common::field(&out, "host-usage")
+        .starts_with(&format!("prompt {} generated 16", prompt.len())));
     // The plugin-driven sampler (greedy through `sampler.sample`) agrees too.
     assert_eq!(common::field(&out, "sampler-ids"), guest);
 }
@@ -574,8 +732,11 @@ async fn the_deepest_grammar_the_caps_allow_works_from_a_guest() {
         i += 1;
     }
     grammar += &format!("r{i}::=[0-9]\n");
-    let (outcome, out) =
-        common::run_demo(&[("tiny", common::tiny_model())], &["--model", "tiny", "--grammar", &grammar, "--generate", "2"]).await;
+    let (outcome, out) = common::run_demo(
+        &[("tiny", common::tiny_model())],
+        &["--model", "tiny", "--grammar", &grammar, "--generate", "2"],
+    )
+    .await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
     assert_eq!(common::field(&out, "grammar-sampler"), "ok");
     let text = common::field(&out, "grammar-generated");
@@ -584,22 +745,37 @@ async fn the_deepest_grammar_the_caps_allow_works_from_a_guest() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn guest_generates_on_the_host_after_an_image_prompt() {
-    let (outcome, out) =
-        common::run_demo_with(&[("tiny", common::tiny_model())], &[("vision", common::tiny_vision())], &["--model", "tiny", "--media", "vision"]).await;
+    let (outcome, out) = common::run_demo_with(
+        &[("tiny", common::tiny_model())],
+        &[("vision", common::tiny_vision())],
+        &["--model", "tiny", "--media", "vision"],
+    )
+    .await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
     let next = common::field(&out, "media-eval").rsplit("next-token=").next().unwrap().to_string();
     let generated = common::field(&out, "media-host-generation");
-    assert!(generated == next || generated.starts_with(&format!("{next},")), "greedy continues with the argmax {next}: {generated}");
+    assert!(
+        generated == next || generated.starts_with(&format!("{next},")),
+        "greedy continues with the argmax {next}: {generated}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn guest_chats_through_the_models_template_and_streams_the_answer() {
-    let (outcome, out) = common::run_demo(&[("tiny", common::tiny_model())], &["--model", "tiny", "--chat", "Hi there", "--generate", "12"]).await;
+    let (outcome, out) = common::run_demo(
+        &[("tiny", common::tiny_model())],
+        &["--model", "tiny", "--chat", "Hi there", "--generate", "12"],
+    )
+    .await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
-    assert_eq!(common::field(&out, "chat-prompt"), "<|im_start|>user\\nHi there<|im_end|>\\n<|im_start|>assistant\\n");
+    assert_eq!(
+        common::field(&out, "chat-prompt"),
+        "<|im_start|>user\\nHi there<|im_end|>\\n<|im_start|>assistant\\n"
+    );
     assert!(common::field(&out, "chat-pieces").parse::<u32>().unwrap() >= 12);
     assert_eq!(common::field(&out, "chat-finish"), "max-tokens");
-    assert!(common::field(&out, "chat-bad-template").starts_with("invalid-argument: unknown chat template"));
+    assert!(common::field(&out, "chat-bad-template")
+        .starts_with("invalid-argument: unknown chat template"));
     assert!(common::field(&out, "chat-bad-sampler").starts_with("invalid-argument: top-p"));
     assert!(common::field(&out, "chat-bad-grammar").starts_with("invalid-argument: grammar"));
     assert!(common::field(&out, "chat-too-many-tokens").starts_with("limit-exceeded: max-tokens"));
@@ -609,7 +785,15 @@ async fn guest_chats_through_the_models_template_and_streams_the_answer() {
 async fn guest_cancels_a_generation_from_its_timer_and_memory_holds_what_was_delivered() {
     let (outcome, out) = common::run_demo(
         &[("slow", common::slow_model())],
-        &["--model", "slow", "--cancel-generation", "--long-tokens", "512", "--cancel-after-ms", "30"],
+        &[
+            "--model",
+            "slow",
+            "--cancel-generation",
+            "--long-tokens",
+            "512",
+            "--cancel-after-ms",
+            "30",
+        ],
     )
     .await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
@@ -636,13 +820,23 @@ fn grammar_bombs_are_refused_or_bounded_per_token() {
         g + &format!("r{n} ::= \"x\" | \"y\"\n")
     };
     let doubling = "root ::= x\nx ::= \"a\" x \"b\" | \"a\" x \"c\" | \"\"\n".to_string();
-    let hidden_nesting = format!("root ::= x # comment\rx ::= {}\"a\"{}", "(".repeat(8155), ")".repeat(8155));
+    let hidden_nesting =
+        format!("root ::= x # comment\rx ::= {}\"a\"{}", "(".repeat(8155), ")".repeat(8155));
     let hidden_repeats = format!("root ::= x # comment\rx ::= {}", "\"a\"{0,2000} ".repeat(1359));
     let (a, x) = (token_for(&model, b"a"), token_for(&model, b"x"));
     let mut slowest = std::time::Duration::ZERO;
-    for (name, text, favoured) in [("chain16", chain(16), x), ("chain20", chain(20), x), ("doubling", doubling, a), ("hidden-nesting", hidden_nesting, a), ("hidden-repeats", hidden_repeats, a)] {
+    for (name, text, favoured) in [
+        ("chain16", chain(16), x),
+        ("chain20", chain(20), x),
+        ("doubling", doubling, a),
+        ("hidden-nesting", hidden_nesting, a),
+        ("hidden-repeats", hidden_repeats, a),
+    ] {
         let started = std::time::Instant::now();
-        let p = SamplerParams { grammar: Some(Grammar { text, root: None }), ..SamplerParams::default() };
+        let p = SamplerParams {
+            grammar: Some(Grammar { text, root: None }),
+            ..SamplerParams::default()
+        };
         let mut sampler = match Sampler::new(model.clone(), &p, &caps) {
             Ok(s) => s,
             Err(Error::InvalidArgument(m)) => {
@@ -685,19 +879,39 @@ fn a_json_schema_constrains_generation_to_valid_json() {
     let model = load(common::tiny_model());
     let schema = r#"{"type":"object","properties":{"ok":{"type":"boolean"},"n":{"type":"integer","minimum":0,"maximum":9},"tag":{"enum":["a","b"]}},"required":["ok","n","tag"],"additionalProperties":false}"#;
     for seed in 0..4 {
-        let p = SamplerParams { json_schema: Some(schema.into()), temperature: Some(1.0), seed: Some(seed), ..SamplerParams::default() };
+        let p = SamplerParams {
+            json_schema: Some(schema.into()),
+            temperature: Some(1.0),
+            seed: Some(seed),
+            ..SamplerParams::default()
+        };
         let mut ctx = Context::new(model.clone(), params()).unwrap();
         let (outcome, pieces) = run(&mut ctx, &p, &request(prompt(&model), 48), &CancelFlag::new());
-        assert_eq!(outcome.unwrap().finish, FinishReason::EndOfGeneration, "the schema's object ends the generation");
+        assert_eq!(
+            outcome.unwrap().finish,
+            FinishReason::EndOfGeneration,
+            "the schema's object ends the generation"
+        );
         let text = text_of(&pieces);
-        let value: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        let value: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
         let object = value.as_object().unwrap();
-        assert!(object["ok"].is_boolean() && (0..=9).contains(&object["n"].as_i64().unwrap()), "{text}");
-        assert!(["a", "b"].contains(&object["tag"].as_str().unwrap()) && object.len() == 3, "{text}");
+        assert!(
+            object["ok"].is_boolean() && (0..=9).contains(&object["n"].as_i64().unwrap()),
+            "{text}"
+        );
+        assert!(
+            ["a", "b"].contains(&object["tag"].as_str().unwrap()) && object.len() == 3,
+            "{text}"
+        );
         assert!(!text.contains(' '), "compact: {text:?}");
     }
     let caps = SamplerCaps::default();
-    let bad = |schema: &str| match Sampler::new(model.clone(), &SamplerParams { json_schema: Some(schema.into()), ..SamplerParams::default() }, &caps) {
+    let bad = |schema: &str| match Sampler::new(
+        model.clone(),
+        &SamplerParams { json_schema: Some(schema.into()), ..SamplerParams::default() },
+        &caps,
+    ) {
         Err(Error::InvalidArgument(m)) => m,
         other => panic!("{schema}: expected invalid-argument, got {:?}", other.map(|_| ())),
     };
@@ -707,8 +921,14 @@ fn a_json_schema_constrains_generation_to_valid_json() {
     let deep = "{\"type\":\"array\",\"items\":".repeat(40) + "{}" + &"}".repeat(40);
     assert!(bad(&deep).contains("levels deep"));
     assert!(bad(&format!("{{\"enum\":[\"{}\"]}}", "a".repeat(20_000))).contains("above the limit"));
-    let both = SamplerParams { json_schema: Some("{}".into()), grammar: Some(Grammar { text: "root ::= \"a\"".into(), root: None }), ..SamplerParams::default() };
-    assert!(matches!(Sampler::new(model.clone(), &both, &caps), Err(Error::InvalidArgument(m)) if m.contains("cannot both")));
+    let both = SamplerParams {
+        json_schema: Some("{}".into()),
+        grammar: Some(Grammar { text: "root ::= \"a\"".into(), root: None }),
+        ..SamplerParams::default()
+    };
+    assert!(
+        matches!(Sampler::new(model.clone(), &both, &caps), Err(Error::InvalidArgument(m)) if m.contains("cannot both"))
+    );
 }
 
 /// An evaluation whose tokens cannot fit in its sequence fails before anything is
@@ -718,7 +938,11 @@ fn a_json_schema_constrains_generation_to_valid_json() {
 fn an_eval_that_cannot_fit_fails_before_computing() {
     use llamabox::native::PromptPiece;
     let model = load(common::tiny_model());
-    let mut ctx = Context::new(model.clone(), ContextParams { n_ctx: 256, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 1 }).unwrap();
+    let mut ctx = Context::new(
+        model.clone(),
+        ContextParams { n_ctx: 256, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 1 },
+    )
+    .unwrap();
     let t = token_for(&model, b"a");
     ctx.eval(&[PromptPiece::Tokens(vec![t; 100])], 0, None).unwrap();
     let decodes = ctx.meter().decoded();
@@ -726,5 +950,9 @@ fn an_eval_that_cannot_fit_fails_before_computing() {
     assert_eq!(ctx.eval(&too_many, 0, None), Err(Error::ContextFull));
     assert_eq!(ctx.meter().decoded(), decodes, "nothing was computed");
     assert_eq!(ctx.seq_pos_max(0).unwrap(), 99, "memory as it was");
-    assert_eq!(ctx.eval(&[PromptPiece::Tokens(vec![t; 156])], 0, None).unwrap(), 256, "what fits still fits");
+    assert_eq!(
+        ctx.eval(&[PromptPiece::Tokens(vec![t; 156])], 0, None).unwrap(),
+        256,
+        "what fits still fits"
+    );
 }

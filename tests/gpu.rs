@@ -17,8 +17,9 @@ mod common;
 use std::sync::Arc;
 
 use llamabox::native::{
-    self, generate, Batch, CancelFlag, ChunkKind, Context, ContextParams, DeviceKind, Error, FinishReason, GenerateRequest, MediaCaps,
-    MediaContext, MediaInput, Model, Offload, Piece, Sampler, SamplerCaps, SamplerParams, Stop, Token,
+    self, generate, Batch, CancelFlag, ChunkKind, Context, ContextParams, DeviceKind, Error,
+    FinishReason, GenerateRequest, MediaCaps, MediaContext, MediaInput, Model, Offload, Piece,
+    Sampler, SamplerCaps, SamplerParams, Stop, Token,
 };
 
 /// n-batch 128 in ubatches of 64: a decode of more than 64 rows runs as several graphs.
@@ -28,7 +29,10 @@ fn params() -> ContextParams {
 
 fn on_gpu(path: &std::path::Path) -> Arc<Model> {
     let model = Model::load_with(path, &Offload::default()).unwrap();
-    assert!(model.device().is_some(), "no GPU found: set GGML_VK_VISIBLE_DEVICES for lavapipe (make GPU=vulkan test-gpu does)");
+    assert!(
+        model.device().is_some(),
+        "no GPU found: set GGML_VK_VISIBLE_DEVICES for lavapipe (make GPU=vulkan test-gpu does)"
+    );
     Arc::new(model)
 }
 
@@ -69,9 +73,18 @@ fn the_gpu_is_listed_and_a_model_puts_every_layer_on_it_unless_told_otherwise() 
     assert!(model.gpu_layers() >= 2, "every layer and the output: {}", model.gpu_layers());
     let cpu = on_cpu(common::tiny_model());
     assert_eq!((cpu.device(), cpu.gpu_layers()), (None, 0));
-    let named = Model::load_with(common::tiny_model(), &Offload { gpu_layers: Some(1), device: Some(gpus[0].name.clone()) }).unwrap();
+    let named = Model::load_with(
+        common::tiny_model(),
+        &Offload { gpu_layers: Some(1), device: Some(gpus[0].name.clone()) },
+    )
+    .unwrap();
     assert_eq!((named.device(), named.gpu_layers()), (Some(gpus[0].name.as_str()), 1));
-    let err = Model::load_with(common::tiny_model(), &Offload { gpu_layers: None, device: Some("Vulkan99".into()) }).err().unwrap();
+    let err = Model::load_with(
+        common::tiny_model(),
+        &Offload { gpu_layers: None, device: Some("Vulkan99".into()) },
+    )
+    .err()
+    .unwrap();
     assert!(err.to_string().contains("no GPU named \"Vulkan99\""), "{err}");
 }
 
@@ -91,7 +104,11 @@ fn a_decode_on_the_device_is_chunked_without_changing_its_logits_and_stops_at_bo
     ctx.decode(&Batch::sequence(&rest, 16, 0), Some(Stop::on(&counter))).unwrap();
     let polls = counter.polls();
     assert!(polls >= 8, "expected boundaries in every ubatch, got {polls} polls");
-    assert!(bitwise_eq(ctx.last_logits().unwrap(), &reference), "chunked logits differ from unchunked by {}", max_diff(ctx.last_logits().unwrap(), &reference));
+    assert!(
+        bitwise_eq(ctx.last_logits().unwrap(), &reference),
+        "chunked logits differ from unchunked by {}",
+        max_diff(ctx.last_logits().unwrap(), &reference)
+    );
     println!("figure: a 120-token decode on the device polled {polls} times with a boundary after every matmul and attention op");
     // One row (a generation step): ggml-vulkan fuses one-row matmuls with the ADD after
     // them, so no boundary may fall there; the chunked step is bitwise the plain one.
@@ -103,25 +120,47 @@ fn a_decode_on_the_device_is_chunked_without_changing_its_logits_and_stops_at_bo
     let plain_step = step(&mut ctx, None);
     ctx.seq_rm(0, 136, -1).unwrap();
     let chunked_step = step(&mut ctx, Some(Stop::on(&counter)));
-    assert!(bitwise_eq(&plain_step, &chunked_step), "a chunked one-row decode differs by {}", max_diff(&plain_step, &chunked_step));
+    assert!(
+        bitwise_eq(&plain_step, &chunked_step),
+        "a chunked one-row decode differs by {}",
+        max_diff(&plain_step, &chunked_step)
+    );
 
     for k in [1, polls / 2, polls - 1] {
         let mut ctx = chunked(&model);
         ctx.decode(&Batch::sequence(&head, 0, 0), None).unwrap();
         let token = CancelFlag::new();
         token.trip_after(k);
-        assert_eq!(ctx.decode(&Batch::sequence(&rest, 16, 0), Some(Stop::on(&token))), Err(Error::Cancelled), "tripped at poll {k}");
+        assert_eq!(
+            ctx.decode(&Batch::sequence(&rest, 16, 0), Some(Stop::on(&token))),
+            Err(Error::Cancelled),
+            "tripped at poll {k}"
+        );
         // After the trip every split ends at its first boundary: most of the work is skipped.
-        assert!(token.polls() < polls, "stopped at poll {k}, yet polled {} of {polls} times", token.polls());
+        assert!(
+            token.polls() < polls,
+            "stopped at poll {k}, yet polled {} of {polls} times",
+            token.polls()
+        );
         assert_eq!(ctx.seq_pos_max(0).unwrap(), 15, "memory as before the cancelled decode");
         assert!(ctx.last_logits().is_err(), "no logits from a cancelled decode");
         ctx.decode(&Batch::sequence(&rest, 16, 0), Some(Stop::on(&CancelFlag::new()))).unwrap();
-        assert!(bitwise_eq(ctx.last_logits().unwrap(), &reference), "the decode after a cancel at {k} differs by {}", max_diff(ctx.last_logits().unwrap(), &reference));
+        assert!(
+            bitwise_eq(ctx.last_logits().unwrap(), &reference),
+            "the decode after a cancel at {k} differs by {}",
+            max_diff(ctx.last_logits().unwrap(), &reference)
+        );
     }
 }
 
-fn run(ctx: &mut Context, request: &GenerateRequest, token: &CancelFlag) -> (native::Result<native::Outcome>, Vec<Token>) {
-    let mut sampler = Sampler::new(ctx.model().clone(), &SamplerParams::greedy(), &SamplerCaps::default()).unwrap();
+fn run(
+    ctx: &mut Context,
+    request: &GenerateRequest,
+    token: &CancelFlag,
+) -> (native::Result<native::Outcome>, Vec<Token>) {
+    let mut sampler =
+        Sampler::new(ctx.model().clone(), &SamplerParams::greedy(), &SamplerCaps::default())
+            .unwrap();
     let mut tokens = Vec::new();
     let mut sink = |p: Piece| {
         tokens.extend(p.tokens);
@@ -134,7 +173,13 @@ fn run(ctx: &mut Context, request: &GenerateRequest, token: &CancelFlag) -> (nat
 /// Polls of a chunked generation of `prompt`: its prefill, and each generated token's decode.
 fn generation_polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
     common::prefill_and_token_polls(|max_tokens, counter| {
-        let request = GenerateRequest { prompt: prompt.to_vec(), seq: 0, max_tokens, stop: Vec::new(), logprobs: None };
+        let request = GenerateRequest {
+            prompt: prompt.to_vec(),
+            seq: 0,
+            max_tokens,
+            stop: Vec::new(),
+            logprobs: None,
+        };
         run(&mut chunked(model), &request, counter).0.unwrap();
     })
 }
@@ -142,7 +187,13 @@ fn generation_polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
 #[test]
 fn a_generation_on_the_device_stops_at_boundary_k_and_keeps_exactly_the_delivered_tokens() {
     let model = on_gpu(common::tiny_model());
-    let request = GenerateRequest { prompt: prompt(&model, 20), seq: 0, max_tokens: 8, stop: Vec::new(), logprobs: None };
+    let request = GenerateRequest {
+        prompt: prompt(&model, 20),
+        seq: 0,
+        max_tokens: 8,
+        stop: Vec::new(),
+        logprobs: None,
+    };
     let (outcome, reference) = run(&mut chunked(&model), &request, &CancelFlag::new());
     assert_eq!(outcome.unwrap().usage.generated_tokens, 8);
     let (prefill, per_token) = generation_polls(&model, &request.prompt);
@@ -155,12 +206,26 @@ fn a_generation_on_the_device_stops_at_boundary_k_and_keeps_exactly_the_delivere
         let outcome = outcome.unwrap();
         assert_eq!(outcome.finish, FinishReason::Cancelled);
         assert_eq!(delivered, reference[..k], "tokens delivered before the cancel");
-        assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, request.prompt.len() + k - 1, "memory: the prompt and the delivered tokens");
+        assert_eq!(
+            ctx.seq_pos_max(0).unwrap() as usize,
+            request.prompt.len() + k - 1,
+            "memory: the prompt and the delivered tokens"
+        );
         // Continue from memory with the token that was in flight: greedy picks the rest.
-        let next = GenerateRequest { prompt: vec![reference[k]], seq: 0, max_tokens: 3, stop: Vec::new(), logprobs: None };
+        let next = GenerateRequest {
+            prompt: vec![reference[k]],
+            seq: 0,
+            max_tokens: 3,
+            stop: Vec::new(),
+            logprobs: None,
+        };
         let (outcome, rest) = run(&mut ctx, &next, &CancelFlag::new());
         outcome.unwrap();
-        assert_eq!(rest, reference[k + 1..k + 4], "continuing after a cancel as if it never happened");
+        assert_eq!(
+            rest,
+            reference[k + 1..k + 4],
+            "continuing after a cancel as if it never happened"
+        );
     }
 }
 
@@ -171,11 +236,15 @@ fn an_encode_on_the_device_stops_at_boundary_k_and_the_next_equals_an_uncancelle
     media.set_chunk_work(1);
     let caps = MediaCaps { max_image_side: 1024, max_audio_samples: 16_000 };
     let input = MediaInput::Image { width: 48, height: 40, rgb: common::gradient(48, 40) };
-    let chunks = media.tokenize(&format!("look: {}", MediaContext::marker()), &[input], caps, usize::MAX).unwrap();
+    let chunks = media
+        .tokenize(&format!("look: {}", MediaContext::marker()), &[input], caps, usize::MAX)
+        .unwrap();
     let chunk = chunks.into_iter().find(|c| c.kind() != ChunkKind::Text).unwrap();
     let plain = media.encode(&chunk, None).unwrap();
     common::check_encode_stops_at_each_boundary(&mut media, &chunk, &plain);
-    let on_cpu = MediaContext::new(common::tiny_vision(), on_cpu(common::tiny_model()), 1).unwrap().encode(&chunk, None);
+    let on_cpu = MediaContext::new(common::tiny_vision(), on_cpu(common::tiny_model()), 1)
+        .unwrap()
+        .encode(&chunk, None);
     // A chunk belongs to the media context that made it: encoding it on another is refused.
     assert!(on_cpu.is_err());
 }
@@ -188,10 +257,13 @@ fn an_encode_on_the_device_stops_at_boundary_k_and_the_next_equals_an_uncancelle
 #[test]
 fn greedy_on_the_device_agrees_with_the_cpu() {
     // Of the largest logit: twice what was measured (docs/ARCHITECTURE.md, "On the GPU").
-    for (name, path, steps, tolerance) in [("tiny", common::tiny_model(), 16, 5e-3f32), ("SmolLM2", common::real_model(), 12, 1e-1)] {
+    for (name, path, steps, tolerance) in
+        [("tiny", common::tiny_model(), 16, 5e-3f32), ("SmolLM2", common::real_model(), 12, 1e-1)]
+    {
         let (gpu, cpu) = (on_gpu(path), on_cpu(path));
         let start = gpu.tokenize("The llama in the box is", true, false).unwrap();
-        let (mut on_device, mut on_host) = (Context::new(gpu, params()).unwrap(), Context::new(cpu, params()).unwrap());
+        let (mut on_device, mut on_host) =
+            (Context::new(gpu, params()).unwrap(), Context::new(cpu, params()).unwrap());
         let (mut worst, mut ties, mut rms) = (0f32, 0, 0f32);
         let (mut batch, mut pos) = (start, 0);
         for step in 0..steps {
@@ -213,7 +285,10 @@ fn greedy_on_the_device_agrees_with_the_cpu() {
             batch = vec![next_h];
         }
         println!("figure: {name}: logits on the device differ from the CPU's by at most {worst:.2e} of the largest (RMS of the difference: at most {rms:.2e} of the logits' RMS); greedy picks differ at {ties} of {steps} steps, each a near tie");
-        assert!(worst < tolerance, "{name}: device logits differ from the CPU's by {worst:.2e} of the largest");
+        assert!(
+            worst < tolerance,
+            "{name}: device logits differ from the CPU's by {worst:.2e} of the largest"
+        );
     }
 }
 
@@ -225,7 +300,10 @@ async fn a_plugins_decode_on_the_device_is_stopped_in_flight_by_the_embedders_to
     let registry = ModelRegistry::new();
     registry.offload(Offload::default());
     registry.register("slow", common::slow_model());
-    assert!(registry.open("slow").await.unwrap().device().is_some(), "the host put the model on the GPU");
+    assert!(
+        registry.open("slow").await.unwrap().device().is_some(),
+        "the host put the model on the GPU"
+    );
     let host = PluginHost::new(registry, Limits::default()).unwrap();
     let plugin = host.load(common::demo_plugin()).unwrap();
     let flag = CancelFlag::new();
@@ -242,6 +320,10 @@ async fn a_plugins_decode_on_the_device_is_stopped_in_flight_by_the_embedders_to
     assert_eq!(common::field(&text, "shared-decode"), "cancelled", "{text}");
     // Tripped at poll 20; each later split of the graph stops at its first node (one poll
     // each), since a boundary's false ends only its own split.
-    assert!((20..30).contains(&flag.polls()), "stopped in flight at poll 20, then {} polls in all", flag.polls());
+    assert!(
+        (20..30).contains(&flag.polls()),
+        "stopped in flight at poll 20, then {} polls in all",
+        flag.polls()
+    );
     assert_eq!(common::field(&text, "memory-after"), "seq-pos-max=-1", "memory as before");
 }

@@ -20,20 +20,41 @@ fn env(name: &str, default: u64) -> u64 {
 }
 
 /// Run the fuzz plugin once; its output.
-async fn fuzz_run(host: &PluginHost, plugin: &llamabox::Plugin, seed: u64, calls: u64) -> (RunOutcome, String) {
+async fn fuzz_run(
+    host: &PluginHost,
+    plugin: &llamabox::Plugin,
+    seed: u64,
+    calls: u64,
+) -> (RunOutcome, String) {
     fuzz_run_with(host, plugin, seed, &["--calls", &calls.to_string()]).await
 }
 
-async fn fuzz_run_with(host: &PluginHost, plugin: &llamabox::Plugin, seed: u64, args: &[&str]) -> (RunOutcome, String) {
+async fn fuzz_run_with(
+    host: &PluginHost,
+    plugin: &llamabox::Plugin,
+    seed: u64,
+    args: &[&str],
+) -> (RunOutcome, String) {
     let out = MemoryOutputPipe::new(1 << 20);
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(out.clone()).stderr(out.clone());
     let seed = seed.to_string();
-    wasi.args(&["fuzz", "--seed", &seed, "--models", "tiny,tiny-again", "--projectors", "eyes,ears"]);
+    wasi.args(&[
+        "fuzz",
+        "--seed",
+        &seed,
+        "--models",
+        "tiny,tiny-again",
+        "--projectors",
+        "eyes,ears",
+    ]);
     wasi.args(args);
     // Generous: a run that hangs is a finding too, and fails here instead of hanging.
     let options = RunOptions { deadline: Some(Duration::from_secs(120)), ..RunOptions::default() };
-    let outcome = plugin.run_with(&options, wasi).await.unwrap_or_else(|e| panic!("seed {seed}: the plugin trapped: {e:?}"));
+    let outcome = plugin
+        .run_with(&options, wasi)
+        .await
+        .unwrap_or_else(|e| panic!("seed {seed}: the plugin trapped: {e:?}"));
     assert_eq!(host.live_workers(), 0, "seed {seed}: native threads outlived the run");
     (outcome, String::from_utf8_lossy(&out.contents()).into_owned())
 }
@@ -44,7 +65,9 @@ async fn random_wit_call_sequences_through_a_real_guest_never_crash_the_host() {
     // The same file under two names: two loaded models, so handles of "another
     // model" are real.
     registry.register("tiny", common::tiny_model()).register("tiny-again", common::tiny_model());
-    registry.register_projector("eyes", common::tiny_vision()).register_projector("ears", common::tiny_audio());
+    registry
+        .register_projector("eyes", common::tiny_vision())
+        .register_projector("ears", common::tiny_audio());
     // Each seed's run leaves contexts for the next one: their calls meet parked
     // contexts with leftover tokens (reused, cut or removed by whatever comes first).
     registry.keep_idle_contexts(4);
@@ -85,11 +108,18 @@ async fn hostile_grammars_through_a_real_guest_are_bounded() {
     let cases = env("LLAMABOX_FUZZ_GRAMMARS", 40).to_string();
     let mut slowest = 0;
     for seed in first..first + seeds {
-        let (outcome, out) = fuzz_run_with(&host, &plugin, seed, &["--calls", "0", "--grammars", &cases]).await;
+        let (outcome, out) =
+            fuzz_run_with(&host, &plugin, seed, &["--calls", "0", "--grammars", &cases]).await;
         assert_eq!(outcome, RunOutcome::Success, "seed {seed}:\n{out}");
-        assert!(out.lines().all(|l| !l.starts_with("fuzz-backend")), "seed {seed}: a grammar reached a backend error:\n{out}");
+        assert!(
+            out.lines().all(|l| !l.starts_with("fuzz-backend")),
+            "seed {seed}: a grammar reached a backend error:\n{out}"
+        );
         let ms: u64 = common::field(&out, "fuzz-grammar-slowest-ms").parse().unwrap();
-        println!("seed {seed}: {cases} grammars, slowest call {ms} ms: {}", common::field(&out, "fuzz-outcomes"));
+        println!(
+            "seed {seed}: {cases} grammars, slowest call {ms} ms: {}",
+            common::field(&out, "fuzz-outcomes")
+        );
         slowest = slowest.max(ms);
     }
     // A bound, not a benchmark: the attacks this replays took 14 s to minutes per call.

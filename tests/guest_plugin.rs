@@ -9,18 +9,30 @@ const PROMPT: &str = "The llama in the box";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_generates_then_cancels_a_long_decode_in_flight() {
-    let out = common::demo_generates_on_native_logits("slow", common::slow_model(), PROMPT, 512, "0").await;
+    let out =
+        common::demo_generates_on_native_logits("slow", common::slow_model(), PROMPT, 512, "0")
+            .await;
     // The guest's event loop cancels at once (a 0 ms timer), so the decode is queued or
     // running, never finished, however fast this machine is. Where in the graph a
     // cancel lands is pinned down by the trip-wire tests (native_decode).
     let long = common::field(&out, "long-decode");
     assert!(long.starts_with("cancelled after"), "{long}");
-    assert_eq!(common::field(&out, "memory-after"), "seq-pos-max=-1", "a cancelled decode leaves memory empty");
+    assert_eq!(
+        common::field(&out, "memory-after"),
+        "seq-pos-max=-1",
+        "a cancelled decode leaves memory empty"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
-    let (outcome, out) = common::run_plugin(common::test_plugin(), &[("tiny", common::tiny_model())], &[], &["bad-inputs", "--model", "tiny"]).await;
+    let (outcome, out) = common::run_plugin(
+        common::test_plugin(),
+        &[("tiny", common::tiny_model())],
+        &[],
+        &["bad-inputs", "--model", "tiny"],
+    )
+    .await;
     assert_eq!(outcome, RunOutcome::Success);
     let expect = [
         ("token-too-large", "invalid-argument: token"),
@@ -46,7 +58,11 @@ async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
     }
     assert_eq!(common::field(&out, "good-after-bad"), "ok");
     let good: i32 = common::field(&out, "good-tokens").parse().unwrap();
-    assert_eq!(common::field(&out, "memory-after"), format!("seq-pos-max={}", good - 1), "only the good batch is in memory");
+    assert_eq!(
+        common::field(&out, "memory-after"),
+        format!("seq-pos-max={}", good - 1),
+        "only the good batch is in memory"
+    );
 }
 
 /// Regressions (issue 10): a foreign chunk made clip assert; a context charged 480 KV
@@ -58,28 +74,48 @@ async fn chunks_stay_with_their_media_context_and_every_budget_is_charged_as_all
     let args = ["bad-inputs", "--model", "tiny", "--media", "eyes"];
     // The test plugin's own context: n-ctx 1024 (padded as asked) x 2 layers. The padded
     // 16-sequence context needs 16 x 256 cells x 2 layers more: one cell too many.
-    let limits = llamabox::Limits { max_kv_cells: 1024 * 2 + 4096 * 2 - 1, ..llamabox::Limits::default() };
-    let (outcome, out) = common::run_plugin_with_limits(common::test_plugin(), &models, &projectors, limits, &args).await;
+    let limits =
+        llamabox::Limits { max_kv_cells: 1024 * 2 + 4096 * 2 - 1, ..llamabox::Limits::default() };
+    let (outcome, out) =
+        common::run_plugin_with_limits(common::test_plugin(), &models, &projectors, limits, &args)
+            .await;
     assert_eq!(outcome, RunOutcome::Success);
     assert_eq!(common::field(&out, "bad-input chunk-budget"), "ok");
     for case in ["foreign-chunk-encode", "foreign-chunk-start-encode", "foreign-chunk-eval"] {
         let got = common::field(&out, &format!("bad-input {case}"));
-        assert!(got.starts_with("invalid-argument: this chunk was made by another media context"), "{case}: {got}");
+        assert!(
+            got.starts_with("invalid-argument: this chunk was made by another media context"),
+            "{case}: {got}"
+        );
     }
     assert_eq!(common::field(&out, "good-own-chunk-eval"), "ok");
-    assert!(common::field(&out, "bad-input kv-cells-padded").starts_with("limit-exceeded: max-kv-cells"), "{out}");
-    assert_eq!(common::field(&out, "bad-input too-many-tokens"), "limit-exceeded: max-tokens: this plugin already holds 1024 (after 1023)");
+    assert!(
+        common::field(&out, "bad-input kv-cells-padded")
+            .starts_with("limit-exceeded: max-kv-cells"),
+        "{out}"
+    );
+    assert_eq!(
+        common::field(&out, "bad-input too-many-tokens"),
+        "limit-exceeded: max-tokens: this plugin already holds 1024 (after 1023)"
+    );
 
     // A chunk budget smaller than one tokenized image: refused by name, nothing kept.
     let limits = llamabox::Limits { max_chunk_bytes: 4096, ..llamabox::Limits::default() };
-    let (outcome, out) = common::run_plugin_with_limits(common::test_plugin(), &models, &projectors, limits, &args).await;
+    let (outcome, out) =
+        common::run_plugin_with_limits(common::test_plugin(), &models, &projectors, limits, &args)
+            .await;
     assert_eq!(outcome, RunOutcome::Success);
-    assert!(common::field(&out, "bad-input chunk-budget").starts_with("limit-exceeded: max-chunk-bytes"), "{out}");
+    assert!(
+        common::field(&out, "bad-input chunk-budget")
+            .starts_with("limit-exceeded: max-chunk-bytes"),
+        "{out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_sees_only_registered_names() {
-    let (outcome, out) = common::run_demo(&[("tiny", common::tiny_model())], &["--model", "elsewhere"]).await;
+    let (outcome, out) =
+        common::run_demo(&[("tiny", common::tiny_model())], &["--model", "elsewhere"]).await;
     assert_eq!(outcome, RunOutcome::Failed(1));
     assert!(out.contains("ModelNotFound(\"elsewhere\")"), "{out}");
     let model_dir = common::tiny_model().parent().unwrap().to_str().unwrap();
@@ -90,7 +126,9 @@ async fn a_plugin_sees_only_registered_names() {
 /// against a `cancel_after_ms` timer, then encoded, evaluated and generated from.
 async fn media_run(path: &std::path::Path, cancel_after_ms: &str) -> String {
     let args = ["--model", "tiny", "--media", "projector", "--cancel-after-ms", cancel_after_ms];
-    let (outcome, out) = common::run_demo_with(&[("tiny", common::tiny_model())], &[("projector", path)], &args).await;
+    let (outcome, out) =
+        common::run_demo_with(&[("tiny", common::tiny_model())], &[("projector", path)], &args)
+            .await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
     out
 }
@@ -105,9 +143,14 @@ async fn guest_cancels_an_image_encode_in_flight_then_evaluates_the_image() {
     assert!(encode.starts_with("cancelled after"), "{encode}");
     assert!(common::field(&out, "media-full-encode").starts_with(&format!("{} floats", 256 * 64)));
     assert_eq!(common::field(&out, "media-eval-cancelled"), "Some(Error::Cancelled)");
-    assert_eq!(common::field(&out, "media-eval-memory"), "seq-pos-max=-1", "a cancelled evaluation leaves memory empty");
+    assert_eq!(
+        common::field(&out, "media-eval-memory"),
+        "seq-pos-max=-1",
+        "a cancelled evaluation leaves memory empty"
+    );
     let eval = common::field(&out, "media-eval");
-    let n_past: i32 = eval.strip_prefix("n-past=").and_then(|r| r.split(',').next()).unwrap().parse().unwrap();
+    let n_past: i32 =
+        eval.strip_prefix("n-past=").and_then(|r| r.split(',').next()).unwrap().parse().unwrap();
     assert!(n_past > 256, "prompt text plus 256 image embeddings, got {eval}");
 }
 
@@ -128,7 +171,8 @@ async fn a_compiled_plugin_is_reused_from_the_compile_cache() {
     let dir = std::env::temp_dir().join(format!("llamabox-compile-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let options = HostOptions { compile_cache: Some(dir.clone()) };
-    let host = |registry| PluginHost::with_options(registry, Limits::default(), options.clone()).unwrap();
+    let host =
+        |registry| PluginHost::with_options(registry, Limits::default(), options.clone()).unwrap();
     let bytes = std::fs::read(common::demo_plugin()).unwrap();
 
     let first = host(ModelRegistry::new());
@@ -139,7 +183,11 @@ async fn a_compiled_plugin_is_reused_from_the_compile_cache() {
     registry.register("tiny", common::tiny_model());
     let second = host(registry);
     let plugin = second.load_bytes(&bytes).unwrap();
-    assert_eq!(second.compile_cache_stats(), Some(CompileCacheStats { hits: 1, misses: 0 }), "loaded, not compiled");
+    assert_eq!(
+        second.compile_cache_stats(),
+        Some(CompileCacheStats { hits: 1, misses: 0 }),
+        "loaded, not compiled"
+    );
     let mut wasi = wasmtime_wasi::WasiCtxBuilder::new();
     wasi.args(&["demo", "--model", "tiny", "--prompt", PROMPT, "--generate", "4"]);
     assert_eq!(plugin.run(wasi).await.unwrap(), RunOutcome::Success, "the cached compile runs");
@@ -150,7 +198,10 @@ async fn a_compiled_plugin_is_reused_from_the_compile_cache() {
     changed.extend_from_slice(&[0, 6, 1, b'x', 1, 2, 3, 4]);
     second.load_bytes(&changed).unwrap();
     assert_eq!(second.compile_cache_stats().unwrap().misses, 1);
-    assert!(PluginHost::new(ModelRegistry::new(), Limits::default()).unwrap().compile_cache_stats().is_none());
+    assert!(PluginHost::new(ModelRegistry::new(), Limits::default())
+        .unwrap()
+        .compile_cache_stats()
+        .is_none());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -189,6 +240,12 @@ fn a_plugin_whose_imports_cannot_be_satisfied_is_refused_naming_each_one() {
     )"#;
     let host = PluginHost::new(ModelRegistry::new(), Limits::default()).unwrap();
     let message = format!("{:#}", host.load_bytes(component.as_bytes()).err().expect("refused"));
-    let listed = message.strip_prefix("the plugin imports what this host does not provide: ").and_then(|rest| rest.split(": ").next());
-    assert_eq!(listed, Some("wasi:http/types@0.2.0, wasi:cli/environment@0.2.0, example:missing/thing@1.0.0"), "{message}");
+    let listed = message
+        .strip_prefix("the plugin imports what this host does not provide: ")
+        .and_then(|rest| rest.split(": ").next());
+    assert_eq!(
+        listed,
+        Some("wasi:http/types@0.2.0, wasi:cli/environment@0.2.0, example:missing/thing@1.0.0"),
+        "{message}"
+    );
 }

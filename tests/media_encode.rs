@@ -7,7 +7,8 @@ mod common;
 use std::sync::Arc;
 
 use llamabox::native::{
-    Batch, CancelFlag, ChunkKind, Context, ContextParams, Error, MediaCaps, MediaContext, MediaInput, Model, Stop,
+    Batch, CancelFlag, ChunkKind, Context, ContextParams, Error, MediaCaps, MediaContext,
+    MediaInput, Model, Stop,
 };
 
 const CAPS: MediaCaps = MediaCaps { max_image_side: 1024, max_audio_samples: 16_000 * 30 };
@@ -66,7 +67,8 @@ fn media_embeddings_decode_into_a_context_and_a_cancel_leaves_no_trace() {
     let mut m = media(common::tiny_vision(), &model);
     let chunk = media_chunk(&mut m, image(30, 20));
     let embd = m.encode(&chunk, None).unwrap();
-    let params = ContextParams { n_ctx: 512, n_batch: 32, n_ubatch: 16, n_seq_max: 1, n_threads: 1 };
+    let params =
+        ContextParams { n_ctx: 512, n_batch: 32, n_ubatch: 16, n_seq_max: 1, n_threads: 1 };
 
     let mut reference = Context::new(model.clone(), params).unwrap();
     reference.decode(&Batch::sequence(&[1, 100, 101], 0, 0), None).unwrap();
@@ -79,7 +81,10 @@ fn media_embeddings_decode_into_a_context_and_a_cancel_leaves_no_trace() {
     ctx.decode(&Batch::sequence(&[1, 100, 101], 0, 0), None).unwrap();
     let token = CancelFlag::new();
     token.trip_after(counter.polls() * 7 / 8); // in the last ubatch: llama.cpp keeps the first three
-    assert_eq!(ctx.decode_embeddings(&embd, 0, false, true, Some(Stop::on(&token))), Err(Error::Cancelled));
+    assert_eq!(
+        ctx.decode_embeddings(&embd, 0, false, true, Some(Stop::on(&token))),
+        Err(Error::Cancelled)
+    );
     assert_eq!(ctx.seq_pos_max(0).unwrap(), 2, "memory as before the call");
     ctx.decode_embeddings(&embd, 0, false, true, None).unwrap();
     assert_eq!(ctx.seq_pos_max(0).unwrap(), 2 + chunk.n_pos());
@@ -87,10 +92,15 @@ fn media_embeddings_decode_into_a_context_and_a_cancel_leaves_no_trace() {
 
     let mut small = Context::new(model.clone(), params).unwrap();
     match small.decode_embeddings(&embd, 0, true, true, None) {
-        Err(Error::InvalidArgument(m)) => assert!(m.contains("must be decoded in one ubatch"), "{m}"),
+        Err(Error::InvalidArgument(m)) => {
+            assert!(m.contains("must be decoded in one ubatch"), "{m}")
+        }
         other => panic!("a non-causal chunk larger than n-ubatch must be refused, got {other:?}"),
     }
-    assert!(matches!(small.decode_embeddings(&embd[1..], 0, false, true, None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        small.decode_embeddings(&embd[1..], 0, false, true, None),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 #[test]
@@ -105,25 +115,50 @@ fn bad_media_inputs_are_refused_with_a_reason() {
     let cases: Vec<(bool, String, Vec<MediaInput>, &str)> = vec![
         (false, one.clone(), vec![image(0, 8)], "outside 1..=1024"),
         (false, one.clone(), vec![image(8, 5000)], "outside 1..=1024"),
-        (false, one.clone(), vec![MediaInput::Image { width: 4, height: 4, rgb: vec![0; 47] }], "needs 48 RGB bytes"),
+        (
+            false,
+            one.clone(),
+            vec![MediaInput::Image { width: 4, height: 4, rgb: vec![0; 47] }],
+            "needs 48 RGB bytes",
+        ),
         (false, format!("{marker}{marker}"), vec![image(4, 4)], "2 media markers but 1 inputs"),
-        (false, one.clone(), vec![MediaInput::Audio { samples: common::tone(100) }], "takes no audio"),
+        (
+            false,
+            one.clone(),
+            vec![MediaInput::Audio { samples: common::tone(100) }],
+            "takes no audio",
+        ),
         (true, one.clone(), vec![MediaInput::Audio { samples: vec![] }], "outside 2..="),
         (true, one.clone(), vec![MediaInput::Audio { samples: vec![0.1] }], "outside 2..="),
-        (true, one.clone(), vec![MediaInput::Audio { samples: vec![0.0; 16_000 * 30 + 1] }], "outside 2..="),
+        (
+            true,
+            one.clone(),
+            vec![MediaInput::Audio { samples: vec![0.0; 16_000 * 30 + 1] }],
+            "outside 2..=",
+        ),
         (true, one.clone(), vec![MediaInput::Audio { samples: vec![f32::NAN; 10] }], "finite"),
         (true, one.clone(), vec![image(4, 4)], "takes no images"),
     ];
     for (use_audio, prompt, inputs, reason) in cases {
         let m = if use_audio { &mut audio } else { &mut vision };
         match m.tokenize(&prompt, &inputs, CAPS, usize::MAX) {
-            Err(Error::InvalidArgument(msg)) => assert!(msg.contains(reason), "{msg:?} should mention {reason:?}"),
-            other => panic!("expected invalid-argument ({reason}), got {:?}", other.map(|c| c.len())),
+            Err(Error::InvalidArgument(msg)) => {
+                assert!(msg.contains(reason), "{msg:?} should mention {reason:?}")
+            }
+            other => {
+                panic!("expected invalid-argument ({reason}), got {:?}", other.map(|c| c.len()))
+            }
         }
     }
     let chunks = vision.tokenize(&one, &[image(4, 4)], CAPS, usize::MAX).unwrap();
-    assert_eq!(chunks.iter().map(|c| c.kind()).collect::<Vec<_>>(), [ChunkKind::Text, ChunkKind::Image]);
-    assert!(matches!(vision.encode(&chunks[0], None), Err(Error::InvalidArgument(_))), "text chunks have nothing to encode");
+    assert_eq!(
+        chunks.iter().map(|c| c.kind()).collect::<Vec<_>>(),
+        [ChunkKind::Text, ChunkKind::Image]
+    );
+    assert!(
+        matches!(vision.encode(&chunks[0], None), Err(Error::InvalidArgument(_))),
+        "text chunks have nothing to encode"
+    );
 }
 
 /// Many inputs are tokenized one at a time against the caller's budget: refused at the
@@ -140,20 +175,32 @@ fn media_chunks_are_charged_input_by_input() {
     let kinds: Vec<ChunkKind> = chunks.iter().map(|c| c.kind()).collect();
     use ChunkKind::{Image, Text};
     assert_eq!(kinds, [Text, Image, Text, Image, Image, Text]);
-    assert_eq!(chunks[0].text_tokens(), model.tokenize("one ", true, true).unwrap(), "the first part starts the text");
+    assert_eq!(
+        chunks[0].text_tokens(),
+        model.tokenize("one ", true, true).unwrap(),
+        "the first part starts the text"
+    );
     assert_eq!(chunks[2].text_tokens(), model.tokenize(" two ", false, true).unwrap());
     assert_eq!(chunks[5].text_tokens(), model.tokenize(" three", false, true).unwrap());
     let first_part = chunks[0].native_bytes() + chunks[1].native_bytes();
     let total: usize = chunks.iter().map(|c| c.native_bytes()).sum();
     match vision.tokenize(&prompt, &inputs, CAPS, total - 1) {
-        Err(Error::LimitExceeded(m)) => assert!(m.starts_with("max-chunk-bytes") && m.contains("up to its end"), "{m}"),
+        Err(Error::LimitExceeded(m)) => {
+            assert!(m.starts_with("max-chunk-bytes") && m.contains("up to its end"), "{m}")
+        }
         other => panic!("expected limit-exceeded, got {:?}", other.map(|c| c.len())),
     }
     match vision.tokenize(&prompt, &inputs, CAPS, first_part) {
-        Err(Error::LimitExceeded(m)) => assert!(m.contains("up to media input 1"), "refused at the second image: {m}"),
+        Err(Error::LimitExceeded(m)) => {
+            assert!(m.contains("up to media input 1"), "refused at the second image: {m}")
+        }
         other => panic!("expected limit-exceeded, got {:?}", other.map(|c| c.len())),
     }
-    assert_eq!(vision.tokenize(&prompt, &inputs, CAPS, total).unwrap().len(), 6, "a budget that fits is enough");
+    assert_eq!(
+        vision.tokenize(&prompt, &inputs, CAPS, total).unwrap().len(),
+        6,
+        "a budget that fits is enough"
+    );
 }
 
 use common::bitwise_eq;
@@ -169,14 +216,23 @@ fn a_chunk_is_encoded_only_by_the_media_context_that_made_it() {
     let mut audio = media(common::tiny_audio(), &model);
     let picture = media_chunk(&mut vision, image(16, 16));
     let sound = media_chunk(&mut audio, MediaInput::Audio { samples: common::tone(800) });
-    for (m, chunk) in [(&mut other_vision, &picture), (&mut audio, &picture), (&mut vision, &sound)] {
+    for (m, chunk) in [(&mut other_vision, &picture), (&mut audio, &picture), (&mut vision, &sound)]
+    {
         match m.encode(chunk, None) {
-            Err(Error::InvalidArgument(msg)) => assert!(msg.contains("made by another media context"), "{msg}"),
+            Err(Error::InvalidArgument(msg)) => {
+                assert!(msg.contains("made by another media context"), "{msg}")
+            }
             other => panic!("a foreign chunk must be refused, got {:?}", other.map(|e| e.len())),
         }
     }
-    assert_eq!(vision.encode(&picture, None).unwrap().len(), picture.n_tokens() * model.n_embd_inp() as usize);
-    assert!(picture.native_bytes() >= picture.n_tokens() * model.n_embd_inp() as usize * 4, "charged at least its embeddings");
+    assert_eq!(
+        vision.encode(&picture, None).unwrap().len(),
+        picture.n_tokens() * model.n_embd_inp() as usize
+    );
+    assert!(
+        picture.native_bytes() >= picture.n_tokens() * model.n_embd_inp() as usize * 4,
+        "charged at least its embeddings"
+    );
 }
 
 /// Chunk-list evaluation is one native all-or-nothing call: the same logits as
@@ -190,7 +246,8 @@ fn eval_is_one_all_or_nothing_call_over_text_and_media_pieces() {
     let chunks = m.tokenize(&prompt, &[image(16, 16)], CAPS, usize::MAX).unwrap();
     let pieces = m.encode_for_eval(&chunks, None).unwrap();
     assert_eq!(pieces.len(), 3);
-    let params = ContextParams { n_ctx: 512, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 1 };
+    let params =
+        ContextParams { n_ctx: 512, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 1 };
 
     let mut by_piece = Context::new(model.clone(), params).unwrap();
     for (i, piece) in pieces.iter().enumerate() {
@@ -201,7 +258,9 @@ fn eval_is_one_all_or_nothing_call_over_text_and_media_pieces() {
                 batch.logits = (0..t.len()).map(|r| last && r + 1 == t.len()).collect();
                 by_piece.decode(&batch, None).unwrap()
             }
-            Piece::Embeddings { embd, non_causal } => by_piece.decode_embeddings(embd, 0, *non_causal, last, None).unwrap(),
+            Piece::Embeddings { embd, non_causal } => {
+                by_piece.decode_embeddings(embd, 0, *non_causal, last, None).unwrap()
+            }
         }
     }
     let mut ctx = Context::new(model.clone(), params).unwrap();
@@ -212,7 +271,9 @@ fn eval_is_one_all_or_nothing_call_over_text_and_media_pieces() {
     let mut broken = pieces.clone();
     broken.push(Piece::Tokens(vec![model.n_vocab() as i32]));
     match ctx.eval(&broken, 0, None) {
-        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("outside the vocabulary"), "{msg}"),
+        Err(Error::InvalidArgument(msg)) => {
+            assert!(msg.contains("outside the vocabulary"), "{msg}")
+        }
         other => panic!("a bad last piece must fail the whole call, got {other:?}"),
     }
     assert_eq!(ctx.seq_pos_max(0).unwrap(), n_past - 1, "the earlier pieces were undone");

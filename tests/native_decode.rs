@@ -61,7 +61,10 @@ fn decode_cancelled_mid_graph_changes_nothing() {
 
     decode(&mut ctx, &batch, &CancelFlag::new()).unwrap();
     let got = ctx.logits_ith(23).unwrap();
-    assert!(got.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()), "logits differ from an uncancelled run");
+    assert!(
+        got.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "logits differ from an uncancelled run"
+    );
 }
 
 #[test]
@@ -86,7 +89,10 @@ fn decode_cancelled_in_its_second_ubatch_removes_the_first() {
 
     decode(&mut ctx, &batch, &CancelFlag::new()).unwrap();
     let got = ctx.logits_ith(batch.len() as u32 - 1).unwrap();
-    assert!(got.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()), "logits differ from an uncancelled run");
+    assert!(
+        got.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "logits differ from an uncancelled run"
+    );
 }
 
 #[test]
@@ -104,7 +110,11 @@ fn token_cancelled_on_entry_touches_nothing() {
     assert_eq!(decode(&mut ctx, &batch, &token), Err(Error::Cancelled));
     assert_eq!(token.polls(), 0, "no graph may run for a token cancelled on entry");
     assert_eq!(ctx.seq_pos_max(0).unwrap(), 5);
-    assert_eq!(ctx.logits_ith(5).unwrap(), &before[..], "the previous decode's logits stay readable");
+    assert_eq!(
+        ctx.logits_ith(5).unwrap(),
+        &before[..],
+        "the previous decode's logits stay readable"
+    );
 }
 
 #[test]
@@ -113,7 +123,10 @@ fn a_cancelled_call_does_not_leave_its_callback_behind() {
     let mut ctx = Context::new(model.clone(), params(64)).unwrap();
     let token = CancelFlag::new();
     token.trip_after(1);
-    assert_eq!(decode(&mut ctx, &Batch::sequence(&tokens(&model, 4, 7), 0, 0), &token), Err(Error::Cancelled));
+    assert_eq!(
+        decode(&mut ctx, &Batch::sequence(&tokens(&model, 4, 7), 0, 0), &token),
+        Err(Error::Cancelled)
+    );
     // The token stays cancelled; a plain decode must not see it.
     ctx.decode(&Batch::sequence(&tokens(&model, 4, 7), 0, 0), None).unwrap();
     assert_eq!(ctx.seq_pos_max(0).unwrap(), 3);
@@ -150,14 +163,19 @@ fn bad_batches_are_refused_with_a_reason() {
     ];
     for (batch, reason) in cases {
         match decode(&mut ctx, &batch, &CancelFlag::new()) {
-            Err(Error::InvalidArgument(m)) => assert!(m.contains(reason), "{m:?} should mention {reason:?}"),
+            Err(Error::InvalidArgument(m)) => {
+                assert!(m.contains(reason), "{m:?} should mention {reason:?}")
+            }
             other => panic!("{batch:?}: expected invalid-argument ({reason}), got {other:?}"),
         }
     }
     decode(&mut ctx, &Batch::sequence(&ok, 0, 0), &CancelFlag::new()).unwrap();
     assert_eq!(ctx.seq_pos_max(0).unwrap(), 2);
     assert!(matches!(ctx.seq_pos_max(2), Err(Error::InvalidArgument(_))));
-    assert!(matches!(ctx.logits_ith(0), Err(Error::InvalidArgument(_))), "row 0 asked for no logits");
+    assert!(
+        matches!(ctx.logits_ith(0), Err(Error::InvalidArgument(_))),
+        "row 0 asked for no logits"
+    );
 }
 
 #[test]
@@ -168,7 +186,8 @@ fn tokenizer_round_trips_and_checks_ids() {
     assert_eq!(model.detokenize(&toks, false, false).unwrap(), "hello llama box!");
     let with_bos = model.tokenize("hello", true, false).unwrap();
     assert_eq!(Some(with_bos[0]), model.bos());
-    let piece: Vec<u8> = toks.iter().flat_map(|&t| model.token_to_piece(t, false).unwrap()).collect();
+    let piece: Vec<u8> =
+        toks.iter().flat_map(|&t| model.token_to_piece(t, false).unwrap()).collect();
     assert_eq!(String::from_utf8(piece).unwrap().trim_start(), "hello llama box!");
     assert!(model.token_to_piece(model.n_vocab() as i32, false).is_err());
     assert!(model.detokenize(&[-5], false, false).is_err());

@@ -18,7 +18,10 @@ const PROMPT: &str = "The llama in the box";
 /// that cannot be installed fails the test, loudly.
 fn build(script: &str, name: &str, extra: &[&Path]) -> PathBuf {
     let out = common::repo_root().join("target/guest/polyglot").join(name);
-    let status = Command::new(common::repo_root().join("scripts").join(script)).arg(&out).args(extra).status();
+    let status = Command::new(common::repo_root().join("scripts").join(script))
+        .arg(&out)
+        .args(extra)
+        .status();
     match status {
         Ok(s) if s.success() => out,
         other => panic!("scripts/{script} failed ({other:?}): the {name} toolchain could not be installed or the plugin did not build"),
@@ -41,9 +44,14 @@ fn js_plugin() -> &'static Path {
 fn c_plugin() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
     CELL.get_or_init(|| {
-        let adapter = common::repo_root().join("target/guest/polyglot/wasi_snapshot_preview1.reactor.wasm");
+        let adapter =
+            common::repo_root().join("target/guest/polyglot/wasi_snapshot_preview1.reactor.wasm");
         std::fs::create_dir_all(adapter.parent().unwrap()).unwrap();
-        std::fs::write(&adapter, wasi_preview1_component_adapter_provider::WASI_SNAPSHOT_PREVIEW1_REACTOR_ADAPTER).unwrap();
+        std::fs::write(
+            &adapter,
+            wasi_preview1_component_adapter_provider::WASI_SNAPSHOT_PREVIEW1_REACTOR_ADAPTER,
+        )
+        .unwrap();
         build("build-c-plugin.sh", "c-plugin.wasm", &[&adapter])
     })
 }
@@ -55,7 +63,9 @@ fn cached_host(models: &[(&str, &Path)]) -> PluginHost {
     for (name, path) in models {
         registry.register(*name, *path);
     }
-    let options = HostOptions { compile_cache: Some(common::repo_root().join("target/compile-cache-polyglot")) };
+    let options = HostOptions {
+        compile_cache: Some(common::repo_root().join("target/compile-cache-polyglot")),
+    };
     PluginHost::with_options(registry, Limits::default(), options).unwrap()
 }
 
@@ -67,9 +77,17 @@ async fn run_twice(plugin: &Path, models: &[(&str, &Path)], args: &[&str]) -> St
         let host = cached_host(models);
         let started = Instant::now();
         host.load(plugin).unwrap();
-        eprintln!("{} start-up ({round}): {:.2} s", plugin.display(), started.elapsed().as_secs_f64());
+        eprintln!(
+            "{} start-up ({round}): {:.2} s",
+            plugin.display(),
+            started.elapsed().as_secs_f64()
+        );
         if round == "cached" {
-            assert_eq!(host.compile_cache_stats(), Some(CompileCacheStats { hits: 1, misses: 0 }), "loaded, not compiled");
+            assert_eq!(
+                host.compile_cache_stats(),
+                Some(CompileCacheStats { hits: 1, misses: 0 }),
+                "loaded, not compiled"
+            );
             let (outcome, out) = common::run_on(&host, plugin, args).await;
             assert_eq!(outcome, RunOutcome::Success, "{out}");
             return out;
@@ -80,7 +98,11 @@ async fn run_twice(plugin: &Path, models: &[(&str, &Path)], args: &[&str]) -> St
 
 /// The Rust demo's output for the same model and prompt, greedy on the host and in wasm.
 async fn rust_demo(model: &Path, generate: &str) -> String {
-    let (outcome, out) = common::run_demo(&[("slow", model)], &["--model", "slow", "--prompt", PROMPT, "--generate", generate, "--host-generate"]).await;
+    let (outcome, out) = common::run_demo(
+        &[("slow", model)],
+        &["--model", "slow", "--prompt", PROMPT, "--generate", generate, "--host-generate"],
+    )
+    .await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
     out
 }
@@ -88,16 +110,34 @@ async fn rust_demo(model: &Path, generate: &str) -> String {
 /// What every language's plugin prints, checked the same way. Returns its output.
 async fn check_like_the_rust_demo(plugin: &Path) -> String {
     let model = common::slow_model();
-    let args = ["--model", "slow", "--prompt", PROMPT, "--generate", "8", "--long-tokens", "512", "--cancel-after-ms", "0"];
+    let args = [
+        "--model",
+        "slow",
+        "--prompt",
+        PROMPT,
+        "--generate",
+        "8",
+        "--long-tokens",
+        "512",
+        "--cancel-after-ms",
+        "0",
+    ];
     let out = run_twice(plugin, &[("slow", model)], &args).await;
     let rust = rust_demo(model, "8").await;
-    assert_eq!(common::field(&out, "host-generated-ids"), common::field(&rust, "host-generated-ids"), "greedy output differs from the Rust demo's");
+    assert_eq!(
+        common::field(&out, "host-generated-ids"),
+        common::field(&rust, "host-generated-ids"),
+        "greedy output differs from the Rust demo's"
+    );
     // Cancelled at once from the plugin's event loop (a 0 ms timer against a 512-token
     // decode, as in guest_plugin): `cancelled`, and memory untouched.
     assert_eq!(common::field(&out, "long-decode"), "cancelled");
     assert_eq!(common::field(&out, "memory-after"), "seq-pos-max=-1");
     assert_eq!(common::field(&out, "bad-model"), "model-not-found: no-such-model");
-    assert!(common::field(&out, "bad-batch").starts_with("invalid-argument: batch columns differ"), "{out}");
+    assert!(
+        common::field(&out, "bad-batch").starts_with("invalid-argument: batch columns differ"),
+        "{out}"
+    );
     out
 }
 
@@ -116,10 +156,21 @@ async fn c_plugin_does_what_the_rust_demo_does() {
     let out = check_like_the_rust_demo(c_plugin()).await;
     // Its own greedy loop in wasm too (decode, last-logits, argmax): the Rust demo's.
     let rust = rust_demo(common::slow_model(), "8").await;
-    assert_eq!(common::field(&out, "generated-ids"), common::field(&rust, "generated-ids"), "the C argmax loop differs from the Rust demo's");
-    assert_eq!(common::field(&out, "prompt-tokens").split(',').count().to_string(), common::field(&rust, "prompt-tokens"));
+    assert_eq!(
+        common::field(&out, "generated-ids"),
+        common::field(&rust, "generated-ids"),
+        "the C argmax loop differs from the Rust demo's"
+    );
+    assert_eq!(
+        common::field(&out, "prompt-tokens").split(',').count().to_string(),
+        common::field(&rust, "prompt-tokens")
+    );
     // A batch over the context's n-batch: named, and nothing kept.
-    assert!(common::field(&out, "too-long").starts_with("invalid-argument: batch of 513 tokens is larger than n-batch 512"), "{out}");
+    assert!(
+        common::field(&out, "too-long")
+            .starts_with("invalid-argument: batch of 513 tokens is larger than n-batch 512"),
+        "{out}"
+    );
     assert_eq!(common::field(&out, "memory-after-too-long"), "seq-pos-max=-1");
 }
 
@@ -133,13 +184,24 @@ fn the_plugin_guides_quote_the_tested_guests() {
         let mut quoted = 0;
         let mut lines = text.lines();
         while let Some(line) = lines.next() {
-            let Some(path) = line.strip_prefix("<!-- snippet: ").and_then(|l| l.strip_suffix(" -->")) else { continue };
+            let Some(path) =
+                line.strip_prefix("<!-- snippet: ").and_then(|l| l.strip_suffix(" -->"))
+            else {
+                continue;
+            };
             let fence = lines.next().unwrap_or_default();
-            assert!(fence.starts_with("```"), "{guide}: a snippet marker must be followed by a code block");
+            assert!(
+                fence.starts_with("```"),
+                "{guide}: a snippet marker must be followed by a code block"
+            );
             let block: Vec<&str> = lines.by_ref().take_while(|l| *l != "```").collect();
-            let source = std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("{guide}: {path}: {e}"));
+            let source = std::fs::read_to_string(root.join(path))
+                .unwrap_or_else(|e| panic!("{guide}: {path}: {e}"));
             let block = block.join("\n");
-            assert!(source.contains(&block), "{guide}: this block is no longer in {path}:\n{block}");
+            assert!(
+                source.contains(&block),
+                "{guide}: this block is no longer in {path}:\n{block}"
+            );
             quoted += 1;
         }
         assert!(quoted >= 3, "{guide} quotes only {quoted} blocks from tested guests");
@@ -151,13 +213,28 @@ fn the_plugin_guides_quote_the_tested_guests() {
 /// command export, in every language.
 #[test]
 fn wasm_tools_shows_each_plugins_interface() {
-    let out = Command::new(common::repo_root().join("scripts/wasm-tools.sh")).output().expect("running scripts/wasm-tools.sh");
-    assert!(out.status.success(), "wasm-tools could not be installed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(common::repo_root().join("scripts/wasm-tools.sh"))
+        .output()
+        .expect("running scripts/wasm-tools.sh");
+    assert!(
+        out.status.success(),
+        "wasm-tools could not be installed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let wasm_tools = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
     for plugin in [common::demo_plugin(), python_plugin(), js_plugin(), c_plugin()] {
-        let out = Command::new(&wasm_tools).args(["component", "wit"]).arg(plugin).output().expect("running wasm-tools");
+        let out = Command::new(&wasm_tools)
+            .args(["component", "wit"])
+            .arg(plugin)
+            .output()
+            .expect("running wasm-tools");
         let wit = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{}: {}", plugin.display(), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            plugin.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
         for expected in [
             "import llamabox:inference/llm@0.1.0;",
             "import llamabox:inference/generate@0.1.0;",
@@ -165,7 +242,11 @@ fn wasm_tools_shows_each_plugins_interface() {
             "resource cancel-token",
             "resource generation",
         ] {
-            assert!(wit.contains(expected), "{} does not show {expected:?}:\n{wit}", plugin.display());
+            assert!(
+                wit.contains(expected),
+                "{} does not show {expected:?}:\n{wit}",
+                plugin.display()
+            );
         }
     }
 }

@@ -7,7 +7,9 @@ mod common;
 
 use std::sync::Arc;
 
-use llamabox::native::{Batch, CancelFlag, Context, ContextParams, Error, Meter, Model, PromptPiece, Stop};
+use llamabox::native::{
+    Batch, CancelFlag, Context, ContextParams, Error, Meter, Model, PromptPiece, Stop,
+};
 
 fn params(n_seq_max: u32) -> ContextParams {
     ContextParams { n_ctx: 512, n_batch: 64, n_ubatch: 64, n_seq_max, n_threads: 1 }
@@ -94,7 +96,11 @@ fn a_prompt_sharing_the_start_computes_only_the_rest() {
     assert_eq!(ctx.seq_pos_max(0).unwrap(), b.len() as i32 - 1);
     assert!(ctx.leftover().is_empty());
     let logits = ctx.last_logits().unwrap().to_vec();
-    assert_eq!(logits, fresh_logits_split(&model, &b, 100), "the logits of a new context that was given the shared part first");
+    assert_eq!(
+        logits,
+        fresh_logits_split(&model, &b, 100),
+        "the logits of a new context that was given the shared part first"
+    );
     // Against one call, llama.cpp's own rounding for another ubatch split, nothing more:
     // a prompt with another start differs by whole units.
     assert!(max_diff(&logits, &fresh_logits(&model, &b)) < 0.02);
@@ -137,11 +143,15 @@ fn nothing_shared_nothing_reused() {
 fn a_cancelled_reusing_prompt_leaves_the_context_as_it_was() {
     let model = model();
     let shared = tokens(&model, 70, 9);
-    let (a, b) = (prompt(&shared, &tokens(&model, 10, 10)), prompt(&shared, &tokens(&model, 90, 11)));
+    let (a, b) =
+        (prompt(&shared, &tokens(&model, 10, 10)), prompt(&shared, &tokens(&model, 90, 11)));
     let mut ctx = parked_after(&model, &a, &[]);
     let token = CancelFlag::new();
     token.trip_after(40); // in the second of the rest's two pieces
-    assert_eq!(ctx.eval(&[PromptPiece::Tokens(b.clone())], 0, Some(Stop::on(&token))), Err(Error::Cancelled));
+    assert_eq!(
+        ctx.eval(&[PromptPiece::Tokens(b.clone())], 0, Some(Stop::on(&token))),
+        Err(Error::Cancelled)
+    );
     assert_eq!(ctx.seq_pos_max(0).unwrap(), -1);
     assert_eq!(ctx.leftover(), &shared[..], "the kept part is leftover again");
 
@@ -161,7 +171,8 @@ fn a_cancelled_reusing_prompt_leaves_the_context_as_it_was() {
 fn a_decode_from_the_start_reuses_up_to_its_first_logits_row() {
     let model = model();
     let shared = tokens(&model, 40, 15);
-    let (a, b) = (prompt(&shared, &tokens(&model, 10, 16)), prompt(&shared, &tokens(&model, 20, 17)));
+    let (a, b) =
+        (prompt(&shared, &tokens(&model, 10, 16)), prompt(&shared, &tokens(&model, 20, 17)));
     let mut ctx = parked_after(&model, &a, &[]);
     let meter = metered(&mut ctx);
     let batch = Batch::sequence(&b, 0, 0);
@@ -171,7 +182,11 @@ fn a_decode_from_the_start_reuses_up_to_its_first_logits_row() {
     eval(&mut replay, &a).unwrap();
     replay.seq_rm(0, 40, -1).unwrap();
     replay.decode(&Batch::sequence(&b[40..], 40, 0), None).unwrap();
-    assert_eq!(ctx.logits_ith(59).unwrap(), replay.logits_ith(19).unwrap(), "row 59 of the caller's batch");
+    assert_eq!(
+        ctx.logits_ith(59).unwrap(),
+        replay.logits_ith(19).unwrap(),
+        "row 59 of the caller's batch"
+    );
     assert!(ctx.logits_ith(10).is_err(), "a reused row has no logits");
 
     // Logits wanted from row 5 on: only rows 0..5 can be reused.
@@ -195,7 +210,10 @@ fn a_decode_from_the_start_reuses_up_to_its_first_logits_row() {
     let mut ctx = parked_after(&model, &a, &[]);
     let token = CancelFlag::new();
     token.trip_after(3);
-    assert_eq!(ctx.decode(&Batch::sequence(&b, 0, 0), Some(Stop::on(&token))), Err(Error::Cancelled));
+    assert_eq!(
+        ctx.decode(&Batch::sequence(&b, 0, 0), Some(Stop::on(&token))),
+        Err(Error::Cancelled)
+    );
     assert_eq!((ctx.seq_pos_max(0).unwrap(), ctx.leftover()), (-1, &shared[..]));
 }
 
@@ -208,7 +226,10 @@ fn other_calls_on_a_parked_context_see_it_empty() {
     let b = tokens(&model, 20, 13);
 
     let mut ctx = parked_after(&model, &a, &[]);
-    assert!(ctx.decode(&Batch::sequence(&b, 50, 0), None).is_err(), "it does not continue the leftover");
+    assert!(
+        ctx.decode(&Batch::sequence(&b, 50, 0), None).is_err(),
+        "it does not continue the leftover"
+    );
     ctx.decode(&Batch::sequence(&b, 0, 0), None).unwrap(); // b starts unlike a: nothing kept
     assert!(ctx.leftover().is_empty());
     assert_eq!(ctx.seq_pos_max(0).unwrap(), 19);
@@ -230,12 +251,21 @@ fn other_calls_on_a_parked_context_see_it_empty() {
     eval(&mut ctx, &a).unwrap();
     assert_eq!(meter.reused(), a.len() as u64 - 1);
     ctx.clear();
-    assert_eq!((ctx.seq_pos_max(0).unwrap(), ctx.leftover().len()), (-1, 0), "an ordinary clear empties it");
+    assert_eq!(
+        (ctx.seq_pos_max(0).unwrap(), ctx.leftover().len()),
+        (-1, 0),
+        "an ordinary clear empties it"
+    );
 
     // A media piece first (embeddings): not tokens, nothing to match.
     let mut ctx = parked_after(&model, &a, &[]);
     let embd = vec![0.01f32; model.n_embd_inp() as usize * 3];
-    ctx.eval(&[PromptPiece::Embeddings { embd, non_causal: false }, PromptPiece::Tokens(a.clone())], 0, None).unwrap();
+    ctx.eval(
+        &[PromptPiece::Embeddings { embd, non_causal: false }, PromptPiece::Tokens(a.clone())],
+        0,
+        None,
+    )
+    .unwrap();
     assert_eq!(ctx.seq_pos_max(0).unwrap(), 52);
     ctx.park();
     assert!(ctx.leftover().is_empty(), "memory that is not all tokens is not kept");
@@ -267,4 +297,3 @@ fn only_what_sequence_zero_holds_is_kept() {
     assert!(ctx.leftover().is_empty());
     assert_eq!(ctx.seq_pos_max(0).unwrap(), -1);
 }
-

@@ -6,8 +6,8 @@ mod common;
 use std::sync::Arc;
 
 use llamabox::native::{
-    generate, Batch, CancelFlag, ChatMessage, ChatTemplate, Context, ContextParams, Error, FinishReason, GenerateRequest, Model, Piece,
-    Sampler, SamplerCaps, SamplerParams, Stop,
+    generate, Batch, CancelFlag, ChatMessage, ChatTemplate, Context, ContextParams, Error,
+    FinishReason, GenerateRequest, Model, Piece, Sampler, SamplerCaps, SamplerParams, Stop,
 };
 use llamabox::RunOutcome;
 
@@ -31,7 +31,8 @@ fn real_vocabulary_round_trips() {
 #[test]
 fn cancel_in_second_ubatch_restores_memory_on_the_real_model() {
     let model = model();
-    let params = ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 32, n_seq_max: 1, n_threads: 1 };
+    let params =
+        ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 32, n_seq_max: 1, n_threads: 1 };
     let prompt = model.tokenize(PROMPT, true, true).unwrap();
     let filler = model.tokenize(" Llamas live in the Andes and eat grass.", false, false).unwrap();
     let long: Vec<i32> = filler.iter().copied().cycle().take(96).collect();
@@ -53,19 +54,25 @@ fn cancel_in_second_ubatch_restores_memory_on_the_real_model() {
     assert_eq!(ctx.seq_pos_max(0).unwrap(), prompt.len() as i32 - 1);
     ctx.decode(&second, None).unwrap();
     let got = ctx.logits_ith(95).unwrap();
-    assert!(got.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()), "logits differ after a cancel");
+    assert!(
+        got.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "logits differ after a cancel"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_on_the_real_model_matches_native_logits() {
-    let out = common::demo_generates_on_native_logits("smollm2", common::real_model(), PROMPT, 256, "2").await;
+    let out =
+        common::demo_generates_on_native_logits("smollm2", common::real_model(), PROMPT, 256, "2")
+            .await;
     assert!(common::field(&out, "generated").to_lowercase().contains("llama"), "{out}");
 }
 
 #[test]
 fn host_generation_on_the_real_model_equals_the_greedy_loop() {
     let model = model();
-    let params = ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 128, n_seq_max: 1, n_threads: 1 };
+    let params =
+        ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 128, n_seq_max: 1, n_threads: 1 };
     let messages = [ChatMessage { role: "user".into(), content: "What is a llama?".into() }];
     assert!(model.chat_template().is_some(), "SmolLM2 ships a chat template");
     assert_eq!(model.apply_chat_template(&ChatTemplate::Model, &messages, true).unwrap(), PROMPT);
@@ -76,7 +83,9 @@ fn host_generation_on_the_real_model_equals_the_greedy_loop() {
     let mut expected = Vec::new();
     for pos in prompt.len() as i32.. {
         let logits = plain.last_logits().unwrap();
-        let next = (0..logits.len()).fold(0, |best, i| if logits[i] > logits[best] { i } else { best }) as i32;
+        let next = (0..logits.len())
+            .fold(0, |best, i| if logits[i] > logits[best] { i } else { best })
+            as i32;
         if model.is_eog(next) || expected.len() == 32 {
             break;
         }
@@ -85,14 +94,23 @@ fn host_generation_on_the_real_model_equals_the_greedy_loop() {
     }
 
     let mut ctx = Context::new(model.clone(), params).unwrap();
-    let mut sampler = Sampler::new(model.clone(), &SamplerParams::greedy(), &SamplerCaps::default()).unwrap();
+    let mut sampler =
+        Sampler::new(model.clone(), &SamplerParams::greedy(), &SamplerCaps::default()).unwrap();
     let mut pieces: Vec<Piece> = Vec::new();
     let mut sink = |p: Piece| {
         pieces.push(p);
         true
     };
-    let request = GenerateRequest { prompt: prompt.clone(), seq: 0, max_tokens: 32, stop: Vec::new(), logprobs: None };
-    let outcome = generate(&mut ctx, &mut sampler, &request, Stop::on(&CancelFlag::new()), &mut sink).unwrap();
+    let request = GenerateRequest {
+        prompt: prompt.clone(),
+        seq: 0,
+        max_tokens: 32,
+        stop: Vec::new(),
+        logprobs: None,
+    };
+    let outcome =
+        generate(&mut ctx, &mut sampler, &request, Stop::on(&CancelFlag::new()), &mut sink)
+            .unwrap();
     let got: Vec<i32> = pieces.iter().flat_map(|p| p.tokens.clone()).collect();
     assert_eq!(got, expected);
     let text: String = pieces.iter().map(|p| p.text.as_str()).collect();
@@ -103,7 +121,8 @@ fn host_generation_on_the_real_model_equals_the_greedy_loop() {
 #[test]
 fn a_cancel_in_generation_on_the_real_model_keeps_exactly_the_delivered_tokens() {
     let model = model();
-    let params = ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 128, n_seq_max: 1, n_threads: 1 };
+    let params =
+        ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 128, n_seq_max: 1, n_threads: 1 };
     let prompt = model.tokenize(PROMPT, true, true).unwrap();
     let greedy = SamplerParams::greedy;
     let run = |ctx: &mut Context, prompt: &[i32], max_tokens: u32, token: &CancelFlag| {
@@ -113,12 +132,19 @@ fn a_cancel_in_generation_on_the_real_model_keeps_exactly_the_delivered_tokens()
             tokens.extend(p.tokens);
             true
         };
-        let request = GenerateRequest { prompt: prompt.to_vec(), seq: 0, max_tokens, stop: Vec::new(), logprobs: None };
+        let request = GenerateRequest {
+            prompt: prompt.to_vec(),
+            seq: 0,
+            max_tokens,
+            stop: Vec::new(),
+            logprobs: None,
+        };
         let outcome = generate(ctx, &mut sampler, &request, Stop::on(token), &mut sink).unwrap();
         (outcome, tokens)
     };
     let counter = CancelFlag::counting();
-    let (_, reference) = run(&mut Context::new(model.clone(), params).unwrap(), &prompt, 12, &counter);
+    let (_, reference) =
+        run(&mut Context::new(model.clone(), params).unwrap(), &prompt, 12, &counter);
     let all_polls = counter.polls();
     let counter = CancelFlag::counting();
     run(&mut Context::new(model.clone(), params).unwrap(), &prompt, 0, &counter);
@@ -133,9 +159,17 @@ fn a_cancel_in_generation_on_the_real_model_keeps_exactly_the_delivered_tokens()
     let (outcome, delivered) = run(&mut ctx, &prompt, 12, &token);
     assert_eq!(outcome.finish, FinishReason::Cancelled);
     assert_eq!(delivered, reference[..k]);
-    assert_eq!(ctx.seq_pos_max(0).unwrap() as usize, prompt.len() + k - 1, "memory: prompt + delivered tokens");
+    assert_eq!(
+        ctx.seq_pos_max(0).unwrap() as usize,
+        prompt.len() + k - 1,
+        "memory: prompt + delivered tokens"
+    );
     let (_, rest) = run(&mut ctx, &reference[k..k + 1], 4, &CancelFlag::new());
-    assert_eq!(rest, reference[k + 1..k + 5], "continuing after the cancel as if it never happened");
+    assert_eq!(
+        rest,
+        reference[k + 1..k + 5],
+        "continuing after the cancel as if it never happened"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -149,8 +183,11 @@ async fn guest_host_generation_on_the_real_model_equals_its_own_loop() {
     let guest = common::field(&out, "generated-ids");
     assert_eq!(common::field(&out, "host-generated-ids"), guest);
     assert_eq!(common::field(&out, "sampler-ids"), guest);
-    let (outcome, out) =
-        common::run_demo(&[("smollm2", common::real_model())], &["--model", "smollm2", "--chat", "What is a llama?", "--generate", "24"]).await;
+    let (outcome, out) = common::run_demo(
+        &[("smollm2", common::real_model())],
+        &["--model", "smollm2", "--chat", "What is a llama?", "--generate", "24"],
+    )
+    .await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
     assert_eq!(common::field(&out, "chat-prompt"), PROMPT.replace('\n', "\\n"));
     assert!(common::field(&out, "chat-answer").to_lowercase().contains("llama"), "{out}");

@@ -21,8 +21,15 @@ use serde_json::{json, Value};
 /// installed once outside the clone: a PYTHONPATH.
 fn openai_python_path() -> String {
     let install = |name: &str, version: &str| {
-        let out = Command::new(common::repo_root().join("scripts/pip-tool.sh")).args([name, version]).output().unwrap();
-        assert!(out.status.success(), "installing {name} from PyPI: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(common::repo_root().join("scripts/pip-tool.sh"))
+            .args([name, version])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "installing {name} from PyPI: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout).unwrap().trim().to_string()
     };
     format!("{}:{}", install("openai", "3.51.0"), install("jsonschema", "4.23.0"))
@@ -51,7 +58,8 @@ fn the_openai_client_and_curl_chat_stream_and_embed() {
     assert_eq!(status, 200, "{first}");
     let (status, whole) = post(&server, "/v1/chat/completions", &chat(question, 32, false), &[]);
     assert_eq!(status, 200, "{whole}");
-    let (status, streamed) = post(&server, "/v1/chat/completions", &chat(question, 32, true), &["-N"]);
+    let (status, streamed) =
+        post(&server, "/v1/chat/completions", &chat(question, 32, true), &["-N"]);
     assert_eq!(status, 200, "{streamed}");
     assert_eq!(chat_text(&streamed, true), chat_text(&whole, false));
 
@@ -76,8 +84,14 @@ fn the_chat_page_streams_and_its_stop_button_stops_the_native_work() {
     let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
     let (status, page) = curl(&[&server.url("/")]);
     assert_eq!(status, 200);
-    assert!(page.contains("<title>llamabox chat</title>") && !page.contains("src=\"http"), "the page loads nothing from elsewhere");
-    let websocket = Command::new(common::repo_root().join("scripts/pip-tool.sh")).args(["websocket-client", "1.9.2"]).output().unwrap();
+    assert!(
+        page.contains("<title>llamabox chat</title>") && !page.contains("src=\"http"),
+        "the page loads nothing from elsewhere"
+    );
+    let websocket = Command::new(common::repo_root().join("scripts/pip-tool.sh"))
+        .args(["websocket-client", "1.9.2"])
+        .output()
+        .unwrap();
     assert!(websocket.status.success(), "{}", String::from_utf8_lossy(&websocket.stderr));
     let shot = common::repo_root().join("target/chat-page.png");
     let out = Command::new("python3")
@@ -87,11 +101,22 @@ fn the_chat_page_streams_and_its_stop_button_stops_the_native_work() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "the browser's checks failed: {stdout}{}", String::from_utf8_lossy(&out.stderr));
-    let report: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    assert!(
+        out.status.success(),
+        "the browser's checks failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value =
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
     println!("{report:#}");
-    let figure = |name: &str| report[name].as_str().and_then(|v| v.parse::<f64>().ok()).unwrap_or_else(|| panic!("{name} in {report}"));
-    let (generated, shown, after_stop) = (figure("generated"), figure("shown"), figure("afterStop"));
+    let figure = |name: &str| {
+        report[name]
+            .as_str()
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("{name} in {report}"))
+    };
+    let (generated, shown, after_stop) =
+        (figure("generated"), figure("shown"), figure("afterStop"));
     assert!(shown >= 8.0 && generated >= shown, "{report}");
     assert!(after_stop <= 8.0, "the server went on for {after_stop} tokens after Stop: {report}");
     assert!(figure("stopMs") > 0.0, "{report}");
@@ -118,10 +143,14 @@ fn tokenize_detokenize_and_apply_template_agree_with_the_chat_endpoint() {
     let (status, detokenized) = ask("/detokenize", json!({"tokens": ids}));
     assert_eq!((status, detokenized["content"].as_str()), (200, Some(text)), "{detokenized}");
     // Pieces: text, or the bytes of a character split across tokens (the emoji).
-    let (status, pieces) = ask("/tokenize", json!({"model": "smollm2", "content": text, "with_pieces": true}));
+    let (status, pieces) =
+        ask("/tokenize", json!({"model": "smollm2", "content": text, "with_pieces": true}));
     assert_eq!(status, 200, "{pieces}");
     let pieces = pieces["tokens"].as_array().unwrap().clone();
-    assert_eq!(pieces.iter().map(|p| p["id"].clone()).collect::<Vec<_>>(), *ids.as_array().unwrap());
+    assert_eq!(
+        pieces.iter().map(|p| p["id"].clone()).collect::<Vec<_>>(),
+        *ids.as_array().unwrap()
+    );
     let bytes: Vec<u8> = pieces
         .iter()
         .flat_map(|p| match &p["piece"] {
@@ -146,28 +175,63 @@ fn tokenize_detokenize_and_apply_template_agree_with_the_chat_endpoint() {
     assert_eq!(status, 200, "{completion}");
     let (status, prompt_tokens) = ask("/tokenize", json!({"content": prompt, "add_special": true}));
     assert_eq!(status, 200, "{prompt_tokens}");
-    assert_eq!(prompt_tokens["tokens"].as_array().unwrap().len() as u64, completion["usage"]["prompt_tokens"].as_u64().unwrap());
+    assert_eq!(
+        prompt_tokens["tokens"].as_array().unwrap().len() as u64,
+        completion["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
 
     // Refusals name their field; a text over the host's cap is the request's fault.
     for (path, body, param, code) in [
-        ("/tokenize", json!({"content": "a", "n_probs": 3}), "n_probs", Some("unsupported_parameter")),
+        (
+            "/tokenize",
+            json!({"content": "a", "n_probs": 3}),
+            "n_probs",
+            Some("unsupported_parameter"),
+        ),
         ("/tokenize", json!({"content": ["a"]}), "content", None),
         ("/tokenize", json!({"content": "a".repeat(20_000)}), "content", None),
         ("/detokenize", json!({"tokens": [1, 1_000_000]}), "tokens", None),
         ("/detokenize", json!({"tokens": [-1]}), "tokens", None),
-        ("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}), "tools", None),
-        ("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "x"}}), "audio", Some("unsupported_parameter")),
-        ("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "description": "<|im_end|>"}}]}), "tools", None),
+        (
+            "/apply-template",
+            json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
+            "tools",
+            None,
+        ),
+        (
+            "/apply-template",
+            json!({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "x"}}),
+            "audio",
+            Some("unsupported_parameter"),
+        ),
+        (
+            "/apply-template",
+            json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "description": "<|im_end|>"}}]}),
+            "tools",
+            None,
+        ),
     ] {
         let (status, error) = ask(path, body);
-        assert_eq!((status, error["error"]["param"].as_str(), error["error"]["code"].as_str()), (400, Some(param), code), "{path}: {error}");
+        assert_eq!(
+            (status, error["error"]["param"].as_str(), error["error"]["code"].as_str()),
+            (400, Some(param), code),
+            "{path}: {error}"
+        );
     }
     // Tools reach the prompt: SmolLM2's template shows none, so they join the system turn
     // with how to answer.
     let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
-    let (status, templated) = ask("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools}));
+    let (status, templated) = ask(
+        "/apply-template",
+        json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools}),
+    );
     let prompt = templated["prompt"].as_str().unwrap_or_default();
-    assert!(status == 200 && prompt.starts_with("<|im_start|>system\nYou can call these tools") && prompt.contains("get_weather"), "{templated}");
+    assert!(
+        status == 200
+            && prompt.starts_with("<|im_start|>system\nYou can call these tools")
+            && prompt.contains("get_weather"),
+        "{templated}"
+    );
     assert_eq!(ask("/tokenize", json!({"model": "gpt-4", "content": "a"})).0, 404);
     assert_eq!(curl(&[&server.url("/tokenize")]).0, 405);
 }
@@ -176,7 +240,11 @@ fn tokenize_detokenize_and_apply_template_agree_with_the_chat_endpoint() {
 fn answer(response: &str) -> (String, u64, u64) {
     let v: Value = serde_json::from_str(response).unwrap_or_else(|e| panic!("{e}: {response}"));
     let usage = &v["usage"];
-    (chat_text(response, false), usage["prompt_tokens"].as_u64().unwrap(), usage["completion_tokens"].as_u64().unwrap())
+    (
+        chat_text(response, false),
+        usage["prompt_tokens"].as_u64().unwrap(),
+        usage["completion_tokens"].as_u64().unwrap(),
+    )
 }
 
 /// Idle contexts (on by default, `--threads` of them per model): a request after
@@ -202,9 +270,17 @@ fn later_requests_reuse_prompt_starts(batch: bool) {
         json!({"model": "smollm2", "max_tokens": 24, "temperature": 0,
                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
     };
-    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2", "--batch", &batch.to_string()]);
+    let server = Server::start(
+        &[("smollm2", common::real_model())],
+        &["--threads", "2", "--batch", &batch.to_string()],
+    );
     let send = |question: &str, id: &str| {
-        let (status, body) = post(&server, "/v1/chat/completions", &ask(question), &["-H", &format!("x-request-id: {id}")]);
+        let (status, body) = post(
+            &server,
+            "/v1/chat/completions",
+            &ask(question),
+            &["-H", &format!("x-request-id: {id}")],
+        );
         assert_eq!(status, 200, "{body}");
         let (text, prompt_tokens, completion_tokens) = answer(&body);
         let report = server.run_report(id);
@@ -214,7 +290,11 @@ fn later_requests_reuse_prompt_starts(batch: bool) {
         assert_eq!(decoded, prompt_tokens - reused + completion_tokens, "{report}");
         // The client is told too: OpenAI's usage.prompt_tokens_details.cached_tokens.
         let usage: Value = serde_json::from_str::<Value>(&body).unwrap()["usage"].clone();
-        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(reused), "{body}");
+        assert_eq!(
+            usage["prompt_tokens_details"]["cached_tokens"].as_u64(),
+            Some(reused),
+            "{body}"
+        );
         if !batch {
             // Kept once the plugin dropped it, after the response's end.
             server.wait_metric("llamabox_idle_contexts", 1.0);
@@ -224,13 +304,24 @@ fn later_requests_reuse_prompt_starts(batch: bool) {
     let (_, _, reused) = send("What do llamas eat?", "first");
     assert_eq!(reused, 0, "nothing to reuse yet");
     let (_, prompt_tokens, reused) = send("Where do alpacas live?", "second");
-    assert!(reused > 20 && reused < prompt_tokens, "the system part is reused, the question computed: {reused} of {prompt_tokens}");
+    assert!(
+        reused > 20 && reused < prompt_tokens,
+        "the system part is reused, the question computed: {reused} of {prompt_tokens}"
+    );
     let (again, _, reused_again) = send("Where do alpacas live?", "third");
-    assert_eq!(reused_again, prompt_tokens - 1, "a repeated prompt is computed for its last token only");
+    assert_eq!(
+        reused_again,
+        prompt_tokens - 1,
+        "a repeated prompt is computed for its last token only"
+    );
     let (once_more, _, _) = send("Where do alpacas live?", "fourth");
     assert_eq!(once_more, again, "computed alike, answered alike");
     assert_eq!(server.metric("llamabox_tokens_reused_total"), (reused + 2 * reused_again) as f64);
-    assert_eq!(server.metric("llamabox_live_workers"), 0.0, "idle contexts and batches are no run's threads");
+    assert_eq!(
+        server.metric("llamabox_live_workers"),
+        0.0,
+        "idle contexts and batches are no run's threads"
+    );
 
     // A request hung up while it reuses a context (prompt + 200 tokens fit the same
     // 256-cell context). Unbatched, that context is not kept (its run was stopped);
@@ -270,7 +361,20 @@ fn a_hang_up_in_a_shared_batch_stops_its_own_native_work_and_nobody_elses() {
 /// flip no near tie, which holds for this prompt).
 fn hang_ups_stop_only_their_own_work(batch: bool) {
     let batch = batch.to_string();
-    let flags = ["--threads", "2", "--request-threads", "1", "--idle-contexts", "0", "--max-client-requests", "2", "--batch", &batch, "--batch-seats", "2"];
+    let flags = [
+        "--threads",
+        "2",
+        "--request-threads",
+        "1",
+        "--idle-contexts",
+        "0",
+        "--max-client-requests",
+        "2",
+        "--batch",
+        &batch,
+        "--batch-seats",
+        "2",
+    ];
     let server = Server::start(&[("smollm2", common::real_model())], &flags);
     let question = "Name three animals that live in the Andes.";
     let (status, alone) = post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]);
@@ -282,9 +386,16 @@ fn hang_ups_stop_only_their_own_work(batch: bool) {
     assert_eq!(status, 200, "{counted}");
     let (_, prompt_tokens, _) = answer(&counted);
     let other = std::thread::scope(|s| {
-        let other = s.spawn(|| post(&server, "/v1/chat/completions", &chat(question, 48, true), &["-N"]));
+        let other =
+            s.spawn(|| post(&server, "/v1/chat/completions", &chat(question, 48, true), &["-N"]));
         // A different prompt than the one counted, so no cache could help.
-        hang_up_after(&server, "/v1/chat/completions", "prefill-hang-up", &chat(&long_prompt(1000, "v"), 64, true), "data: ");
+        hang_up_after(
+            &server,
+            "/v1/chat/completions",
+            "prefill-hang-up",
+            &chat(&long_prompt(1000, "v"), 64, true),
+            "data: ",
+        );
         other.join().unwrap()
     });
     let report = server.run_report("prefill-hang-up");
@@ -292,13 +403,22 @@ fn hang_ups_stop_only_their_own_work(batch: bool) {
     assert_eq!(log_field(&report, "outcome"), "Stopped");
     assert_eq!(log_field(&report, "generated"), "0");
     let decoded: u64 = log_field(&report, "decoded").parse().unwrap();
-    assert!(decoded < prompt_tokens, "the prefill ran on after the hang-up: {decoded} of {prompt_tokens} tokens");
+    assert!(
+        decoded < prompt_tokens,
+        "the prefill ran on after the hang-up: {decoded} of {prompt_tokens} tokens"
+    );
     // The other request is whole, and the same as when it ran alone.
     assert_eq!(other.0, 200);
     assert_eq!(chat_text(&other.1, true), chat_text(&alone, false));
 
     // A hang-up during generation stops it too.
-    hang_up_after(&server, "/v1/chat/completions", "generation-hang-up", &chat(question, 4000, true), "\"content\":\"");
+    hang_up_after(
+        &server,
+        "/v1/chat/completions",
+        "generation-hang-up",
+        &chat(question, 4000, true),
+        "\"content\":\"",
+    );
     let report = server.run_report("generation-hang-up");
     println!("{report}");
     assert_eq!(log_field(&report, "outcome"), "Stopped");
@@ -313,14 +433,21 @@ fn hang_ups_stop_only_their_own_work(batch: bool) {
     if batch == "true" {
         // Two requests at once share steps, and each answers as it did alone.
         let (a, b) = std::thread::scope(|s| {
-            let a = s.spawn(|| post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]));
+            let a =
+                s.spawn(|| post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]));
             let b = post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]);
             (a.join().unwrap(), b)
         });
         assert_eq!((a.0, b.0), (200, 200));
-        assert_eq!((chat_text(&a.1, false), chat_text(&b.1, false)), (chat_text(&alone, false), chat_text(&alone, false)));
+        assert_eq!(
+            (chat_text(&a.1, false), chat_text(&b.1, false)),
+            (chat_text(&alone, false), chat_text(&alone, false))
+        );
         let steps = server.metric("llamabox_batch_step_seats_count");
-        assert!(server.metric("llamabox_batch_step_seats_sum") > steps, "no step held two requests ({steps} steps)");
+        assert!(
+            server.metric("llamabox_batch_step_seats_sum") > steps,
+            "no step held two requests ({steps} steps)"
+        );
     } else {
         assert_eq!(steps, 0.0, "unbatched, no step is a batch's");
     }
@@ -331,23 +458,44 @@ fn hang_ups_stop_only_their_own_work(batch: bool) {
 /// handler to return. Nothing was cut short: that is a success, not a disconnect.
 #[test]
 fn a_client_that_closes_after_done_is_no_hang_up() {
-    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2", "--max-client-requests", "8"]);
+    let server = Server::start(
+        &[("smollm2", common::real_model())],
+        &["--threads", "2", "--max-client-requests", "8"],
+    );
     const STREAMS: usize = 8;
     std::thread::scope(|s| {
         for i in 0..STREAMS {
             let server = &server;
-            s.spawn(move || hang_up_after(server, "/v1/chat/completions", &format!("done-{i}"), &chat("Say hello.", 8, true), "data: [DONE]"));
+            s.spawn(move || {
+                hang_up_after(
+                    server,
+                    "/v1/chat/completions",
+                    &format!("done-{i}"),
+                    &chat("Say hello.", 8, true),
+                    "data: [DONE]",
+                )
+            });
         }
     });
     server.wait_metric("llamabox_in_flight", 0.0);
-    let reports: Vec<String> = (0..STREAMS).map(|i| server.run_report(&format!("done-{i}"))).collect();
+    let reports: Vec<String> =
+        (0..STREAMS).map(|i| server.run_report(&format!("done-{i}"))).collect();
     assert_eq!(server.metric("llamabox_cancels_total{cause=\"disconnect\"}"), 0.0, "{reports:#?}");
     assert_eq!(server.metric("llamabox_disconnect_stop_seconds_count"), 0.0, "{reports:#?}");
-    assert_eq!(server.metric("llamabox_requests_total{plugin=\"openai\",status=\"200\"}"), STREAMS as f64);
+    assert_eq!(
+        server.metric("llamabox_requests_total{plugin=\"openai\",status=\"200\"}"),
+        STREAMS as f64
+    );
     assert!(!server.stderr().contains("client hung up"), "{}", server.stderr());
 
     // One that leaves mid-stream is still a hang-up.
-    hang_up_after(&server, "/v1/chat/completions", "mid-stream", &chat("Tell me a story.", 4000, true), "\"content\":\"");
+    hang_up_after(
+        &server,
+        "/v1/chat/completions",
+        "mid-stream",
+        &chat("Tell me a story.", 4000, true),
+        "\"content\":\"",
+    );
     assert_eq!(log_field(&server.run_report("mid-stream"), "outcome"), "Stopped");
     server.wait_metric("llamabox_cancels_total{cause=\"disconnect\"}", 1.0);
     assert_eq!(server.metric("llamabox_disconnect_stop_seconds_count"), 1.0);
@@ -357,18 +505,37 @@ fn a_client_that_closes_after_done_is_no_hang_up() {
 fn deadlines_queues_and_body_limits_answer_before_any_work_is_lost() {
     // Two requests from one client (127.0.0.1) meet the queue, not the per-client cap.
     // One seat: one request runs at a time (unbatched, one thread would make it so).
-    let flags = ["--threads", "1", "--batch-seats", "1", "--max-queue", "0", "--deadline-ms", "500", "--max-body-bytes", "65536", "--max-client-requests", "2"];
+    let flags = [
+        "--threads",
+        "1",
+        "--batch-seats",
+        "1",
+        "--max-queue",
+        "0",
+        "--deadline-ms",
+        "500",
+        "--max-body-bytes",
+        "65536",
+        "--max-client-requests",
+        "2",
+    ];
     let server = Server::start(&[("smollm2", common::real_model())], &flags);
 
     // Far more work than 500 ms on any CPU: the deadline answers 504 and stops it.
-    let (status, body) = post(&server, "/v1/chat/completions", &chat(&long_prompt(800, "d"), 500, false), &[]);
+    let (status, body) =
+        post(&server, "/v1/chat/completions", &chat(&long_prompt(800, "d"), 500, false), &[]);
     assert_eq!(status, 504, "{body}");
     server.wait_metric("llamabox_cancels_total{cause=\"deadline\"}", 1.0);
 
     // One seat, no queue: while a request runs, the next is refused with Retry-After.
     let holder_body = chat(&long_prompt(1000, "h"), 64, true).to_string();
     let mut holder = TcpStream::connect(server.addr).unwrap();
-    write!(holder, "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{holder_body}", holder_body.len()).unwrap();
+    write!(
+        holder,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{holder_body}",
+        holder_body.len()
+    )
+    .unwrap();
     let mut first = [0u8; 64];
     let _ = holder.read(&mut first).unwrap();
     let out = Command::new("curl")
@@ -381,7 +548,10 @@ fn deadlines_queues_and_body_limits_answer_before_any_work_is_lost() {
     assert!(head.starts_with("http/1.1 503"), "{head}");
     assert!(head.contains("retry-after: "), "{head}");
     drop(holder);
-    assert_eq!(server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"queue_full\"}"), 1.0);
+    assert_eq!(
+        server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"queue_full\"}"),
+        1.0
+    );
 
     // A body over the limit: 413 before the plugin runs.
     let big = "x".repeat(70_000);
@@ -395,7 +565,8 @@ fn deadlines_queues_and_body_limits_answer_before_any_work_is_lost() {
 fn sigterm_drains_requests_in_flight_then_stops_what_is_left() {
     let question = "Tell me about llamas.";
     // A grace period long enough: the request in flight finishes whole.
-    let mut server = Server::start(&[("smollm2", common::real_model())], &["--shutdown-grace-ms", "60000"]);
+    let mut server =
+        Server::start(&[("smollm2", common::real_model())], &["--shutdown-grace-ms", "60000"]);
     let streamed = std::thread::scope(|s| {
         let url = server.url("/v1/chat/completions");
         let streamed = s.spawn(move || post_to(&url, &chat(question, 48, true), &["-N"]));
@@ -407,13 +578,18 @@ fn sigterm_drains_requests_in_flight_then_stops_what_is_left() {
     assert_eq!(streamed.0, 200);
     assert!(!chat_text(&streamed.1, true).is_empty());
     let out = server.stdout();
-    assert!(out.contains("draining: 1 requests in flight") && out.trim_end().ends_with("stopped"), "{out}");
+    assert!(
+        out.contains("draining: 1 requests in flight") && out.trim_end().ends_with("stopped"),
+        "{out}"
+    );
 
     // A short one: what is still running when it ends is stopped, and the exit is clean.
-    let mut server = Server::start(&[("smollm2", common::real_model())], &["--shutdown-grace-ms", "200"]);
+    let mut server =
+        Server::start(&[("smollm2", common::real_model())], &["--shutdown-grace-ms", "200"]);
     let streamed = std::thread::scope(|s| {
         let url = server.url("/v1/chat/completions");
-        let streamed = s.spawn(move || post_to(&url, &chat(&long_prompt(800, "s"), 500, true), &["-N"]));
+        let streamed =
+            s.spawn(move || post_to(&url, &chat(&long_prompt(800, "s"), 500, true), &["-N"]));
         server.wait_metric("llamabox_in_flight", 1.0);
         let status = server.terminate();
         assert!(status.success(), "exit status {status}");
@@ -428,7 +604,10 @@ fn sigterm_drains_requests_in_flight_then_stops_what_is_left() {
 /// stream, enough for the plugin's decoder.
 fn png(width: u32, height: u32, rgb: &[u8]) -> Vec<u8> {
     fn crc32(bytes: &[u8]) -> u32 {
-        !bytes.iter().fold(!0u32, |crc, &b| (0..8).fold(crc ^ u32::from(b), |c, _| (c >> 1) ^ (0xEDB8_8320 & (c & 1).wrapping_neg())))
+        !bytes.iter().fold(!0u32, |crc, &b| {
+            (0..8)
+                .fold(crc ^ u32::from(b), |c, _| (c >> 1) ^ (0xEDB8_8320 & (c & 1).wrapping_neg()))
+        })
     }
     fn chunk(out: &mut Vec<u8>, kind: &[u8], data: &[u8]) {
         out.extend_from_slice(&(data.len() as u32).to_be_bytes());
@@ -438,7 +617,10 @@ fn png(width: u32, height: u32, rgb: &[u8]) -> Vec<u8> {
         let crc = crc32(&out[start..]);
         out.extend_from_slice(&crc.to_be_bytes());
     }
-    let rows: Vec<u8> = rgb.chunks(width as usize * 3).flat_map(|row| std::iter::once(0).chain(row.iter().copied())).collect();
+    let rows: Vec<u8> = rgb
+        .chunks(width as usize * 3)
+        .flat_map(|row| std::iter::once(0).chain(row.iter().copied()))
+        .collect();
     let mut zlib = vec![0x78, 0x01];
     let blocks: Vec<&[u8]> = rows.chunks(65_535).collect();
     for (i, block) in blocks.iter().enumerate() {
@@ -448,7 +630,9 @@ fn png(width: u32, height: u32, rgb: &[u8]) -> Vec<u8> {
         zlib.extend_from_slice(&(!len).to_le_bytes());
         zlib.extend_from_slice(block);
     }
-    let (a, b) = rows.iter().fold((1u32, 0u32), |(a, b), &x| ((a + u32::from(x)) % 65_521, (b + a + u32::from(x)) % 65_521));
+    let (a, b) = rows.iter().fold((1u32, 0u32), |(a, b), &x| {
+        ((a + u32::from(x)) % 65_521, (b + a + u32::from(x)) % 65_521)
+    });
     zlib.extend_from_slice(&((b << 16) | a).to_be_bytes());
     let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
     let mut header = [width.to_be_bytes(), height.to_be_bytes()].concat();
@@ -464,8 +648,15 @@ fn base64(bytes: &[u8]) -> String {
     bytes
         .chunks(3)
         .flat_map(|group| {
-            let n = group.iter().enumerate().fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
-            (0..4).map(move |i| if i <= group.len() { ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char } else { '=' })
+            let n =
+                group.iter().enumerate().fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
+            (0..4).map(move |i| {
+                if i <= group.len() {
+                    ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char
+                } else {
+                    '='
+                }
+            })
         })
         .collect()
 }
@@ -481,19 +672,30 @@ fn a_hang_up_during_an_image_encode_stops_the_encode() {
             {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]}]})
     };
     // Served whole: the image's embeddings are part of the prompt.
-    let (status, whole) = post(&server, "/v1/chat/completions", &ask(false), &["-H", "x-request-id: image-whole"]);
+    let (status, whole) =
+        post(&server, "/v1/chat/completions", &ask(false), &["-H", "x-request-id: image-whole"]);
     assert_eq!(status, 200, "{whole}");
     let text_only = server.run_report("image-whole");
     let (_, prompt_tokens, _) = answer(&whole);
-    assert!(prompt_tokens > 100, "{prompt_tokens} prompt tokens: the image's are missing ({text_only})");
+    assert!(
+        prompt_tokens > 100,
+        "{prompt_tokens} prompt tokens: the image's are missing ({text_only})"
+    );
 
     // The stream's first event goes out before the encode starts; the hang-up lands in it.
     hang_up_after(&server, "/v1/chat/completions", "image-hang-up", &ask(true), "data: ");
     let report = server.run_report("image-hang-up");
     println!("{report}");
     assert_eq!(log_field(&report, "outcome"), "Stopped");
-    assert_eq!(log_field(&report, "decoded"), "0", "the prompt was decoded: the encode had finished");
-    assert!(log_field(&report, "cancels").parse::<u64>().unwrap() >= 1, "no native call was cancelled: {report}");
+    assert_eq!(
+        log_field(&report, "decoded"),
+        "0",
+        "the prompt was decoded: the encode had finished"
+    );
+    assert!(
+        log_field(&report, "cancels").parse::<u64>().unwrap() >= 1,
+        "no native call was cancelled: {report}"
+    );
     server.wait_metric("llamabox_in_flight", 0.0);
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
     assert_eq!(server.metric("llamabox_cancels_total{cause=\"disconnect\"}"), 1.0);
@@ -519,7 +721,9 @@ fn a_hostile_plugin_gets_answers_for_its_misdeeds_and_the_server_keeps_serving()
     assert_eq!(get("/spin"), 504, "a plugin spinning in wasm until the deadline");
     // Hang-ups stop a plugin that writes forever and one that decodes forever (on the
     // host: native work in flight; it writes a line after its first decode).
-    for (path, id, wait_for) in [("/endless", "endless", "more"), ("/decode-forever", "decode-forever", "decoding")] {
+    for (path, id, wait_for) in
+        [("/endless", "endless", "more"), ("/decode-forever", "decode-forever", "decoding")]
+    {
         let mut socket = TcpStream::connect(server.addr).unwrap();
         write!(socket, "GET {path} HTTP/1.1\r\nhost: x\r\nx-request-id: {id}\r\n\r\n").unwrap();
         let mut seen = Vec::new();
@@ -534,9 +738,16 @@ fn a_hostile_plugin_gets_answers_for_its_misdeeds_and_the_server_keeps_serving()
         assert_eq!(log_field(&report, "outcome"), "Stopped", "{report}");
     }
     let decoding = server.run_report("decode-forever");
-    assert!(log_field(&decoding, "cancels").parse::<u64>().unwrap() >= 1, "the decode was not cancelled: {decoding}");
+    assert!(
+        log_field(&decoding, "cancels").parse::<u64>().unwrap() >= 1,
+        "the decode was not cancelled: {decoding}"
+    );
     // The deadline cuts a stream that never ends: curl sees the body cut short.
-    let out = Command::new("curl").args(["-sS", "-o", "/dev/null", "--max-time", "60"]).arg(server.url("/decode-forever")).output().unwrap();
+    let out = Command::new("curl")
+        .args(["-sS", "-o", "/dev/null", "--max-time", "60"])
+        .arg(server.url("/decode-forever"))
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(18), "curl: {}", String::from_utf8_lossy(&out.stderr));
     server.wait_metric("llamabox_in_flight", 0.0);
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
@@ -564,7 +775,10 @@ fn a_hostile_plugin_gets_answers_for_its_misdeeds_and_the_server_keeps_serving()
 
 /// wrk's completed requests (`N requests in`).
 fn wrk_requests(output: &str) -> u64 {
-    output.lines().find_map(|l| l.trim().split_once(" requests in ")?.0.parse().ok()).unwrap_or_else(|| panic!("{output}"))
+    output
+        .lines()
+        .find_map(|l| l.trim().split_once(" requests in ")?.0.parse().ok())
+        .unwrap_or_else(|| panic!("{output}"))
 }
 
 #[test]
@@ -573,7 +787,8 @@ fn load_with_wrk_and_hang_ups_leaves_no_worker_and_accounts_for_every_request() 
     let flags = ["--threads", "2", "--request-threads", "1", "--max-client-requests", "0"];
     let server = Server::start(&[("tiny", common::tiny_model())], &flags);
     let script = std::env::temp_dir().join(format!("llamabox-wrk-{}.lua", std::process::id()));
-    let body = json!({"model": "tiny", "prompt": "a b c d", "max_tokens": 8, "temperature": 0}).to_string();
+    let body = json!({"model": "tiny", "prompt": "a b c d", "max_tokens": 8, "temperature": 0})
+        .to_string();
     std::fs::write(&script, format!("wrk.method = \"POST\"\nwrk.headers[\"content-type\"] = \"application/json\"\nwrk.body = {}\n", json!(body))).unwrap();
     let hang_up_body = json!({"model": "tiny", "prompt": "a b c d", "max_tokens": 3000, "temperature": 0, "stream": true});
     let mut rss = Vec::new();
@@ -582,7 +797,17 @@ fn load_with_wrk_and_hang_ups_leaves_no_worker_and_accounts_for_every_request() 
         let out = std::thread::scope(|s| {
             let wrk = s.spawn(|| {
                 Command::new("wrk")
-                    .args(["-t", "1", "-c", &connections.to_string(), "-d", "2s", "--timeout", "10s", "-s"])
+                    .args([
+                        "-t",
+                        "1",
+                        "-c",
+                        &connections.to_string(),
+                        "-d",
+                        "2s",
+                        "--timeout",
+                        "10s",
+                        "-s",
+                    ])
                     .arg(&script)
                     .arg(server.url("/v1/completions"))
                     .output()
@@ -590,7 +815,13 @@ fn load_with_wrk_and_hang_ups_leaves_no_worker_and_accounts_for_every_request() 
             });
             // Abrupt disconnects among the load, each after its stream began.
             for i in 0..5 {
-                hang_up_after(&server, "/v1/completions", &format!("load-{round}-{i}"), &hang_up_body, "data: ");
+                hang_up_after(
+                    &server,
+                    "/v1/completions",
+                    &format!("load-{round}-{i}"),
+                    &hang_up_body,
+                    "data: ",
+                );
                 std::thread::sleep(Duration::from_millis(200));
             }
             wrk.join().unwrap()
@@ -602,12 +833,19 @@ fn load_with_wrk_and_hang_ups_leaves_no_worker_and_accounts_for_every_request() 
         hang_ups += 5;
         cut_off += u64::from(connections);
         server.wait_metric("llamabox_in_flight", 0.0);
-        assert_eq!(server.metric("llamabox_live_workers"), 0.0, "native threads outlived their requests");
+        assert_eq!(
+            server.metric("llamabox_live_workers"),
+            0.0,
+            "native threads outlived their requests"
+        );
         // Every request is counted once: wrk's, the hang-ups, and at most one request
         // per wrk connection cut off when its time was up.
         let counted = server.metric("llamabox_requests_total");
         let (low, high) = ((completed + hang_ups) as f64, (completed + hang_ups + cut_off) as f64);
-        assert!(low <= counted && counted <= high, "{counted} requests counted, want {low}..={high}");
+        assert!(
+            low <= counted && counted <= high,
+            "{counted} requests counted, want {low}..={high}"
+        );
         rss.push(server.rss_kib());
     }
     assert_eq!(server.metric("llamabox_queue_depth"), 0.0, "queue places leaked");
@@ -616,6 +854,9 @@ fn load_with_wrk_and_hang_ups_leaves_no_worker_and_accounts_for_every_request() 
     println!("RSS per round (KiB): {rss:?}");
     // Flat across the repeated rounds at concurrency 8 (allocator noise aside).
     let (first, last) = (rss[2], *rss.last().unwrap());
-    assert!(last <= first + first / 10 + 8192, "RSS grew from {first} to {last} KiB over repeated rounds: {rss:?}");
+    assert!(
+        last <= first + first / 10 + 8192,
+        "RSS grew from {first} to {last} KiB over repeated rounds: {rss:?}"
+    );
     let _ = std::fs::remove_file(script);
 }

@@ -50,14 +50,18 @@ fn server() -> Server {
         &WRITE_STALL_MS.to_string(),
     ]
     .map(String::from);
-    Server::start(&[("smollm2", common::real_model()), ("tiny", common::tiny_model())], &flags.each_ref().map(String::as_str))
+    Server::start(
+        &[("smollm2", common::real_model()), ("tiny", common::tiny_model())],
+        &flags.each_ref().map(String::as_str),
+    )
 }
 
 /// The normal client's chat completion (from 127.0.0.1): answered whole within
 /// [`NORMAL_CHAT`]; how long it took.
 fn normal_chat(server: &Server, during: &str) -> Duration {
     let started = Instant::now();
-    let (status, body) = post(server, "/v1/chat/completions", &chat("What is a llama?", 8, false), &[]);
+    let (status, body) =
+        post(server, "/v1/chat/completions", &chat("What is a llama?", 8, false), &[]);
     let took = started.elapsed();
     assert_eq!(status, 200, "the normal chat during {during}: {body}");
     assert!(!chat_text(&body, false).is_empty(), "{body}");
@@ -102,31 +106,56 @@ fn stalled_bodies_hold_no_slot_and_get_408_and_bodies_over_the_cap_get_413() {
         let mut second = connect_from(attacker(n), server.addr, None);
         second.write_all(head.as_bytes()).unwrap();
         let error = refusal(&mut second, "429");
-        assert!(error["error"]["message"].as_str().unwrap().contains("1 requests in progress"), "{error}");
+        assert!(
+            error["error"]["message"].as_str().unwrap().contains("1 requests in progress"),
+            "{error}"
+        );
     }
     normal_chat(&server, "4 stalled bodies");
-    assert_eq!(server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"body_timeout\"}"), 0.0, "the chat came after the stall ended");
+    assert_eq!(
+        server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"body_timeout\"}"),
+        0.0,
+        "the chat came after the stall ended"
+    );
 
     // Each stalled body is answered 408 once its timeout is over, not before.
     for mut socket in stalled {
-        let text = read_until(&mut socket, None, Duration::from_millis(BODY_TIMEOUT_MS) + NORMAL_CHAT);
+        let text =
+            read_until(&mut socket, None, Duration::from_millis(BODY_TIMEOUT_MS) + NORMAL_CHAT);
         assert!(text.starts_with("HTTP/1.1 408"), "{text}");
         assert!(text.contains(&format!("did not arrive within {BODY_TIMEOUT_MS} ms")), "{text}");
     }
     let waited = started.elapsed();
     assert_eq!(server.metric("llamabox_reading_bodies"), 0.0);
     assert!(waited >= Duration::from_millis(BODY_TIMEOUT_MS), "408 after {waited:?}");
-    println!("figure: 4 stalled bodies answered 408 within {:.2} s of the first", waited.as_secs_f64());
-    assert_eq!(server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"body_timeout\"}"), 4.0);
-    assert_eq!(server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"client_limit\"}"), 4.0);
+    println!(
+        "figure: 4 stalled bodies answered 408 within {:.2} s of the first",
+        waited.as_secs_f64()
+    );
+    assert_eq!(
+        server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"body_timeout\"}"),
+        4.0
+    );
+    assert_eq!(
+        server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"client_limit\"}"),
+        4.0
+    );
 
     // Over the body cap (1 MiB by default): 413 for a Content-Length at once...
     let mut socket = connect_from(attacker(5), server.addr, None);
-    socket.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2000000\r\n\r\n").unwrap();
+    socket
+        .write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2000000\r\n\r\n",
+        )
+        .unwrap();
     refusal(&mut socket, "413");
     // ...and for a chunked body once it has sent more than the cap.
     let mut socket = connect_from(attacker(6), server.addr, None);
-    socket.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n").unwrap();
+    socket
+        .write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n",
+        )
+        .unwrap();
     let mut writer = socket.try_clone().unwrap();
     let sender = std::thread::spawn(move || {
         let chunk = format!("{:x}\r\n{}\r\n", 64 << 10, "x".repeat(64 << 10));
@@ -141,7 +170,10 @@ fn stalled_bodies_hold_no_slot_and_get_408_and_bodies_over_the_cap_get_413() {
     let text = read_until(&mut socket, Some("\r\n\r\n"), PATIENCE);
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
     sender.join().unwrap();
-    assert_eq!(server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"body_too_large\"}"), 2.0);
+    assert_eq!(
+        server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"body_too_large\"}"),
+        2.0
+    );
     normal_chat(&server, "nothing (after the stalled bodies)");
     server.wait_metric("llamabox_in_flight", 0.0);
 }
@@ -151,31 +183,70 @@ fn clients_that_stop_reading_are_cut_off_and_hold_at_most_their_share() {
     let server = server();
     // One client, two streams it never reads: the first takes a slot, the second is
     // refused at once (its 429 is read), so a slot stays free for everyone else.
-    let silent = post_raw(&server, attacker(0), "/v1/completions", "silent-1", &endless_stream(), Some(SILENT_RECV_BUFFER));
+    let silent = post_raw(
+        &server,
+        attacker(0),
+        "/v1/completions",
+        "silent-1",
+        &endless_stream(),
+        Some(SILENT_RECV_BUFFER),
+    );
     server.wait_metric("llamabox_in_flight", 1.0);
     let started = Instant::now();
-    let mut second = post_raw(&server, attacker(0), "/v1/completions", "silent-2", &endless_stream(), Some(SILENT_RECV_BUFFER));
+    let mut second = post_raw(
+        &server,
+        attacker(0),
+        "/v1/completions",
+        "silent-2",
+        &endless_stream(),
+        Some(SILENT_RECV_BUFFER),
+    );
     refusal(&mut second, "429");
     normal_chat(&server, "a silent reader (and its refused second)");
     // It is cut off after the write-stall timeout: its run stopped, its connection
     // closed (reading it now ends, after what the kernel still held).
     server.wait_metric("llamabox_cancels_total{cause=\"write_stall\"}", 1.0);
-    println!("figure: a silent reader was cut off {:.2} s after its stream began", started.elapsed().as_secs_f64());
+    println!(
+        "figure: a silent reader was cut off {:.2} s after its stream began",
+        started.elapsed().as_secs_f64()
+    );
     assert_eq!(log_field(&server.run_report("silent-1"), "outcome"), "Stopped");
     let mut silent = silent;
     let held = read_until(&mut silent, None, PATIENCE);
-    assert!(held.starts_with("HTTP/1.1 200") && !held.contains("[DONE]"), "{}", &held[..held.len().min(200)]);
+    assert!(
+        held.starts_with("HTTP/1.1 200") && !held.contains("[DONE]"),
+        "{}",
+        &held[..held.len().min(200)]
+    );
 
     // Two clients, one silent stream each: both slots. The normal chat waits in the
     // queue until the write-stall timeout frees one.
-    let a = post_raw(&server, attacker(1), "/v1/completions", "silent-a", &endless_stream(), Some(SILENT_RECV_BUFFER));
-    let b = post_raw(&server, attacker(2), "/v1/completions", "silent-b", &endless_stream(), Some(SILENT_RECV_BUFFER));
+    let a = post_raw(
+        &server,
+        attacker(1),
+        "/v1/completions",
+        "silent-a",
+        &endless_stream(),
+        Some(SILENT_RECV_BUFFER),
+    );
+    let b = post_raw(
+        &server,
+        attacker(2),
+        "/v1/completions",
+        "silent-b",
+        &endless_stream(),
+        Some(SILENT_RECV_BUFFER),
+    );
     server.wait_metric("llamabox_in_flight", 2.0);
     normal_chat(&server, "2 silent readers from 2 clients (every slot)");
     server.wait_metric("llamabox_cancels_total{cause=\"write_stall\"}", 3.0);
     server.wait_metric("llamabox_in_flight", 0.0);
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
-    assert_eq!(server.metric("llamabox_cancels_total{cause=\"disconnect\"}"), 0.0, "counted as write stalls only");
+    assert_eq!(
+        server.metric("llamabox_cancels_total{cause=\"disconnect\"}"),
+        0.0,
+        "counted as write stalls only"
+    );
     drop((a, b));
 }
 
@@ -186,7 +257,16 @@ fn a_flood_from_one_client_gets_429_and_everyone_else_is_served() {
     const FLOOD: usize = 24;
     let started = Instant::now();
     let mut flood: Vec<_> = (0..FLOOD)
-        .map(|i| post_raw(&server, attacker(0), "/v1/chat/completions", &format!("flood-{i}"), &chat("Tell me about llamas.", 64, true), None))
+        .map(|i| {
+            post_raw(
+                &server,
+                attacker(0),
+                "/v1/chat/completions",
+                &format!("flood-{i}"),
+                &chat("Tell me about llamas.", 64, true),
+                None,
+            )
+        })
         .collect();
     normal_chat(&server, "a flood of 24 connections from one client");
     let (mut served, mut refused) = (0, 0);
@@ -203,7 +283,10 @@ fn a_flood_from_one_client_gets_429_and_everyone_else_is_served() {
     let refused_in = started.elapsed();
     println!("figure: flood of {FLOOD}: {served} served, {refused} refused 429 (all answered within {:.2} s)", refused_in.as_secs_f64());
     assert!(served >= 1 && refused >= FLOOD - 4, "{served} served, {refused} refused");
-    assert_eq!(server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"client_limit\"}"), refused as f64);
+    assert_eq!(
+        server.metric("llamabox_refused_total{plugin=\"openai\",reason=\"client_limit\"}"),
+        refused as f64
+    );
     drop(flood);
     server.wait_metric("llamabox_in_flight", 0.0);
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
@@ -224,7 +307,15 @@ fn embeddings_are_priced_before_they_run() {
     let (refused, took) = std::thread::scope(|s| {
         let big = s.spawn(|| {
             let started = Instant::now();
-            (post(&server, "/v1/embeddings", &embeddings("smollm2", &many), &["--interface", &from]), started.elapsed())
+            (
+                post(
+                    &server,
+                    "/v1/embeddings",
+                    &embeddings("smollm2", &many),
+                    &["--interface", &from],
+                ),
+                started.elapsed(),
+            )
         });
         normal_chat(&server, "an embeddings request of 60 000 inputs");
         big.join().unwrap()
@@ -243,9 +334,13 @@ fn embeddings_are_priced_before_they_run() {
     assert!(body.contains("max-embed-tokens"), "{body}");
     // At the input cap: embedded, and what the cap costs at most in worker calls.
     let started = Instant::now();
-    let (status, body) = post(&server, "/v1/embeddings", &embeddings("smollm2", &vec!["a".to_string(); 256]), &[]);
+    let (status, body) =
+        post(&server, "/v1/embeddings", &embeddings("smollm2", &vec!["a".to_string(); 256]), &[]);
     assert_eq!(status, 200, "{}", &body[..body.len().min(300)]);
-    println!("figure: 256 one-token inputs (max-embed-inputs) embedded in {:.2} s", started.elapsed().as_secs_f64());
+    println!(
+        "figure: 256 one-token inputs (max-embed-inputs) embedded in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
     server.wait_metric("llamabox_in_flight", 0.0);
     assert_eq!(server.metric("llamabox_live_workers"), 0.0);
 }
@@ -254,7 +349,8 @@ fn embeddings_are_priced_before_they_run() {
 fn the_hosts_embedding_budget_holds_whatever_the_plugin_checks() {
     // Host limits below the openai plugin's own checks: the host refuses the call that
     // would go over (limit-exceeded), and the plugin answers 400 naming the limit.
-    let config = std::env::temp_dir().join(format!("llamabox-embed-budget-{}.toml", std::process::id()));
+    let config =
+        std::env::temp_dir().join(format!("llamabox-embed-budget-{}.toml", std::process::id()));
     let toml = format!(
         "listen = \"127.0.0.1:0\"\nthreads = 1\n[models]\ntiny = {:?}\n\
          [[plugins]]\nname = \"openai\"\npath = {:?}\n[plugins.limits]\nmax_embed_inputs = 4\nmax_embed_tokens = 64\n",

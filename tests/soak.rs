@@ -45,7 +45,9 @@ async fn round(plugin: &Arc<Plugin>, instances: u64, iters: u64, seed: u64) -> (
             (counts[0], counts[1])
         });
     }
-    let all = tokio::time::timeout(Duration::from_secs(300), runs.join_all()).await.expect("soak deadlocked");
+    let all = tokio::time::timeout(Duration::from_secs(300), runs.join_all())
+        .await
+        .expect("soak deadlocked");
     all.into_iter().fold((0, 0), |(f, c), (f2, c2)| (f + f2, c + c2))
 }
 

@@ -47,19 +47,41 @@ impl BatchedBench {
         let out = Command::new(&self.bin)
             .arg("-m")
             .arg(&self.model)
-            .args(["-c", &n_ctx.to_string(), "-b", "2048", "-ub", "512", "-t", &threads.to_string()])
-            .args(["-npp", &GEN_PROMPT_TOKENS.to_string(), "-ntg", &tokens.to_string(), "-npl", &n.to_string()])
+            .args([
+                "-c",
+                &n_ctx.to_string(),
+                "-b",
+                "2048",
+                "-ub",
+                "512",
+                "-t",
+                &threads.to_string(),
+            ])
+            .args([
+                "-npp",
+                &GEN_PROMPT_TOKENS.to_string(),
+                "-ntg",
+                &tokens.to_string(),
+                "-npl",
+                &n.to_string(),
+            ])
             .output()
             .with_context(|| format!("running {}", self.bin.display()))?;
         if !out.status.success() {
-            bail!("llama-batched-bench failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+            bail!(
+                "llama-batched-bench failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
         }
         // |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
         let stdout = String::from_utf8_lossy(&out.stdout);
         let row = stdout
             .lines()
             .map(|l| l.split('|').map(str::trim).filter(|c| !c.is_empty()).collect::<Vec<_>>())
-            .find(|cells| cells.len() == 10 && cells[2] == n.to_string() && cells[1] == tokens.to_string())
+            .find(|cells| {
+                cells.len() == 10 && cells[2] == n.to_string() && cells[1] == tokens.to_string()
+            })
             .with_context(|| format!("llama-batched-bench printed no row for B={n}:\n{stdout}"))?;
         let secs: f64 = row[8].parse().with_context(|| format!("its T s column: {:?}", row[8]))?;
         Ok(Duration::from_secs_f64(secs))
@@ -73,13 +95,20 @@ struct Host {
 }
 
 impl Host {
-    fn new(wasm: &Path, model: &BenchModel, policy: Option<BatchPolicy>, threads: u32) -> anyhow::Result<Self> {
+    fn new(
+        wasm: &Path,
+        model: &BenchModel,
+        policy: Option<BatchPolicy>,
+        threads: u32,
+    ) -> anyhow::Result<Self> {
         let registry = ModelRegistry::new();
         registry.register(model.name, &model.path);
         registry.batch(policy);
         let limits = Limits { max_threads: threads, ..Limits::default() };
         let host = PluginHost::new(registry, limits)?;
-        let plugin = host.load(wasm).with_context(|| format!("loading the bench plugin {}", wasm.display()))?;
+        let plugin = host
+            .load(wasm)
+            .with_context(|| format!("loading the bench plugin {}", wasm.display()))?;
         // The guests only wait for pieces: one executor thread leaves the cores to llama.cpp.
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         Ok(Self { plugin, runtime })
@@ -87,10 +116,30 @@ impl Host {
 
     /// `n` runs started together, at most `at_once` of them running; the wall time of
     /// all and a digest of their tokens (equal runs give equal digests).
-    fn generate(&self, model: &BenchModel, n: u32, tokens: u32, threads_each: u32, at_once: usize) -> anyhow::Result<(Duration, u64)> {
+    fn generate(
+        &self,
+        model: &BenchModel,
+        n: u32,
+        tokens: u32,
+        threads_each: u32,
+        at_once: usize,
+    ) -> anyhow::Result<(Duration, u64)> {
         let args: Vec<String> = [
-            "host-generate", "--model", model.name, "--tokens", &tokens.to_string(), "--runs", "1",
-            "--threads", &threads_each.to_string(), "--ctx", &seat_n_ctx(tokens).to_string(), "--batch", "512", "--ubatch", "host",
+            "host-generate",
+            "--model",
+            model.name,
+            "--tokens",
+            &tokens.to_string(),
+            "--runs",
+            "1",
+            "--threads",
+            &threads_each.to_string(),
+            "--ctx",
+            &seat_n_ctx(tokens).to_string(),
+            "--batch",
+            "512",
+            "--ubatch",
+            "host",
         ]
         .iter()
         .map(|s| s.to_string())
@@ -102,17 +151,29 @@ impl Host {
                 let _turn = gate.acquire().await.expect("never closed");
                 let stdout = MemoryOutputPipe::new(1 << 16);
                 let mut wasi = WasiCtxBuilder::new();
-                wasi.stdout(stdout.clone()).args(&std::iter::once("bench-plugin".to_string()).chain(args).collect::<Vec<_>>());
+                wasi.stdout(stdout.clone()).args(
+                    &std::iter::once("bench-plugin".to_string()).chain(args).collect::<Vec<_>>(),
+                );
                 let outcome = self.plugin.run(wasi).await?;
-                ensure!(matches!(outcome, RunOutcome::Success), "a bench plugin run ended with {outcome:?}");
+                ensure!(
+                    matches!(outcome, RunOutcome::Success),
+                    "a bench plugin run ended with {outcome:?}"
+                );
                 let out = String::from_utf8_lossy(&stdout.contents()).into_owned();
-                let line = out.lines().find(|l| l.starts_with("run:")).with_context(|| format!("no run line in {out:?}"))?;
-                let digest = line.split_whitespace().find_map(|kv| kv.strip_prefix("tokens=")).context("no tokens= in the run line")?;
+                let line = out
+                    .lines()
+                    .find(|l| l.starts_with("run:"))
+                    .with_context(|| format!("no run line in {out:?}"))?;
+                let digest = line
+                    .split_whitespace()
+                    .find_map(|kv| kv.strip_prefix("tokens="))
+                    .context("no tokens= in the run line")?;
                 Ok::<_, anyhow::Error>(u64::from_str_radix(digest, 16)?)
             }
         };
         let started = Instant::now();
-        let digests = self.runtime.block_on(async { futures::future::join_all((0..n).map(one)).await });
+        let digests =
+            self.runtime.block_on(async { futures::future::join_all((0..n).map(one)).await });
         let elapsed = started.elapsed();
         let digests = digests.into_iter().collect::<anyhow::Result<Vec<u64>>>()?;
         // All runs generate from the same prompt: one digest, or the runs disagree.
@@ -127,7 +188,15 @@ fn seat_n_ctx(tokens: u32) -> u32 {
 }
 
 /// The report: for each thread count, N = `levels`, the three ways in `rounds` rounds.
-pub fn report(wasm: &Path, model: &BenchModel, peer: Option<&BatchedBench>, threads_list: &[u32], levels: &[u32], tokens: u32, rounds: usize) -> anyhow::Result<String> {
+pub fn report(
+    wasm: &Path,
+    model: &BenchModel,
+    peer: Option<&BatchedBench>,
+    threads_list: &[u32],
+    levels: &[u32],
+    tokens: u32,
+    rounds: usize,
+) -> anyhow::Result<String> {
     let machine = crate::machine::Machine::read();
     let mut out = String::new();
     let _ = writeln!(out, "# Many generations at once: seats of one batch, contexts of their own, llama-batched-bench\n");
@@ -158,23 +227,35 @@ pub fn report(wasm: &Path, model: &BenchModel, peer: Option<&BatchedBench>, thre
             // Warm-ups: the batch's context, page faults, the plugin's first instance.
             seats.generate(model, n, 4, threads_each, n as usize)?;
             contexts.generate(model, at_once as u32, 4, threads_each, at_once)?;
-            let ways: Vec<Way> = [Way::Seats, Way::Contexts, Way::BatchedBench].into_iter().filter(|w| *w != Way::BatchedBench || peer.is_some()).collect();
+            let ways: Vec<Way> = [Way::Seats, Way::Contexts, Way::BatchedBench]
+                .into_iter()
+                .filter(|w| *w != Way::BatchedBench || peer.is_some())
+                .collect();
             let runs: Vec<Runs> = in_rounds(rounds, &ways, |way, _| match way {
                 Way::Seats => seats.generate(model, n, tokens, threads_each, n as usize),
                 Way::Contexts => contexts.generate(model, n, tokens, threads_each, at_once),
-                Way::BatchedBench => peer.expect("listed only with it").run(n, tokens, threads).map(|t| (t, 0)),
+                Way::BatchedBench => {
+                    peer.expect("listed only with it").run(n, tokens, threads).map(|t| (t, 0))
+                }
             })?;
             let per = (n * tokens) as f64;
             let rate = |w: Way| ways.iter().position(|&x| x == w).map(|i| &runs[i].times);
-            let (seat_t, ctx_t) = (rate(Way::Seats).expect("measured"), rate(Way::Contexts).expect("measured"));
-            let peer_cell = rate(Way::BatchedBench).map_or("—".to_string(), |t| t.rate(per).to_string());
+            let (seat_t, ctx_t) =
+                (rate(Way::Seats).expect("measured"), rate(Way::Contexts).expect("measured"));
+            let peer_cell =
+                rate(Way::BatchedBench).map_or("—".to_string(), |t| t.rate(per).to_string());
             // A rate ratio is the inverse of the time ratio, round by round.
             let ratio = |a: &Samples, b: &Samples| b.ratios_to(a).median();
-            let peer_ratio = rate(Way::BatchedBench).map_or("—".to_string(), |t| format!("{:.2}×", ratio(seat_t, t)));
+            let peer_ratio = rate(Way::BatchedBench)
+                .map_or("—".to_string(), |t| format!("{:.2}×", ratio(seat_t, t)));
             let same = {
                 let (s, c) = (&runs[0].digests, &runs[1].digests);
                 let all = s.iter().chain(c).copied().collect::<Vec<_>>();
-                if all.iter().all(|&d| d != 0 && d == all[0]) { "yes" } else { "no (batched numerics: see ARCHITECTURE, Batching)" }
+                if all.iter().all(|&d| d != 0 && d == all[0]) {
+                    "yes"
+                } else {
+                    "no (batched numerics: see ARCHITECTURE, Batching)"
+                }
             };
             let _ = writeln!(
                 out,

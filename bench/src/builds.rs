@@ -127,7 +127,8 @@ pub fn save_and_collect(report: &Path, this: &Headline) -> anyhow::Result<Vec<He
         let Ok(text) = std::fs::read_to_string(&file) else {
             continue;
         };
-        let other: Headline = serde_json::from_str(&text).with_context(|| format!("reading {}", file.display()))?;
+        let other: Headline =
+            serde_json::from_str(&text).with_context(|| format!("reading {}", file.display()))?;
         if (other.threads, other.prompt_tokens, other.gen_tokens, other.cpu.as_str())
             == (this.threads, this.prompt_tokens, this.gen_tokens, this.cpu.as_str())
         {
@@ -163,17 +164,15 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let report = dir.join("RESULTS.md");
         let native = save_and_collect(&report, &headline("avx2", 1)).unwrap();
-        assert_eq!(
-            native.iter().map(|h| h.build.as_str()).collect::<Vec<_>>(),
-            ["avx2"]
-        );
+        assert_eq!(native.iter().map(|h| h.build.as_str()).collect::<Vec<_>>(), ["avx2"]);
         let both = save_and_collect(&report, &headline("portable", 1)).unwrap();
-        assert_eq!(
-            both.iter().map(|h| h.build.as_str()).collect::<Vec<_>>(),
-            ["portable", "avx2"]
-        );
+        assert_eq!(both.iter().map(|h| h.build.as_str()).collect::<Vec<_>>(), ["portable", "avx2"]);
         // Another CPU model does not compare either.
-        let elsewhere = save_and_collect(&report, &Headline { cpu: "Intel Xeon".into(), ..headline("avx2", 1) }).unwrap();
+        let elsewhere = save_and_collect(
+            &report,
+            &Headline { cpu: "Intel Xeon".into(), ..headline("avx2", 1) },
+        )
+        .unwrap();
         assert_eq!(elsewhere.iter().map(|h| h.build.as_str()).collect::<Vec<_>>(), ["avx2"]);
         // Another thread count does not compare with the saved native figures.
         let alone = save_and_collect(&report, &headline("portable", 2)).unwrap();

@@ -9,7 +9,10 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use llamabox::native::{chunker::DEFAULT_LATENCY_TARGET, CancelFlag, Chunk, ChunkKind, Error, MediaCaps, MediaContext, MediaInput, Model, ProjectorSpec, Stop};
+use llamabox::native::{
+    chunker::DEFAULT_LATENCY_TARGET, CancelFlag, Chunk, ChunkKind, Error, MediaCaps, MediaContext,
+    MediaInput, Model, ProjectorSpec, Stop,
+};
 
 use crate::stats::{num, timed, Samples};
 
@@ -72,21 +75,32 @@ pub fn measure(
     cancels: usize,
     targets: &[Duration],
 ) -> anyhow::Result<EncodeResults> {
-    let model = Arc::new(Model::load(model_path).context("loading the text model for the encode rows")?);
+    let model =
+        Arc::new(Model::load(model_path).context("loading the text model for the encode rows")?);
     let spec = ProjectorSpec::slow_vision(model.n_embd_inp());
-    let path = dir.join(format!("vision-e{}-l{}-text{}.gguf", spec.n_embd, spec.n_layer, spec.n_embd_text));
+    let path = dir
+        .join(format!("vision-e{}-l{}-text{}.gguf", spec.n_embd, spec.n_layer, spec.n_embd_text));
     if !path.is_file() {
         spec.write(&path).with_context(|| format!("writing {}", path.display()))?;
     }
     let mut media = MediaContext::new(&path, model, threads)?;
     let (w, h) = (320u32, 240u32);
-    let rgb = (0..h).flat_map(|y| (0..w).flat_map(move |x| [(x * 255 / w) as u8, (y * 255 / h) as u8, 96])).collect();
+    let rgb = (0..h)
+        .flat_map(|y| (0..w).flat_map(move |x| [(x * 255 / w) as u8, (y * 255 / h) as u8, 96]))
+        .collect();
     let caps = MediaCaps { max_image_side: 1024, max_audio_samples: 0 };
-    let chunks = media.tokenize(MediaContext::marker(), &[MediaInput::Image { width: w, height: h, rgb }], caps, usize::MAX)?;
-    let chunk = chunks.into_iter().find(|c| c.kind() == ChunkKind::Image).context("no image chunk")?;
+    let chunks = media.tokenize(
+        MediaContext::marker(),
+        &[MediaInput::Image { width: w, height: h, rgb }],
+        caps,
+        usize::MAX,
+    )?;
+    let chunk =
+        chunks.into_iter().find(|c| c.kind() == ChunkKind::Image).context("no image chunk")?;
 
     let reference = media.encode(&chunk, None)?; // also warms up
-    let (mut plain, mut cancellable, mut identical) = (Samples::default(), Samples::default(), true);
+    let (mut plain, mut cancellable, mut identical) =
+        (Samples::default(), Samples::default(), true);
     for round in 0..runs {
         for cancellable_first in [round % 2 == 1, round % 2 == 0] {
             if cancellable_first {
@@ -107,7 +121,8 @@ pub fn measure(
 
     let full = plain.median();
     let mut rng = fastrand::Rng::with_seed(11);
-    let latency = cancel_latency(&mut media, &chunk, full, cancels, &mut rng, &reference, &mut identical)?;
+    let latency =
+        cancel_latency(&mut media, &chunk, full, cancels, &mut rng, &reference, &mut identical)?;
 
     let mut rows = Vec::new();
     for &target in targets {
@@ -125,8 +140,21 @@ pub fn measure(
         let counter = CancelFlag::new();
         counter.trip_after(u64::MAX);
         media.encode(&chunk, Some(Stop::on(&counter)))?;
-        let latency = cancel_latency(&mut media, &chunk, full, cancels, &mut rng, &reference, &mut identical)?;
-        rows.push(TargetRow { target, boundaries: counter.polls(), overhead: ratios[ratios.len() / 2] - 1.0, latency });
+        let latency = cancel_latency(
+            &mut media,
+            &chunk,
+            full,
+            cancels,
+            &mut rng,
+            &reference,
+            &mut identical,
+        )?;
+        rows.push(TargetRow {
+            target,
+            boundaries: counter.polls(),
+            overhead: ratios[ratios.len() / 2] - 1.0,
+            latency,
+        });
     }
     let boundary_cost = boundary_cost(&mut media, &chunk, 2 * runs, &reference, &mut identical)?;
     let label = format!(
@@ -174,7 +202,8 @@ fn boundary_cost(
             *identical &= bitwise_eq(&out?, reference);
             *if dense_first { &mut dense } else { &mut plain } = t;
         }
-        per_boundary.push_secs((dense.as_secs_f64() - plain.as_secs_f64()) / boundaries.max(1) as f64);
+        per_boundary
+            .push_secs((dense.as_secs_f64() - plain.as_secs_f64()) / boundaries.max(1) as f64);
     }
     Ok(BoundaryCost { boundaries, per_boundary })
 }
@@ -217,7 +246,11 @@ fn cancel_latency(
 /// The encode section of RESULTS.md.
 pub fn table(out: &mut String, r: &EncodeResults) {
     let _ = writeln!(out, "## Media encode: one image, ms\n");
-    let _ = writeln!(out, "{}: a 320×240 image → {} embeddings; {} boundaries per encode.\n", r.label, r.embeddings, r.boundaries);
+    let _ = writeln!(
+        out,
+        "{}: a 320×240 image → {} embeddings; {} boundaries per encode.\n",
+        r.label, r.embeddings, r.boundaries
+    );
     let _ = writeln!(out, "| plain encode | cancellable, byte 0 | vs plain | store → return, median (min–max) | p90 | as fraction of the encode | output vs plain |");
     let _ = writeln!(out, "| --- | --- | --- | --- | --- | --- | --- |");
     let ratio = r.cancellable.ratios_to(&r.plain).median() - 1.0;

@@ -38,13 +38,30 @@ const WAYS: [(Way, &str); 4] = [
 ];
 
 /// Everything the GPU report measures, as markdown.
-pub fn report(model: &BenchModel, llama_bench: Option<&Path>, shape: Shape, rounds: usize, cancels: usize, dir: &Path) -> anyhow::Result<String> {
-    let loaded = Arc::new(Model::load(&model.path).with_context(|| format!("loading {}", model.path.display()))?);
+pub fn report(
+    model: &BenchModel,
+    llama_bench: Option<&Path>,
+    shape: Shape,
+    rounds: usize,
+    cancels: usize,
+    dir: &Path,
+) -> anyhow::Result<String> {
+    let loaded = Arc::new(
+        Model::load(&model.path).with_context(|| format!("loading {}", model.path.display()))?,
+    );
     let device = loaded.device().context("the model's layers went to no GPU (is a Vulkan device visible? GGML_VK_VISIBLE_DEVICES)")?.to_string();
-    let description = llamabox::native::devices().into_iter().find(|d| d.name == device).map_or_else(String::new, |d| d.description);
+    let description = llamabox::native::devices()
+        .into_iter()
+        .find(|d| d.name == device)
+        .map_or_else(String::new, |d| d.description);
     let mut native = Native::new(loaded.clone(), shape)?;
-    let bench = llama_bench.map(|bin| LlamaBench { bin: bin.to_path_buf(), model: model.path.clone(), threads: shape.threads });
-    let ways: Vec<Way> = WAYS.iter().map(|w| w.0).filter(|w| *w != Way::LlamaBench || bench.is_some()).collect();
+    let bench = llama_bench.map(|bin| LlamaBench {
+        bin: bin.to_path_buf(),
+        model: model.path.clone(),
+        threads: shape.threads,
+    });
+    let ways: Vec<Way> =
+        WAYS.iter().map(|w| w.0).filter(|w| *w != Way::LlamaBench || bench.is_some()).collect();
 
     let mut out = String::new();
     let cpu = crate::machine::Machine::read().cpu;
@@ -73,13 +90,19 @@ pub fn report(model: &BenchModel, llama_bench: Option<&Path>, shape: Shape, roun
             native.set_device_chunk_work(None);
             run
         }
-        Way::LlamaBench => bench.as_ref().expect("listed only with llama-bench").prompt(shape.prompt_tokens).map(|t| (t, 0)),
+        Way::LlamaBench => bench
+            .as_ref()
+            .expect("listed only with llama-bench")
+            .prompt(shape.prompt_tokens)
+            .map(|t| (t, 0)),
     })?;
     let paced_boundaries = native.prompt_nodes()?;
     native.set_device_chunk_work(Some(1));
     let dense_boundaries = native.prompt_nodes()?;
     native.set_device_chunk_work(None);
-    let identical = pp[0].all_equal(pp[0].digests[0]) && pp[1].all_equal(pp[0].digests[0]) && pp[2].all_equal(pp[0].digests[0]);
+    let identical = pp[0].all_equal(pp[0].digests[0])
+        && pp[1].all_equal(pp[0].digests[0])
+        && pp[2].all_equal(pp[0].digests[0]);
 
     native.generate()?;
     let gen_ways: Vec<Way> = ways.iter().copied().filter(|w| *w != Way::Dense).collect();
@@ -87,12 +110,19 @@ pub fn report(model: &BenchModel, llama_bench: Option<&Path>, shape: Shape, roun
     let tg = in_rounds(rounds, &gen_ways, |way, _| match way {
         Way::Plain => native.generate(),
         Way::Paced => native.generate_until(Some(&flag)),
-        Way::LlamaBench => bench.as_ref().expect("listed only with llama-bench").generation(shape.gen_tokens).map(|t| (t, 0)),
+        Way::LlamaBench => bench
+            .as_ref()
+            .expect("listed only with llama-bench")
+            .generation(shape.gen_tokens)
+            .map(|t| (t, 0)),
         Way::Dense => unreachable!("not a generation way"),
     })?;
 
     let _ = writeln!(out, "## Throughput\n");
-    let _ = writeln!(out, "| row | way | tokens/s, median (min–max) | vs plain | vs llama-bench | polls per call |");
+    let _ = writeln!(
+        out,
+        "| row | way | tokens/s, median (min–max) | vs plain | vs llama-bench | polls per call |"
+    );
     let _ = writeln!(out, "|---|---|---|---|---|---|");
     let plain_pp = &pp[0].times;
     let lb_pp = ways.iter().position(|w| *w == Way::LlamaBench).map(|i| &pp[i].times);
@@ -102,12 +132,30 @@ pub fn report(model: &BenchModel, llama_bench: Option<&Path>, shape: Shape, roun
             Way::Dense => dense_boundaries.to_string(),
             _ => "–".into(),
         };
-        row(&mut out, &format!("pp{}", shape.prompt_tokens), label(*way), &pp[i].times, plain_pp, lb_pp, shape.prompt_tokens, &polls);
+        row(
+            &mut out,
+            &format!("pp{}", shape.prompt_tokens),
+            label(*way),
+            &pp[i].times,
+            plain_pp,
+            lb_pp,
+            shape.prompt_tokens,
+            &polls,
+        );
     }
     let plain_tg = &tg[0].times;
     let lb_tg = gen_ways.iter().position(|w| *w == Way::LlamaBench).map(|i| &tg[i].times);
     for (i, way) in gen_ways.iter().enumerate() {
-        row(&mut out, &format!("tg{}", shape.gen_tokens), label(*way), &tg[i].times, plain_tg, lb_tg, shape.gen_tokens, "–");
+        row(
+            &mut out,
+            &format!("tg{}", shape.gen_tokens),
+            label(*way),
+            &tg[i].times,
+            plain_tg,
+            lb_tg,
+            shape.gen_tokens,
+            "–",
+        );
     }
     let _ = writeln!(
         out,
@@ -125,18 +173,42 @@ pub fn report(model: &BenchModel, llama_bench: Option<&Path>, shape: Shape, roun
     let _ = writeln!(out, "| what | cancels | median ms (min–max) | p90 ms | target |");
     let _ = writeln!(out, "|---|---|---|---|---|");
     let target_ms = DEFAULT_LATENCY_TARGET.as_secs_f64() * 1e3;
-    let _ = writeln!(out, "| {}-token decode | {} | {} | {:.2} | {target_ms:.0} ms + one chunk |", shape.prompt_tokens, latency.len(), latency.ms(), latency.quantile(0.9) * 1e3);
-    let _ = writeln!(out, "| generation ({} tokens) | {} | {} | {:.2} | one token's decode |", shape.gen_tokens, generations.len(), generations.ms(), generations.quantile(0.9) * 1e3);
+    let _ = writeln!(
+        out,
+        "| {}-token decode | {} | {} | {:.2} | {target_ms:.0} ms + one chunk |",
+        shape.prompt_tokens,
+        latency.len(),
+        latency.ms(),
+        latency.quantile(0.9) * 1e3
+    );
+    let _ = writeln!(
+        out,
+        "| generation ({} tokens) | {} | {} | {:.2} | one token's decode |",
+        shape.gen_tokens,
+        generations.len(),
+        generations.ms(),
+        generations.quantile(0.9) * 1e3
+    );
     let _ = writeln!(
         out,
         "\n{} decodes finished before their cancel came. After the cancels, the next decode's logits {} those of an uncancelled one.\n",
         decodes.finished_first,
         if decodes.identical_after { "equal" } else { "DIFFER from" }
     );
-    ensure!(decodes.identical_after, "a cancelled decode on the device changed the next decode's logits");
+    ensure!(
+        decodes.identical_after,
+        "a cancelled decode on the device changed the next decode's logits"
+    );
 
     let _ = writeln!(out, "## Image encode on the device\n");
-    let encodes = encode::measure(&model.path, dir, shape.threads, rounds, cancels, &[DEFAULT_LATENCY_TARGET])?;
+    let encodes = encode::measure(
+        &model.path,
+        dir,
+        shape.threads,
+        rounds,
+        cancels,
+        &[DEFAULT_LATENCY_TARGET],
+    )?;
     encode::table(&mut out, &encodes);
     Ok(out)
 }
@@ -146,7 +218,16 @@ fn label(way: Way) -> &'static str {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn row(out: &mut String, name: &str, way: &str, times: &Samples, plain: &Samples, llama_bench: Option<&Samples>, tokens: u32, polls: &str) {
+fn row(
+    out: &mut String,
+    name: &str,
+    way: &str,
+    times: &Samples,
+    plain: &Samples,
+    llama_bench: Option<&Samples>,
+    tokens: u32,
+    polls: &str,
+) {
     let vs = |base: &Samples| format!("{:+.1}%", (base.median() / times.median() - 1.0) * 100.0);
     let _ = writeln!(
         out,

@@ -31,7 +31,10 @@ fn grammars() -> Vec<(&'static str, String)> {
         ("words `([a-z]+ \" \")+`", "root ::= ([a-z]+ \" \")+".into()),
         ("JSON values", JSON.into()),
         ("ambiguous chain, 2^10 parses", chain),
-        ("nested `\"a\" x \"b\" \\| \"a\" x \"c\"`", "root ::= (x \" \")+\nx ::= \"a\" x \"b\" | \"a\" x \"c\" | \"a\"\n".into()),
+        (
+            "nested `\"a\" x \"b\" \\| \"a\" x \"c\"`",
+            "root ::= (x \" \")+\nx ::= \"a\" x \"b\" | \"a\" x \"c\" | \"a\"\n".into(),
+        ),
     ]
 }
 
@@ -55,11 +58,18 @@ struct LlamaGrammar {
 impl LlamaGrammar {
     fn new(model: *mut sys::llama_model, gbnf: Option<&str>) -> anyhow::Result<Self> {
         // SAFETY: default params; the chain owns the stages added to it.
-        let chain = unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) };
+        let chain =
+            unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) };
         if let Some(gbnf) = gbnf {
             let text = CString::new(gbnf)?;
             // SAFETY: a live model's vocabulary and valid C strings; null on failure.
-            let grammar = unsafe { sys::llama_sampler_init_grammar(sys::llama_model_get_vocab(model), text.as_ptr(), c"root".as_ptr()) };
+            let grammar = unsafe {
+                sys::llama_sampler_init_grammar(
+                    sys::llama_model_get_vocab(model),
+                    text.as_ptr(),
+                    c"root".as_ptr(),
+                )
+            };
             if grammar.is_null() {
                 // SAFETY: frees the chain made above.
                 unsafe { sys::llama_sampler_free(chain) };
@@ -75,8 +85,19 @@ impl LlamaGrammar {
 
     fn sample(&mut self, logits: &[f32]) -> Option<Token> {
         self.candidates.clear();
-        self.candidates.extend(logits.iter().enumerate().map(|(id, &logit)| sys::llama_token_data { id: id as Token, logit, p: 0.0 }));
-        let mut array = sys::llama_token_data_array { data: self.candidates.as_mut_ptr(), size: self.candidates.len(), selected: -1, sorted: false };
+        self.candidates.extend(
+            logits.iter().enumerate().map(|(id, &logit)| sys::llama_token_data {
+                id: id as Token,
+                logit,
+                p: 0.0,
+            }),
+        );
+        let mut array = sys::llama_token_data_array {
+            data: self.candidates.as_mut_ptr(),
+            size: self.candidates.len(),
+            selected: -1,
+            sorted: false,
+        };
         // SAFETY: `array` points at live candidates for the call.
         unsafe { sys::llama_sampler_apply(self.chain, &mut array) };
         let picked = usize::try_from(array.selected).ok().filter(|&i| i < array.size)?;
@@ -126,11 +147,18 @@ struct Row {
 }
 
 /// Run every grammar, `rounds` paired rounds of `tokens` greedy steps; a Markdown report.
-pub fn report(model_path: &Path, tokens: usize, rounds: usize, budget: Duration) -> anyhow::Result<String> {
+pub fn report(
+    model_path: &Path,
+    tokens: usize,
+    rounds: usize,
+    budget: Duration,
+) -> anyhow::Result<String> {
     let model = Arc::new(Model::load(model_path).context("loading the model")?);
     let c_path = CString::new(model_path.as_os_str().as_encoded_bytes())?;
     // SAFETY: default params and a valid path; a second, independent copy for llama.cpp's matcher.
-    let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), sys::llama_model_default_params()) };
+    let raw = unsafe {
+        sys::llama_model_load_from_file(c_path.as_ptr(), sys::llama_model_default_params())
+    };
     anyhow::ensure!(!raw.is_null(), "llama.cpp could not load the model");
     let caps = SamplerCaps::default();
     let logits = rows(&model, tokens, 7);
@@ -145,14 +173,18 @@ pub fn report(model_path: &Path, tokens: usize, rounds: usize, budget: Duration)
             theirs_tokens: tokens,
             same_tokens: true,
         };
-        let params = SamplerParams { grammar: Some(Grammar { text: gbnf.clone(), root: None }), ..SamplerParams::greedy() };
+        let params = SamplerParams {
+            grammar: Some(Grammar { text: gbnf.clone(), root: None }),
+            ..SamplerParams::greedy()
+        };
         for round in 0..rounds {
             let ours = |row: &mut Row| -> anyhow::Result<Vec<Token>> {
                 let started = Instant::now();
                 let mut s = Sampler::new(model.clone(), &params, &caps)?;
                 row.ours_create_ms.push_secs(started.elapsed().as_secs_f64() * 1e3);
                 let mut plain = Sampler::new(model.clone(), &SamplerParams::greedy(), &caps)?;
-                let (mut picked, mut with, mut without) = (Vec::new(), Duration::ZERO, Duration::ZERO);
+                let (mut picked, mut with, mut without) =
+                    (Vec::new(), Duration::ZERO, Duration::ZERO);
                 for l in &logits {
                     let t0 = Instant::now();
                     picked.push(s.sample(l)?);
@@ -161,7 +193,9 @@ pub fn report(model_path: &Path, tokens: usize, rounds: usize, budget: Duration)
                     plain.sample(l)?;
                     without += t1.elapsed();
                 }
-                row.ours_us.push_secs(with.saturating_sub(without).as_secs_f64() * 1e6 / logits.len() as f64);
+                row.ours_us.push_secs(
+                    with.saturating_sub(without).as_secs_f64() * 1e6 / logits.len() as f64,
+                );
                 Ok(picked)
             };
             let theirs = |row: &mut Row| -> anyhow::Result<Vec<Token>> {
@@ -169,7 +203,8 @@ pub fn report(model_path: &Path, tokens: usize, rounds: usize, budget: Duration)
                 let mut s = LlamaGrammar::new(raw, Some(&gbnf))?;
                 row.theirs_create_ms.push_secs(started.elapsed().as_secs_f64() * 1e3);
                 let mut plain = LlamaGrammar::new(raw, None)?;
-                let (mut picked, mut with, mut without) = (Vec::new(), Duration::ZERO, Duration::ZERO);
+                let (mut picked, mut with, mut without) =
+                    (Vec::new(), Duration::ZERO, Duration::ZERO);
                 for l in &logits {
                     if with > budget {
                         break;
@@ -182,7 +217,9 @@ pub fn report(model_path: &Path, tokens: usize, rounds: usize, budget: Duration)
                     plain.sample(l);
                     without += t1.elapsed();
                 }
-                row.theirs_us.push_secs(with.saturating_sub(without).as_secs_f64() * 1e6 / picked.len().max(1) as f64);
+                row.theirs_us.push_secs(
+                    with.saturating_sub(without).as_secs_f64() * 1e6 / picked.len().max(1) as f64,
+                );
                 row.theirs_tokens = row.theirs_tokens.min(picked.len());
                 Ok(picked)
             };
@@ -215,7 +252,11 @@ pub fn report(model_path: &Path, tokens: usize, rounds: usize, budget: Duration)
         model.n_vocab(),
     );
     for r in &out {
-        let cut = if r.theirs_tokens < tokens { format!(" ({} of {tokens} tokens within the budget)", r.theirs_tokens) } else { String::new() };
+        let cut = if r.theirs_tokens < tokens {
+            format!(" ({} of {tokens} tokens within the budget)", r.theirs_tokens)
+        } else {
+            String::new()
+        };
         md += &format!(
             "| {} | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}){cut} | {:.1}× | {:.1} / {:.1} | {} |\n",
             r.name,

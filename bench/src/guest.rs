@@ -58,7 +58,10 @@ impl Boundary {
     /// The cost of `name`, NaN if the guest printed none (a NaN cell, rather than no
     /// report after minutes of measuring).
     pub fn cost(&self, name: &str) -> (f64, f64) {
-        self.calls.iter().find(|c| c.name == name).map_or((f64::NAN, f64::NAN), |c| (c.median, c.min))
+        self.calls
+            .iter()
+            .find(|c| c.name == name)
+            .map_or((f64::NAN, f64::NAN), |c| (c.median, c.min))
     }
 }
 
@@ -72,9 +75,9 @@ impl Guest {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
         let limits = Limits { max_threads: shape.threads.max(cores), ..Limits::default() };
         let host = PluginHost::new(registry, limits)?;
-        let plugin = host
-            .load(wasm)
-            .with_context(|| format!("loading the bench plugin (built by `make bench` into {})", wasm.display()))?;
+        let plugin = host.load(wasm).with_context(|| {
+            format!("loading the bench plugin (built by `make bench` into {})", wasm.display())
+        })?;
         // The guest's calls wait on the context's worker thread: one executor thread is
         // enough and leaves the cores to llama.cpp.
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -86,12 +89,19 @@ impl Guest {
         let (stdout, stderr) = (MemoryOutputPipe::new(1 << 20), MemoryOutputPipe::new(1 << 20));
         let mut wasi = WasiCtxBuilder::new();
         wasi.stdout(stdout.clone()).stderr(stderr.clone());
-        wasi.args(&std::iter::once("bench-plugin").chain(args.iter().map(String::as_str)).collect::<Vec<_>>());
-        let outcome = self.runtime.block_on(self.plugin.run(wasi)).context("the bench plugin trapped")?;
+        wasi.args(
+            &std::iter::once("bench-plugin")
+                .chain(args.iter().map(String::as_str))
+                .collect::<Vec<_>>(),
+        );
+        let outcome =
+            self.runtime.block_on(self.plugin.run(wasi)).context("the bench plugin trapped")?;
         let err = String::from_utf8_lossy(&stderr.contents()).into_owned();
         match outcome {
             RunOutcome::Success => Ok(String::from_utf8_lossy(&stdout.contents()).into_owned()),
-            other => bail!("the bench plugin ended with {other:?} (arguments {args:?}): {}", err.trim()),
+            other => {
+                bail!("the bench plugin ended with {other:?} (arguments {args:?}): {}", err.trim())
+            }
         }
     }
 
@@ -105,7 +115,11 @@ impl Guest {
     /// One timed prompt decode, `mode` blocking|pending, after a warm-up decode in the
     /// same plugin run (a new context's first decode touches fresh memory).
     pub fn prompt_decode(&self, model: &BenchModel, mode: &str) -> anyhow::Result<(Duration, u64)> {
-        let extra = [("--tokens", self.shape.prompt_tokens.to_string()), ("--runs", "2".into()), ("--mode", mode.into())];
+        let extra = [
+            ("--tokens", self.shape.prompt_tokens.to_string()),
+            ("--runs", "2".into()),
+            ("--mode", mode.into()),
+        ];
         self.last_run(&self.args("decode", model, &extra), "logits")
     }
 
@@ -113,7 +127,12 @@ impl Guest {
     /// warms up with a one-token one first), with what the scheduler counted for the
     /// thread that ran the guest (this one: the runtime is current-thread) over the whole
     /// plugin run.
-    pub fn generation(&self, model: &BenchModel, way: GuestGeneration, tokens: u32) -> anyhow::Result<GenerationRun> {
+    pub fn generation(
+        &self,
+        model: &BenchModel,
+        way: GuestGeneration,
+        tokens: u32,
+    ) -> anyhow::Result<GenerationRun> {
         let mut extra = vec![("--tokens", tokens.to_string()), ("--runs", "1".into())];
         let (mode, sample) = match way {
             GuestGeneration::WasmArgmax => ("generate", Some("wasm")),
@@ -129,8 +148,11 @@ impl Guest {
             return Ok(GenerationRun { time, digest, executor, bytes_per_token: None });
         }
         // The host loop may meet an end-of-generation token early: scale to `tokens`.
-        let generated: f64 = field(&line, "generated")?.parse().with_context(|| format!("bad count in {line:?}"))?;
-        let bytes: f64 = field(&line, "bytes-per-token")?.parse().with_context(|| format!("bad bytes in {line:?}"))?;
+        let generated: f64 =
+            field(&line, "generated")?.parse().with_context(|| format!("bad count in {line:?}"))?;
+        let bytes: f64 = field(&line, "bytes-per-token")?
+            .parse()
+            .with_context(|| format!("bad bytes in {line:?}"))?;
         let full = time.mul_f64(tokens as f64 / generated.max(1.0));
         Ok(GenerationRun { time: full, digest, executor, bytes_per_token: Some(bytes) })
     }
@@ -153,15 +175,21 @@ impl Guest {
     /// The guest's per-call costs (`iters` calls of the cheap imports, a tenth as many
     /// of those that go to the context's thread).
     pub fn boundary(&self, model: &BenchModel, iters: u32) -> anyhow::Result<Boundary> {
-        let extra = [("--tokens", self.shape.prompt_tokens.to_string()), ("--iters", iters.to_string())];
+        let extra =
+            [("--tokens", self.shape.prompt_tokens.to_string()), ("--iters", iters.to_string())];
         let out = self.run(&self.args("boundary", model, &extra))?;
         let mut calls = Vec::new();
         for line in out.lines().filter_map(|l| l.strip_prefix("boundary: ")) {
-            let (name, rest) = line.split_once(' ').with_context(|| format!("bad boundary line {line:?}"))?;
+            let (name, rest) =
+                line.split_once(' ').with_context(|| format!("bad boundary line {line:?}"))?;
             let number = |key| -> anyhow::Result<f64> {
                 field(rest, key)?.parse().with_context(|| format!("bad {key} in {line:?}"))
             };
-            calls.push(CallCost { name: name.to_string(), median: number("median-ns")?, min: number("min-ns")? });
+            calls.push(CallCost {
+                name: name.to_string(),
+                median: number("median-ns")?,
+                min: number("min-ns")?,
+            });
         }
         let n_vocab = out
             .lines()
@@ -189,7 +217,8 @@ impl Guest {
 /// The time (`ns=N`) and the digest (`<digest_key>=HEX`) of a run line.
 fn run_fields(line: &str, digest_key: &str) -> anyhow::Result<(Duration, u64)> {
     let ns: u64 = field(line, "ns")?.parse().with_context(|| format!("bad ns in {line:?}"))?;
-    let digest = u64::from_str_radix(field(line, digest_key)?, 16).with_context(|| format!("bad digest in {line:?}"))?;
+    let digest = u64::from_str_radix(field(line, digest_key)?, 16)
+        .with_context(|| format!("bad digest in {line:?}"))?;
     Ok((Duration::from_nanos(ns), digest))
 }
 

@@ -15,7 +15,11 @@ impl Machine {
     pub fn read() -> Self {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
-            .and_then(|info| info.lines().find_map(|l| l.strip_prefix("model name")?.split_once(':').map(|(_, v)| v.trim().to_string())))
+            .and_then(|info| {
+                info.lines().find_map(|l| {
+                    l.strip_prefix("model name")?.split_once(':').map(|(_, v)| v.trim().to_string())
+                })
+            })
             .unwrap_or_else(|| "unknown CPU".into());
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let ggml_features = llamabox::native::cpu_features();
@@ -23,7 +27,8 @@ impl Machine {
         let build_config = crate_cmake_cache().map_or_else(
             || "unknown (no CMake cache beside this binary)".into(),
             |cache| {
-                let on: Vec<String> = ggml_cpu_options_on(&cache).map(|o| format!("GGML_{o}")).collect();
+                let on: Vec<String> =
+                    ggml_cpu_options_on(&cache).map(|o| format!("GGML_{o}")).collect();
                 // cc's -march=x86-64, then the choice's flags (-mtune=native for
                 // CPU=native, -march=native for native-march): the last of each counts.
                 let flags = cache_value(&cache, "CMAKE_C_FLAGS:STRING").unwrap_or("");
@@ -71,7 +76,8 @@ fn process_cpu_secs() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
     // Fields after the command name (which may contain spaces) start at field 3.
     let rest = stat.rsplit_once(')')?.1;
-    let ticks: Vec<f64> = rest.split_whitespace().skip(11).take(4).filter_map(|v| v.parse().ok()).collect();
+    let ticks: Vec<f64> =
+        rest.split_whitespace().skip(11).take(4).filter_map(|v| v.parse().ok()).collect();
     (ticks.len() == 4).then(|| ticks.iter().sum::<f64>() / 100.0)
 }
 
@@ -96,7 +102,9 @@ impl ThreadSched {
         let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
         let v: Vec<f64> = stat.split_whitespace().filter_map(|v| v.parse().ok()).collect();
         match v[..] {
-            [on_cpu_ns, waiting_ns, switches_in] => Some(Self { on_cpu_ns, waiting_ns, switches_in }),
+            [on_cpu_ns, waiting_ns, switches_in] => {
+                Some(Self { on_cpu_ns, waiting_ns, switches_in })
+            }
             _ => None,
         }
     }
@@ -113,7 +121,11 @@ impl ThreadSched {
     /// Per unit of `n` (tokens) of the difference `self − base`, clamped at zero.
     pub fn per(self, base: Self, n: f64) -> Self {
         let d = self.since(base);
-        Self { on_cpu_ns: (d.on_cpu_ns / n).max(0.0), waiting_ns: (d.waiting_ns / n).max(0.0), switches_in: (d.switches_in / n).max(0.0) }
+        Self {
+            on_cpu_ns: (d.on_cpu_ns / n).max(0.0),
+            waiting_ns: (d.waiting_ns / n).max(0.0),
+            switches_in: (d.switches_in / n).max(0.0),
+        }
     }
 
     /// Field by field medians of `all`; `None` if empty.
@@ -123,7 +135,11 @@ impl ThreadSched {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
-        (!all.is_empty()).then(|| Self { on_cpu_ns: med(|s| s.on_cpu_ns), waiting_ns: med(|s| s.waiting_ns), switches_in: med(|s| s.switches_in) })
+        (!all.is_empty()).then(|| Self {
+            on_cpu_ns: med(|s| s.on_cpu_ns),
+            waiting_ns: med(|s| s.waiting_ns),
+            switches_in: med(|s| s.switches_in),
+        })
     }
 }
 
@@ -143,7 +159,10 @@ mod tests {
         assert!(spent.on_cpu_ns > 0.0, "{spent:?}");
         let base = ThreadSched { on_cpu_ns: 100.0, waiting_ns: 10.0, switches_in: 1.0 };
         let run = ThreadSched { on_cpu_ns: 1100.0, waiting_ns: 5.0, switches_in: 11.0 };
-        assert_eq!(run.per(base, 10.0), ThreadSched { on_cpu_ns: 100.0, waiting_ns: 0.0, switches_in: 1.0 });
+        assert_eq!(
+            run.per(base, 10.0),
+            ThreadSched { on_cpu_ns: 100.0, waiting_ns: 0.0, switches_in: 1.0 }
+        );
         let m = ThreadSched::median(&[run, base, run]).expect("three samples have a median");
         assert_eq!(m, run);
         assert!(ThreadSched::median(&[]).is_none());

@@ -130,7 +130,10 @@ fn main() {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    ensure!(cli.runs >= 1 && cli.gen_runs >= 1 && cli.threads >= 1, "--runs, --gen-runs and --threads must be at least 1");
+    ensure!(
+        cli.runs >= 1 && cli.gen_runs >= 1 && cli.threads >= 1,
+        "--runs, --gen-runs and --threads must be at least 1"
+    );
     if let (Some(out), Some(model)) = (&cli.grammar_report, &cli.real_model) {
         let report = grammar::report(model, 64, cli.runs.max(3), Duration::from_secs(5))?;
         std::fs::write(out, &report).with_context(|| format!("writing {}", out.display()))?;
@@ -140,12 +143,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     llamabox::native::set_idle_poll(cli.idle_poll);
     ensure!((2..=2048).contains(&cli.prompt_tokens), "--prompt-tokens must be in [2, 2048]");
     if let Some(out) = &cli.gpu_report {
-        let shape = Shape { prompt_tokens: cli.prompt_tokens, gen_tokens: cli.gen_tokens, threads: cli.threads };
+        let shape = Shape {
+            prompt_tokens: cli.prompt_tokens,
+            gen_tokens: cli.gen_tokens,
+            threads: cli.threads,
+        };
         let model = match &cli.real_model {
             Some(path) => workload::real_model(path.clone())?,
             None => workload::synthetic_model(&cli.model_dir)?,
         };
-        let report = gpu::report(&model, cli.llama_bench.as_deref(), shape, cli.runs, cli.cancels, &cli.model_dir)?;
+        let report = gpu::report(
+            &model,
+            cli.llama_bench.as_deref(),
+            shape,
+            cli.runs,
+            cli.cancels,
+            &cli.model_dir,
+        )?;
         std::fs::write(out, &report).with_context(|| format!("writing {}", out.display()))?;
         println!("{report}");
         return Ok(());
@@ -155,21 +169,37 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Some(path) => workload::real_model(path.clone())?,
             None => workload::synthetic_model(&cli.model_dir)?,
         };
-        let peer = cli.llama_batched_bench.as_ref().map(|bin| batch::BatchedBench { bin: bin.clone(), model: model.path.clone() });
+        let peer = cli
+            .llama_batched_bench
+            .as_ref()
+            .map(|bin| batch::BatchedBench { bin: bin.clone(), model: model.path.clone() });
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
         let mut threads = vec![1, cores];
         threads.dedup();
-        let report = batch::report(&cli.plugin, &model, peer.as_ref(), &threads, &cli.batch_levels, cli.gen_tokens, cli.runs)?;
+        let report = batch::report(
+            &cli.plugin,
+            &model,
+            peer.as_ref(),
+            &threads,
+            &cli.batch_levels,
+            cli.gen_tokens,
+            cli.runs,
+        )?;
         write_report(out, &report)?;
         println!("{report}");
         return Ok(());
     }
     let load_start = machine::load_average();
     let machine = machine::Machine::read();
-    let shape = Shape { prompt_tokens: cli.prompt_tokens, gen_tokens: cli.gen_tokens, threads: cli.threads };
+    let shape = Shape {
+        prompt_tokens: cli.prompt_tokens,
+        gen_tokens: cli.gen_tokens,
+        threads: cli.threads,
+    };
     let linked = reference::linked_llama_cpp();
     let reference = cli.llama_bench.as_deref().map(reference::llama_bench_tree).transpose()?;
-    let reference_same_flags = cli.llama_bench_same_flags.as_deref().map(reference::llama_bench_tree).transpose()?;
+    let reference_same_flags =
+        cli.llama_bench_same_flags.as_deref().map(reference::llama_bench_tree).transpose()?;
 
     let mut models = vec![workload::synthetic_model(&cli.model_dir)?];
     if let Some(path) = &cli.real_model {
@@ -187,9 +217,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let boundary = guest.boundary(boundary_model, cli.boundary_iters)?;
     let instantiation = guest.instantiation(30)?;
     progress(format_args!("plugin start-up, compiled and cached"));
-    let mut startup = vec![startup::measure(&cli.plugin, "guest/bench-plugin (Rust)", &cli.model_dir, cli.runs, false)?];
+    let mut startup = vec![startup::measure(
+        &cli.plugin,
+        "guest/bench-plugin (Rust)",
+        &cli.model_dir,
+        cli.runs,
+        false,
+    )?];
     for plugin in &cli.startup_plugin {
-        let label = plugin.file_name().map_or_else(|| plugin.display().to_string(), |n| n.to_string_lossy().into_owned());
+        let label = plugin
+            .file_name()
+            .map_or_else(|| plugin.display().to_string(), |n| n.to_string_lossy().into_owned());
         startup.push(startup::measure(plugin, &label, &cli.model_dir, cli.runs, true)?);
     }
     progress(format_args!("media encode on a generated projector"));
@@ -203,7 +241,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         _ => None,
     };
     let targets = [5, 10, 25].map(Duration::from_millis);
-    let encode = encode::measure(&models[0].path, &cli.model_dir, cli.threads, cli.runs, 20, &targets)?;
+    let encode =
+        encode::measure(&models[0].path, &cli.model_dir, cli.threads, cli.runs, 20, &targets)?;
 
     let series: Vec<plot::Series> = results
         .iter()
@@ -213,7 +252,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             decode_secs: r.runs(Way::Plain).times.median(),
         })
         .collect();
-    let with_text = plot::cancel_latency_png(&cli.png, &series).context("drawing the cancel-latency figure")?;
+    let with_text =
+        plot::cancel_latency_png(&cli.png, &series).context("drawing the cancel-latency figure")?;
     if !with_text {
         eprintln!("no DejaVu Sans font found: {} has no text", cli.png.display());
     }
@@ -227,7 +267,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     } else {
         level.name().to_string()
     };
-    let headline = builds::Headline::of(&build, &machine.cpu, &machine.ggml_features, &date, shape, &results, &encode);
+    let headline = builds::Headline::of(
+        &build,
+        &machine.cpu,
+        &machine.ggml_features,
+        &date,
+        shape,
+        &results,
+        &encode,
+    );
     let builds = builds::save_and_collect(&cli.out, &headline)?;
     let cx = report::RunInfo {
         machine: &machine,
@@ -270,18 +318,29 @@ enum GenStep {
     LlamaBench(usize),
 }
 
-const GUEST_GENERATIONS: [GuestGeneration; 3] = [GuestGeneration::WasmArgmax, GuestGeneration::HostSampler, GuestGeneration::HostLoop];
+const GUEST_GENERATIONS: [GuestGeneration; 3] =
+    [GuestGeneration::WasmArgmax, GuestGeneration::HostSampler, GuestGeneration::HostLoop];
 
 /// Every measurement on one model.
-fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> anyhow::Result<ModelResults> {
+fn measure_model(
+    cli: &Cli,
+    shape: Shape,
+    guest: &Guest,
+    model: &BenchModel,
+) -> anyhow::Result<ModelResults> {
     let (cpu, load_before) = (machine::CpuShare::start(), machine::load_average());
-    let loaded = Model::load(&model.path).with_context(|| format!("loading {}", model.path.display()))?;
+    let loaded =
+        Model::load(&model.path).with_context(|| format!("loading {}", model.path.display()))?;
     let mut native = Native::new(Arc::new(loaded), shape)?;
     // As users build llama.cpp, then (if given) with our flags: both take turns with ours.
     let llama_benches: Vec<LlamaBench> = [&cli.llama_bench, &cli.llama_bench_same_flags]
         .into_iter()
         .flatten()
-        .map(|bin| LlamaBench { bin: bin.clone(), model: model.path.clone(), threads: shape.threads })
+        .map(|bin| LlamaBench {
+            bin: bin.clone(),
+            model: model.path.clone(),
+            threads: shape.threads,
+        })
         .collect();
     let no_digest = |time| (time, 0);
 
@@ -291,18 +350,26 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
     native.prompt_decode(true)?;
     let mut decode = stats::in_rounds(cli.runs, &steps, |step, round| {
         if matches!(step, DecodeStep::Ours(Way::Plain)) {
-            progress(format_args!("{}: prompt decode, round {}/{}", model.label, round + 1, cli.runs));
+            progress(format_args!(
+                "{}: prompt decode, round {}/{}",
+                model.label,
+                round + 1,
+                cli.runs
+            ));
         }
         match step {
             DecodeStep::Ours(Way::Plain) => native.prompt_decode(false),
             DecodeStep::Ours(Way::Cancellable) => native.prompt_decode(true),
             DecodeStep::Ours(Way::GuestBlocking) => guest.prompt_decode(model, "blocking"),
             DecodeStep::Ours(Way::GuestPending) => guest.prompt_decode(model, "pending"),
-            DecodeStep::LlamaBench(i) => llama_benches[i].prompt(shape.prompt_tokens).map(no_digest),
+            DecodeStep::LlamaBench(i) => {
+                llama_benches[i].prompt(shape.prompt_tokens).map(no_digest)
+            }
         }
     })?;
     let reference_prompts = decode.split_off(Way::ALL.len());
-    let decode: [Runs; 4] = decode.try_into().map_err(|_| anyhow::anyhow!("one result per decode way"))?;
+    let decode: [Runs; 4] =
+        decode.try_into().map_err(|_| anyhow::anyhow!("one result per decode way"))?;
     let nodes = native.prompt_nodes()?;
 
     let mut steps = vec![GenStep::Native];
@@ -313,7 +380,12 @@ fn measure_model(cli: &Cli, shape: Shape, guest: &Guest, model: &BenchModel) -> 
     let mut executor: [Vec<ThreadSched>; 3] = Default::default();
     let mut generation = stats::in_rounds(cli.gen_runs, &steps, |step, round| {
         if matches!(step, GenStep::Native) {
-            progress(format_args!("{}: generation, round {}/{}", model.label, round + 1, cli.gen_runs));
+            progress(format_args!(
+                "{}: generation, round {}/{}",
+                model.label,
+                round + 1,
+                cli.gen_runs
+            ));
         }
         match step {
             GenStep::Native => native.generate(),
@@ -375,9 +447,10 @@ fn executor_per_token(
         for _ in 0..3 {
             base.extend(guest.generation(model, way, 1)?.executor);
         }
-        let per_token = ThreadSched::median(&runs[way as usize])
-            .zip(ThreadSched::median(&base))
-            .map(|(full, base)| full.per(base, f64::from(shape.gen_tokens.saturating_sub(1).max(1))));
+        let per_token =
+            ThreadSched::median(&runs[way as usize]).zip(ThreadSched::median(&base)).map(
+                |(full, base)| full.per(base, f64::from(shape.gen_tokens.saturating_sub(1).max(1))),
+            );
         out[way as usize] = per_token;
     }
     Ok(out)

@@ -8,7 +8,9 @@ use anyhow::{bail, Context as _};
 use llamabox::native::{Batch, CancelFlag, Context, Error, Model, Stop};
 
 use crate::stats::timed;
-use crate::workload::{argmax, bench_tokens, fnv1a64_logits, fnv1a64_tokens, prompt_batch, Shape, GEN_PROMPT_TOKENS};
+use crate::workload::{
+    argmax, bench_tokens, fnv1a64_logits, fnv1a64_tokens, prompt_batch, Shape, GEN_PROMPT_TOKENS,
+};
 
 /// A context on a loaded model, with the benchmark's shape.
 pub struct Native {
@@ -36,7 +38,8 @@ pub struct CancelLatency {
 
 impl Native {
     pub fn new(model: Arc<Model>, shape: Shape) -> anyhow::Result<Self> {
-        let ctx = Context::new(model.clone(), shape.params()).context("creating the native context")?;
+        let ctx =
+            Context::new(model.clone(), shape.params()).context("creating the native context")?;
         Ok(Self { model, ctx, shape })
     }
 
@@ -46,7 +49,11 @@ impl Native {
 
     /// Decode `batch` on a cleared context, timing the decode call only; returns the
     /// time and the digest of the last row's logits.
-    fn decode_once(&mut self, batch: &Batch, stop: Option<Stop<'_>>) -> anyhow::Result<(Duration, u64)> {
+    fn decode_once(
+        &mut self,
+        batch: &Batch,
+        stop: Option<Stop<'_>>,
+    ) -> anyhow::Result<(Duration, u64)> {
         self.ctx.clear();
         let (time, result) = timed(|| self.ctx.decode(batch, stop));
         result.context("benchmark decode failed")?;
@@ -113,7 +120,11 @@ impl Native {
 
     /// `count` generations cancelled from another thread at a random point in
     /// [0, 0.9 × `gen_time`): store → return of the generation loop, seconds.
-    pub fn generation_cancel_latency(&mut self, count: usize, gen_time: Duration) -> anyhow::Result<crate::stats::Samples> {
+    pub fn generation_cancel_latency(
+        &mut self,
+        count: usize,
+        gen_time: Duration,
+    ) -> anyhow::Result<crate::stats::Samples> {
         let mut rng = fastrand::Rng::with_seed(11);
         let mut latency = crate::stats::Samples::default();
         for _ in 0..count {
@@ -144,7 +155,12 @@ impl Native {
     /// `count` prompt decodes, each cancelled from another thread at a random point in
     /// [0, 0.9 × `decode_time`); the time from the flag's store to the decode's return.
     /// Then one uncancelled decode on the same memory, whose logits must equal `expected`.
-    pub fn cancel_latency(&mut self, count: usize, decode_time: Duration, expected: u64) -> anyhow::Result<CancelLatency> {
+    pub fn cancel_latency(
+        &mut self,
+        count: usize,
+        decode_time: Duration,
+        expected: u64,
+    ) -> anyhow::Result<CancelLatency> {
         let batch = prompt_batch(&self.shape, self.n_vocab());
         let mut rng = fastrand::Rng::with_seed(7);
         let mut samples = Vec::with_capacity(count);
@@ -161,7 +177,9 @@ impl Native {
                     // Sleep to just before the target, then spin: sleep alone overshoots
                     // by scheduler ticks on a busy machine.
                     let target = start + delay;
-                    if let Some(d) = target.checked_duration_since(Instant::now() + Duration::from_millis(2)) {
+                    if let Some(d) =
+                        target.checked_duration_since(Instant::now() + Duration::from_millis(2))
+                    {
                         std::thread::sleep(d);
                     }
                     while Instant::now() < target {
@@ -180,7 +198,9 @@ impl Native {
                 Err(_) => bail!("the canceller thread panicked"),
             };
             match result {
-                Err(Error::Cancelled) => samples.push(CancelSample { at: stored - start, latency: returned - stored }),
+                Err(Error::Cancelled) => {
+                    samples.push(CancelSample { at: stored - start, latency: returned - stored })
+                }
                 Ok(()) => finished_first += 1,
                 Err(e) => return Err(e).context("a decode to be cancelled failed otherwise"),
             }

@@ -39,7 +39,8 @@ pub fn cancel_latency_png(path: &Path, series: &[Series]) -> anyhow::Result<bool
 }
 
 fn write_png(path: &Path, width: u32, height: u32, rgb: &[u8]) -> anyhow::Result<()> {
-    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut encoder = png::Encoder::new(std::io::BufWriter::new(file), width, height);
     encoder.set_color(png::ColorType::Rgb);
     encoder.set_depth(png::BitDepth::Eight);
@@ -76,14 +77,20 @@ fn histogram(area: &Area, s: &Series, text: bool) -> anyhow::Result<()> {
     }))?;
     for (q, name, color) in [(0.5, "median", RED), (0.9, "p90", MAGENTA)] {
         let x = stats.quantile(q);
-        let line = chart.draw_series(LineSeries::new([(x, 0.0), (x, y_max)], color.stroke_width(2)))?;
+        let line =
+            chart.draw_series(LineSeries::new([(x, 0.0), (x, y_max)], color.stroke_width(2)))?;
         if text {
-            line.label(format!("{name} {x:.2} ms"))
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
+            line.label(format!("{name} {x:.2} ms")).legend(move |(x, y)| {
+                PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2))
+            });
         }
     }
     if text {
-        chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .draw()?;
     }
     Ok(())
 }
@@ -93,13 +100,23 @@ fn scatter(area: &Area, s: &Series, text: bool) -> anyhow::Result<()> {
     let y_max = ms.iter().copied().fold(1e-3, f64::max) * 1.1;
     let title = format!("{}: latency vs. cancel point", s.title);
     let mut chart = chart(area, &title, text, 0.0..1.0, 0.0..y_max)?;
-    mesh(&mut chart, text, "cancel point (fraction of an uncancelled decode)", "store → return (ms)", None)?;
+    mesh(
+        &mut chart,
+        text,
+        "cancel point (fraction of an uncancelled decode)",
+        "store → return (ms)",
+        None,
+    )?;
     let points = s.samples.iter().zip(&ms).map(|(c, &y)| (c.at.as_secs_f64() / s.decode_secs, y));
     chart.draw_series(points.map(|p| Circle::new(p, 4, BLUE.filled())))?;
     Ok(())
 }
 
-type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>;
+type Chart<'a, 'b> = ChartContext<
+    'a,
+    BitMapBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
 
 /// A cartesian chart; with no font, no caption and no room for labels.
 fn chart<'a, 'b>(
@@ -118,7 +135,13 @@ fn chart<'a, 'b>(
 }
 
 /// Axes and grid; `y_counts`: the y axis counts things, label whole numbers up to it.
-fn mesh(chart: &mut Chart, text: bool, x_desc: &str, y_desc: &str, y_counts: Option<usize>) -> anyhow::Result<()> {
+fn mesh(
+    chart: &mut Chart,
+    text: bool,
+    x_desc: &str,
+    y_desc: &str,
+    y_counts: Option<usize>,
+) -> anyhow::Result<()> {
     let mut mesh = chart.configure_mesh();
     let whole = |v: &f64| format!("{v:.0}");
     if text {

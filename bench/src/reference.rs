@@ -9,7 +9,6 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use serde_json::Value;
 
-
 /// llama.cpp's llama-bench on one model and thread count, one repetition per call so
 /// that its runs can take turns with ours (each call repeats llama-bench's own
 /// warm-up: a whole prompt decode for pp, one token for tg).
@@ -34,19 +33,33 @@ impl LlamaBench {
         let out = Command::new(&self.bin)
             .arg("-m")
             .arg(&self.model)
-            .args(["-p", &prompt.to_string(), "-n", &gen.to_string(), "-t", &self.threads.to_string()])
+            .args([
+                "-p",
+                &prompt.to_string(),
+                "-n",
+                &gen.to_string(),
+                "-t",
+                &self.threads.to_string(),
+            ])
             .args(["-r", "1", "-o", "json"])
             .output()
             .with_context(|| format!("running {}", self.bin.display()))?;
         if !out.status.success() {
-            bail!("llama-bench failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+            bail!(
+                "llama-bench failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
         }
-        let tests: Vec<Value> = serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON array")?;
+        let tests: Vec<Value> =
+            serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON array")?;
         let ns = tests
             .iter()
             .find(|t| t["n_prompt"] == prompt && t["n_gen"] == gen)
             .and_then(|t| t["samples_ns"].get(0)?.as_u64())
-            .with_context(|| format!("llama-bench printed no sample for n_prompt={prompt} n_gen={gen}"))?;
+            .with_context(|| {
+                format!("llama-bench printed no sample for n_prompt={prompt} n_gen={gen}")
+            })?;
         Ok(Duration::from_nanos(ns))
     }
 }
@@ -62,8 +75,10 @@ pub struct Provenance {
 /// i.e. -O2, whenever the cargo profile has debug info).
 pub fn linked_llama_cpp() -> Provenance {
     // SAFETY: both return pointers to static NUL-terminated strings.
-    let text = |p: *const std::ffi::c_char| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
-    let (version, commit) = unsafe { (text(llama_cpp_sys_2::ggml_version()), text(llama_cpp_sys_2::ggml_commit())) };
+    let text =
+        |p: *const std::ffi::c_char| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+    let (version, commit) =
+        unsafe { (text(llama_cpp_sys_2::ggml_version()), text(llama_cpp_sys_2::ggml_commit())) };
     let build_type = crate_cmake_cache()
         .and_then(|cache| cache_value(&cache, "CMAKE_BUILD_TYPE:STRING").map(str::to_string))
         .unwrap_or_else(|| "?".into());
@@ -96,9 +111,14 @@ fn cpu_flags(cache: &str) -> String {
     if on.contains(&"NATIVE") {
         parts.push("GGML_NATIVE=ON".to_string());
     } else {
-        parts.push(format!("GGML_NATIVE=OFF, {}", if on.is_empty() { "no extensions".into() } else { on.join(" ") }));
+        parts.push(format!(
+            "GGML_NATIVE=OFF, {}",
+            if on.is_empty() { "no extensions".into() } else { on.join(" ") }
+        ));
     }
-    if let Some(flags) = cache_value(cache, "CMAKE_C_FLAGS:STRING").map(str::trim).filter(|f| !f.is_empty()) {
+    if let Some(flags) =
+        cache_value(cache, "CMAKE_C_FLAGS:STRING").map(str::trim).filter(|f| !f.is_empty())
+    {
         parts.push(format!("C flags {flags}"));
     }
     parts.join(", ")
@@ -106,8 +126,21 @@ fn cpu_flags(cache: &str) -> String {
 
 /// ggml's x86 CPU options (scripts/cpu-flags.sh) and GGML_NATIVE.
 const CPU_OPTIONS: [&str; 15] = [
-    "NATIVE", "SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI",
-    "AMX_TILE", "AMX_INT8", "AMX_BF16",
+    "NATIVE",
+    "SSE42",
+    "AVX",
+    "AVX2",
+    "BMI2",
+    "FMA",
+    "F16C",
+    "AVX512",
+    "AVX512_VBMI",
+    "AVX512_VNNI",
+    "AVX512_BF16",
+    "AVX_VNNI",
+    "AMX_TILE",
+    "AMX_INT8",
+    "AMX_BF16",
 ];
 
 /// The ggml CPU options (without `GGML_`) a CMake cache has on, in its order.
@@ -129,11 +162,13 @@ pub(crate) fn cache_value<'a>(cache: &'a str, key: &str) -> Option<&'a str> {
 /// CHANGELOG for the llama.cpp commit it vendors).
 pub fn llama_bench_tree(bin: &Path) -> anyhow::Result<Provenance> {
     let build = bin.parent().and_then(Path::parent).context("llama-bench is not in <build>/bin")?;
-    let cache = std::fs::read_to_string(build.join("CMakeCache.txt")).context("reading llama-bench's CMakeCache.txt")?;
+    let cache = std::fs::read_to_string(build.join("CMakeCache.txt"))
+        .context("reading llama-bench's CMakeCache.txt")?;
     let source = cache_value(&cache, "CMAKE_HOME_DIRECTORY:INTERNAL")
         .map(PathBuf::from)
         .context("CMakeCache.txt names no source directory")?;
-    let ggml = std::fs::read_to_string(source.join("ggml/CMakeLists.txt")).context("reading ggml/CMakeLists.txt")?;
+    let ggml = std::fs::read_to_string(source.join("ggml/CMakeLists.txt"))
+        .context("reading ggml/CMakeLists.txt")?;
     let part = |name: &str| {
         ggml.lines()
             .find_map(|l| l.trim().strip_prefix(&format!("set(GGML_VERSION_{name} ")))
@@ -142,21 +177,28 @@ pub fn llama_bench_tree(bin: &Path) -> anyhow::Result<Provenance> {
     };
     let ggml_version = format!("{}.{}.{}", part("MAJOR")?, part("MINOR")?, part("PATCH")?);
     // <sdist>/vendor/llama.cpp: the sdist's CHANGELOG names the llama.cpp commit.
-    let sdist = source.parent().and_then(Path::parent).context("llama.cpp tree outside an sdist")?;
+    let sdist =
+        source.parent().and_then(Path::parent).context("llama.cpp tree outside an sdist")?;
     let commit = std::fs::read_to_string(sdist.join("CHANGELOG.md"))
         .ok()
-        .and_then(|log| log.lines().find_map(|l| l.split("llama.cpp@").nth(1).map(|c| c.trim().to_string())))
+        .and_then(|log| {
+            log.lines().find_map(|l| l.split("llama.cpp@").nth(1).map(|c| c.trim().to_string()))
+        })
         .unwrap_or_else(|| "unknown".into());
     let sdist_name = sdist.file_name().map_or("?".into(), |n| n.to_string_lossy().into_owned());
     let build_type = cache_value(&cache, "CMAKE_BUILD_TYPE:STRING").unwrap_or("?");
     Ok(Provenance {
         ggml_version,
-        detail: format!("llama.cpp {commit} vendored in PyPI sdist {sdist_name}, CMake {build_type}, {}", cpu_flags(&cache)),
+        detail: format!(
+            "llama.cpp {commit} vendored in PyPI sdist {sdist_name}, CMake {build_type}, {}",
+            cpu_flags(&cache)
+        ),
     })
 }
 
 /// The prompt of the greedy agreement check: SmolLM2's chat format, as `make demo` asks.
-pub const AGREEMENT_PROMPT: &str = "<|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n";
+pub const AGREEMENT_PROMPT: &str =
+    "<|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n";
 
 /// Whether the host's generation loop (`native::generate`, greedy sampler: the loop the
 /// `generate` interface runs) writes the text llama.cpp's own greedy example writes for
@@ -173,8 +215,15 @@ impl Agreement {
     }
 }
 
-pub fn greedy_agreement(llama_bench: &Path, model_path: &Path, tokens: u32) -> anyhow::Result<Agreement> {
-    use llamabox::native::{generate, Context, ContextParams, GenerateRequest, Model, Sampler, SamplerCaps, SamplerParams, Stop};
+pub fn greedy_agreement(
+    llama_bench: &Path,
+    model_path: &Path,
+    tokens: u32,
+) -> anyhow::Result<Agreement> {
+    use llamabox::native::{
+        generate, Context, ContextParams, GenerateRequest, Model, Sampler, SamplerCaps,
+        SamplerParams, Stop,
+    };
     let simple = llama_bench.with_file_name("llama-simple");
     let out = std::process::Command::new(&simple)
         .arg("-m")
@@ -186,21 +235,35 @@ pub fn greedy_agreement(llama_bench: &Path, model_path: &Path, tokens: u32) -> a
     anyhow::ensure!(out.status.success(), "llama-simple failed ({})", out.status);
     // It prints the prompt (special tokens as text), then each generated piece.
     let printed = String::from_utf8_lossy(&out.stdout);
-    let llama_simple = printed.strip_prefix(AGREEMENT_PROMPT).unwrap_or(&printed).trim().to_string();
+    let llama_simple =
+        printed.strip_prefix(AGREEMENT_PROMPT).unwrap_or(&printed).trim().to_string();
 
     let model = std::sync::Arc::new(Model::load(model_path)?);
     let prompt = model.tokenize(AGREEMENT_PROMPT, true, true)?;
     let n_ctx = prompt.len() as u32 + tokens + 16;
-    let params = ContextParams { n_ctx, n_batch: n_ctx, n_ubatch: n_ctx.min(512), n_seq_max: 1, n_threads: 1 };
+    let params = ContextParams {
+        n_ctx,
+        n_batch: n_ctx,
+        n_ubatch: n_ctx.min(512),
+        n_seq_max: 1,
+        n_threads: 1,
+    };
     let mut ctx = Context::new(model.clone(), params)?;
     let mut sampler = Sampler::new(model, &SamplerParams::greedy(), &SamplerCaps::default())?;
-    let request = GenerateRequest { prompt, seq: 0, max_tokens: tokens, stop: Vec::new(), logprobs: None };
+    let request =
+        GenerateRequest { prompt, seq: 0, max_tokens: tokens, stop: Vec::new(), logprobs: None };
     let mut ours = String::new();
     let never = llamabox::native::CancelFlag::new();
-    generate(&mut ctx, &mut sampler, &request, Stop::on(&never), &mut |piece: llamabox::native::Piece| {
-        ours.push_str(&piece.text);
-        true
-    })?;
+    generate(
+        &mut ctx,
+        &mut sampler,
+        &request,
+        Stop::on(&never),
+        &mut |piece: llamabox::native::Piece| {
+            ours.push_str(&piece.text);
+            true
+        },
+    )?;
     Ok(Agreement { tokens, ours: ours.trim().to_string(), llama_simple })
 }
 
@@ -210,7 +273,8 @@ mod tests {
 
     #[test]
     fn cpu_flags_name_native_or_the_extensions_with_any_c_flags() {
-        let native = "GGML_AVX512:BOOL=OFF\nGGML_NATIVE:BOOL=ON\nCMAKE_C_FLAGS:STRING=-U__AMX_TILE__\n";
+        let native =
+            "GGML_AVX512:BOOL=OFF\nGGML_NATIVE:BOOL=ON\nCMAKE_C_FLAGS:STRING=-U__AMX_TILE__\n";
         assert_eq!(cpu_flags(native), "GGML_NATIVE=ON, C flags -U__AMX_TILE__");
         let named = "GGML_NATIVE:BOOL=OFF\nGGML_AVX2:BOOL=ON\nGGML_AVX512:BOOL=ON\nGGML_AMX_INT8:BOOL=OFF\n\
                      GGML_CPU:BOOL=ON\nGGML_FMA:BOOL=ON\nCMAKE_C_FLAGS:STRING=-mtune=native\n";

@@ -84,7 +84,12 @@ impl ModelResults {
     /// The generation ways, native first.
     pub fn generation_ways(&self) -> [GenerationWay<'_>; 4] {
         let [wasm, sampler, host] = self.executor_per_token;
-        let way = |label, runs, bytes_per_token, executor| GenerationWay { label, runs, bytes_per_token, executor };
+        let way = |label, runs, bytes_per_token, executor| GenerationWay {
+            label,
+            runs,
+            bytes_per_token,
+            executor,
+        };
         [
             way("native", &self.gen_native, None, None),
             way("guest loop (wasm argmax)", &self.gen_guest, Some(self.n_vocab as f64 * 4.0), wasm),
@@ -141,7 +146,11 @@ struct Comparison {
 
 impl Comparison {
     fn of(times: &Samples, base: &Samples) -> Self {
-        Self { ratio: times.ratios_to(base).median(), fastest: times.min() / base.min(), noise: base.relative_spread() }
+        Self {
+            ratio: times.ratios_to(base).median(),
+            fastest: times.min() / base.min(),
+            noise: base.relative_spread(),
+        }
     }
 
     /// The difference in time, `+x%` = slower.
@@ -244,7 +253,11 @@ fn yes_no(b: bool) -> String {
     if b { "yes" } else { "**no**" }.into()
 }
 
-pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::EncodeResults) -> String {
+pub fn render(
+    cx: &RunInfo,
+    models: &[ModelResults],
+    encode: &crate::encode::EncodeResults,
+) -> String {
     let mut out = String::new();
     let s = &cx.shape;
     let m = cx.machine;
@@ -257,8 +270,17 @@ pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::Enc
          on a cleared context.\n",
         cx.date, cx.runs, cx.gen_runs
     );
-    let _ = writeln!(out, "- CPU: {}, {} cores (a shared VM: figures move by several % between runs)", m.cpu, m.cores);
-    let _ = writeln!(out, "- ggml CPU features: {} (build: {})", m.ggml_features.join(" "), m.build_config);
+    let _ = writeln!(
+        out,
+        "- CPU: {}, {} cores (a shared VM: figures move by several % between runs)",
+        m.cpu, m.cores
+    );
+    let _ = writeln!(
+        out,
+        "- ggml CPU features: {} (build: {})",
+        m.ggml_features.join(" "),
+        m.build_config
+    );
     let _ = writeln!(
         out,
         "- threads: {} for every llama.cpp call, idle poll {} (llama-bench: 50); load average at start {}, at end {}",
@@ -267,7 +289,11 @@ pub fn render(cx: &RunInfo, models: &[ModelResults], encode: &crate::encode::Enc
         cx.load_start,
         cx.load_end
     );
-    let _ = writeln!(out, "- llamabox's llama.cpp: ggml {}, {}", cx.linked.ggml_version, cx.linked.detail);
+    let _ = writeln!(
+        out,
+        "- llamabox's llama.cpp: ggml {}, {}",
+        cx.linked.ggml_version, cx.linked.detail
+    );
     if let Some(r) = cx.reference {
         let _ = writeln!(out, "- llama-bench's llama.cpp: ggml {}, {}", r.ggml_version, r.detail);
     }
@@ -320,7 +346,13 @@ fn decode_table(out: &mut String, s: &Shape, models: &[ModelResults]) {
                 Way::Plain => "—".into(),
                 _ => Comparison::of(&r.runs(way).times, r.plain()).time_cell(),
             };
-            t.row(vec![r.model.label.clone(), way.label().into(), r.runs(way).times.ms().to_string(), vs, yes_no(r.identical(way))]);
+            t.row(vec![
+                r.model.label.clone(),
+                way.label().into(),
+                r.runs(way).times.ms().to_string(),
+                vs,
+                yes_no(r.identical(way)),
+            ]);
         }
     }
     t.render(out);
@@ -396,14 +428,20 @@ fn generation_table(out: &mut String, s: &Shape, models: &[ModelResults]) {
     for r in models {
         let d = r.gen_native.digests.first().copied();
         let native_token_ns = r.gen_native.times.median() / g * 1e9;
-        let versus = |runs: &Runs, lb: Option<&Reference>| lb.map_or("—".into(), |lb| Comparison::of(&runs.times, &lb.generation).speed_cell());
+        let versus = |runs: &Runs, lb: Option<&Reference>| {
+            lb.map_or("—".into(), |lb| Comparison::of(&runs.times, &lb.generation).speed_cell())
+        };
         for way in r.generation_ways() {
             let runs = way.runs;
             t.row(vec![
                 r.model.label.clone(),
                 way.label.into(),
                 runs.times.rate(g).to_string(),
-                if std::ptr::eq(runs, &r.gen_native) { "—".into() } else { Comparison::of(&runs.times, &r.gen_native.times).speed_cell() },
+                if std::ptr::eq(runs, &r.gen_native) {
+                    "—".into()
+                } else {
+                    Comparison::of(&runs.times, &r.gen_native.times).speed_cell()
+                },
                 versus(runs, r.llama_bench.as_ref()),
                 versus(runs, r.llama_bench_same_flags.as_ref()),
                 way.bytes_per_token.map_or("—".into(), |b| format!("{b:.1}")),
@@ -438,7 +476,11 @@ fn generation_table(out: &mut String, s: &Shape, models: &[ModelResults]) {
 }
 
 fn cancel_table(out: &mut String, s: &Shape, models: &[ModelResults], png: &str) {
-    let _ = writeln!(out, "## Cancel latency: {}-token decodes cancelled at random points\n", s.prompt_tokens);
+    let _ = writeln!(
+        out,
+        "## Cancel latency: {}-token decodes cancelled at random points\n",
+        s.prompt_tokens
+    );
     let mut t = Table::new(&[
         "model",
         "cancels",
@@ -490,8 +532,12 @@ fn boundary_table(out: &mut String, s: &Shape, b: &Boundary, instantiation: &Sam
     };
     let diff = |a: (f64, f64), b: (f64, f64)| (a.0 - b.0, a.1 - b.1);
     let n = s.prompt_tokens;
-    let (one, many, trip, logits) =
-        (us("decode-cancelled-1"), us(&format!("decode-cancelled-{n}")), us("worker-round-trip"), us("logits-ith"));
+    let (one, many, trip, logits) = (
+        us("decode-cancelled-1"),
+        us(&format!("decode-cancelled-{n}")),
+        us("worker-round-trip"),
+        us("logits-ith"),
+    );
     let rows = [
         ("empty import (`cancel-token.is-cancelled`)".to_string(), us("empty-import")),
         ("worker round trip (`seq-pos-max`: host call, job to the context's thread, answer back)".into(), trip),
@@ -547,45 +593,64 @@ fn builds_table(out: &mut String, builds: &[Headline]) {
         head.push(format!("{} vs {}", later.build, first.build));
     }
     let mut t = Table { head, rows: Vec::new() };
-    let mut row = |figure: &str, model: &str, unit: Unit, value: &dyn Fn(&Headline) -> Option<f64>| {
-        let values: Vec<Option<f64>> = builds.iter().map(value).collect();
-        if values.iter().all(Option::is_none) {
-            return;
-        }
-        let mut cells = vec![figure.to_string(), model.to_string()];
-        cells.extend(values.iter().map(|v| match (v, unit) {
-            (None, _) => "—".into(),
-            (Some(x), Unit::Slowdown) => pct(*x),
-            (Some(x), Unit::Count) => format!("{x:.1}"),
-            (Some(x), _) => num(*x),
-        }));
-        for &later in &values[1..] {
-            cells.push(match (values[0], later, unit) {
-                (Some(a), Some(b), Unit::Rate) => format!("{:.1}× faster", b / a),
-                (Some(a), Some(b), Unit::Millis) => format!("{:.1}× shorter", a / b),
-                _ => "—".into(),
-            });
-        }
-        t.row(cells);
-    };
+    let mut row =
+        |figure: &str, model: &str, unit: Unit, value: &dyn Fn(&Headline) -> Option<f64>| {
+            let values: Vec<Option<f64>> = builds.iter().map(value).collect();
+            if values.iter().all(Option::is_none) {
+                return;
+            }
+            let mut cells = vec![figure.to_string(), model.to_string()];
+            cells.extend(values.iter().map(|v| match (v, unit) {
+                (None, _) => "—".into(),
+                (Some(x), Unit::Slowdown) => pct(*x),
+                (Some(x), Unit::Count) => format!("{x:.1}"),
+                (Some(x), _) => num(*x),
+            }));
+            for &later in &values[1..] {
+                cells.push(match (values[0], later, unit) {
+                    (Some(a), Some(b), Unit::Rate) => format!("{:.1}× faster", b / a),
+                    (Some(a), Some(b), Unit::Millis) => format!("{:.1}× shorter", a / b),
+                    _ => "—".into(),
+                });
+            }
+            t.row(cells);
+        };
     let (p, g) = (first.prompt_tokens, first.gen_tokens);
     for (i, m) in first.models.iter().enumerate() {
         // The same model in another build's figures (models are measured in one order).
         let model = |b: &Headline| b.models.get(i).filter(|other| other.label == m.label).cloned();
         let label = &m.label;
-        row(&format!("llamabox pp{p}, t/s"), label, Unit::Rate, &|b| model(b).map(|m| m.prompt_tps));
-        row(&format!("llama-bench pp{p}, t/s"), label, Unit::Rate, &|b| model(b)?.llama_bench_prompt_tps);
+        row(&format!("llamabox pp{p}, t/s"), label, Unit::Rate, &|b| {
+            model(b).map(|m| m.prompt_tps)
+        });
+        row(&format!("llama-bench pp{p}, t/s"), label, Unit::Rate, &|b| {
+            model(b)?.llama_bench_prompt_tps
+        });
         row(&format!("llamabox tg{g}, t/s"), label, Unit::Rate, &|b| model(b).map(|m| m.gen_tps));
-        row(&format!("guest tg{g}, t/s"), label, Unit::Rate, &|b| model(b).map(|m| m.guest_gen_tps));
-        row(&format!("llama-bench tg{g}, t/s"), label, Unit::Rate, &|b| model(b)?.llama_bench_gen_tps);
-        row("cancellable vs plain, time", label, Unit::Slowdown, &|b| model(b).map(|m| m.cancellable_vs_plain));
-        row("guest `decode` vs native, time", label, Unit::Slowdown, &|b| model(b).map(|m| m.guest_vs_native));
-        row("decode cancel store → return, median ms", label, Unit::Millis, &|b| model(b).map(|m| m.cancel_median_ms));
-        row("decode cancel, median in mean graph nodes", label, Unit::Count, &|b| model(b).map(|m| m.cancel_median_nodes));
+        row(&format!("guest tg{g}, t/s"), label, Unit::Rate, &|b| {
+            model(b).map(|m| m.guest_gen_tps)
+        });
+        row(&format!("llama-bench tg{g}, t/s"), label, Unit::Rate, &|b| {
+            model(b)?.llama_bench_gen_tps
+        });
+        row("cancellable vs plain, time", label, Unit::Slowdown, &|b| {
+            model(b).map(|m| m.cancellable_vs_plain)
+        });
+        row("guest `decode` vs native, time", label, Unit::Slowdown, &|b| {
+            model(b).map(|m| m.guest_vs_native)
+        });
+        row("decode cancel store → return, median ms", label, Unit::Millis, &|b| {
+            model(b).map(|m| m.cancel_median_ms)
+        });
+        row("decode cancel, median in mean graph nodes", label, Unit::Count, &|b| {
+            model(b).map(|m| m.cancel_median_nodes)
+        });
     }
     let projector = "generated vision projector";
     row("image encode, ms", projector, Unit::Millis, &|b| Some(b.encode_ms));
-    row("encode cancel store → return, median ms", projector, Unit::Millis, &|b| Some(b.encode_cancel_ms));
+    row("encode cancel store → return, median ms", projector, Unit::Millis, &|b| {
+        Some(b.encode_cancel_ms)
+    });
     t.render(out);
     let _ = writeln!(
         out,
@@ -603,7 +668,12 @@ fn builds_table(out: &mut String, builds: &[Headline]) {
 
 /// The design's targets, each with met / missed / inconclusive and by how much. Why a
 /// target was missed needs judgement: that goes in the notes kept below the report.
-fn targets(out: &mut String, s: &Shape, models: &[ModelResults], encode: &crate::encode::EncodeResults) {
+fn targets(
+    out: &mut String,
+    s: &Shape,
+    models: &[ModelResults],
+    encode: &crate::encode::EncodeResults,
+) {
     let _ = writeln!(out, "## Targets\n");
     for r in models {
         let name = &r.model.label;
@@ -614,7 +684,11 @@ fn targets(out: &mut String, s: &Shape, models: &[ModelResults], encode: &crate:
             "- {name}: cancellable ≤ 1% slower than plain, identical output: {}, identical {}: {}",
             cancellable.time_cell(),
             yes_no(identical),
-            if identical { cancellable.verdict(0.01, time_slowdown) } else { "**missed**: output differs".into() },
+            if identical {
+                cancellable.verdict(0.01, time_slowdown)
+            } else {
+                "**missed**: output differs".into()
+            },
         );
         for way in [Way::GuestBlocking, Way::GuestPending] {
             // "The same work called natively" is the cancellable call: the guest's
@@ -701,7 +775,10 @@ mod tests {
     #[test]
     fn builds_table_compares_speeds_across_builds_and_slowdowns_within() {
         let mut out = String::new();
-        builds_table(&mut out, &[headline("portable", 50.0, 2000.0), headline("avx2", 900.0, 160.0)]);
+        builds_table(
+            &mut out,
+            &[headline("portable", 50.0, 2000.0), headline("avx2", 900.0, 160.0)],
+        );
         assert!(out.contains("| llamabox pp512, t/s | m | 50.0 | 900.0 | 18.0× faster |"), "{out}");
         assert!(out.contains("| image encode, ms | generated vision projector | 2000.0 | 160.0 | 12.5× shorter |"), "{out}");
         assert!(out.contains("| cancellable vs plain, time | m | +1.0% | +1.0% | — |"), "{out}");

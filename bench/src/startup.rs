@@ -55,12 +55,22 @@ fn probe_runs(plugin: &llamabox::Plugin, runs: usize) -> anyhow::Result<Samples>
 /// `runs` loads of `wasm` each way, alternating; each cached load is a new host (as a new
 /// process would be) over one cache folder under `dir`. `probe`: also time runs that
 /// exit at the plugin's argument check ([`probe_runs`]).
-pub fn measure(wasm: &Path, label: &str, dir: &Path, runs: usize, probe: bool) -> anyhow::Result<Startup> {
+pub fn measure(
+    wasm: &Path,
+    label: &str,
+    dir: &Path,
+    runs: usize,
+    probe: bool,
+) -> anyhow::Result<Startup> {
     let bytes = std::fs::read(wasm).with_context(|| format!("reading {}", wasm.display()))?;
     let cache = dir.join("compile-cache");
     let _ = std::fs::remove_dir_all(&cache);
     let host = |compile_cache| {
-        PluginHost::with_options(ModelRegistry::new(), Limits::default(), HostOptions { compile_cache })
+        PluginHost::with_options(
+            ModelRegistry::new(),
+            Limits::default(),
+            HostOptions { compile_cache },
+        )
     };
     let first = host(Some(cache.clone()))?.load_bytes(&bytes)?; // fills the cache
     let run = probe.then(|| probe_runs(&first, runs)).transpose()?;
@@ -74,7 +84,10 @@ pub fn measure(wasm: &Path, label: &str, dir: &Path, runs: usize, probe: bool) -
         let (t, loaded) = timed(|| warm.load_bytes(&bytes));
         loaded?;
         cached.push(t);
-        ensure!(warm.compile_cache_stats().is_some_and(|s| s.hits == 1), "a cached load compiled instead");
+        ensure!(
+            warm.compile_cache_stats().is_some_and(|s| s.hits == 1),
+            "a cached load compiled instead"
+        );
     }
     let _ = std::fs::remove_dir_all(&cache);
     Ok(Startup { label: label.to_string(), bytes: bytes.len(), compile, cached, run })

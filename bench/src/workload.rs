@@ -24,13 +24,22 @@ pub fn synthetic_model(dir: &Path) -> anyhow::Result<BenchModel> {
     let path = dir.join(format!("llama-e{n_embd}-l{n_layer}-ff{n_ff}-seed{seed}.gguf"));
     if !path.is_file() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        spec.write(&path).with_context(|| format!("writing the generated model {}", path.display()))?;
+        spec.write(&path)
+            .with_context(|| format!("writing the generated model {}", path.display()))?;
     }
-    Ok(BenchModel { name: "synthetic", label: format!("generated llama E{n_embd} L{n_layer} FF{n_ff} (f32)"), path })
+    Ok(BenchModel {
+        name: "synthetic",
+        label: format!("generated llama E{n_embd} L{n_layer} FF{n_ff} (f32)"),
+        path,
+    })
 }
 
 pub fn real_model(path: PathBuf) -> anyhow::Result<BenchModel> {
-    anyhow::ensure!(path.is_file(), "the real model {} does not exist (scripts/fetch-model.sh fetches it)", path.display());
+    anyhow::ensure!(
+        path.is_file(),
+        "the real model {} does not exist (scripts/fetch-model.sh fetches it)",
+        path.display()
+    );
     Ok(BenchModel { name: "smollm2", label: "SmolLM2-135M-Instruct Q4_1".into(), path })
 }
 
@@ -50,7 +59,9 @@ pub const GEN_PROMPT_TOKENS: u32 = 8;
 impl Shape {
     /// Room for the prompt decode and for the generation, rounded up as llama.cpp pads.
     pub fn n_ctx(&self) -> u32 {
-        (self.prompt_tokens.max(GEN_PROMPT_TOKENS + self.gen_tokens) + 1).next_power_of_two().max(256)
+        (self.prompt_tokens.max(GEN_PROMPT_TOKENS + self.gen_tokens) + 1)
+            .next_power_of_two()
+            .max(256)
     }
 
     /// The whole prompt in one ubatch, as llama-bench's pp test (n_ubatch 512) runs it.
@@ -70,7 +81,8 @@ impl Shape {
 
     /// The same context as guest arguments.
     pub fn guest_args(&self) -> Vec<String> {
-        let flags = [("--threads", self.threads), ("--ctx", self.n_ctx()), ("--batch", self.n_batch())];
+        let flags =
+            [("--threads", self.threads), ("--ctx", self.n_ctx()), ("--batch", self.n_batch())];
         flags.iter().flat_map(|(k, v)| [k.to_string(), v.to_string()]).collect()
     }
 }

@@ -28,12 +28,16 @@ mod worker;
 // What an embedder uses, deliberately: the host and its runs, the registries and
 // limits, errors, and for an embedder that owns its store, the linker entry point and
 // the view it needs. Everything else is the crate's own.
-pub use component::{add_to_linker, LimitOverrides, LlamaCtx, LlamaCtxView, LlamaView, Limits, ModelRegistry, OpenError, ShareError, TokenRegistry};
+pub use component::{
+    add_to_linker, LimitOverrides, Limits, LlamaCtx, LlamaCtxView, LlamaView, ModelRegistry,
+    OpenError, ShareError, TokenRegistry,
+};
 pub use engine::{BatchPolicy, StepObserver, StepReport};
 pub use error::{Error, Result};
 pub use native::CancelFlag;
 pub use plugin::{
-    CompileCacheStats, HostOptions, HttpResponse, Plugin, PluginHost, PluginState, ResponseSender, RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
+    CompileCacheStats, HostOptions, HttpResponse, Plugin, PluginHost, PluginState, ResponseSender,
+    RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
 };
 
 /// The wasmtime and wasmtime-wasi this API is built on (`WasiCtxBuilder`, traps, the

@@ -10,11 +10,16 @@ use llamabox::native;
 #[cfg(feature = "synthetic")]
 use llamabox::native::{ProjectorSpec, TextModelSpec};
 use llamabox::serve::{ServeConfig, Server};
-use llamabox::{HostOptions, LimitOverrides, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
+use llamabox::{
+    HostOptions, LimitOverrides, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome,
+};
 use wasmtime_wasi::WasiCtxBuilder;
 
 #[derive(Parser)]
-#[command(version, about = "llama.cpp inference for sandboxed WebAssembly plugins, with in-flight cancel")]
+#[command(
+    version,
+    about = "llama.cpp inference for sandboxed WebAssembly plugins, with in-flight cancel"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -272,7 +277,9 @@ fn parse_pair(s: &str) -> Result<(String, String), String> {
 
 fn parse_named(s: &str) -> Result<(String, PathBuf), String> {
     match s.split_once('=') {
-        Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok((name.to_string(), PathBuf::from(path))),
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), PathBuf::from(path)))
+        }
         _ => Err(format!("expected NAME=PATH, got {s:?}")),
     }
 }
@@ -302,7 +309,10 @@ fn main() -> ExitCode {
         _ => "warn,llama_cpp=off",
     };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default_filter.into()),
+        )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
@@ -394,9 +404,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             println!("ggml CPU features: {}\nbuild: {level}{flags}", features.join(" "));
             let gpu = native::gpu_backends();
-            println!("GPU backends: {}", if gpu.is_empty() { "none (a CPU build; `make GPU=vulkan build` adds Vulkan)".to_string() } else { gpu.join(", ") });
+            println!(
+                "GPU backends: {}",
+                if gpu.is_empty() {
+                    "none (a CPU build; `make GPU=vulkan build` adds Vulkan)".to_string()
+                } else {
+                    gpu.join(", ")
+                }
+            );
             for d in native::devices() {
-                let memory = if d.memory_total > 0 { format!(", {} MiB of {} MiB free", d.memory_free >> 20, d.memory_total >> 20) } else { String::new() };
+                let memory = if d.memory_total > 0 {
+                    format!(", {} MiB of {} MiB free", d.memory_free >> 20, d.memory_total >> 20)
+                } else {
+                    String::new()
+                };
                 println!("device {}: {} ({:?}{memory})", d.name, d.description, d.kind);
             }
             Ok(ExitCode::SUCCESS)
@@ -422,7 +443,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("wrote {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run { plugin, models, projectors, limits: limit_flags, offload, deadline_ms, cache, idle_poll, args } => {
+        Command::Run {
+            plugin,
+            models,
+            projectors,
+            limits: limit_flags,
+            offload,
+            deadline_ms,
+            cache,
+            idle_poll,
+            args,
+        } => {
             native::set_idle_poll(idle_poll);
             let registry = ModelRegistry::new();
             offload.offload().check()?;
@@ -442,18 +473,25 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let mut limits = Limits::default();
             limit_flags.apply(&mut limits);
             let host = PluginHost::with_options(registry, limits, cache.options())?;
-            let argv0 = plugin.file_name().map_or("plugin".into(), |n| n.to_string_lossy().into_owned());
+            let argv0 =
+                plugin.file_name().map_or("plugin".into(), |n| n.to_string_lossy().into_owned());
             let plugin = host.load(&plugin)?;
             let mut wasi = WasiCtxBuilder::new();
             wasi.inherit_stdout().inherit_stderr();
             wasi.args(&std::iter::once(argv0).chain(args).collect::<Vec<_>>());
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            let options = RunOptions { deadline: deadline_ms.map(Duration::from_millis), ..RunOptions::default() };
+            let options = RunOptions {
+                deadline: deadline_ms.map(Duration::from_millis),
+                ..RunOptions::default()
+            };
             match runtime.block_on(plugin.run_with(&options, wasi))? {
                 RunOutcome::Success => Ok(ExitCode::SUCCESS),
                 RunOutcome::Failed(code) => Ok(ExitCode::from(code.clamp(1, 255) as u8)),
                 RunOutcome::DeadlineExceeded => {
-                    eprintln!("llamabox: the plugin's deadline of {} ms passed; it was stopped", deadline_ms.unwrap_or(0));
+                    eprintln!(
+                        "llamabox: the plugin's deadline of {} ms passed; it was stopped",
+                        deadline_ms.unwrap_or(0)
+                    );
                     Ok(ExitCode::from(124))
                 }
                 // The CLI passes no stop handle.

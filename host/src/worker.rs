@@ -10,9 +10,9 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
-use std::time::{Duration, Instant};
 use std::sync::{mpsc, Arc, Mutex};
 use std::task::{ready, Context as TaskContext, Poll};
+use std::time::{Duration, Instant};
 
 use tokio::sync::{oneshot, Notify};
 
@@ -101,7 +101,10 @@ impl Tracker {
     /// that cannot be stopped midway (tokenizing): they leave the executor free, and
     /// a run still waits for them before it returns.
     /// Runs inside the caller's `tracing` span (a run's), so what it logs is attributed.
-    pub async fn blocking<R: Send + 'static>(&self, f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
+    pub async fn blocking<R: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> R + Send + 'static,
+    ) -> Option<R> {
         let alive = self.alive();
         let span = tracing::Span::current();
         tokio::task::spawn_blocking(move || {
@@ -258,7 +261,11 @@ impl<S: 'static> Worker<S> {
         S: Send,
     {
         let (tracker, span) = (tracker.clone(), tracing::Span::current());
-        match tokio::task::spawn_blocking(move || span.in_scope(|| Self::spawn(name, &tracker, init))).await {
+        match tokio::task::spawn_blocking(move || {
+            span.in_scope(|| Self::spawn(name, &tracker, init))
+        })
+        .await
+        {
             Ok(result) => result,
             Err(_) => Err(StartFailed::Panicked.into()),
         }
@@ -281,7 +288,10 @@ impl<S: 'static> Worker<S> {
     /// Queue `f`. It gets the call's own flag, set if the returned [`Call`] is dropped
     /// before it finished or the worker shuts down; pass it to the native call's `Stop`.
     /// It runs in the caller's `tracing` span.
-    pub fn call<R: Send + 'static>(&self, f: impl FnOnce(&mut S, &CancelFlag) -> R + Send + 'static) -> Call<R> {
+    pub fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut S, &CancelFlag) -> R + Send + 'static,
+    ) -> Call<R> {
         let abandoned = CancelFlag::new();
         let (tx, rx) = oneshot::channel();
         let flag = abandoned.clone();
@@ -324,7 +334,9 @@ fn next_job<T>(jobs: &mpsc::Receiver<T>) -> Option<T> {
         match jobs.try_recv() {
             Ok(job) => return Some(job),
             Err(mpsc::TryRecvError::Disconnected) => return None,
-            Err(mpsc::TryRecvError::Empty) if started.elapsed() < SPIN_FOR_NEXT_CALL => std::hint::spin_loop(),
+            Err(mpsc::TryRecvError::Empty) if started.elapsed() < SPIN_FOR_NEXT_CALL => {
+                std::hint::spin_loop()
+            }
             Err(mpsc::TryRecvError::Empty) => return jobs.recv().ok(),
         }
     }
@@ -391,7 +403,10 @@ impl<R> Call<R> {
     pub(crate) fn channel() -> (Self, Reply<R>) {
         let (tx, rx) = oneshot::channel();
         let abandoned = CancelFlag::new();
-        (Call { result: rx, abandoned: abandoned.clone(), done: false }, Reply { result: tx, abandoned })
+        (
+            Call { result: rx, abandoned: abandoned.clone(), done: false },
+            Reply { result: tx, abandoned },
+        )
     }
 }
 
@@ -430,7 +445,8 @@ mod tests {
 
     #[tokio::test]
     async fn runs_calls_in_order_on_its_own_state() {
-        let worker = Worker::spawn("test", &Tracker::new(), || Ok::<_, Error>(Vec::<u32>::new())).unwrap();
+        let worker =
+            Worker::spawn("test", &Tracker::new(), || Ok::<_, Error>(Vec::<u32>::new())).unwrap();
         let a = worker.call(|v, _| {
             v.push(1);
             v.len()
@@ -447,12 +463,17 @@ mod tests {
     fn init_error_is_returned() {
         let refused = Error::InvalidArgument("no".into());
         let returned = refused.clone();
-        assert_eq!(Worker::<()>::spawn("test", &Tracker::new(), move || Err(returned)).err(), Some(refused));
+        assert_eq!(
+            Worker::<()>::spawn("test", &Tracker::new(), move || Err(returned)).err(),
+            Some(refused)
+        );
     }
 
     #[test]
     fn a_panicking_init_is_an_error_not_a_panic() {
-        let started = Worker::<()>::spawn("test", &Tracker::new(), || -> Result<(), Error> { panic!("init failed") });
+        let started = Worker::<()>::spawn("test", &Tracker::new(), || -> Result<(), Error> {
+            panic!("init failed")
+        });
         assert!(matches!(started, Err(Error::Backend(m)) if m.contains("panicked")));
     }
 
@@ -477,7 +498,11 @@ mod tests {
         let worker = Worker::spawn("test", &Tracker::new(), || Ok::<_, Error>(())).unwrap();
         let call = worker.call(move |_, abandoned| {
             started_tx.send(()).unwrap();
-            if wait_for(abandoned) { "stopped" } else { "ran on" }
+            if wait_for(abandoned) {
+                "stopped"
+            } else {
+                "ran on"
+            }
         });
         started_rx.recv().unwrap();
         drop(worker);
@@ -505,7 +530,9 @@ mod tests {
             let tracker = Tracker::new();
             let (events_tx, events) = mpsc::channel();
             let state_events = events_tx.clone();
-            let worker = Worker::spawn("test", &tracker, move || Ok::<_, Error>(Reports(state_events))).unwrap();
+            let worker =
+                Worker::spawn("test", &tracker, move || Ok::<_, Error>(Reports(state_events)))
+                    .unwrap();
             let (started_tx, started_rx) = mpsc::channel();
             let (release_tx, release_rx) = mpsc::channel::<()>();
             let call = worker.call(move |_, _| {
@@ -539,7 +566,9 @@ mod tests {
     #[tokio::test]
     async fn stop_waits_for_the_state_to_be_dropped() {
         let (events_tx, events) = mpsc::channel();
-        let worker = Worker::spawn("test", &Tracker::new(), move || Ok::<_, Error>(Reports(events_tx))).unwrap();
+        let worker =
+            Worker::spawn("test", &Tracker::new(), move || Ok::<_, Error>(Reports(events_tx)))
+                .unwrap();
         worker.stop().await;
         assert_eq!(events.try_iter().collect::<Vec<_>>(), ["state dropped"]);
     }
@@ -560,7 +589,10 @@ mod tests {
             *n
         });
         assert_eq!(call.await, Some(1));
-        assert!(store_b.busy() >= Duration::from_millis(2), "its calls' time counts where it is now");
+        assert!(
+            store_b.busy() >= Duration::from_millis(2),
+            "its calls' time counts where it is now"
+        );
         assert_eq!(store_a.busy(), Duration::ZERO);
         worker.stop().await;
         store_b.all_stopped().await; // the innermost count goes last

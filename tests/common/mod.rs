@@ -52,7 +52,11 @@ pub fn tiny_model() -> &'static Path {
 /// embeddings in its own graph, as dedicated embedding models do.
 pub fn tiny_mean_pooled_model() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    generated("tiny-mean-pooled", TextModelSpec { pooling_type: Some(1), ..TextModelSpec::tiny() }, &CELL)
+    generated(
+        "tiny-mean-pooled",
+        TextModelSpec { pooling_type: Some(1), ..TextModelSpec::tiny() },
+        &CELL,
+    )
 }
 
 /// A model whose 512-token decode takes long enough to cancel in flight.
@@ -61,25 +65,41 @@ pub fn slow_model() -> &'static Path {
     generated("slow", TextModelSpec::slow(), &CELL)
 }
 
-fn generated_projector(name: &str, spec: ProjectorSpec, cell: &'static OnceLock<PathBuf>) -> &'static Path {
+fn generated_projector(
+    name: &str,
+    spec: ProjectorSpec,
+    cell: &'static OnceLock<PathBuf>,
+) -> &'static Path {
     cell.get_or_init(|| generated_file(name, &spec, |p| spec.write(p).unwrap()))
 }
 
 /// A vision projector (LLaVA `mlp`) for `tiny_model`.
 pub fn tiny_vision() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    generated_projector("tiny-vision", ProjectorSpec::tiny_vision(TextModelSpec::tiny().n_embd), &CELL)
+    generated_projector(
+        "tiny-vision",
+        ProjectorSpec::tiny_vision(TextModelSpec::tiny().n_embd),
+        &CELL,
+    )
 }
 
 /// An audio projector (`qwen2a`, whisper) for `tiny_model`.
 pub fn tiny_audio() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    generated_projector("tiny-audio", ProjectorSpec::tiny_audio(TextModelSpec::tiny().n_embd), &CELL)
+    generated_projector(
+        "tiny-audio",
+        ProjectorSpec::tiny_audio(TextModelSpec::tiny().n_embd),
+        &CELL,
+    )
 }
 
 /// A `width`×`height` RGB gradient.
 pub fn gradient(width: u32, height: u32) -> Vec<u8> {
-    (0..height).flat_map(|y| (0..width).flat_map(move |x| [(x * 255 / width) as u8, (y * 255 / height) as u8, 128])).collect()
+    (0..height)
+        .flat_map(|y| {
+            (0..width).flat_map(move |x| [(x * 255 / width) as u8, (y * 255 / height) as u8, 128])
+        })
+        .collect()
 }
 
 /// `n` samples of a 440 Hz tone at 16 kHz.
@@ -92,8 +112,14 @@ pub fn tone(n: usize) -> Vec<f32> {
 pub fn real_model() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
     CELL.get_or_init(|| {
-        let out = Command::new(repo_root().join("scripts/fetch-model.sh")).output().expect("running fetch-model.sh");
-        assert!(out.status.success(), "the real model could not be fetched: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(repo_root().join("scripts/fetch-model.sh"))
+            .output()
+            .expect("running fetch-model.sh");
+        assert!(
+            out.status.success(),
+            "the real model could not be fetched: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
     })
 }
@@ -145,7 +171,11 @@ fn guests_dir() -> &'static Path {
 /// A vision projector for `tiny_model` whose encode takes long enough to cancel in flight.
 pub fn slow_vision() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    generated_projector("slow-vision", ProjectorSpec::slow_vision(TextModelSpec::tiny().n_embd), &CELL)
+    generated_projector(
+        "slow-vision",
+        ProjectorSpec::slow_vision(TextModelSpec::tiny().n_embd),
+        &CELL,
+    )
 }
 
 /// Run the demo plugin with `args` against `models` (name, path); returns its stdout
@@ -155,12 +185,21 @@ pub async fn run_demo(models: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, S
 }
 
 /// `run_demo` with projectors registered too.
-pub async fn run_demo_with(models: &[(&str, &Path)], projectors: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, String) {
+pub async fn run_demo_with(
+    models: &[(&str, &Path)],
+    projectors: &[(&str, &Path)],
+    args: &[&str],
+) -> (RunOutcome, String) {
     run_plugin(demo_plugin(), models, projectors, args).await
 }
 
 /// Run `plugin` with `args`; returns its stdout followed by its stderr.
-pub async fn run_plugin(plugin: &Path, models: &[(&str, &Path)], projectors: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, String) {
+pub async fn run_plugin(
+    plugin: &Path,
+    models: &[(&str, &Path)],
+    projectors: &[(&str, &Path)],
+    args: &[&str],
+) -> (RunOutcome, String) {
     run_plugin_with_limits(plugin, models, projectors, Limits::default(), args).await
 }
 
@@ -206,7 +245,11 @@ pub fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
 /// boundaried encode equals `plain` bit for bit; then trips it at the first and at the
 /// last boundary: each stops exactly there with `cancelled`, and the next encode equals
 /// `plain` again.
-pub fn check_encode_stops_at_each_boundary(media: &mut llamabox::native::MediaContext, chunk: &llamabox::native::Chunk, plain: &[f32]) {
+pub fn check_encode_stops_at_each_boundary(
+    media: &mut llamabox::native::MediaContext,
+    chunk: &llamabox::native::Chunk,
+    plain: &[f32],
+) {
     use llamabox::native::{CancelFlag, Error, Stop};
     let counter = CancelFlag::counting();
     let chunked = media.encode(chunk, Some(Stop::on(&counter))).unwrap();
@@ -225,7 +268,9 @@ pub fn check_encode_stops_at_each_boundary(media: &mut llamabox::native::MediaCo
 
 /// Polls of a generation's prefill, and of one generated token's decode:
 /// `generate(max_tokens, flag)` runs a generation of at most `max_tokens` under `flag`.
-pub fn prefill_and_token_polls(generate: impl Fn(u32, &llamabox::native::CancelFlag)) -> (u64, u64) {
+pub fn prefill_and_token_polls(
+    generate: impl Fn(u32, &llamabox::native::CancelFlag),
+) -> (u64, u64) {
     let count = |max_tokens| {
         let counter = llamabox::native::CancelFlag::counting();
         generate(max_tokens, &counter);
@@ -247,13 +292,34 @@ pub fn field<'a>(output: &'a str, key: &str) -> &'a str {
 /// Runs the demo on `model` (registered as `name`): 8 tokens greedily from `prompt`,
 /// then a `long_tokens` decode cancelled after `cancel_after_ms`. Checks that it ran,
 /// generated 8 tokens and saw bitwise the native logits of the prompt; returns its output.
-pub async fn demo_generates_on_native_logits(name: &str, model: &Path, prompt: &str, long_tokens: u32, cancel_after_ms: &str) -> String {
+pub async fn demo_generates_on_native_logits(
+    name: &str,
+    model: &Path,
+    prompt: &str,
+    long_tokens: u32,
+    cancel_after_ms: &str,
+) -> String {
     let long = long_tokens.to_string();
-    let args = ["--model", name, "--prompt", prompt, "--generate", "8", "--long-tokens", &long, "--cancel-after-ms", cancel_after_ms];
+    let args = [
+        "--model",
+        name,
+        "--prompt",
+        prompt,
+        "--generate",
+        "8",
+        "--long-tokens",
+        &long,
+        "--cancel-after-ms",
+        cancel_after_ms,
+    ];
     let (outcome, out) = run_demo(&[(name, model)], &args).await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
     assert_eq!(field(&out, "generated-tokens"), "8");
-    assert_eq!(field(&out, "prompt-logits"), native_prompt_digest(model, prompt, long_tokens), "guest and native logits differ");
+    assert_eq!(
+        field(&out, "prompt-logits"),
+        native_prompt_digest(model, prompt, long_tokens),
+        "guest and native logits differ"
+    );
     out
 }
 
@@ -265,7 +331,8 @@ pub fn native_prompt_digest(model: &Path, prompt: &str, long_tokens: u32) -> Str
     let model = std::sync::Arc::new(Model::load(model).unwrap());
     let n_batch = long_tokens.max(64);
     let n_ctx = (n_batch + 64).next_power_of_two();
-    let params = ContextParams { n_ctx, n_batch, n_ubatch: n_batch.min(512), n_seq_max: 1, n_threads: 1 };
+    let params =
+        ContextParams { n_ctx, n_batch, n_ubatch: n_batch.min(512), n_seq_max: 1, n_threads: 1 };
     let mut ctx = Context::new(model.clone(), params).unwrap();
     let tokens = model.tokenize(prompt, true, true).unwrap();
     ctx.decode(&Batch::sequence(&tokens, 0, 0), None).unwrap();
@@ -274,7 +341,8 @@ pub fn native_prompt_digest(model: &Path, prompt: &str, long_tokens: u32) -> Str
 
 /// FNV-1a over f32 bits, as the demo plugin prints it: equal digests, equal logits.
 pub fn fnv1a64(values: &[f32]) -> u64 {
-    values.iter().flat_map(|v| v.to_bits().to_le_bytes()).fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    values
+        .iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }

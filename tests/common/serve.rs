@@ -44,13 +44,17 @@ impl Server {
         command.args(["serve", "--no-compile-cache"]).args(args);
         command.stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = command.spawn().expect("starting llamabox serve");
-        let (stdout, stderr) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
+        let (stdout, stderr) =
+            (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
         collect(child.stdout.take().unwrap(), stdout.clone());
         collect(child.stderr.take().unwrap(), stderr.clone());
         let mut server = Server { child, addr: "127.0.0.1:0".parse().unwrap(), stdout, stderr };
         server.wait_for_line("ready");
         let out = server.stdout.lock().unwrap().clone();
-        let addr = out.lines().find_map(|l| l.strip_prefix("listening on http://")).expect("no listening line");
+        let addr = out
+            .lines()
+            .find_map(|l| l.strip_prefix("listening on http://"))
+            .expect("no listening line");
         server.addr = addr.parse().unwrap();
         server
     }
@@ -59,9 +63,17 @@ impl Server {
         let started = Instant::now();
         while !self.stdout.lock().unwrap().lines().any(|l| l == line) {
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("the server exited ({status}) before {line:?}:\n{}\n{}", self.stdout(), self.stderr());
+                panic!(
+                    "the server exited ({status}) before {line:?}:\n{}\n{}",
+                    self.stdout(),
+                    self.stderr()
+                );
             }
-            assert!(started.elapsed() < PATIENCE, "no {line:?} line from the server:\n{}", self.stdout());
+            assert!(
+                started.elapsed() < PATIENCE,
+                "no {line:?} line from the server:\n{}",
+                self.stdout()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -92,7 +104,11 @@ impl Server {
     pub fn wait_metric(&self, name: &str, want: f64) {
         let started = Instant::now();
         while self.metric(name) != want {
-            assert!(started.elapsed() < PATIENCE, "{name} stayed {} (want {want})", self.metric(name));
+            assert!(
+                started.elapsed() < PATIENCE,
+                "{name} stayed {} (want {want})",
+                self.metric(name)
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -102,7 +118,9 @@ impl Server {
         let started = Instant::now();
         loop {
             let tag = format!("id={id} ");
-            if let Some(line) = self.stderr().lines().find(|l| l.contains(&tag) && l.contains("run ended")) {
+            if let Some(line) =
+                self.stderr().lines().find(|l| l.contains(&tag) && l.contains("run ended"))
+            {
                 return line.to_string();
             }
             assert!(started.elapsed() < PATIENCE, "no run report for {id}:\n{}", self.stderr());
@@ -111,14 +129,19 @@ impl Server {
     }
 
     pub fn terminate(&mut self) -> ExitStatus {
-        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        let status =
+            Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
         assert!(status.success());
         let started = Instant::now();
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;
             }
-            assert!(started.elapsed() < PATIENCE, "the server did not exit after SIGTERM:\n{}", self.stdout());
+            assert!(
+                started.elapsed() < PATIENCE,
+                "the server did not exit after SIGTERM:\n{}",
+                self.stdout()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -192,12 +215,19 @@ pub fn chat_text(response: &str, streamed: bool) -> String {
         let v: Value = serde_json::from_str(response).unwrap_or_else(|e| panic!("{e}: {response}"));
         return v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
     }
-    assert!(response.trim_end().ends_with("data: [DONE]"), "the stream did not end with [DONE]:\n{response}");
+    assert!(
+        response.trim_end().ends_with("data: [DONE]"),
+        "the stream did not end with [DONE]:\n{response}"
+    );
     response
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter(|data| *data != "[DONE]")
-        .filter_map(|data| serde_json::from_str::<Value>(data).unwrap()["choices"][0]["delta"]["content"].as_str().map(String::from))
+        .filter_map(|data| {
+            serde_json::from_str::<Value>(data).unwrap()["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
         .collect()
 }
 
@@ -223,7 +253,9 @@ pub fn hang_up_after(server: &Server, path: &str, id: &str, body: &Value, wait_f
 
 /// `key=value` from a log line.
 pub fn log_field<'a>(line: &'a str, key: &str) -> &'a str {
-    let start = line.find(&format!(" {key}=")).unwrap_or_else(|| panic!("no {key} in {line}")) + key.len() + 2;
+    let start = line.find(&format!(" {key}=")).unwrap_or_else(|| panic!("no {key} in {line}"))
+        + key.len()
+        + 2;
     line[start..].split_whitespace().next().unwrap()
 }
 
@@ -231,14 +263,16 @@ pub fn log_field<'a>(line: &'a str, key: &str) -> &'a str {
 /// as distinct clients), with a receive buffer of `recv_buffer` bytes if given (a
 /// client that stops reading then stops the server's writes sooner).
 pub fn connect_from(source: IpAddr, to: SocketAddr, recv_buffer: Option<u32>) -> TcpStream {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_io().build().expect("a tokio runtime");
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_io().build().expect("a tokio runtime");
     let stream = runtime.block_on(async {
         let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
         if let Some(size) = recv_buffer {
             socket.set_recv_buffer_size(size).expect("SO_RCVBUF");
         }
         socket.bind(SocketAddr::new(source, 0)).unwrap_or_else(|e| panic!("binding {source}: {e}"));
-        let stream = socket.connect(to).await.unwrap_or_else(|e| panic!("connecting from {source}: {e}"));
+        let stream =
+            socket.connect(to).await.unwrap_or_else(|e| panic!("connecting from {source}: {e}"));
         stream.into_std().expect("a std stream")
     });
     stream.set_nonblocking(false).expect("a blocking stream");
@@ -246,7 +280,14 @@ pub fn connect_from(source: IpAddr, to: SocketAddr, recv_buffer: Option<u32>) ->
 }
 
 /// Send `POST path` with `body` from `source`, as request `id`.
-pub fn post_raw(server: &Server, source: IpAddr, path: &str, id: &str, body: &Value, recv_buffer: Option<u32>) -> TcpStream {
+pub fn post_raw(
+    server: &Server,
+    source: IpAddr,
+    path: &str,
+    id: &str,
+    body: &Value,
+    recv_buffer: Option<u32>,
+) -> TcpStream {
     let body = body.to_string();
     let mut socket = connect_from(source, server.addr, recv_buffer);
     write!(
@@ -269,12 +310,19 @@ pub fn read_until(socket: &mut TcpStream, until: Option<&str>, patience: Duratio
         if until.is_some_and(|u| text.contains(u)) {
             return text;
         }
-        let left = patience.checked_sub(started.elapsed()).unwrap_or_else(|| panic!("nothing more within {patience:?}: {text}"));
+        let left = patience
+            .checked_sub(started.elapsed())
+            .unwrap_or_else(|| panic!("nothing more within {patience:?}: {text}"));
         socket.set_read_timeout(Some(left.max(Duration::from_millis(1)))).unwrap();
         match socket.read(&mut buf) {
             Ok(0) => return text,
             Ok(n) => seen.extend_from_slice(&buf[..n]),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
                 panic!("nothing more within {patience:?}: {text}")
             }
             // A reset after the answer (the server closed with unread bytes).

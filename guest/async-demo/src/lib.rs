@@ -24,7 +24,6 @@ use llamabox_guest::llm::{Batch, Context, ContextParams, Model};
 use llamabox_guest::types::Error;
 use wasi::clocks0_3_0::monotonic_clock::wait_for;
 
-
 /// How long each scenario waits before it stops its decode: not at all. The decode is
 /// then queued or running in the host, never finished, however fast the machine is, so
 /// every outcome below is deterministic.
@@ -87,7 +86,8 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     // dropped. The host drops its future, stops the decode in flight and joins it, so
     // the memory shows no trace of it.
     let never = CancelToken::new();
-    let raced = first_of(async_calls::decode(&ctx, batch.clone(), &never), wait_for(STOP_AFTER_NS)).await;
+    let raced =
+        first_of(async_calls::decode(&ctx, batch.clone(), &never), wait_for(STOP_AFTER_NS)).await;
     println!("async-drop: {}", if raced.is_none() { "dropped" } else { "finished first" });
     println!("memory-after-drop: seq-pos-max={}", ctx.seq_pos_max(0)?);
 
@@ -142,15 +142,28 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     ctx.clear()?;
     let long = generate::start(&ctx, &greedy(batch.tokens, 4), &CancelToken::new())?;
     let raced = first_of(async_calls::generation_next(&long), wait_for(STOP_AFTER_NS)).await;
-    println!("async-generation-drop: {}", if raced.is_none() { "dropped" } else { "finished first" });
-    println!("async-generation-after-drop: {}", show(&async_calls::generation_next(&long).await.map(|_| ())));
+    println!(
+        "async-generation-drop: {}",
+        if raced.is_none() { "dropped" } else { "finished first" }
+    );
+    println!(
+        "async-generation-after-drop: {}",
+        show(&async_calls::generation_next(&long).await.map(|_| ()))
+    );
     drop(long);
     println!("memory-after-generation-drop: seq-pos-max={}", ctx.seq_pos_max(0)?);
     Ok(())
 }
 
 fn greedy(prompt: Vec<i32>, max_tokens: u32) -> GenerateParams {
-    GenerateParams { prompt, seq: 0, max_tokens, stop: Vec::new(), sampler: generate::greedy_sampler(), logprobs: None }
+    GenerateParams {
+        prompt,
+        seq: 0,
+        max_tokens,
+        stop: Vec::new(),
+        sampler: generate::greedy_sampler(),
+        logprobs: None,
+    }
 }
 
 /// `Some(a's output)` if `a` finishes first; `None` (and `a` dropped) if `b` does.

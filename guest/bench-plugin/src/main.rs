@@ -58,7 +58,11 @@ impl Options {
             Some("host-generate") => Mode::HostGenerate,
             Some("boundary") => Mode::Boundary,
             Some("noop") => Mode::Noop,
-            other => return Err(format!("expected decode|generate|host-generate|boundary|noop, got {other:?}")),
+            other => {
+                return Err(format!(
+                    "expected decode|generate|host-generate|boundary|noop, got {other:?}"
+                ))
+            }
         };
         Ok(Options {
             mode,
@@ -132,7 +136,8 @@ fn decode(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
 /// (`sampler.sample`: no logits cross). A one-token generation warms the context up
 /// first (as llama-bench's tg warm-up), untimed.
 fn generate(o: &Options, model: &Model, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
-    let sampler = o.host_sampler.then(|| Sampler::create(model, &generate::greedy_sampler())).transpose()?;
+    let sampler =
+        o.host_sampler.then(|| Sampler::create(model, &generate::greedy_sampler())).transpose()?;
     let pick = |row: u32| match &sampler {
         Some(sampler) => sampler.sample(ctx, row),
         None => Ok(argmax(&ctx.logits_ith(row)?)),
@@ -148,7 +153,12 @@ fn generate(o: &Options, model: &Model, ctx: &Context, n_vocab: u32) -> Result<(
 /// Decode the prompt on a cleared context, then generate `n` tokens, each picked from
 /// its decode's one row by `pick`; the nanoseconds from the first generated token's
 /// decode to the last one's pick, and the tokens.
-fn greedy(ctx: &Context, n_vocab: u32, n: u32, pick: &dyn Fn(u32) -> Result<i32, Error>) -> Result<(u64, Vec<i32>), Error> {
+fn greedy(
+    ctx: &Context,
+    n_vocab: u32,
+    n: u32,
+    pick: &dyn Fn(u32) -> Result<i32, Error>,
+) -> Result<(u64, Vec<i32>), Error> {
     let token = CancelToken::new();
     ctx.clear()?;
     ctx.decode(&sequence(&bench_tokens(PROMPT_TOKENS, n_vocab), 0), &token)?;
@@ -187,7 +197,14 @@ fn host_generate(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> 
 fn host_greedy(ctx: &Context, n_vocab: u32, n: u32) -> Result<(u64, Vec<i32>, usize), Error> {
     ctx.clear()?;
     let sampler = generate::greedy_sampler();
-    let params = GenerateParams { prompt: bench_tokens(PROMPT_TOKENS, n_vocab), seq: 0, max_tokens: n, stop: Vec::new(), sampler, logprobs: None };
+    let params = GenerateParams {
+        prompt: bench_tokens(PROMPT_TOKENS, n_vocab),
+        seq: 0,
+        max_tokens: n,
+        stop: Vec::new(),
+        sampler,
+        logprobs: None,
+    };
     let generation = generate::start(ctx, &params, &CancelToken::new())?;
     let (mut generated, mut bytes) = (Vec::with_capacity(n as usize), 0);
     while let Some(piece) = generation.next()? {
@@ -218,7 +235,9 @@ fn boundary(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
     let many = sequence(&bench_tokens(o.tokens, n_vocab), 0);
     let refused = |batch: &Batch| match ctx.decode(batch, &cancelled) {
         Err(Error::Cancelled) => Ok(()),
-        other => Err(Error::Backend(format!("a cancelled token must refuse the decode, got {other:?}"))),
+        other => {
+            Err(Error::Backend(format!("a cancelled token must refuse the decode, got {other:?}")))
+        }
     };
     report("decode-cancelled-1", heavy, 1, || refused(&one))?;
     report(&format!("decode-cancelled-{}", o.tokens), heavy, 1, || refused(&many))?;
@@ -238,7 +257,12 @@ fn boundary(o: &Options, ctx: &Context, n_vocab: u32) -> Result<(), Error> {
 
 /// Time `batches` batches of `per_batch` calls; print the median and the fastest batch's
 /// nanoseconds per call.
-fn report(name: &str, batches: u32, per_batch: u32, mut call: impl FnMut() -> Result<(), Error>) -> Result<(), Error> {
+fn report(
+    name: &str,
+    batches: u32,
+    per_batch: u32,
+    mut call: impl FnMut() -> Result<(), Error>,
+) -> Result<(), Error> {
     let mut per_call = Vec::with_capacity(batches as usize);
     for _ in 0..batches.max(1) {
         let start = monotonic_clock::now();

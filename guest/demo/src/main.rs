@@ -16,10 +16,15 @@
 
 // The plugin world's bindings, shared by every Rust plugin (guest/sdk).
 use llamabox_guest::args::Args;
-use llamabox_guest::{argmax, decode_with_timeout, digest, filler, finish_name, greedy_next, greedy_params, llamabox, outcome, sequence, wasi};
+use llamabox_guest::{
+    argmax, decode_with_timeout, digest, filler, finish_name, greedy_next, greedy_params, llamabox,
+    outcome, sequence, wasi,
+};
 
 use llamabox::inference::cancel::CancelToken;
-use llamabox::inference::generate::{self, ChatMessage, GenerateParams, Grammar, Sampler, SamplerParams};
+use llamabox::inference::generate::{
+    self, ChatMessage, GenerateParams, Grammar, Sampler, SamplerParams,
+};
 use llamabox::inference::llm::{Context, ContextParams, Model};
 use llamabox::inference::media::{ChunkKind, Image, Input, MediaContext};
 use llamabox::inference::types::Error;
@@ -70,7 +75,12 @@ impl Options {
 }
 
 fn main() {
-    llamabox_guest::args::command("demo", &["host-generate", "cancel-generation"], Options::read, run);
+    llamabox_guest::args::command(
+        "demo",
+        &["host-generate", "cancel-generation"],
+        Options::read,
+        run,
+    );
 }
 
 fn run(o: &Options) -> Result<(), Error> {
@@ -143,7 +153,10 @@ fn generate(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
     }
     println!("generated-tokens: {n}");
     println!("generated-ids: {}", join(&ids));
-    println!("generated: {}", String::from_utf8_lossy(&text).trim_start().replace('\n', "\n           "));
+    println!(
+        "generated: {}",
+        String::from_utf8_lossy(&text).trim_start().replace('\n', "\n           ")
+    );
     Ok(())
 }
 
@@ -157,7 +170,8 @@ fn join(ids: &[i32]) -> String {
 fn host_generate(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
     let prompt = model.tokenize(&o.prompt, true, true)?;
     ctx.clear()?;
-    let generation = generate::start(ctx, &greedy_params(prompt.clone(), o.generate), &CancelToken::new())?;
+    let generation =
+        generate::start(ctx, &greedy_params(prompt.clone(), o.generate), &CancelToken::new())?;
     let mut ids = Vec::new();
     while let Some(piece) = generation.next()? {
         ids.extend(piece.tokens);
@@ -203,7 +217,11 @@ fn chat(o: &Options, question: &str, model: &Model, ctx: &Context) -> Result<(),
     println!("chat-prompt: {}", prompt.replace('\n', "\\n"));
     let tokens = model.tokenize(&prompt, true, true)?;
     let stop = vec!["<|im_end|>".to_string()];
-    let generation = generate::start(ctx, &GenerateParams { stop: stop.clone(), ..greedy_params(tokens.clone(), o.generate) }, &CancelToken::new())?;
+    let generation = generate::start(
+        ctx,
+        &GenerateParams { stop: stop.clone(), ..greedy_params(tokens.clone(), o.generate) },
+        &CancelToken::new(),
+    )?;
     print!("chat-answer: ");
     let mut pieces = 0;
     loop {
@@ -224,13 +242,31 @@ fn chat(o: &Options, question: &str, model: &Model, ctx: &Context) -> Result<(),
     println!("chat-finish: {}", finish_name(generation.finish_reason()));
     drop(generation);
 
-    let bad_template = generate::apply_chat_template(model, &messages, true, Some("no-such-template"));
+    let bad_template =
+        generate::apply_chat_template(model, &messages, true, Some("no-such-template"));
     println!("chat-bad-template: {}", outcome(bad_template.map(|_| ())));
     let bad_sampler = SamplerParams { top_p: Some(2.0), ..generate::greedy_sampler() };
-    println!("chat-bad-sampler: {}", outcome(generate::start(ctx, &GenerateParams { sampler: bad_sampler, ..greedy_params(tokens.clone(), 4) }, &CancelToken::new()).map(|_| ())));
-    let bad_grammar = SamplerParams { grammar: Some(Grammar { text: "root ::= [0-9".into(), root: None }), ..generate::greedy_sampler() };
+    println!(
+        "chat-bad-sampler: {}",
+        outcome(
+            generate::start(
+                ctx,
+                &GenerateParams { sampler: bad_sampler, ..greedy_params(tokens.clone(), 4) },
+                &CancelToken::new()
+            )
+            .map(|_| ())
+        )
+    );
+    let bad_grammar = SamplerParams {
+        grammar: Some(Grammar { text: "root ::= [0-9".into(), root: None }),
+        ..generate::greedy_sampler()
+    };
     println!("chat-bad-grammar: {}", outcome(Sampler::create(model, &bad_grammar).map(|_| ())));
-    let too_many = generate::start(ctx, &GenerateParams { stop, ..greedy_params(tokens, 1 << 20) }, &CancelToken::new());
+    let too_many = generate::start(
+        ctx,
+        &GenerateParams { stop, ..greedy_params(tokens, 1 << 20) },
+        &CancelToken::new(),
+    );
     println!("chat-too-many-tokens: {}", outcome(too_many.map(|_| ())));
     Ok(())
 }
@@ -260,29 +296,46 @@ fn cancel_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Er
         }
     }
     if let Some(at) = cancelled_at {
-        println!("cancel-generation-latency: cancel -> end {:.2} ms", (monotonic_clock::now() - at) as f64 / 1e6);
+        println!(
+            "cancel-generation-latency: cancel -> end {:.2} ms",
+            (monotonic_clock::now() - at) as f64 / 1e6
+        );
     }
     let usage = generation.usage().ok_or(Error::Backend("no usage after the end".into()))?;
     println!("cancel-generation-finish: {}", finish_name(generation.finish_reason()));
     println!("cancel-generation-delivered: {delivered} (prompt decoded: {})", usage.prompt_tokens);
     let expected = usage.prompt_tokens as i32 + delivered as i32 - 1;
     let held = ctx.seq_pos_max(0)?;
-    let verdict = if held == expected && usage.generated_tokens as usize == delivered { "consistent".to_string() } else { format!("holds {held}, expected {expected}") };
+    let verdict = if held == expected && usage.generated_tokens as usize == delivered {
+        "consistent".to_string()
+    } else {
+        format!("holds {held}, expected {expected}")
+    };
     println!("cancel-generation-memory: {verdict}");
     drop(generation);
     ctx.clear()?;
     let again = generate::start(ctx, &greedy_params(filler(model, 5)?, 4), &CancelToken::new())?;
     while again.next()?.is_some() {}
-    println!("after-cancel: {}", if again.finish_reason().is_some() { "ok" } else { "no finish reason" });
+    println!(
+        "after-cancel: {}",
+        if again.finish_reason().is_some() { "ok" } else { "no finish reason" }
+    );
     Ok(())
 }
 
 /// Generate under a grammar, on the host and with a plugin-driven sampler.
 fn constrained(o: &Options, grammar: &str, model: &Model, ctx: &Context) -> Result<(), Error> {
-    let sampler = SamplerParams { grammar: Some(Grammar { text: grammar.into(), root: None }), ..generate::greedy_sampler() };
+    let sampler = SamplerParams {
+        grammar: Some(Grammar { text: grammar.into(), root: None }),
+        ..generate::greedy_sampler()
+    };
     println!("grammar-sampler: {}", outcome(Sampler::create(model, &sampler).map(|_| ())));
     let prompt = model.tokenize(&o.prompt, true, true)?;
-    let generation = generate::start(ctx, &GenerateParams { sampler, ..greedy_params(prompt, o.generate) }, &CancelToken::new())?;
+    let generation = generate::start(
+        ctx,
+        &GenerateParams { sampler, ..greedy_params(prompt, o.generate) },
+        &CancelToken::new(),
+    )?;
     let mut text = String::new();
     while let Some(piece) = generation.next()? {
         text.push_str(&piece.text);
@@ -304,7 +357,10 @@ fn cancel_long_decode(o: &Options, model: &Model, ctx: &Context) -> Result<(), E
     println!("memory-after: seq-pos-max={}", ctx.seq_pos_max(0)?);
     // The same decode with the SDK's helper: a deadline of the plugin's own.
     let timeout = std::time::Duration::from_millis(o.cancel_after_ms);
-    println!("timed-decode: {}", outcome(decode_with_timeout(ctx, &sequence(&tokens, 0), &CancelToken::new(), timeout)));
+    println!(
+        "timed-decode: {}",
+        outcome(decode_with_timeout(ctx, &sequence(&tokens, 0), &CancelToken::new(), timeout))
+    );
     println!("memory-after-timed: seq-pos-max={}", ctx.seq_pos_max(0)?);
     ctx.clear()
 }
@@ -318,7 +374,12 @@ struct CancelReport {
 
 /// Wait for `done` or `after_ms`, whichever comes first; on the timer, cancel `token`
 /// and wait for the call to notice.
-fn cancel_from_event_loop(done: &poll::Pollable, token: &CancelToken, after_ms: u64, started: u64) -> CancelReport {
+fn cancel_from_event_loop(
+    done: &poll::Pollable,
+    token: &CancelToken,
+    after_ms: u64,
+    started: u64,
+) -> CancelReport {
     let timer = monotonic_clock::subscribe_duration(after_ms * 1_000_000);
     let ready = poll::poll(&[done, &timer]);
     let cancel_at = (!ready.contains(&0)).then(|| {
@@ -339,9 +400,13 @@ impl CancelReport {
                 ms(at - self.started),
                 ms(self.ready_at - at)
             ),
-            (Ok(_), None) => format!("finished before the cancel, in {:.1} ms", ms(self.ready_at - self.started)),
+            (Ok(_), None) => {
+                format!("finished before the cancel, in {:.1} ms", ms(self.ready_at - self.started))
+            }
             (Err(e), _) => format!("unexpected {e:?}"),
-            (Ok(_), Some(_)) => "finished although cancelled (the cancel came after the last boundary)".into(),
+            (Ok(_), Some(_)) => {
+                "finished although cancelled (the cancel came after the last boundary)".into()
+            }
         }
     }
 }
@@ -352,16 +417,28 @@ fn media(o: &Options, projector: &str, model: &Model, ctx: &Context) -> Result<(
     let media = MediaContext::open(projector, model)?;
     let input = if media.supports_vision() {
         let (width, height) = (320u32, 240u32);
-        let rgb = (0..height).flat_map(|y| (0..width).flat_map(move |x| [(x * 255 / width) as u8, (y * 255 / height) as u8, 96])).collect();
+        let rgb = (0..height)
+            .flat_map(|y| {
+                (0..width)
+                    .flat_map(move |x| [(x * 255 / width) as u8, (y * 255 / height) as u8, 96])
+            })
+            .collect();
         Input::Image(Image { width, height, rgb })
     } else {
         let rate = media.audio_sample_rate().unwrap_or(16_000) as f32;
-        Input::Audio((0..rate as usize * 2).map(|i| (i as f32 * 440.0 * std::f32::consts::TAU / rate).sin() * 0.5).collect())
+        Input::Audio(
+            (0..rate as usize * 2)
+                .map(|i| (i as f32 * 440.0 * std::f32::consts::TAU / rate).sin() * 0.5)
+                .collect(),
+        )
     };
     let kind = if media.supports_vision() { "image" } else { "audio" };
     let prompt = format!("{}Describe this: {}", o.prompt, media.marker());
     let chunks = media.tokenize(&prompt, &[input])?;
-    let chunk = chunks.iter().find(|c| c.kind() != ChunkKind::Text).ok_or(Error::Backend("no media chunk".into()))?;
+    let chunk = chunks
+        .iter()
+        .find(|c| c.kind() != ChunkKind::Text)
+        .ok_or(Error::Backend("no media chunk".into()))?;
     println!("media: {kind}, {} chunks, {} embeddings", chunks.len(), chunk.n_tokens());
 
     let token = CancelToken::new();
@@ -372,7 +449,11 @@ fn media(o: &Options, projector: &str, model: &Model, ctx: &Context) -> Result<(
 
     let started = monotonic_clock::now();
     let embd = media.encode_chunk(chunk, &CancelToken::new())?;
-    println!("media-full-encode: {} floats in {:.1} ms", embd.len(), (monotonic_clock::now() - started) as f64 / 1e6);
+    println!(
+        "media-full-encode: {} floats in {:.1} ms",
+        embd.len(),
+        (monotonic_clock::now() - started) as f64 / 1e6
+    );
 
     ctx.clear()?;
     let cancelled = CancelToken::new();
@@ -395,7 +476,10 @@ fn media(o: &Options, projector: &str, model: &Model, ctx: &Context) -> Result<(
     if let Some(capability) = &o.token {
         ctx.clear()?;
         let token = CancelToken::open_shared(capability)?;
-        println!("media-eval-shared: {}", outcome(media.eval_chunks(ctx, &refs, 0, &token).map(|_| ())));
+        println!(
+            "media-eval-shared: {}",
+            outcome(media.eval_chunks(ctx, &refs, 0, &token).map(|_| ()))
+        );
         println!("media-eval-shared-memory: seq-pos-max={}", ctx.seq_pos_max(0)?);
     }
     Ok(())

@@ -34,17 +34,43 @@ pub fn grammar(rng: &mut Rng) -> String {
         3 => {
             let n = 1 + rng.below(1400) as usize;
             let sep = if rng.chance(2) { " # c\r" } else { "\n" };
-            format!("root ::= x{sep}x ::= {}", format!("\"a\"{{0,{}}} ", 1 + rng.below(2000)).repeat(n))
+            format!(
+                "root ::= x{sep}x ::= {}",
+                format!("\"a\"{{0,{}}} ", 1 + rng.below(2000)).repeat(n)
+            )
         }
         // Nested repetitions.
-        4 => format!("root ::= ((\"a\"{{{}}}){{{}}}){{0,{}}}", rng.below(64), rng.below(64), rng.below(64)),
+        4 => format!(
+            "root ::= ((\"a\"{{{}}}){{{}}}){{0,{}}}",
+            rng.below(64),
+            rng.below(64),
+            rng.below(64)
+        ),
         // Escapes, classes, any-char, tokens.
         5 => {
             let parts = [
-                "\"\\x41\"", "\"\\u00e9\"", "\"\\U0001F600\"", "\"\\uD800\"", "\"\\U00110000\"", "[^\\x00-\\x7f]", "[z-a]", "[\\]\\-]",
-                ".", "<[0]>", "<[4294967295]>", "<|im_end|>", "!<[3]>", "\"\\q\"", "\"\\x4\"", "[a-", "\"\"*", "\"a\"{0}+",
+                "\"\\x41\"",
+                "\"\\u00e9\"",
+                "\"\\U0001F600\"",
+                "\"\\uD800\"",
+                "\"\\U00110000\"",
+                "[^\\x00-\\x7f]",
+                "[z-a]",
+                "[\\]\\-]",
+                ".",
+                "<[0]>",
+                "<[4294967295]>",
+                "<|im_end|>",
+                "!<[3]>",
+                "\"\\q\"",
+                "\"\\x4\"",
+                "[a-",
+                "\"\"*",
+                "\"a\"{0}+",
             ];
-            let seq: Vec<&str> = (0..1 + rng.below(6)).map(|_| parts[rng.below(parts.len() as u64) as usize]).collect();
+            let seq: Vec<&str> = (0..1 + rng.below(6))
+                .map(|_| parts[rng.below(parts.len() as u64) as usize])
+                .collect();
             format!("root ::= {}\n", seq.join(" "))
         }
         // Long chains of rules (each a recursion level in a naive matcher).
@@ -57,9 +83,21 @@ pub fn grammar(rng: &mut Rng) -> String {
             g + &format!("r{n}::=[0-9]\n")
         }
         // Left recursion (accepted by an Earley parser) and empty languages.
-        7 => ["root ::= root \"a\" | \"a\"", "root ::= root \"a\"", "root ::= root", "root ::= a\na ::= root"][rng.below(4) as usize].into(),
+        7 => [
+            "root ::= root \"a\" | \"a\"",
+            "root ::= root \"a\"",
+            "root ::= root",
+            "root ::= a\na ::= root",
+        ][rng.below(4) as usize]
+            .into(),
         // Plain small grammars, often valid.
-        _ => ["root ::= [0-9]+", "root ::= \"yes\" | \"no\"", "root ::= (\"ab\" | [c-e]*)+ \"!\"", "root ::= .{1,3}"][rng.below(4) as usize].into(),
+        _ => [
+            "root ::= [0-9]+",
+            "root ::= \"yes\" | \"no\"",
+            "root ::= (\"ab\" | [c-e]*)+ \"!\"",
+            "root ::= .{1,3}",
+        ][rng.below(4) as usize]
+            .into(),
     };
     mutate(rng, text)
 }
@@ -69,7 +107,10 @@ fn mutate(rng: &mut Rng, mut text: String) -> String {
     if !rng.chance(3) {
         return text;
     }
-    let bits = ["(", ")", "|", "\r", "\n", "\r\n", "#", "\"", "[", "]", "{", "}", "\\", "*", "?", "::=", " ", "é"];
+    let bits = [
+        "(", ")", "|", "\r", "\n", "\r\n", "#", "\"", "[", "]", "{", "}", "\\", "*", "?", "::=",
+        " ", "é",
+    ];
     for _ in 0..1 + rng.below(4) {
         let at = rng.below(text.len() as u64 + 1) as usize;
         if !text.is_char_boundary(at) {
@@ -88,7 +129,10 @@ fn mutate(rng: &mut Rng, mut text: String) -> String {
 pub fn case(rng: &mut Rng, model: &Model, ctx: &Context, tally: &mut Tally) -> u64 {
     let text = grammar(rng);
     let mut params = generate::greedy_sampler();
-    params.grammar = Some(Grammar { text, root: rng.chance(8).then(|| ["root", "", "x", "r0"][rng.below(4) as usize].into()) });
+    params.grammar = Some(Grammar {
+        text,
+        root: rng.chance(8).then(|| ["root", "", "x", "r0"][rng.below(4) as usize].into()),
+    });
     if rng.chance(2) {
         // Lean toward "a" (the stack-doubling grammar's worst case) or away from the end.
         let bias = model.tokenize("a", false, false).unwrap_or_default();
@@ -117,7 +161,14 @@ pub fn case(rng: &mut Rng, model: &Model, ctx: &Context, tally: &mut Tally) -> u
     timed(tally, &mut |tally| {
         let _ = ctx.clear();
         let prompt = model.tokenize("say", true, false).unwrap_or_default();
-        let request = GenerateParams { prompt, seq: 0, max_tokens: 1 + rng.below(48) as u32, stop: Vec::new(), sampler: params.clone(), logprobs: None };
+        let request = GenerateParams {
+            prompt,
+            seq: 0,
+            max_tokens: 1 + rng.below(48) as u32,
+            stop: Vec::new(),
+            sampler: params.clone(),
+            logprobs: None,
+        };
         match generate::start(ctx, &request, &CancelToken::new()) {
             Ok(generation) => loop {
                 match generation.next() {

@@ -44,7 +44,9 @@ impl Rng {
     fn int(&mut self, plausible: i64) -> i64 {
         match self.below(8) {
             0 => [0, 1, -1, plausible, plausible + 1, plausible - 1][self.below(6) as usize],
-            1 => [i32::MIN as i64, i32::MAX as i64, u32::MAX as i64, 1 << 24][self.below(4) as usize],
+            1 => {
+                [i32::MIN as i64, i32::MAX as i64, u32::MAX as i64, 1 << 24][self.below(4) as usize]
+            }
             2 => self.next() as i32 as i64,
             _ => self.below(plausible.max(1) as u64) as i64,
         }
@@ -88,7 +90,13 @@ struct Options {
 }
 
 fn parse() -> Result<Options, String> {
-    let mut o = Options { seed: 1, calls: 200, models: vec!["default".into()], projectors: Vec::new(), grammars: 0 };
+    let mut o = Options {
+        seed: 1,
+        calls: 200,
+        models: vec!["default".into()],
+        projectors: Vec::new(),
+        grammars: 0,
+    };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or(format!("{flag} needs a value"))?;
@@ -98,7 +106,9 @@ fn parse() -> Result<Options, String> {
             "--calls" => o.calls = value.parse().map_err(|_| format!("--calls: {value:?}"))?,
             "--models" => o.models = list(&value),
             "--projectors" => o.projectors = list(&value),
-            "--grammars" => o.grammars = value.parse().map_err(|_| format!("--grammars: {value:?}"))?,
+            "--grammars" => {
+                o.grammars = value.parse().map_err(|_| format!("--grammars: {value:?}"))?
+            }
             _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
@@ -162,10 +172,23 @@ fn main() {
     let mut held = Held::default();
     let mut tally = Tally::default();
     if o.grammars > 0 {
-        let model = Model::open(&o.models[0]).unwrap_or_else(|e| panic!("model {}: {e:?}", o.models[0]));
-        let ctx = Context::create(&model, ContextParams { n_ctx: Some(512), n_batch: None, n_ubatch: None, n_seq_max: None, n_threads: Some(1) })
-            .unwrap_or_else(|e| panic!("context: {e:?}"));
-        let slowest = (0..o.grammars).map(|_| grammars::case(&mut rng, &model, &ctx, &mut tally)).max().unwrap_or(0);
+        let model =
+            Model::open(&o.models[0]).unwrap_or_else(|e| panic!("model {}: {e:?}", o.models[0]));
+        let ctx = Context::create(
+            &model,
+            ContextParams {
+                n_ctx: Some(512),
+                n_batch: None,
+                n_ubatch: None,
+                n_seq_max: None,
+                n_threads: Some(1),
+            },
+        )
+        .unwrap_or_else(|e| panic!("context: {e:?}"));
+        let slowest = (0..o.grammars)
+            .map(|_| grammars::case(&mut rng, &model, &ctx, &mut tally))
+            .max()
+            .unwrap_or(0);
         println!("fuzz-grammar-cases: {}", o.grammars);
         println!("fuzz-grammar-slowest-ms: {slowest}");
     }
@@ -173,7 +196,11 @@ fn main() {
         step(&o, &mut rng, &mut held, &mut tally);
     }
     // Drop what is left in a random order too.
-    while !(held.models.is_empty() && held.contexts.is_empty() && held.media.is_empty() && held.chunks.is_empty()) {
+    while !(held.models.is_empty()
+        && held.contexts.is_empty()
+        && held.media.is_empty()
+        && held.chunks.is_empty())
+    {
         match rng.below(4) {
             0 => drop(rng.take(&mut held.models)),
             1 => drop(rng.take(&mut held.contexts)),
@@ -191,7 +218,20 @@ fn main() {
 }
 
 fn text(rng: &mut Rng) -> String {
-    const PIECES: &[&str] = &["the llama", " ", "<s>", "</s>", "<unk>", "<__media__>", "\u{0}", "é", "🦙", "\n", "<|im_start|>", "<"];
+    const PIECES: &[&str] = &[
+        "the llama",
+        " ",
+        "<s>",
+        "</s>",
+        "<unk>",
+        "<__media__>",
+        "\u{0}",
+        "é",
+        "🦙",
+        "\n",
+        "<|im_start|>",
+        "<",
+    ];
     let n = rng.len(12);
     let n = if n > 1000 { 20_000 } else { n };
     (0..n).map(|_| *rng.pick(PIECES).unwrap()).collect()
@@ -199,7 +239,13 @@ fn text(rng: &mut Rng) -> String {
 
 fn params(rng: &mut Rng) -> ContextParams {
     let mut maybe = |plausible: i64| if rng.chance(3) { None } else { Some(rng.u32(plausible)) };
-    ContextParams { n_ctx: maybe(1024), n_batch: maybe(512), n_ubatch: maybe(512), n_seq_max: maybe(4), n_threads: maybe(2) }
+    ContextParams {
+        n_ctx: maybe(1024),
+        n_batch: maybe(512),
+        n_ubatch: maybe(512),
+        n_seq_max: maybe(4),
+        n_threads: maybe(2),
+    }
 }
 
 fn batch(rng: &mut Rng, n_vocab: i64, ctx: Option<&Context>) -> Batch {
@@ -243,7 +289,8 @@ fn audio(rng: &mut Rng) -> Input {
     let n = rng.len(4000).min(1 << 20);
     let mut samples: Vec<f32> = (0..n).map(|i| (i as f32 * 0.05).sin() * 0.5).collect();
     if n > 0 && rng.chance(6) {
-        samples[rng.below(n as u64) as usize] = [f32::NAN, f32::INFINITY, 1e30][rng.below(3) as usize];
+        samples[rng.below(n as u64) as usize] =
+            [f32::NAN, f32::INFINITY, 1e30][rng.below(3) as usize];
     }
     Input::Audio(samples)
 }
@@ -270,7 +317,11 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
     let n_vocab = held.models.first().map_or(300, |m| m.n_vocab() as i64);
     match rng.below(24) {
         0 | 1 => {
-            let name = if rng.chance(5) { "no-such-model".to_string() } else { rng.pick(&o.models).cloned().unwrap_or_default() };
+            let name = if rng.chance(5) {
+                "no-such-model".to_string()
+            } else {
+                rng.pick(&o.models).cloned().unwrap_or_default()
+            };
             let model = Model::open(&name);
             tally.record(&model);
             held.models.extend(model.ok());
@@ -299,13 +350,21 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
             held.contexts.extend(ctx.ok());
         }
         7 | 8 => {
-            let Some(i) = (!held.contexts.is_empty()).then(|| rng.below(held.contexts.len() as u64) as usize) else { return };
+            let Some(i) =
+                (!held.contexts.is_empty()).then(|| rng.below(held.contexts.len() as u64) as usize)
+            else {
+                return;
+            };
             let b = batch(rng, n_vocab, Some(&held.contexts[i]));
             let t = token(rng, &held.capabilities, tally);
             tally.record(&held.contexts[i].decode(&b, &t));
         }
         9 => {
-            let Some(i) = (!held.contexts.is_empty()).then(|| rng.below(held.contexts.len() as u64) as usize) else { return };
+            let Some(i) =
+                (!held.contexts.is_empty()).then(|| rng.below(held.contexts.len() as u64) as usize)
+            else {
+                return;
+            };
             let b = batch(rng, n_vocab, Some(&held.contexts[i]));
             let t = token(rng, &held.capabilities, tally);
             let pending = held.contexts[i].start_decode(&b, &t);
@@ -340,7 +399,12 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
                 2 => tally.record(&ctx.seq_rm(seq, rng.s32(64), rng.s32(64))),
                 3 => tally.record(&ctx.seq_pos_max(seq)),
                 4 => tally.record(&ctx.clear()),
-                _ => tally.record(&Ok::<_, Error>((ctx.n_ctx(), ctx.n_batch(), ctx.n_ubatch(), ctx.n_seq_max()))),
+                _ => tally.record(&Ok::<_, Error>((
+                    ctx.n_ctx(),
+                    ctx.n_batch(),
+                    ctx.n_ubatch(),
+                    ctx.n_seq_max(),
+                ))),
             }
         }
         12 => {
@@ -356,7 +420,11 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
             }
         }
         13 => {
-            let cap = if rng.chance(3) { "0123456789abcdef0123456789abcdef".into() } else { rng.pick(&held.capabilities).cloned().unwrap_or_default() };
+            let cap = if rng.chance(3) {
+                "0123456789abcdef0123456789abcdef".into()
+            } else {
+                rng.pick(&held.capabilities).cloned().unwrap_or_default()
+            };
             let t = CancelToken::open_shared(&cap);
             tally.record(&t);
             if let Ok(t) = t {
@@ -367,7 +435,11 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
         }
         14 => {
             let Some(model) = rng.pick(&held.models) else { return };
-            let name = if rng.chance(6) { "no-such-projector".to_string() } else { rng.pick(&o.projectors).cloned().unwrap_or_default() };
+            let name = if rng.chance(6) {
+                "no-such-projector".to_string()
+            } else {
+                rng.pick(&o.projectors).cloned().unwrap_or_default()
+            };
             let media = MediaContext::open(&name, model);
             tally.record(&media);
             held.media.extend(media.ok());
@@ -376,7 +448,9 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
             let Some(media) = rng.pick(&held.media) else { return };
             let markers = rng.below(4) as usize;
             let n_inputs = if rng.chance(5) { rng.below(4) as usize } else { markers };
-            let inputs: Vec<Input> = (0..n_inputs).map(|_| if rng.chance(2) { image(rng) } else { audio(rng) }).collect();
+            let inputs: Vec<Input> = (0..n_inputs)
+                .map(|_| if rng.chance(2) { image(rng) } else { audio(rng) })
+                .collect();
             let prompt = format!("{}{}", text(rng), media.marker().repeat(markers));
             let chunks = media.tokenize(&prompt, &inputs);
             tally.record(&chunks);
@@ -384,7 +458,9 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
         }
         17 | 18 => {
             // Any media context with any chunk: often one made by another media context.
-            let (Some(media), Some(chunk)) = (rng.pick(&held.media), rng.pick(&held.chunks)) else { return };
+            let (Some(media), Some(chunk)) = (rng.pick(&held.media), rng.pick(&held.chunks)) else {
+                return;
+            };
             let t = token(rng, &held.capabilities, tally);
             if rng.chance(2) {
                 tally.record(&media.encode_chunk(chunk, &t));
@@ -405,7 +481,9 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
             }
         }
         20 => {
-            let (Some(media), Some(ctx)) = (rng.pick(&held.media), rng.pick(&held.contexts)) else { return };
+            let (Some(media), Some(ctx)) = (rng.pick(&held.media), rng.pick(&held.contexts)) else {
+                return;
+            };
             let n = rng.len(4).min(held.chunks.len() * 2);
             let chunks: Vec<&Chunk> = (0..n).filter_map(|_| rng.pick(&held.chunks)).collect();
             let t = token(rng, &held.capabilities, tally);
@@ -413,7 +491,12 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
         }
         21 => {
             let Some(chunk) = rng.pick(&held.chunks) else { return };
-            tally.record(&Ok::<_, Error>((chunk.kind(), chunk.n_tokens(), chunk.n_pos(), chunk.text_tokens().len())));
+            tally.record(&Ok::<_, Error>((
+                chunk.kind(),
+                chunk.n_tokens(),
+                chunk.n_pos(),
+                chunk.text_tokens().len(),
+            )));
         }
         _ => {
             // Drops in any order: a model before its contexts, a media context before

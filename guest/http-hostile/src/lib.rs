@@ -17,7 +17,9 @@ llamabox_guest::http_plugin!(path: "../../wit", handler: misbehave);
 
 use llamabox_guest::cancel::CancelToken;
 use llamabox_guest::llm::{Batch, Context, ContextParams, Model};
-use wasi::http::types::{Fields, IncomingRequest, OutgoingBody, OutgoingResponse, ResponseOutparam};
+use wasi::http::types::{
+    Fields, IncomingRequest, OutgoingBody, OutgoingResponse, ResponseOutparam,
+};
 
 /// Misbehaves as the request's path says (see the crate's doc).
 fn misbehave(request: IncomingRequest, out: ResponseOutparam) {
@@ -62,7 +64,9 @@ fn misbehave(request: IncomingRequest, out: ResponseOutparam) {
         }
         _ => {
             let (stream, body) = start(out);
-            let _ = stream.blocking_write_and_flush(b"paths: /trap /no-response /spin /grow /endless /decode-forever /linger\n");
+            let _ = stream.blocking_write_and_flush(
+                b"paths: /trap /no-response /spin /grow /endless /decode-forever /linger\n",
+            );
             drop(stream);
             let _ = OutgoingBody::finish(body, None);
         }
@@ -83,7 +87,13 @@ fn decode_forever(stream: &wasi::io::streams::OutputStream) {
     let models = std::env::var("LLAMABOX_MODELS").unwrap_or_default();
     let Some(name) = models.split(',').next() else { return };
     let Ok(model) = Model::open(name) else { return };
-    let params = ContextParams { n_ctx: Some(512), n_batch: Some(512), n_ubatch: None, n_seq_max: None, n_threads: None };
+    let params = ContextParams {
+        n_ctx: Some(512),
+        n_batch: Some(512),
+        n_ubatch: None,
+        n_seq_max: None,
+        n_threads: None,
+    };
     let Ok(ctx) = Context::create(&model, params) else { return };
     let Ok(cancel) = CancelToken::create() else { return };
     let n = 512;

@@ -21,7 +21,13 @@ pub struct ApiError {
 impl ApiError {
     /// 400: something in the request is wrong; `param` names the field.
     pub fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
-        ApiError { status: 400, message: message.into(), kind: "invalid_request_error", param: param.map(Into::into), code: None }
+        ApiError {
+            status: 400,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(Into::into),
+            code: None,
+        }
     }
 
     pub fn with_code(mut self, code: &'static str) -> Self {
@@ -34,22 +40,37 @@ impl ApiError {
     }
 
     pub fn model_not_found(name: &str) -> Self {
-        ApiError { status: 404, ..Self::invalid(format!("The model `{name}` does not exist"), Some("model")) }
-            .with_code("model_not_found")
+        ApiError {
+            status: 404,
+            ..Self::invalid(format!("The model `{name}` does not exist"), Some("model"))
+        }
+        .with_code("model_not_found")
     }
 
     pub fn method_not_allowed(method: &str, path: &str, allowed: &str) -> Self {
-        ApiError { status: 405, ..Self::invalid(format!("{method} is not allowed on {path}; use {allowed}"), None) }
-            .with_code("method_not_allowed")
+        ApiError {
+            status: 405,
+            ..Self::invalid(format!("{method} is not allowed on {path}; use {allowed}"), None)
+        }
+        .with_code("method_not_allowed")
     }
 
     pub fn too_large(cap: u64) -> Self {
-        ApiError { status: 413, ..Self::invalid(format!("The request body is larger than {cap} bytes"), None) }
-            .with_code("request_too_large")
+        ApiError {
+            status: 413,
+            ..Self::invalid(format!("The request body is larger than {cap} bytes"), None)
+        }
+        .with_code("request_too_large")
     }
 
     pub fn server(message: impl Into<String>) -> Self {
-        ApiError { status: 500, message: message.into(), kind: "server_error", param: None, code: None }
+        ApiError {
+            status: 500,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
     }
 
     pub fn to_json(&self) -> String {
@@ -65,7 +86,12 @@ impl ApiError {
         struct Outer<'a> {
             error: Inner<'a>,
         }
-        let inner = Inner { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code };
+        let inner = Inner {
+            message: &self.message,
+            kind: self.kind,
+            param: self.param.as_deref(),
+            code: self.code,
+        };
         to_json(&Outer { error: inner })
     }
 }
@@ -76,13 +102,15 @@ impl From<HostError> for ApiError {
         match e {
             HostError::InvalidArgument(m) => ApiError::invalid(m, None),
             HostError::ContextFull => {
-                ApiError::invalid("The context is full: the prompt and the answer do not fit", None).with_code("context_length_exceeded")
+                ApiError::invalid("The context is full: the prompt and the answer do not fit", None)
+                    .with_code("context_length_exceeded")
             }
             HostError::ModelNotFound(name) => ApiError::model_not_found(&name),
-            HostError::LimitExceeded(m) => {
-                ApiError { status: 503, ..ApiError::server(format!("A server limit was reached, try again later: {m}")) }
-                    .with_code("limit_exceeded")
+            HostError::LimitExceeded(m) => ApiError {
+                status: 503,
+                ..ApiError::server(format!("A server limit was reached, try again later: {m}"))
             }
+            .with_code("limit_exceeded"),
             HostError::Cancelled => ApiError::server("The request was cancelled"),
             HostError::Backend(m) => ApiError::server(format!("Inference failed: {m}")),
         }
@@ -102,7 +130,9 @@ impl Object {
         match serde_json::from_slice(body) {
             Ok(Value::Object(map)) => Ok(Object(map)),
             Ok(_) => Err(ApiError::invalid("The request body must be a JSON object", None)),
-            Err(e) => Err(ApiError::invalid(format!("The request body is not valid JSON: {e}"), None)),
+            Err(e) => {
+                Err(ApiError::invalid(format!("The request body is not valid JSON: {e}"), None))
+            }
         }
     }
 
@@ -110,9 +140,9 @@ impl Object {
     pub fn get<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, ApiError> {
         match self.0.get(name) {
             None | Some(Value::Null) => Ok(None),
-            Some(value) => T::deserialize(value)
-                .map(Some)
-                .map_err(|e| ApiError::invalid(format!("Invalid value for '{name}': {e}"), Some(name))),
+            Some(value) => T::deserialize(value).map(Some).map_err(|e| {
+                ApiError::invalid(format!("Invalid value for '{name}': {e}"), Some(name))
+            }),
         }
     }
 
@@ -120,16 +150,24 @@ impl Object {
     /// `false`, `[]`): a field this server would otherwise ignore, leaving the client
     /// believing it got JSON, a tool call or logprobs.
     pub fn refuse_unknown(&self, honoured: &[&str]) -> Result<(), ApiError> {
-        let off = |v: &Value| matches!(v, Value::Null | Value::Bool(false)) || v.as_array().is_some_and(Vec::is_empty);
-        match self.0.iter().find(|(name, value)| !honoured.contains(&name.as_str()) && !off(value)) {
-            Some((name, _)) => Err(ApiError::invalid(format!("Unsupported parameter: '{name}' is not supported by this server"), Some(name))
-                .with_code("unsupported_parameter")),
+        let off = |v: &Value| {
+            matches!(v, Value::Null | Value::Bool(false)) || v.as_array().is_some_and(Vec::is_empty)
+        };
+        match self.0.iter().find(|(name, value)| !honoured.contains(&name.as_str()) && !off(value))
+        {
+            Some((name, _)) => Err(ApiError::invalid(
+                format!("Unsupported parameter: '{name}' is not supported by this server"),
+                Some(name),
+            )
+            .with_code("unsupported_parameter")),
             None => Ok(()),
         }
     }
 
     pub fn require<T: DeserializeOwned>(&self, name: &str) -> Result<T, ApiError> {
-        self.get(name)?.ok_or_else(|| ApiError::invalid(format!("Missing required parameter: '{name}'"), Some(name)))
+        self.get(name)?.ok_or_else(|| {
+            ApiError::invalid(format!("Missing required parameter: '{name}'"), Some(name))
+        })
     }
 }
 
@@ -518,15 +556,30 @@ mod tests {
 
     #[test]
     fn fields_this_server_would_ignore_are_refused_by_name() {
-        let body = Object::parse(br#"{"model": "m", "logprobs": false, "tools": [], "echo": null, "top_logprobs": 3}"#).unwrap();
+        let body = Object::parse(
+            br#"{"model": "m", "logprobs": false, "tools": [], "echo": null, "top_logprobs": 3}"#,
+        )
+        .unwrap();
         let e = body.refuse_unknown(&["model"]).unwrap_err();
-        assert_eq!((e.status, e.param.as_deref(), e.code), (400, Some("top_logprobs"), Some("unsupported_parameter")));
-        Object::parse(br#"{"model": "m", "logprobs": false}"#).unwrap().refuse_unknown(&["model"]).unwrap();
-        let format = |json: &str| serde_json::from_str::<ResponseFormat>(json).map(|_| ()).map_err(|e| e.to_string());
+        assert_eq!(
+            (e.status, e.param.as_deref(), e.code),
+            (400, Some("top_logprobs"), Some("unsupported_parameter"))
+        );
+        Object::parse(br#"{"model": "m", "logprobs": false}"#)
+            .unwrap()
+            .refuse_unknown(&["model"])
+            .unwrap();
+        let format = |json: &str| {
+            serde_json::from_str::<ResponseFormat>(json).map(|_| ()).map_err(|e| e.to_string())
+        };
         format(r#"{"type": "json_object"}"#).unwrap();
         format(r#"{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": true}}"#).unwrap();
         assert!(format(r#"{"type": "xml"}"#).is_err());
-        assert!(format(r#"{"type": "json_schema", "json_schema": {"name": "x", "schemas": {}}}"#).is_err(), "a misspelt field is not ignored");
+        assert!(
+            format(r#"{"type": "json_schema", "json_schema": {"name": "x", "schemas": {}}}"#)
+                .is_err(),
+            "a misspelt field is not ignored"
+        );
     }
 
     #[test]
@@ -549,7 +602,10 @@ mod tests {
             TokenPiece { id: 1, piece: b" llama".to_vec().into() },
             TokenPiece { id: 2, piece: vec![0xf0, 0x9f].into() },
         ];
-        assert_eq!(to_json(&Tokens { tokens: pieces }), r#"{"tokens":[{"id":1,"piece":" llama"},{"id":2,"piece":[240,159]}]}"#);
+        assert_eq!(
+            to_json(&Tokens { tokens: pieces }),
+            r#"{"tokens":[{"id":1,"piece":" llama"},{"id":2,"piece":[240,159]}]}"#
+        );
         assert_eq!(to_json(&Tokens { tokens: vec![1, 2] }), r#"{"tokens":[1,2]}"#);
         assert_eq!(Piece::from(Vec::new()), Piece::Text(String::new()));
     }

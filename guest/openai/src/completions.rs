@@ -7,9 +7,11 @@ use std::rc::Rc;
 use crate::api::{self, ApiError, ChatChoice, Choice, Completion, Delta, TextChoice, Usage};
 use crate::handlers::{Reply, Sampling, CONTEXT_STEP, DEFAULT_N_CTX, MAX_GENERATE_TOKENS};
 use crate::http::{self, Body, Gone};
-use llamabox_guest::cancel::CancelToken;
-use llamabox_guest::generate::{self, FinishReason, GenerateParams, Generation, Logprobs, Piece, Sampler};
 use crate::tools::{Call, Reader};
+use llamabox_guest::cancel::CancelToken;
+use llamabox_guest::generate::{
+    self, FinishReason, GenerateParams, Generation, Logprobs, Piece, Sampler,
+};
 use llamabox_guest::llm::{Context, ContextParams, Model};
 use llamabox_guest::media::{Chunk, MediaContext};
 use llamabox_guest::types::Error as HostError;
@@ -55,8 +57,18 @@ struct Run {
 impl Run {
     /// A context sized for the prompt and `max_tokens`, ready to `begin`. `param`
     /// names the prompt's field in errors; `choice` varies the seed between choices.
-    fn start(model: &Model, prompt: &Prompt, index: usize, sampling: &Sampling, param: &str, choice: u32) -> Result<Run, ApiError> {
-        let cap = std::env::var("LLAMABOX_N_CTX").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(DEFAULT_N_CTX);
+    fn start(
+        model: &Model,
+        prompt: &Prompt,
+        index: usize,
+        sampling: &Sampling,
+        param: &str,
+        choice: u32,
+    ) -> Result<Run, ApiError> {
+        let cap = std::env::var("LLAMABOX_N_CTX")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_N_CTX);
         let limit = model.n_ctx_train().min(cap).max(1);
         let n_prompt = match prompt {
             Prompt::Tokens(tokens) => tokens.len() as u32,
@@ -80,7 +92,13 @@ impl Run {
             None => (limit - n_prompt).min(MAX_GENERATE_TOKENS),
         };
         let n_ctx = (n_prompt + max_tokens).next_multiple_of(CONTEXT_STEP).min(limit);
-        let params = ContextParams { n_ctx: Some(n_ctx), n_batch: None, n_ubatch: None, n_seq_max: None, n_threads: None };
+        let params = ContextParams {
+            n_ctx: Some(n_ctx),
+            n_batch: None,
+            n_ubatch: None,
+            n_seq_max: None,
+            n_threads: None,
+        };
         let ctx = Context::create(model, params)?;
         let cancel = CancelToken::create()?;
         let (tokens, media) = match prompt {
@@ -88,7 +106,14 @@ impl Run {
             Prompt::Media(m) => (Vec::new(), Some(m.clone())),
         };
         let sampler = sampling.sampler(model, choice)?;
-        let params = GenerateParams { prompt: tokens, seq: 0, max_tokens, stop: sampling.stop.clone(), sampler, logprobs: sampling.logprobs };
+        let params = GenerateParams {
+            prompt: tokens,
+            seq: 0,
+            max_tokens,
+            stop: sampling.stop.clone(),
+            sampler,
+            logprobs: sampling.logprobs,
+        };
         let reader = sampling.tool_calls.then(Reader::default);
         Ok(Run { generation: None, media, params, prompt: index, reader, n_prompt, cancel, ctx })
     }
@@ -150,12 +175,27 @@ struct Addition {
 impl Format {
     /// Choice `index` of a whole answer, or what one stream chunk says of it (`finish`
     /// set on its last).
-    fn choice<'a>(&self, index: u32, text: Option<&'a str>, logprobs: Option<TokenLogprobs>, finish: Option<&'static str>, whole: bool) -> Choice<'a> {
+    fn choice<'a>(
+        &self,
+        index: u32,
+        text: Option<&'a str>,
+        logprobs: Option<TokenLogprobs>,
+        finish: Option<&'static str>,
+        whole: bool,
+    ) -> Choice<'a> {
         self.choice_with_calls(index, text, None, logprobs, finish, whole)
     }
 
     /// [`Format::choice`], with tool calls (chat only).
-    fn choice_with_calls<'a>(&self, index: u32, text: Option<&'a str>, tool_calls: Option<Vec<api::ToolCallOut>>, logprobs: Option<TokenLogprobs>, finish: Option<&'static str>, whole: bool) -> Choice<'a> {
+    fn choice_with_calls<'a>(
+        &self,
+        index: u32,
+        text: Option<&'a str>,
+        tool_calls: Option<Vec<api::ToolCallOut>>,
+        logprobs: Option<TokenLogprobs>,
+        finish: Option<&'static str>,
+        whole: bool,
+    ) -> Choice<'a> {
         match logprobs {
             _ if self.chat => {
                 let logprobs = match logprobs {
@@ -163,16 +203,32 @@ impl Format {
                     _ => None,
                 };
                 let delta = Delta { role: whole.then_some("assistant"), content: text, tool_calls };
-                let (message, delta) = if whole { (Some(delta), None) } else { (None, Some(delta)) };
+                let (message, delta) =
+                    if whole { (Some(delta), None) } else { (None, Some(delta)) };
                 Choice::Chat(ChatChoice { index, message, delta, logprobs, finish_reason: finish })
             }
-            Some(TokenLogprobs::Text(l)) => Choice::Text(TextChoice { index, text: text.unwrap_or(""), logprobs: Some(l), finish_reason: finish }),
-            _ => Choice::Text(TextChoice { index, text: text.unwrap_or(""), logprobs: None, finish_reason: finish }),
+            Some(TokenLogprobs::Text(l)) => Choice::Text(TextChoice {
+                index,
+                text: text.unwrap_or(""),
+                logprobs: Some(l),
+                finish_reason: finish,
+            }),
+            _ => Choice::Text(TextChoice {
+                index,
+                text: text.unwrap_or(""),
+                logprobs: None,
+                finish_reason: finish,
+            }),
         }
     }
 
     /// The log-probabilities of `add`'s tokens in this format's shape, when asked for.
-    fn logprobs(&self, model: &Model, add: &Addition, offsets: &mut Offsets) -> Result<Option<TokenLogprobs>, ApiError> {
+    fn logprobs(
+        &self,
+        model: &Model,
+        add: &Addition,
+        offsets: &mut Offsets,
+    ) -> Result<Option<TokenLogprobs>, ApiError> {
         if !offsets.asked {
             return Ok(None);
         }
@@ -190,13 +246,30 @@ impl Format {
             (true, false) => "chat.completion.chunk",
             (false, _) => "text_completion",
         };
-        api::to_json(&Completion { id: &self.id, object, created: self.created, model: &self.model, choices, usage })
+        api::to_json(&Completion {
+            id: &self.id,
+            object,
+            created: self.created,
+            model: &self.model,
+            choices,
+            usage,
+        })
     }
 
     /// The first chunk of choice `index` of a chat stream: the assistant's role, no text yet.
     fn role_chunk(&self, index: u32) -> String {
         let delta = Delta { role: Some("assistant"), content: Some(""), tool_calls: None };
-        self.json(vec![Choice::Chat(ChatChoice { index, message: None, delta: Some(delta), logprobs: None, finish_reason: None })], None, false)
+        self.json(
+            vec![Choice::Chat(ChatChoice {
+                index,
+                message: None,
+                delta: Some(delta),
+                logprobs: None,
+                finish_reason: None,
+            })],
+            None,
+            false,
+        )
     }
 
     /// The usage chunk of a stream (`stream_options.include_usage`): no choices.
@@ -226,7 +299,11 @@ fn token_text(model: &Model, token: i32) -> Result<(String, Vec<u8>), ApiError> 
 }
 
 fn floor(logprob: f32) -> f32 {
-    if logprob.is_nan() { LOGPROB_FLOOR } else { logprob.max(LOGPROB_FLOOR) }
+    if logprob.is_nan() {
+        LOGPROB_FLOOR
+    } else {
+        logprob.max(LOGPROB_FLOOR)
+    }
 }
 
 /// Chat's `logprobs.content`: each token with its bytes and its alternatives.
@@ -239,8 +316,14 @@ fn chat_logprobs(model: &Model, all: &[Logprobs]) -> Result<api::ChatLogprobs, A
         .iter()
         .map(|l| {
             let chosen = entry(l.chosen.token, l.chosen.logprob)?;
-            let top_logprobs = l.top.iter().map(|t| entry(t.token, t.logprob)).collect::<Result<_, _>>()?;
-            Ok(api::ChatTokenLogprob { token: chosen.token, logprob: chosen.logprob, bytes: chosen.bytes, top_logprobs })
+            let top_logprobs =
+                l.top.iter().map(|t| entry(t.token, t.logprob)).collect::<Result<_, _>>()?;
+            Ok(api::ChatTokenLogprob {
+                token: chosen.token,
+                logprob: chosen.logprob,
+                bytes: chosen.bytes,
+                top_logprobs,
+            })
         })
         .collect::<Result<_, ApiError>>()?;
     Ok(api::ChatLogprobs { content, refusal: None })
@@ -248,7 +331,11 @@ fn chat_logprobs(model: &Model, all: &[Logprobs]) -> Result<api::ChatLogprobs, A
 
 /// Text completions' `logprobs`: parallel lists, offsets counted in characters from the
 /// start of the completion (`offset` carries on across a stream's chunks).
-fn text_logprobs(model: &Model, all: &[Logprobs], offset: &mut u32) -> Result<api::TextLogprobs, ApiError> {
+fn text_logprobs(
+    model: &Model,
+    all: &[Logprobs],
+    offset: &mut u32,
+) -> Result<api::TextLogprobs, ApiError> {
     let mut out = api::TextLogprobs::default();
     for l in all {
         let (text, _) = token_text(model, l.chosen.token)?;
@@ -256,7 +343,11 @@ fn text_logprobs(model: &Model, all: &[Logprobs], offset: &mut u32) -> Result<ap
         *offset += text.chars().count() as u32;
         out.tokens.push(text);
         out.token_logprobs.push(floor(l.chosen.logprob));
-        let top = l.top.iter().map(|t| Ok((token_text(model, t.token)?.0, floor(t.logprob)))).collect::<Result<_, ApiError>>()?;
+        let top = l
+            .top
+            .iter()
+            .map(|t| Ok((token_text(model, t.token)?.0, floor(t.logprob))))
+            .collect::<Result<_, ApiError>>()?;
         out.top_logprobs.push(api::TopMap(top));
     }
     Ok(out)
@@ -273,7 +364,9 @@ fn check_constraint(model: &Model, sampling: &Sampling) -> Result<(), ApiError> 
     let param = sampling.constraint_param;
     match Sampler::create(model, &params) {
         Ok(_) => Ok(()),
-        Err(HostError::InvalidArgument(m) | HostError::LimitExceeded(m)) => Err(ApiError::invalid(format!("Invalid '{param}': {m}"), Some(param))),
+        Err(HostError::InvalidArgument(m) | HostError::LimitExceeded(m)) => {
+            Err(ApiError::invalid(format!("Invalid '{param}': {m}"), Some(param)))
+        }
         Err(e) => Err(e.into()),
     }
 }
@@ -306,11 +399,24 @@ pub struct Choices {
 impl Choices {
     /// `n` runs (`sampling.n`) for each prompt, each on a context of its own: at most
     /// [`MAX_CHOICES`] in all, else a 400 naming `n` (or `param`, for many prompts).
-    pub fn start(model: Model, prompts: &[Prompt], sampling: &Sampling, param: &str, format: Format) -> Result<Choices, ApiError> {
+    pub fn start(
+        model: Model,
+        prompts: &[Prompt],
+        sampling: &Sampling,
+        param: &str,
+        format: Format,
+    ) -> Result<Choices, ApiError> {
         let total = prompts.len() * sampling.n as usize;
         if total > MAX_CHOICES {
-            let message = format!("{} prompts × n = {} asks for {total} choices: at most {MAX_CHOICES} per request", prompts.len(), sampling.n);
-            return Err(ApiError::invalid(message, Some(if prompts.len() > 1 { param } else { "n" })));
+            let message = format!(
+                "{} prompts × n = {} asks for {total} choices: at most {MAX_CHOICES} per request",
+                prompts.len(),
+                sampling.n
+            );
+            return Err(ApiError::invalid(
+                message,
+                Some(if prompts.len() > 1 { param } else { "n" }),
+            ));
         }
         check_constraint(&model, sampling)?;
         let mut runs = Vec::with_capacity(total);
@@ -319,7 +425,8 @@ impl Choices {
                 runs.push(Run::start(&model, prompt, index, sampling, param, choice)?);
             }
         }
-        let (logprobs, stream, include_usage) = (sampling.logprobs.is_some(), sampling.stream, sampling.include_usage);
+        let (logprobs, stream, include_usage) =
+            (sampling.logprobs.is_some(), sampling.stream, sampling.include_usage);
         Ok(Choices { runs, model, format, logprobs, stream, include_usage })
     }
 
@@ -337,13 +444,21 @@ impl Choices {
             }
         }
         let prompt_tokens_details = api::PromptTokensDetails { cached_tokens };
-        Usage { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens, prompt_tokens_details }
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details,
+        }
     }
 
     /// Start every run, then take one piece from each live run in turn (the host steps
     /// them together), telling `event` of each piece and each run's end, with the
     /// choice's index.
-    fn drive(&mut self, mut event: impl FnMut(&Self, u32, Event) -> Result<(), ApiError>) -> Result<(), ApiError> {
+    fn drive(
+        &mut self,
+        mut event: impl FnMut(&Self, u32, Event) -> Result<(), ApiError>,
+    ) -> Result<(), ApiError> {
         for run in &mut self.runs {
             run.begin()?;
         }
@@ -353,7 +468,11 @@ impl Choices {
             for i in live {
                 match self.runs[i].next()? {
                     Some(piece) => {
-                        event(self, i as u32, Event::Piece(Addition { text: piece.text, logprobs: piece.logprobs }))?;
+                        event(
+                            self,
+                            i as u32,
+                            Event::Piece(Addition { text: piece.text, logprobs: piece.logprobs }),
+                        )?;
                         still.push(i);
                     }
                     None => event(self, i as u32, Event::Ended)?,
@@ -380,13 +499,22 @@ impl Choices {
         })?;
         let mut choices = Vec::with_capacity(whole.len());
         for (i, add) in whole.iter().enumerate() {
-            let logprobs = self.format.logprobs(&self.model, add, &mut Offsets { asked: self.logprobs, text: 0 })?;
+            let logprobs = self.format.logprobs(
+                &self.model,
+                add,
+                &mut Offsets { asked: self.logprobs, text: 0 },
+            )?;
             let run = &self.runs[i];
             let reason = Some(run.finish_reason());
             let calls = calls_out(run.calls(), false);
             // A message that calls tools has no text (OpenAI's `content: null`).
-            let (text, calls) = if calls.is_empty() { (Some(add.text.as_str()), None) } else { (None, Some(calls)) };
-            choices.push(self.format.choice_with_calls(i as u32, text, calls, logprobs, reason, true));
+            let (text, calls) = if calls.is_empty() {
+                (Some(add.text.as_str()), None)
+            } else {
+                (None, Some(calls))
+            };
+            choices
+                .push(self.format.choice_with_calls(i as u32, text, calls, logprobs, reason, true));
         }
         Ok(Reply::Json(self.format.json(choices, Some(self.usage()), true)))
     }
@@ -431,20 +559,44 @@ impl Stream {
         };
         let driven = choices.drive(|c, i, event| {
             let json = match event {
-                Event::Piece(add) if add.text.is_empty() && add.logprobs.is_empty() => return Ok(()),
+                Event::Piece(add) if add.text.is_empty() && add.logprobs.is_empty() => {
+                    return Ok(())
+                }
                 Event::Piece(add) => {
                     let logprobs = c.format.logprobs(&c.model, &add, &mut offsets[i as usize])?;
-                    c.format.json(vec![c.format.choice(i, Some(&add.text), logprobs, None, false)], None, false)
+                    c.format.json(
+                        vec![c.format.choice(i, Some(&add.text), logprobs, None, false)],
+                        None,
+                        false,
+                    )
                 }
                 Event::Ended => {
                     let run = &c.runs[i as usize];
                     // Each call as OpenAI streams it: id, type and name first, then its arguments.
                     for call in calls_out(run.calls(), true) {
                         let arguments = call.function.arguments.clone();
-                        let opening = api::ToolCallOut { function: api::FunctionCallOut { arguments: String::new(), ..call.function.clone() }, ..call.clone() };
-                        let rest = api::ToolCallOut { id: None, kind: None, function: api::FunctionCallOut { name: None, arguments }, ..call };
+                        let opening = api::ToolCallOut {
+                            function: api::FunctionCallOut {
+                                arguments: String::new(),
+                                ..call.function.clone()
+                            },
+                            ..call.clone()
+                        };
+                        let rest = api::ToolCallOut {
+                            id: None,
+                            kind: None,
+                            function: api::FunctionCallOut { name: None, arguments },
+                            ..call
+                        };
                         for part in [opening, rest] {
-                            let choice = c.format.choice_with_calls(i, None, Some(vec![part]), None, None, false);
+                            let choice = c.format.choice_with_calls(
+                                i,
+                                None,
+                                Some(vec![part]),
+                                None,
+                                None,
+                                false,
+                            );
                             send(&c.format.json(vec![choice], None, false))?;
                         }
                     }
@@ -480,10 +632,22 @@ mod tests {
 
     #[test]
     fn chat_json_shapes() {
-        let usage = Usage { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5, prompt_tokens_details: api::PromptTokensDetails { cached_tokens: 1 } };
+        let usage = Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+            total_tokens: 5,
+            prompt_tokens_details: api::PromptTokensDetails { cached_tokens: 1 },
+        };
         let f = format(true);
         assert_eq!(
-            f.json(vec![f.choice(0, Some("hi"), None, Some("stop"), true), f.choice(1, Some("yo"), None, Some("length"), true)], Some(usage), true),
+            f.json(
+                vec![
+                    f.choice(0, Some("hi"), None, Some("stop"), true),
+                    f.choice(1, Some("yo"), None, Some("length"), true)
+                ],
+                Some(usage),
+                true
+            ),
             r#"{"id":"x-1","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"logprobs":null,"finish_reason":"stop"},{"index":1,"message":{"role":"assistant","content":"yo"},"logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}}"#
         );
         assert_eq!(
@@ -516,21 +680,46 @@ mod tests {
     #[test]
     fn logprob_shapes_and_the_floor() {
         let top = api::TopMap(vec![("b".into(), -0.5), ("a".into(), -1.0)]);
-        assert_eq!(serde_json::to_string(&top).unwrap(), r#"{"b":-0.5,"a":-1.0}"#, "most likely first, not sorted by key");
-        assert_eq!((floor(f32::NEG_INFINITY), floor(f32::NAN), floor(-0.25)), (LOGPROB_FLOOR, LOGPROB_FLOOR, -0.25));
-        let text = api::TextLogprobs { tokens: vec!["a".into()], token_logprobs: vec![-0.5], top_logprobs: vec![top], text_offset: vec![0] };
+        assert_eq!(
+            serde_json::to_string(&top).unwrap(),
+            r#"{"b":-0.5,"a":-1.0}"#,
+            "most likely first, not sorted by key"
+        );
+        assert_eq!(
+            (floor(f32::NEG_INFINITY), floor(f32::NAN), floor(-0.25)),
+            (LOGPROB_FLOOR, LOGPROB_FLOOR, -0.25)
+        );
+        let text = api::TextLogprobs {
+            tokens: vec!["a".into()],
+            token_logprobs: vec![-0.5],
+            top_logprobs: vec![top],
+            text_offset: vec![0],
+        };
         let f = format(false);
         assert_eq!(
-            f.json(vec![f.choice(0, Some("a"), Some(TokenLogprobs::Text(text)), None, false)], None, false),
+            f.json(
+                vec![f.choice(0, Some("a"), Some(TokenLogprobs::Text(text)), None, false)],
+                None,
+                false
+            ),
             r#"{"id":"x-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"a","logprobs":{"tokens":["a"],"token_logprobs":[-0.5],"top_logprobs":[{"b":-0.5,"a":-1.0}],"text_offset":[0]},"finish_reason":null}]}"#
         );
         let chat = api::ChatLogprobs {
-            content: vec![api::ChatTokenLogprob { token: "é".into(), logprob: -0.1, bytes: "é".into(), top_logprobs: vec![] }],
+            content: vec![api::ChatTokenLogprob {
+                token: "é".into(),
+                logprob: -0.1,
+                bytes: "é".into(),
+                top_logprobs: vec![],
+            }],
             refusal: None,
         };
         let f = format(true);
         assert_eq!(
-            f.json(vec![f.choice(0, Some("é"), Some(TokenLogprobs::Chat(chat)), None, false)], None, false),
+            f.json(
+                vec![f.choice(0, Some("é"), Some(TokenLogprobs::Chat(chat)), None, false)],
+                None,
+                false
+            ),
             r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":"é"},"logprobs":{"content":[{"token":"é","logprob":-0.1,"bytes":[195,169],"top_logprobs":[]}],"refusal":null},"finish_reason":null}]}"#
         );
     }

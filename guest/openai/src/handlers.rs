@@ -2,17 +2,17 @@
 
 use crate::api::{self, ApiError, Message, Object, OneOrMany};
 use crate::completions::{Choices, Format, MediaPrompt, Prompt, Stream, MAX_CHOICES};
+use crate::http::{self, Body};
 use crate::template::{self, ToolCall, Turn};
 use crate::tools::Tools;
-use crate::http::{self, Body};
 use crate::vision;
+use crate::wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
 use llamabox_guest::cancel::CancelToken;
 use llamabox_guest::embeddings::{self, Pooling};
 use llamabox_guest::generate::{self, LogitBias, Penalties, SamplerParams};
 use llamabox_guest::llm::{Context, ContextParams, Model};
 use llamabox_guest::media::{Input, MediaContext};
 use llamabox_guest::types::Error as HostError;
-use crate::wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
 
 /// Context size cap when `LLAMABOX_N_CTX` does not set one (the model's training length caps it too).
 pub(crate) const DEFAULT_N_CTX: u32 = 4096;
@@ -77,12 +77,28 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
     let (allowed, post) = match path {
         "/" | "" | "/v1/models" | "/models" => (Method::Get, false),
         _ if model_id.is_some() => (Method::Get, false),
-        "/v1/chat/completions" | "/chat/completions" | "/v1/completions" | "/completions" | "/v1/embeddings"
-        | "/embeddings" | "/tokenize" | "/detokenize" | "/apply-template" => (Method::Post, true),
-        _ => return Err(ApiError::not_found(format!("Unknown request URL: {} {path}", crate::method_name(&method)))),
+        "/v1/chat/completions"
+        | "/chat/completions"
+        | "/v1/completions"
+        | "/completions"
+        | "/v1/embeddings"
+        | "/embeddings"
+        | "/tokenize"
+        | "/detokenize"
+        | "/apply-template" => (Method::Post, true),
+        _ => {
+            return Err(ApiError::not_found(format!(
+                "Unknown request URL: {} {path}",
+                crate::method_name(&method)
+            )))
+        }
     };
     if std::mem::discriminant(&method) != std::mem::discriminant(&allowed) {
-        return Err(ApiError::method_not_allowed(crate::method_name(&method), path, crate::method_name(&allowed)));
+        return Err(ApiError::method_not_allowed(
+            crate::method_name(&method),
+            path,
+            crate::method_name(&allowed),
+        ));
     }
     if !post {
         return match (path, model_id) {
@@ -135,7 +151,8 @@ fn models() -> String {
 /// One served model's card; `created` is when the server loaded its models
 /// (`LLAMABOX_MODELS_LOADED_AT`, Unix seconds; 0 outside `llamabox serve`).
 fn card(id: String) -> api::ModelCard {
-    let created = std::env::var("LLAMABOX_MODELS_LOADED_AT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let created =
+        std::env::var("LLAMABOX_MODELS_LOADED_AT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     api::ModelCard { id, object: "model", created, owned_by: "llamabox" }
 }
 
@@ -153,7 +170,8 @@ fn chat(body: &Object) -> Result<Reply, ApiError> {
     let tools = Tools::read(body)?;
     if let Some(tools) = &tools {
         if !matches!(sampling.constraint, Constraint::None) {
-            let message = "Use either 'tools' or one of 'response_format', 'grammar' and 'json_schema'";
+            let message =
+                "Use either 'tools' or one of 'response_format', 'grammar' and 'json_schema'";
             return Err(ApiError::invalid(message, Some("tools")));
         }
         sampling.constraint = Constraint::JsonSchema(tools.schema().to_string());
@@ -175,14 +193,25 @@ fn chat(body: &Object) -> Result<Reply, ApiError> {
 /// A chat body's fields beside `messages`: the shared ones, and chat's log-probabilities
 /// (`logprobs` true, then `top_logprobs` alternatives, OpenAI's 0 to 20).
 fn chat_sampling(body: &Object) -> Result<Sampling, ApiError> {
-    let mut sampling = Sampling::read(body, &["messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"])?;
+    let mut sampling = Sampling::read(
+        body,
+        &["messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"],
+    )?;
     let top: Option<u32> = body.get("top_logprobs")?;
     if let Some(n) = top.filter(|&n| n > MAX_TOP_LOGPROBS) {
-        return Err(ApiError::invalid(format!("'top_logprobs' {n} must be between 0 and {MAX_TOP_LOGPROBS}"), Some("top_logprobs")));
+        return Err(ApiError::invalid(
+            format!("'top_logprobs' {n} must be between 0 and {MAX_TOP_LOGPROBS}"),
+            Some("top_logprobs"),
+        ));
     }
     sampling.logprobs = match (body.get::<bool>("logprobs")?.unwrap_or(false), top) {
         (true, top) => Some(top.unwrap_or(0)),
-        (false, Some(_)) => return Err(ApiError::invalid("'top_logprobs' needs 'logprobs' set to true", Some("top_logprobs"))),
+        (false, Some(_)) => {
+            return Err(ApiError::invalid(
+                "'top_logprobs' needs 'logprobs' set to true",
+                Some("top_logprobs"),
+            ))
+        }
         (false, None) => None,
     };
     Ok(sampling)
@@ -193,25 +222,39 @@ fn chat_sampling(body: &Object) -> Result<Sampling, ApiError> {
 fn chat_messages(body: &Object) -> Result<(Vec<Turn>, Vec<Input>), ApiError> {
     let messages: Vec<Message> = body.require("messages")?;
     if messages.is_empty() {
-        return Err(ApiError::invalid("'messages' must contain at least one message", Some("messages")));
+        return Err(ApiError::invalid(
+            "'messages' must contain at least one message",
+            Some("messages"),
+        ));
     }
     let mut images = Vec::new();
-    let turns = messages.into_iter().enumerate().map(|(i, m)| chat_turn(i, m, &mut images)).collect::<Result<Vec<_>, _>>()?;
+    let turns = messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| chat_turn(i, m, &mut images))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok((turns, images))
 }
 
 /// `turns` formatted with `model`'s own chat template (and `tools`, when the model may
 /// call them), ending with the opening of the assistant's turn: a chat completion's
 /// prompt text, and the texts in it that the client wrote.
-fn chat_prompt(model: &Model, turns: &[Turn], tools: Option<&Tools>) -> Result<(String, Vec<String>), ApiError> {
+fn chat_prompt(
+    model: &Model,
+    turns: &[Turn],
+    tools: Option<&Tools>,
+) -> Result<(String, Vec<String>), ApiError> {
     if let Some(tools) = tools {
         no_special_text(model, &tools.listed().to_string(), "tools")?;
     }
-    for (i, call) in turns.iter().enumerate().flat_map(|(i, t)| t.tool_calls.iter().map(move |c| (i, c))) {
+    for (i, call) in
+        turns.iter().enumerate().flat_map(|(i, t)| t.tool_calls.iter().map(move |c| (i, c)))
+    {
         no_special_text(model, &call.arguments.to_string(), &format!("messages[{i}].tool_calls"))?;
     }
     let instruction = tools.map(Tools::instruction);
-    template::chat_prompt(model, turns, tools.map(Tools::listed), instruction.as_deref()).map_err(|e| too_long(e, "messages"))
+    template::chat_prompt(model, turns, tools.map(Tools::listed), instruction.as_deref())
+        .map_err(|e| too_long(e, "messages"))
 }
 
 /// Text the template may write where it likes (tool definitions, call arguments) must
@@ -220,7 +263,10 @@ fn chat_prompt(model: &Model, turns: &[Turn], tools: Option<&Tools>) -> Result<(
 fn no_special_text(model: &Model, text: &str, param: &str) -> Result<(), ApiError> {
     let parsed = tokenize(model, text, false, true, param)?;
     if parsed != tokenize(model, text, false, false, param)? {
-        return Err(ApiError::invalid(format!("'{param}' contains a special token's text"), Some(param)));
+        return Err(ApiError::invalid(
+            format!("'{param}' contains a special token's text"),
+            Some(param),
+        ));
     }
     Ok(())
 }
@@ -250,7 +296,9 @@ fn post_tokenize(body: &Object) -> Result<String, ApiError> {
     if !with_pieces {
         return Ok(api::to_json(&api::Tokens { tokens }));
     }
-    let pieces = tokens.into_iter().map(|id| Ok(api::TokenPiece { id, piece: model.token_to_piece(id, true)?.into() }));
+    let pieces = tokens
+        .into_iter()
+        .map(|id| Ok(api::TokenPiece { id, piece: model.token_to_piece(id, true)?.into() }));
     Ok(api::to_json(&api::Tokens { tokens: pieces.collect::<Result<Vec<_>, ApiError>>()? }))
 }
 
@@ -284,7 +332,13 @@ fn chat_tokens(model: &Model, prompt: &str, texts: &[String]) -> Result<Vec<i32>
 }
 
 /// `model.tokenize`, with a text over the host's size caps answered as 400 naming `param`.
-fn tokenize(model: &Model, text: &str, add_special: bool, parse_special: bool, param: &str) -> Result<Vec<i32>, ApiError> {
+fn tokenize(
+    model: &Model,
+    text: &str,
+    add_special: bool,
+    parse_special: bool,
+    param: &str,
+) -> Result<Vec<i32>, ApiError> {
     if text.is_empty() && !add_special {
         return Ok(Vec::new());
     }
@@ -294,16 +348,25 @@ fn tokenize(model: &Model, text: &str, add_special: bool, parse_special: bool, p
 /// A host limit on the request's own text is the request's fault: 400, not 503.
 fn too_long(e: HostError, param: &str) -> ApiError {
     match e {
-        HostError::LimitExceeded(m) => ApiError::invalid(format!("'{param}' is too long: {m}"), Some(param)),
+        HostError::LimitExceeded(m) => {
+            ApiError::invalid(format!("'{param}' is too long: {m}"), Some(param))
+        }
         e => e.into(),
     }
 }
 
 /// A prompt with images: chunks of text and images for the model's projector (named in
 /// `LLAMABOX_VISION`). Its text is tokenized whole, special tokens parsed.
-fn media_prompt(name: &str, model: &Model, prompt: &str, images: Vec<Input>) -> Result<Prompt, ApiError> {
+fn media_prompt(
+    name: &str,
+    model: &Model,
+    prompt: &str,
+    images: Vec<Input>,
+) -> Result<Prompt, ApiError> {
     let Some(projector) = vision::projector_for(name) else {
-        let message = format!("The model '{name}' takes no images here (no projector for it in LLAMABOX_VISION)");
+        let message = format!(
+            "The model '{name}' takes no images here (no projector for it in LLAMABOX_VISION)"
+        );
         return Err(ApiError::invalid(message, Some("messages")));
     };
     let media = MediaContext::open(&projector, model)?;
@@ -323,7 +386,10 @@ fn chat_turn(i: usize, m: Message, images: &mut Vec<Input>) -> Result<Turn, ApiE
         "tool" => "tool",
         other => {
             let param = format!("messages[{i}].role");
-            return Err(ApiError::invalid(format!("Unsupported role '{other}': use system, user, assistant or tool"), Some(&param)));
+            return Err(ApiError::invalid(
+                format!("Unsupported role '{other}': use system, user, assistant or tool"),
+                Some(&param),
+            ));
         }
     };
     let content = match m.content {
@@ -351,24 +417,41 @@ fn chat_turn(i: usize, m: Message, images: &mut Vec<Input>) -> Result<Turn, ApiE
     };
     let calls = m.tool_calls.unwrap_or_default();
     if !calls.is_empty() && role != "assistant" {
-        return Err(ApiError::invalid("Only assistant messages carry 'tool_calls'", Some(&format!("messages[{i}].tool_calls"))));
+        return Err(ApiError::invalid(
+            "Only assistant messages carry 'tool_calls'",
+            Some(&format!("messages[{i}].tool_calls")),
+        ));
     }
     let tool_calls = calls
         .into_iter()
         .enumerate()
         .map(|(j, c)| {
             if c.kind != "function" {
-                return Err(ApiError::invalid(format!("Unsupported tool call type '{}'", c.kind), Some(&format!("messages[{i}].tool_calls[{j}]"))));
+                return Err(ApiError::invalid(
+                    format!("Unsupported tool call type '{}'", c.kind),
+                    Some(&format!("messages[{i}].tool_calls[{j}]")),
+                ));
             }
             // Templates read arguments as an object; text that is not JSON stays text.
-            let arguments = serde_json::from_str(&c.function.arguments).unwrap_or(serde_json::Value::String(c.function.arguments));
+            let arguments = serde_json::from_str(&c.function.arguments)
+                .unwrap_or(serde_json::Value::String(c.function.arguments));
             Ok(ToolCall { id: c.id, name: c.function.name, arguments })
         })
         .collect::<Result<Vec<_>, _>>()?;
     let tool_call_id = match (role, m.tool_call_id) {
-        ("tool", None) => return Err(ApiError::invalid("A tool message needs 'tool_call_id'", Some(&format!("messages[{i}].tool_call_id")))),
+        ("tool", None) => {
+            return Err(ApiError::invalid(
+                "A tool message needs 'tool_call_id'",
+                Some(&format!("messages[{i}].tool_call_id")),
+            ))
+        }
         ("tool", id) => id,
-        (_, Some(_)) => return Err(ApiError::invalid("Only tool messages carry 'tool_call_id'", Some(&format!("messages[{i}].tool_call_id")))),
+        (_, Some(_)) => {
+            return Err(ApiError::invalid(
+                "Only tool messages carry 'tool_call_id'",
+                Some(&format!("messages[{i}].tool_call_id")),
+            ))
+        }
         (_, None) => None,
     };
     Ok(Turn { role: role.into(), content, tool_calls, tool_call_id, name: m.name })
@@ -380,18 +463,31 @@ fn completion(body: &Object) -> Result<Reply, ApiError> {
     // Text completions' `logprobs` is the number of alternatives, OpenAI's 0 to 5.
     sampling.logprobs = body.get::<u32>("logprobs")?;
     if let Some(n) = sampling.logprobs.filter(|&n| n > MAX_TEXT_LOGPROBS) {
-        return Err(ApiError::invalid(format!("'logprobs' {n} must be between 0 and {MAX_TEXT_LOGPROBS}"), Some("logprobs")));
+        return Err(ApiError::invalid(
+            format!("'logprobs' {n} must be between 0 and {MAX_TEXT_LOGPROBS}"),
+            Some("logprobs"),
+        ));
     }
     let prompt: api::Prompt = body.require("prompt")?;
     let (name, model) = open_model(body)?;
     let prompts = match prompt {
-        api::Prompt::Texts(texts) if texts.is_empty() => return Err(ApiError::invalid("'prompt' is an empty list", Some("prompt"))),
-        api::Prompt::TokenLists(lists) if lists.is_empty() => return Err(ApiError::invalid("'prompt' is an empty list", Some("prompt"))),
+        api::Prompt::Texts(texts) if texts.is_empty() => {
+            return Err(ApiError::invalid("'prompt' is an empty list", Some("prompt")))
+        }
+        api::Prompt::TokenLists(lists) if lists.is_empty() => {
+            return Err(ApiError::invalid("'prompt' is an empty list", Some("prompt")))
+        }
         // Plain text, as OpenAI reads it: special-token text is not parsed (send token ids for that).
         api::Prompt::Text(text) => vec![tokenize(&model, &text, true, false, "prompt")?],
-        api::Prompt::Texts(texts) => texts.iter().map(|t| tokenize(&model, t, true, false, "prompt")).collect::<Result<_, _>>()?,
+        api::Prompt::Texts(texts) => texts
+            .iter()
+            .map(|t| tokenize(&model, t, true, false, "prompt"))
+            .collect::<Result<_, _>>()?,
         api::Prompt::Tokens(tokens) => vec![checked_tokens(&model, tokens, "prompt")?],
-        api::Prompt::TokenLists(lists) => lists.into_iter().map(|t| checked_tokens(&model, t, "prompt")).collect::<Result<_, _>>()?,
+        api::Prompt::TokenLists(lists) => lists
+            .into_iter()
+            .map(|t| checked_tokens(&model, t, "prompt"))
+            .collect::<Result<_, _>>()?,
     };
     let prompts: Vec<Prompt> = prompts.into_iter().map(Prompt::Tokens).collect();
     let format = Format { chat: false, id: new_id("cmpl"), created: now(), model: name };
@@ -402,7 +498,10 @@ fn completion(body: &Object) -> Result<Reply, ApiError> {
 fn checked_tokens(model: &Model, tokens: Vec<i32>, param: &str) -> Result<Vec<i32>, ApiError> {
     let n_vocab = model.n_vocab() as i64;
     match tokens.iter().find(|&&t| !(0..n_vocab).contains(&(t as i64))) {
-        Some(t) => Err(ApiError::invalid(format!("Token {t} is not in the model's vocabulary (0..{n_vocab})"), Some(param))),
+        Some(t) => Err(ApiError::invalid(
+            format!("Token {t} is not in the model's vocabulary (0..{n_vocab})"),
+            Some(param),
+        )),
         None => Ok(tokens),
     }
 }
@@ -411,9 +510,29 @@ fn checked_tokens(model: &Model, tokens: Vec<i32>, param: &str) -> Result<Vec<i3
 /// extras, and `user`, which OpenAI uses only to attribute abuse). Any other field is
 /// refused by name unless it is off.
 const SAMPLING_FIELDS: &[&str] = &[
-    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
-    "frequency_penalty", "logit_bias", "stream", "stream_options", "n", "user", "response_format", "top_k", "min_p",
-    "typical_p", "repeat_penalty", "repeat_last_n", "grammar", "json_schema", "ignore_eos",
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "response_format",
+    "top_k",
+    "min_p",
+    "typical_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "grammar",
+    "json_schema",
+    "ignore_eos",
 ];
 
 /// How output is constrained: a GBNF grammar or a JSON Schema (text), or neither.
@@ -460,13 +579,20 @@ impl Sampling {
     fn read(body: &Object, own: &[&str]) -> Result<Self, ApiError> {
         let honoured: Vec<&str> = SAMPLING_FIELDS.iter().chain(own).copied().collect();
         body.refuse_unknown(&honoured)?;
-        let in_range = |name: &str, value: Option<f32>, default: f32, lo: f32, hi: f32| match value {
-            Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::invalid(format!("'{name}' must be between {lo} and {hi}"), Some(name))),
+        let in_range = |name: &str, value: Option<f32>, default: f32, lo: f32, hi: f32| match value
+        {
+            Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::invalid(
+                format!("'{name}' must be between {lo} and {hi}"),
+                Some(name),
+            )),
             v => Ok(v.unwrap_or(default)),
         };
         let n: u32 = body.get("n")?.unwrap_or(1);
         if n == 0 || n as usize > MAX_CHOICES {
-            return Err(ApiError::invalid(format!("'n' must be between 1 and {MAX_CHOICES}"), Some("n")));
+            return Err(ApiError::invalid(
+                format!("'n' must be between 1 and {MAX_CHOICES}"),
+                Some("n"),
+            ));
         }
         // `max_completion_tokens` is the newer name of `max_tokens`.
         let (max_name, max_tokens) = match body.get::<u32>("max_completion_tokens")? {
@@ -474,31 +600,54 @@ impl Sampling {
             None => ("max_tokens", body.get::<u32>("max_tokens")?),
         };
         match max_tokens {
-            Some(0) => return Err(ApiError::invalid(format!("'{max_name}' must be at least 1"), Some(max_name))),
+            Some(0) => {
+                return Err(ApiError::invalid(
+                    format!("'{max_name}' must be at least 1"),
+                    Some(max_name),
+                ))
+            }
             Some(n) if n > MAX_GENERATE_TOKENS => {
-                return Err(ApiError::invalid(format!("'{max_name}' must be at most {MAX_GENERATE_TOKENS}"), Some(max_name)))
+                return Err(ApiError::invalid(
+                    format!("'{max_name}' must be at most {MAX_GENERATE_TOKENS}"),
+                    Some(max_name),
+                ))
             }
             _ => {}
         }
-        let stop: Vec<String> = body.get::<OneOrMany<String>>("stop")?.map(OneOrMany::into_vec).unwrap_or_default();
+        let stop: Vec<String> =
+            body.get::<OneOrMany<String>>("stop")?.map(OneOrMany::into_vec).unwrap_or_default();
         let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
         if stop.len() > MAX_STOP_STRINGS || stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
-            let message = format!("At most {MAX_STOP_STRINGS} stop sequences of at most {MAX_STOP_BYTES} bytes each");
+            let message = format!(
+                "At most {MAX_STOP_STRINGS} stop sequences of at most {MAX_STOP_BYTES} bytes each"
+            );
             return Err(ApiError::invalid(message, Some("stop")));
         }
-        let logit_bias: std::collections::BTreeMap<String, f32> = body.get("logit_bias")?.unwrap_or_default();
-        if let Some((token, _)) = logit_bias.iter().find(|(_, &bias)| !(-100.0..=100.0).contains(&bias)) {
-            return Err(ApiError::invalid(format!("The bias of token {token} must be between -100 and 100"), Some("logit_bias")));
+        let logit_bias: std::collections::BTreeMap<String, f32> =
+            body.get("logit_bias")?.unwrap_or_default();
+        if let Some((token, _)) =
+            logit_bias.iter().find(|(_, &bias)| !(-100.0..=100.0).contains(&bias))
+        {
+            return Err(ApiError::invalid(
+                format!("The bias of token {token} must be between -100 and 100"),
+                Some("logit_bias"),
+            ));
         }
         let stream = body.get("stream")?.unwrap_or(false);
         let options: Option<api::StreamOptions> = body.get("stream_options")?;
         let repeat_last_n: u32 = body.get("repeat_last_n")?.unwrap_or(PENALTY_LAST_N);
         if repeat_last_n > MAX_REPEAT_LAST_N {
-            return Err(ApiError::invalid(format!("'repeat_last_n' must be at most {MAX_REPEAT_LAST_N}"), Some("repeat_last_n")));
+            return Err(ApiError::invalid(
+                format!("'repeat_last_n' must be at most {MAX_REPEAT_LAST_N}"),
+                Some("repeat_last_n"),
+            ));
         }
         let repeat_penalty = body.get::<f32>("repeat_penalty")?.unwrap_or(1.0);
         if !(repeat_penalty > 0.0 && repeat_penalty.is_finite()) {
-            return Err(ApiError::invalid("'repeat_penalty' must be above 0", Some("repeat_penalty")));
+            return Err(ApiError::invalid(
+                "'repeat_penalty' must be above 0",
+                Some("repeat_penalty"),
+            ));
         }
         let (constraint, constraint_param) = constraint(body)?;
         Ok(Sampling {
@@ -518,8 +667,20 @@ impl Sampling {
             top_p: in_range("top_p", body.get("top_p")?, 1.0, 0.0, 1.0)?,
             seed: body.get("seed")?,
             stop,
-            presence_penalty: in_range("presence_penalty", body.get("presence_penalty")?, 0.0, -2.0, 2.0)?,
-            frequency_penalty: in_range("frequency_penalty", body.get("frequency_penalty")?, 0.0, -2.0, 2.0)?,
+            presence_penalty: in_range(
+                "presence_penalty",
+                body.get("presence_penalty")?,
+                0.0,
+                -2.0,
+                2.0,
+            )?,
+            frequency_penalty: in_range(
+                "frequency_penalty",
+                body.get("frequency_penalty")?,
+                0.0,
+                -2.0,
+                2.0,
+            )?,
             logit_bias: logit_bias.into_iter().collect(),
             stream,
             include_usage: stream && options.is_some_and(|o| o.include_usage),
@@ -544,7 +705,9 @@ impl Sampling {
             // OpenAI's seed is any integer; the host's is 32 bits (the low ones are kept).
             p.seed = self.seed.map(|s| (s as u32).wrapping_add(choice));
         }
-        let penalised = self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repeat_penalty != 1.0;
+        let penalised = self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repeat_penalty != 1.0;
         if penalised && self.repeat_last_n > 0 {
             p.penalties = Some(Penalties {
                 last_n: self.repeat_last_n,
@@ -555,7 +718,9 @@ impl Sampling {
         }
         match &self.constraint {
             Constraint::None => {}
-            Constraint::Grammar(text) => p.grammar = Some(generate::Grammar { text: text.clone(), root: None }),
+            Constraint::Grammar(text) => {
+                p.grammar = Some(generate::Grammar { text: text.clone(), root: None })
+            }
             Constraint::JsonSchema(schema) => p.json_schema = Some(schema.clone()),
         }
         if self.ignore_eos {
@@ -564,7 +729,12 @@ impl Sampling {
             p.logit_bias.extend(ends.map(|token| LogitBias { token, bias: f32::NEG_INFINITY }));
         }
         for (token, bias) in &self.logit_bias {
-            let invalid = || ApiError::invalid(format!("'{token}' in logit_bias is not a token id"), Some("logit_bias"));
+            let invalid = || {
+                ApiError::invalid(
+                    format!("'{token}' in logit_bias is not a token id"),
+                    Some("logit_bias"),
+                )
+            };
             let token: i32 = token.parse().map_err(|_| invalid())?;
             checked_tokens(model, vec![token], "logit_bias")?;
             // -100 bans the token, as OpenAI documents.
@@ -584,14 +754,23 @@ fn constraint(body: &Object) -> Result<(Constraint, &'static str), ApiError> {
         None | Some(api::ResponseFormat::Text) => None,
         Some(api::ResponseFormat::JsonObject) => Some(serde_json::json!({ "type": "object" })),
         // No schema: any JSON value.
-        Some(api::ResponseFormat::JsonSchema { json_schema }) => Some(json_schema.schema.unwrap_or(serde_json::Value::Bool(true))),
+        Some(api::ResponseFormat::JsonSchema { json_schema }) => {
+            Some(json_schema.schema.unwrap_or(serde_json::Value::Bool(true)))
+        }
     };
     match (from_format, grammar, schema) {
         (None, None, None) => Ok((Constraint::None, "")),
         (None, Some(text), None) => Ok((Constraint::Grammar(text), "grammar")),
-        (Some(schema), None, None) => Ok((Constraint::JsonSchema(schema.to_string()), "response_format")),
-        (None, None, Some(schema)) => Ok((Constraint::JsonSchema(schema.to_string()), "json_schema")),
-        _ => Err(ApiError::invalid("Use one of 'response_format', 'grammar' and 'json_schema'", Some("response_format"))),
+        (Some(schema), None, None) => {
+            Ok((Constraint::JsonSchema(schema.to_string()), "response_format"))
+        }
+        (None, None, Some(schema)) => {
+            Ok((Constraint::JsonSchema(schema.to_string()), "json_schema"))
+        }
+        _ => Err(ApiError::invalid(
+            "Use one of 'response_format', 'grammar' and 'json_schema'",
+            Some("response_format"),
+        )),
     }
 }
 
@@ -603,7 +782,10 @@ fn embed(body: &Object) -> Result<String, ApiError> {
         None | Some("float") => false,
         Some("base64") => true,
         Some(other) => {
-            return Err(ApiError::invalid(format!("Unsupported encoding_format '{other}': use float or base64"), Some("encoding_format")))
+            return Err(ApiError::invalid(
+                format!("Unsupported encoding_format '{other}': use float or base64"),
+                Some("encoding_format"),
+            ))
         }
     };
     let dimensions: Option<u32> = body.get("dimensions")?;
@@ -615,37 +797,55 @@ fn embed(body: &Object) -> Result<String, ApiError> {
     priced(count, 0)?;
     let (name, model) = open_model(body)?;
     if dimensions.is_some_and(|d| d != model.n_embd()) {
-        return Err(ApiError::invalid(format!("This model's embeddings have {} dimensions", model.n_embd()), Some("dimensions")));
+        return Err(ApiError::invalid(
+            format!("This model's embeddings have {} dimensions", model.n_embd()),
+            Some("dimensions"),
+        ));
     }
     let inputs = match input {
         api::EmbeddingInput::Text(text) => vec![tokenize(&model, &text, true, false, "input")?],
-        api::EmbeddingInput::Texts(texts) => texts.iter().map(|t| tokenize(&model, t, true, false, "input")).collect::<Result<_, _>>()?,
+        api::EmbeddingInput::Texts(texts) => texts
+            .iter()
+            .map(|t| tokenize(&model, t, true, false, "input"))
+            .collect::<Result<_, _>>()?,
         api::EmbeddingInput::Tokens(tokens) => vec![checked_tokens(&model, tokens, "input")?],
-        api::EmbeddingInput::TokenLists(lists) => {
-            lists.into_iter().map(|t| checked_tokens(&model, t, "input")).collect::<Result<_, _>>()?
-        }
+        api::EmbeddingInput::TokenLists(lists) => lists
+            .into_iter()
+            .map(|t| checked_tokens(&model, t, "input"))
+            .collect::<Result<_, _>>()?,
     };
     if inputs.is_empty() || inputs.iter().any(Vec::is_empty) {
-        return Err(ApiError::invalid("'input' must be non-empty (and so must each of its items)", Some("input")));
+        return Err(ApiError::invalid(
+            "'input' must be non-empty (and so must each of its items)",
+            Some("input"),
+        ));
     }
     priced(inputs.len(), inputs.iter().map(Vec::len).sum())?;
     let longest = inputs.iter().map(Vec::len).max().unwrap_or(0) as u32;
     let limit = model.n_ctx_train().min(MAX_EMBED_TOKENS);
     if longest > limit {
-        return Err(ApiError::invalid(format!("An input of {longest} tokens is longer than the {limit} this model embeds"), Some("input"))
-            .with_code("context_length_exceeded"));
+        return Err(ApiError::invalid(
+            format!("An input of {longest} tokens is longer than the {limit} this model embeds"),
+            Some("input"),
+        )
+        .with_code("context_length_exceeded"));
     }
     // One input at a time on one context, each decoded whole (in one ubatch, which a
     // model that pools by itself needs).
     let n = Some(longest);
-    let ctx = Context::create(&model, ContextParams { n_ctx: n, n_batch: n, n_ubatch: n, n_seq_max: None, n_threads: None })?;
+    let ctx = Context::create(
+        &model,
+        ContextParams { n_ctx: n, n_batch: n, n_ubatch: n, n_seq_max: None, n_threads: None },
+    )?;
     let cancel = CancelToken::create()?;
     let mut pooling = Pooling::Mean;
     let mut data = Vec::with_capacity(inputs.len());
     for (index, tokens) in inputs.iter().enumerate() {
         let vector = embed_one(&ctx, tokens, &mut pooling, &cancel)?;
         let embedding = if base64 {
-            api::Vector::Base64(api::base64(&vector.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()))
+            api::Vector::Base64(api::base64(
+                &vector.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
+            ))
         } else {
             api::Vector::Float(vector)
         };
@@ -672,7 +872,12 @@ fn priced(inputs: usize, tokens: usize) -> Result<(), ApiError> {
 
 /// One normalized vector. Mean pooling, unless the model pools by itself (a dedicated
 /// embedding model): then the pooling it accepts, remembered in `pooling`.
-fn embed_one(ctx: &Context, tokens: &[i32], pooling: &mut Pooling, cancel: &CancelToken) -> Result<Vec<f32>, ApiError> {
+fn embed_one(
+    ctx: &Context,
+    tokens: &[i32],
+    pooling: &mut Pooling,
+    cancel: &CancelToken,
+) -> Result<Vec<f32>, ApiError> {
     let inputs = [tokens.to_vec()];
     let mut tries = vec![*pooling];
     tries.extend([Pooling::Mean, Pooling::Cls, Pooling::Last].into_iter().filter(|p| p != pooling));
@@ -683,11 +888,16 @@ fn embed_one(ctx: &Context, tokens: &[i32], pooling: &mut Pooling, cancel: &Canc
                 *pooling = p;
                 return Ok(vectors.remove(0));
             }
-            Err(HostError::InvalidArgument(m)) if m.contains("pools its embeddings itself") => last_error = Some(HostError::InvalidArgument(m)),
+            Err(HostError::InvalidArgument(m)) if m.contains("pools its embeddings itself") => {
+                last_error = Some(HostError::InvalidArgument(m))
+            }
             // The host's embedding budget (max-embed-inputs/-tokens): the request asked
             // for more than it allows, which is the request's fault (400, not 503).
             Err(HostError::LimitExceeded(m)) if m.starts_with("max-embed-") => {
-                return Err(ApiError::invalid(format!("'input' is more than this server embeds per request: {m}"), Some("input")))
+                return Err(ApiError::invalid(
+                    format!("'input' is more than this server embeds per request: {m}"),
+                    Some("input"),
+                ))
             }
             Err(e) => return Err(e.into()),
         }
@@ -716,18 +926,33 @@ mod tests {
         assert!(priced(MAX_EMBED_INPUTS, MAX_EMBED_TOTAL_TOKENS).is_ok());
         let many = priced(60_000, 0).unwrap_err();
         assert_eq!((many.status, many.param.as_deref()), (400, Some("input")));
-        assert!(many.message.contains("max-embed-inputs") && many.message.contains("60000"), "{}", many.message);
+        assert!(
+            many.message.contains("max-embed-inputs") && many.message.contains("60000"),
+            "{}",
+            many.message
+        );
         let long = priced(1, MAX_EMBED_TOTAL_TOKENS + 1).unwrap_err();
-        assert!(long.status == 400 && long.message.contains("max-embed-tokens"), "{}", long.message);
+        assert!(
+            long.status == 400 && long.message.contains("max-embed-tokens"),
+            "{}",
+            long.message
+        );
     }
 
     #[test]
     fn sampling_fields_are_checked() {
-        let read = |json: &str| Sampling::read(&Object::parse(json.as_bytes()).unwrap(), &["messages"]);
+        let read =
+            |json: &str| Sampling::read(&Object::parse(json.as_bytes()).unwrap(), &["messages"]);
         let s = read(r#"{"max_tokens":16,"temperature":0,"stop":"\n","stream":true,"stream_options":{"include_usage":true}}"#).unwrap();
-        assert_eq!((s.max_tokens, s.temperature, s.stop.clone(), s.stream, s.include_usage), (Some(16), 0.0, vec!["\n".to_string()], true, true));
+        assert_eq!(
+            (s.max_tokens, s.temperature, s.stop.clone(), s.stream, s.include_usage),
+            (Some(16), 0.0, vec!["\n".to_string()], true, true)
+        );
         let s = read(r#"{"max_tokens":16,"max_completion_tokens":4,"stop":["a","b"]}"#).unwrap();
-        assert_eq!((s.max_tokens, s.temperature, s.stop.len(), s.include_usage), (Some(4), 1.0, 2, false));
+        assert_eq!(
+            (s.max_tokens, s.temperature, s.stop.len(), s.include_usage),
+            (Some(4), 1.0, 2, false)
+        );
         for (json, param) in [
             (r#"{"n":0}"#, "n"),
             (r#"{"n":5}"#, "n"),
@@ -747,7 +972,10 @@ mod tests {
             (r#"{"best_of":2}"#, "best_of"),
             (r#"{"prompt":"x"}"#, "prompt"),
             (r#"{"response_format":{"type":"xml"}}"#, "response_format"),
-            (r#"{"response_format":{"type":"json_object"},"grammar":"root ::= [0-9]"}"#, "response_format"),
+            (
+                r#"{"response_format":{"type":"json_object"},"grammar":"root ::= [0-9]"}"#,
+                "response_format",
+            ),
             (r#"{"min_p":2}"#, "min_p"),
             (r#"{"repeat_penalty":0}"#, "repeat_penalty"),
             (r#"{"repeat_last_n":100000}"#, "repeat_last_n"),
@@ -760,33 +988,74 @@ mod tests {
     #[test]
     fn logprobs_fields_are_checked_per_endpoint() {
         let body = |json: &str| Object::parse(json.as_bytes()).unwrap();
-        assert_eq!(chat_sampling(&body(r#"{"logprobs":true,"top_logprobs":3}"#)).unwrap().logprobs, Some(3));
+        assert_eq!(
+            chat_sampling(&body(r#"{"logprobs":true,"top_logprobs":3}"#)).unwrap().logprobs,
+            Some(3)
+        );
         assert_eq!(chat_sampling(&body(r#"{"logprobs":true}"#)).unwrap().logprobs, Some(0));
-        assert_eq!(chat_sampling(&body(r#"{"logprobs":false,"top_logprobs":null}"#)).unwrap().logprobs, None);
-        let chat = [(r#"{"top_logprobs":2}"#, "top_logprobs"), (r#"{"logprobs":true,"top_logprobs":21}"#, "top_logprobs"), (r#"{"logprobs":3}"#, "logprobs")];
+        assert_eq!(
+            chat_sampling(&body(r#"{"logprobs":false,"top_logprobs":null}"#)).unwrap().logprobs,
+            None
+        );
+        let chat = [
+            (r#"{"top_logprobs":2}"#, "top_logprobs"),
+            (r#"{"logprobs":true,"top_logprobs":21}"#, "top_logprobs"),
+            (r#"{"logprobs":3}"#, "logprobs"),
+        ];
         for (json, param) in chat {
-            let e = chat_sampling(&body(json)).err().unwrap_or_else(|| panic!("{json} was accepted"));
+            let e =
+                chat_sampling(&body(json)).err().unwrap_or_else(|| panic!("{json} was accepted"));
             assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{json}");
         }
         // Text completions count alternatives (0 to 5), checked before any model is opened.
-        for json in [r#"{"logprobs":6,"prompt":"x"}"#, r#"{"logprobs":true,"prompt":"x"}"#, r#"{"top_logprobs":1,"prompt":"x"}"#] {
+        for json in [
+            r#"{"logprobs":6,"prompt":"x"}"#,
+            r#"{"logprobs":true,"prompt":"x"}"#,
+            r#"{"top_logprobs":1,"prompt":"x"}"#,
+        ] {
             let e = completion(&body(json)).err().unwrap_or_else(|| panic!("{json} was accepted"));
             assert_eq!(e.status, 400, "{json}");
-            assert!(e.param.as_deref().is_some_and(|p| p.ends_with("logprobs")), "{json}: {:?}", e.param);
+            assert!(
+                e.param.as_deref().is_some_and(|p| p.ends_with("logprobs")),
+                "{json}: {:?}",
+                e.param
+            );
         }
     }
 
     #[test]
     fn structured_output_and_llama_server_extras_reach_the_sampler() {
-        let read = |json: &str| Sampling::read(&Object::parse(json.as_bytes()).unwrap(), &["messages"]).unwrap();
-        let s = read(r#"{"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"integer"}}}}"#);
-        assert!(matches!(&s.constraint, Constraint::JsonSchema(text) if text == r#"{"type":"integer"}"#));
-        assert!(matches!(read(r#"{"response_format":{"type":"json_object"}}"#).constraint, Constraint::JsonSchema(t) if t == r#"{"type":"object"}"#));
-        assert!(matches!(read(r#"{"response_format":{"type":"text"}}"#).constraint, Constraint::None));
-        assert!(matches!(read(r#"{"grammar":"root ::= [0-9]"}"#).constraint, Constraint::Grammar(_)));
-        assert!(matches!(read(r#"{"json_schema":{"type":"boolean"}}"#).constraint, Constraint::JsonSchema(_)));
-        let s = read(r#"{"top_k":5,"min_p":0.1,"typical_p":0.5,"repeat_penalty":1.3,"repeat_last_n":32,"ignore_eos":true}"#);
-        assert_eq!((s.top_k, s.min_p, s.typical_p, s.repeat_penalty, s.repeat_last_n, s.ignore_eos), (5, 0.1, 0.5, 1.3, 32, true));
+        let read = |json: &str| {
+            Sampling::read(&Object::parse(json.as_bytes()).unwrap(), &["messages"]).unwrap()
+        };
+        let s = read(
+            r#"{"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"integer"}}}}"#,
+        );
+        assert!(
+            matches!(&s.constraint, Constraint::JsonSchema(text) if text == r#"{"type":"integer"}"#)
+        );
+        assert!(
+            matches!(read(r#"{"response_format":{"type":"json_object"}}"#).constraint, Constraint::JsonSchema(t) if t == r#"{"type":"object"}"#)
+        );
+        assert!(matches!(
+            read(r#"{"response_format":{"type":"text"}}"#).constraint,
+            Constraint::None
+        ));
+        assert!(matches!(
+            read(r#"{"grammar":"root ::= [0-9]"}"#).constraint,
+            Constraint::Grammar(_)
+        ));
+        assert!(matches!(
+            read(r#"{"json_schema":{"type":"boolean"}}"#).constraint,
+            Constraint::JsonSchema(_)
+        ));
+        let s = read(
+            r#"{"top_k":5,"min_p":0.1,"typical_p":0.5,"repeat_penalty":1.3,"repeat_last_n":32,"ignore_eos":true}"#,
+        );
+        assert_eq!(
+            (s.top_k, s.min_p, s.typical_p, s.repeat_penalty, s.repeat_last_n, s.ignore_eos),
+            (5, 0.1, 0.5, 1.3, 32, true)
+        );
     }
 
     #[test]
@@ -815,13 +1084,18 @@ mod tests {
         assert_eq!(e.code, Some("unsupported_parameter"));
         // apply-template takes a chat completion's body, refusing what chat refuses.
         let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"temperature":0.5"#;
-        for (extra, param) in [(r#","tools":[{"type":"function"}]}"#, "tools"), (r#","temperature":9}"#, "temperature")] {
+        for (extra, param) in [
+            (r#","tools":[{"type":"function"}]}"#, "tools"),
+            (r#","temperature":9}"#, "temperature"),
+        ] {
             let e = post_apply_template(&parse(&format!("{chat}{extra}"))).unwrap_err();
             assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{extra}");
         }
-        let e = post_apply_template(&parse(r#"{"messages":[{"role":"tool","content":"x"}]}"#)).unwrap_err();
+        let e = post_apply_template(&parse(r#"{"messages":[{"role":"tool","content":"x"}]}"#))
+            .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].tool_call_id"));
-        let e = post_apply_template(&parse(r#"{"messages":[{"role":"critic","content":"x"}]}"#)).unwrap_err();
+        let e = post_apply_template(&parse(r#"{"messages":[{"role":"critic","content":"x"}]}"#))
+            .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
     }
 
@@ -830,24 +1104,54 @@ mod tests {
         let m = |json: &str| chat_turn(1, serde_json::from_str(json).unwrap(), &mut Vec::new());
         assert_eq!(m(r#"{"role":"developer","content":"x"}"#).unwrap().role, "system");
         assert_eq!(m(r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}"#).unwrap().content, "ab");
-        assert_eq!(m(r#"{"role":"critic","content":"x"}"#).err().unwrap().param.as_deref(), Some("messages[1].role"));
-        let e = m(r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}"#).err().unwrap();
+        assert_eq!(
+            m(r#"{"role":"critic","content":"x"}"#).err().unwrap().param.as_deref(),
+            Some("messages[1].role")
+        );
+        let e = m(r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}"#)
+            .err()
+            .unwrap();
         assert_eq!(e.param.as_deref(), Some("messages[1].content[0]"));
         // The tool exchange: calls with their arguments as objects, answers with their call.
         let call = m(r#"{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\":1}"}}]}"#).unwrap();
-        assert_eq!(call.tool_calls, [ToolCall { id: "c1".into(), name: "f".into(), arguments: serde_json::json!({"a": 1}) }]);
+        assert_eq!(
+            call.tool_calls,
+            [ToolCall {
+                id: "c1".into(),
+                name: "f".into(),
+                arguments: serde_json::json!({"a": 1})
+            }]
+        );
         let answer = m(r#"{"role":"tool","content":"42","tool_call_id":"c1"}"#).unwrap();
         assert_eq!((answer.role.as_str(), answer.tool_call_id.as_deref()), ("tool", Some("c1")));
         for (json, param) in [
             (r#"{"role":"tool","content":"42"}"#, "messages[1].tool_call_id"),
             (r#"{"role":"user","content":"x","tool_call_id":"c1"}"#, "messages[1].tool_call_id"),
-            (r#"{"role":"user","content":"x","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]}"#, "messages[1].tool_calls"),
-            (r#"{"role":"assistant","tool_calls":[{"id":"c","type":"search","function":{"name":"f","arguments":"{}"}}]}"#, "messages[1].tool_calls[0]"),
+            (
+                r#"{"role":"user","content":"x","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
+                "messages[1].tool_calls",
+            ),
+            (
+                r#"{"role":"assistant","tool_calls":[{"id":"c","type":"search","function":{"name":"f","arguments":"{}"}}]}"#,
+                "messages[1].tool_calls[0]",
+            ),
         ] {
-            assert_eq!(m(json).err().unwrap_or_else(|| panic!("{json} was accepted")).param.as_deref(), Some(param), "{json}");
+            assert_eq!(
+                m(json).err().unwrap_or_else(|| panic!("{json} was accepted")).param.as_deref(),
+                Some(param),
+                "{json}"
+            );
         }
-        assert_eq!(m(r#"{"role":"assistant","content":null,"refusal":"I cannot help with that."}"#).unwrap().content, "I cannot help with that.");
+        assert_eq!(
+            m(r#"{"role":"assistant","content":null,"refusal":"I cannot help with that."}"#)
+                .unwrap()
+                .content,
+            "I cannot help with that."
+        );
         // A field nobody reads is refused, not ignored.
-        assert!(serde_json::from_str::<Message>(r#"{"role":"user","content":"x","audio":{"id":"a"}}"#).is_err());
+        assert!(serde_json::from_str::<Message>(
+            r#"{"role":"user","content":"x","audio":{"id":"a"}}"#
+        )
+        .is_err());
     }
 }

@@ -2,7 +2,9 @@
 //! (JSON in one go, or server-sent events written and flushed one by one).
 
 use crate::api::ApiError;
-use crate::wasi::http::types::{Fields, IncomingBody, IncomingRequest, OutgoingBody, OutgoingResponse, ResponseOutparam};
+use crate::wasi::http::types::{
+    Fields, IncomingBody, IncomingRequest, OutgoingBody, OutgoingResponse, ResponseOutparam,
+};
 use crate::wasi::io::streams::{OutputStream, StreamError};
 
 /// Request bodies over this many bytes are refused (413), unless `LLAMABOX_MAX_BODY_BYTES` says otherwise.
@@ -12,7 +14,10 @@ const WRITE_CHUNK: usize = 4096;
 
 /// The body size cap: `LLAMABOX_MAX_BODY_BYTES`, else 1 MiB.
 pub fn max_body_bytes() -> u64 {
-    std::env::var("LLAMABOX_MAX_BODY_BYTES").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(DEFAULT_MAX_BODY_BYTES)
+    std::env::var("LLAMABOX_MAX_BODY_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(DEFAULT_MAX_BODY_BYTES)
 }
 
 /// The whole request body, or 413 as soon as it (or its declared length) passes `cap`.
@@ -22,7 +27,11 @@ pub fn read_body(request: &IncomingRequest, cap: u64) -> Result<Vec<u8>, ApiErro
     let declared = headers.get("content-length");
     drop(headers);
     for value in declared {
-        if std::str::from_utf8(&value).ok().and_then(|v| v.trim().parse::<u64>().ok()).is_some_and(|n| n > cap) {
+        if std::str::from_utf8(&value)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > cap)
+        {
             return Err(too_large());
         }
     }
@@ -36,7 +45,10 @@ pub fn read_body(request: &IncomingRequest, cap: u64) -> Result<Vec<u8>, ApiErro
             Ok(chunk) => bytes.extend_from_slice(&chunk),
             Err(StreamError::Closed) => break,
             Err(StreamError::LastOperationFailed(e)) => {
-                return Err(ApiError::invalid(format!("reading the request body failed: {}", e.to_debug_string()), None))
+                return Err(ApiError::invalid(
+                    format!("reading the request body failed: {}", e.to_debug_string()),
+                    None,
+                ))
             }
         }
     }

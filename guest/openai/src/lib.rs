@@ -51,14 +51,13 @@ llamabox_guest::http_plugin!(path: "../../wit", handler: handlers::route);
 
 mod api;
 mod completions;
-mod vision;
 mod handlers;
+mod http;
 mod template;
 mod tools;
-mod http;
+mod vision;
 
 use wasi::http::types::Method;
-
 
 /// The request's method, as its name.
 fn method_name(method: &Method) -> &str {

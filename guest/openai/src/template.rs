@@ -61,10 +61,18 @@ impl Template {
     pub fn new(source: String, bos: String, eos: String) -> Option<Template> {
         let mut env = Environment::new();
         // Hugging Face renders with trim_blocks and lstrip_blocks on.
-        env.set_syntax(minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().ok()?);
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .ok()?,
+        );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_fuel(Some(RENDER_FUEL));
-        env.add_function("raise_exception", |message: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, message)) });
+        env.add_function("raise_exception", |message: String| -> Result<Value, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, message))
+        });
         env.add_function("strftime_now", |format: String| strftime(&format, now_utc()));
         env.add_template_owned("chat", source).ok()?;
         let mut template = Template { env, caps: Caps::default(), bos, eos };
@@ -88,7 +96,12 @@ impl Template {
         }
     }
 
-    fn render_json(&self, messages: &serde_json::Value, tools: Option<&serde_json::Value>, add_generation_prompt: bool) -> Result<String, Error> {
+    fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, Error> {
         let template = self.env.get_template("chat")?;
         let tools = tools.map(|t| Value::from(Serde(t)));
         template.render(context! {
@@ -105,10 +118,22 @@ impl Template {
 /// model's template through minijinja where it has one that renders, else the host's.
 /// `tools` (OpenAI's list) and `instruction` (how to answer, for tool calls) are given
 /// to the template when it shows tools, and written into the system turn when not.
-pub fn chat_prompt(model: &Model, turns: &[Turn], tools: Option<&serde_json::Value>, instruction: Option<&str>) -> Result<(String, Vec<String>), HostError> {
+pub fn chat_prompt(
+    model: &Model,
+    turns: &[Turn],
+    tools: Option<&serde_json::Value>,
+    instruction: Option<&str>,
+) -> Result<(String, Vec<String>), HostError> {
     let template = generate::model_chat_template(model).and_then(|source| {
-        let piece = |t: Option<i32>| t.and_then(|t| model.token_to_piece(t, true).ok()).map(|b| String::from_utf8_lossy(&b).into_owned());
-        Template::new(source, piece(model.bos()).unwrap_or_default(), piece(model.eos()).unwrap_or_default())
+        let piece = |t: Option<i32>| {
+            t.and_then(|t| model.token_to_piece(t, true).ok())
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+        };
+        Template::new(
+            source,
+            piece(model.bos()).unwrap_or_default(),
+            piece(model.eos()).unwrap_or_default(),
+        )
     });
     let caps = template.as_ref().map_or(Caps::default(), |t| t.caps);
     let turns = polyfill(turns, caps, tools.filter(|_| !caps.tools), instruction);
@@ -119,7 +144,8 @@ pub fn chat_prompt(model: &Model, turns: &[Turn], tools: Option<&serde_json::Val
             return Ok((prompt, texts));
         }
     }
-    let messages: Vec<ChatMessage> = turns.into_iter().map(|t| ChatMessage { role: t.role, content: t.content }).collect();
+    let messages: Vec<ChatMessage> =
+        turns.into_iter().map(|t| ChatMessage { role: t.role, content: t.content }).collect();
     Ok((generate::apply_chat_template(model, &messages, true, None)?, texts))
 }
 
@@ -146,11 +172,18 @@ fn turn_json(turn: &Turn) -> serde_json::Value {
 /// `turns` with what the template does not show written into their text: the tools
 /// (listed in the system turn), an assistant's calls (as the JSON it answers with) and
 /// tool results (as a user turn). `instruction` always joins the system turn.
-fn polyfill(turns: &[Turn], caps: Caps, tools: Option<&serde_json::Value>, instruction: Option<&str>) -> Vec<Turn> {
+fn polyfill(
+    turns: &[Turn],
+    caps: Caps,
+    tools: Option<&serde_json::Value>,
+    instruction: Option<&str>,
+) -> Vec<Turn> {
     let mut out: Vec<Turn> = Vec::with_capacity(turns.len() + 1);
     let mut system = String::new();
     if let Some(tools) = tools {
-        system.push_str(&format!("You can call these tools (OpenAI's function definitions):\n{tools}\n"));
+        system.push_str(&format!(
+            "You can call these tools (OpenAI's function definitions):\n{tools}\n"
+        ));
     }
     if let Some(instruction) = instruction {
         system.push_str(instruction);
@@ -158,18 +191,27 @@ fn polyfill(turns: &[Turn], caps: Caps, tools: Option<&serde_json::Value>, instr
     if !system.is_empty() {
         match turns.first() {
             Some(first) if first.role == "system" => {
-                out.push(Turn { content: format!("{}\n\n{system}", first.content), ..first.clone() });
+                out.push(Turn {
+                    content: format!("{}\n\n{system}", first.content),
+                    ..first.clone()
+                });
             }
             _ => out.push(Turn { role: "system".into(), content: system, ..Turn::default() }),
         }
     }
-    let skip = usize::from(out.first().is_some() && turns.first().is_some_and(|t| t.role == "system"));
+    let skip =
+        usize::from(out.first().is_some() && turns.first().is_some_and(|t| t.role == "system"));
     for turn in &turns[skip..] {
         let mut turn = turn.clone();
         if !turn.tool_calls.is_empty() && !caps.tool_calls {
-            let calls: Vec<_> = turn.tool_calls.iter().map(|c| json!({"name": c.name, "arguments": c.arguments})).collect();
+            let calls: Vec<_> = turn
+                .tool_calls
+                .iter()
+                .map(|c| json!({"name": c.name, "arguments": c.arguments}))
+                .collect();
             let said = json!({ "tool_calls": calls }).to_string();
-            turn.content = if turn.content.is_empty() { said } else { format!("{}\n{said}", turn.content) };
+            turn.content =
+                if turn.content.is_empty() { said } else { format!("{}\n{said}", turn.content) };
             turn.tool_calls.clear();
         }
         if turn.role == "tool" && !caps.tool_responses {
@@ -183,7 +225,9 @@ fn polyfill(turns: &[Turn], caps: Caps, tools: Option<&serde_json::Value>, instr
 
 /// Seconds since the Unix epoch, as a UTC date and time.
 fn now_utc() -> (i64, u32, u32, u32, u32, u32, u32) {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
     civil(secs)
 }
 
@@ -205,9 +249,26 @@ fn civil(secs: i64) -> (i64, u32, u32, u32, u32, u32, u32) {
 }
 
 /// Python's `strftime` for the codes chat templates use (`%d %b %Y` and the like).
-fn strftime(format: &str, (year, month, day, hour, minute, second, weekday): (i64, u32, u32, u32, u32, u32, u32)) -> Result<String, Error> {
-    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
-    const DAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
+fn strftime(
+    format: &str,
+    (year, month, day, hour, minute, second, weekday): (i64, u32, u32, u32, u32, u32, u32),
+) -> Result<String, Error> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] =
+        ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
     let (month_name, day_name) = (MONTHS[month as usize - 1], DAYS[weekday as usize]);
     let mut out = String::new();
     let mut chars = format.chars();
@@ -228,7 +289,15 @@ fn strftime(format: &str, (year, month, day, hour, minute, second, weekday): (i6
             Some('A') => out.push_str(day_name),
             Some('a') => out.push_str(&day_name[..3]),
             Some('%') => out.push('%'),
-            other => return Err(Error::new(ErrorKind::InvalidOperation, format!("strftime_now: %{} is not supported", other.map_or(String::new(), String::from)))),
+            other => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!(
+                        "strftime_now: %{} is not supported",
+                        other.map_or(String::new(), String::from)
+                    ),
+                ))
+            }
         }
     }
     Ok(out)
@@ -257,11 +326,21 @@ mod tests {
     }
 
     fn exchange() -> Vec<Turn> {
-        let call = ToolCall { id: "call_1".into(), name: "weather".into(), arguments: json!({"city": "Lima"}) };
+        let call = ToolCall {
+            id: "call_1".into(),
+            name: "weather".into(),
+            arguments: json!({"city": "Lima"}),
+        };
         vec![
             user("Weather in Lima?"),
             Turn { role: "assistant".into(), tool_calls: vec![call], ..Turn::default() },
-            Turn { role: "tool".into(), content: "18 C".into(), tool_call_id: Some("call_1".into()), name: Some("weather".into()), ..Turn::default() },
+            Turn {
+                role: "tool".into(),
+                content: "18 C".into(),
+                tool_call_id: Some("call_1".into()),
+                name: Some("weather".into()),
+                ..Turn::default()
+            },
         ]
     }
 
@@ -272,7 +351,10 @@ mod tests {
         assert_eq!(chatml.caps, Caps { tools: false, tool_calls: false, tool_responses: true });
         let tooled = Template::new(TOOLED.into(), String::new(), String::new()).unwrap();
         assert_eq!(tooled.caps, Caps { tools: true, tool_calls: true, tool_responses: true });
-        assert!(Template::new("{% for %}".into(), String::new(), String::new()).is_none(), "a template that does not compile");
+        assert!(
+            Template::new("{% for %}".into(), String::new(), String::new()).is_none(),
+            "a template that does not compile"
+        );
     }
 
     #[test]
@@ -285,17 +367,34 @@ mod tests {
         );
         let tools = json!([{"type": "function", "function": {"name": "weather"}}]);
         let turns = polyfill(&exchange(), chatml.caps, Some(&tools), Some("Answer in JSON."));
-        assert_eq!(turns.iter().map(|t| t.role.as_str()).collect::<Vec<_>>(), ["system", "user", "assistant", "tool"]);
-        assert!(turns[0].content.contains(r#""name":"weather""#) && turns[0].content.ends_with("Answer in JSON."), "{}", turns[0].content);
-        assert_eq!(turns[2].content, r#"{"tool_calls":[{"name":"weather","arguments":{"city":"Lima"}}]}"#);
+        assert_eq!(
+            turns.iter().map(|t| t.role.as_str()).collect::<Vec<_>>(),
+            ["system", "user", "assistant", "tool"]
+        );
+        assert!(
+            turns[0].content.contains(r#""name":"weather""#)
+                && turns[0].content.ends_with("Answer in JSON."),
+            "{}",
+            turns[0].content
+        );
+        assert_eq!(
+            turns[2].content,
+            r#"{"tool_calls":[{"name":"weather","arguments":{"city":"Lima"}}]}"#
+        );
         assert_eq!(turns[3].content, "18 C", "ChatML shows a tool's answer itself");
         // A template that shows no tool answers gets them as a user turn.
         let bare = Caps::default();
         let turns = polyfill(&exchange(), bare, None, None);
-        assert_eq!(turns[2].content, r#"{"tool_response":{"tool_call_id":"call_1","name":"weather","content":"18 C"}}"#);
+        assert_eq!(
+            turns[2].content,
+            r#"{"tool_response":{"tool_call_id":"call_1","name":"weather","content":"18 C"}}"#
+        );
         assert_eq!(turns[2].role, "user");
         // An existing system turn is extended, not doubled.
-        let with_system = [Turn { role: "system".into(), content: "Be brief.".into(), ..Turn::default() }, user("x")];
+        let with_system = [
+            Turn { role: "system".into(), content: "Be brief.".into(), ..Turn::default() },
+            user("x"),
+        ];
         let turns = polyfill(&with_system, chatml.caps, None, Some("Answer in JSON."));
         assert_eq!(turns.len(), 2);
         assert_eq!(turns[0].content, "Be brief.\n\nAnswer in JSON.");
@@ -318,11 +417,26 @@ mod tests {
 
     #[test]
     fn hostile_templates_are_bounded_and_raise_named_errors() {
-        let spin = Template::new("{% for i in range(5000) %}{% for j in range(5000) %}{{ j }}{% endfor %}{% endfor %}".into(), String::new(), String::new()).unwrap();
+        let spin = Template::new(
+            "{% for i in range(5000) %}{% for j in range(5000) %}{{ j }}{% endfor %}{% endfor %}"
+                .into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
         let e = spin.render_json(&json!([]), None, true).unwrap_err();
         assert!(e.to_string().contains("fuel"), "{e}");
-        let raise = Template::new("{{ raise_exception('roles must alternate') }}".into(), String::new(), String::new()).unwrap();
-        assert!(raise.render_json(&json!([]), None, true).unwrap_err().to_string().contains("roles must alternate"));
+        let raise = Template::new(
+            "{{ raise_exception('roles must alternate') }}".into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        assert!(raise
+            .render_json(&json!([]), None, true)
+            .unwrap_err()
+            .to_string()
+            .contains("roles must alternate"));
     }
 
     #[test]
@@ -330,7 +444,10 @@ mod tests {
         // 2024-07-26 13:25:09 UTC was a Friday.
         let t = civil(1_722_000_309);
         assert_eq!(t, (2024, 7, 26, 13, 25, 9, 5));
-        assert_eq!(strftime("%d %b %Y, %A %H:%M:%S %%", t).unwrap(), "26 Jul 2024, Friday 13:25:09 %");
+        assert_eq!(
+            strftime("%d %b %Y, %A %H:%M:%S %%", t).unwrap(),
+            "26 Jul 2024, Friday 13:25:09 %"
+        );
         assert_eq!(civil(0), (1970, 1, 1, 0, 0, 0, 4));
         assert_eq!(civil(951_782_400), (2000, 2, 29, 0, 0, 0, 2), "a leap day, a Tuesday");
         assert!(strftime("%Q", t).is_err());

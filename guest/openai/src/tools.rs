@@ -72,29 +72,53 @@ impl Tools {
             return match choice {
                 None => Ok(None),
                 Some(Value::String(s)) if s == "none" => Ok(None),
-                Some(_) => Err(ApiError::invalid("'tool_choice' is only allowed when 'tools' are given", Some("tool_choice"))),
+                Some(_) => Err(ApiError::invalid(
+                    "'tool_choice' is only allowed when 'tools' are given",
+                    Some("tool_choice"),
+                )),
             };
         };
-        let tools: Vec<Tool> = serde_json::from_value(listed.clone()).map_err(|e| ApiError::invalid(format!("Invalid value for 'tools': {e}"), Some("tools")))?;
+        let tools: Vec<Tool> = serde_json::from_value(listed.clone()).map_err(|e| {
+            ApiError::invalid(format!("Invalid value for 'tools': {e}"), Some("tools"))
+        })?;
         if tools.len() > MAX_TOOLS {
-            return Err(ApiError::invalid(format!("{} tools: at most {MAX_TOOLS} per request", tools.len()), Some("tools")));
+            return Err(ApiError::invalid(
+                format!("{} tools: at most {MAX_TOOLS} per request", tools.len()),
+                Some("tools"),
+            ));
         }
         let mut functions: Vec<Function> = Vec::with_capacity(tools.len());
         for (i, tool) in tools.into_iter().enumerate() {
             let param = format!("tools[{i}]");
             if tool.kind != "function" {
-                return Err(ApiError::invalid(format!("Unsupported tool type '{}': only function tools are served", tool.kind), Some(&param)));
+                return Err(ApiError::invalid(
+                    format!(
+                        "Unsupported tool type '{}': only function tools are served",
+                        tool.kind
+                    ),
+                    Some(&param),
+                ));
             }
             let f = tool.function;
-            let valid = (1..=64).contains(&f.name.len()) && f.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            let valid = (1..=64).contains(&f.name.len())
+                && f.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
             if !valid {
-                return Err(ApiError::invalid(format!("Function name '{}' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f.name), Some(&param)));
+                return Err(ApiError::invalid(
+                    format!("Function name '{}' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f.name),
+                    Some(&param),
+                ));
             }
             if functions.iter().any(|g| g.name == f.name) {
-                return Err(ApiError::invalid(format!("Function '{}' is defined twice", f.name), Some(&param)));
+                return Err(ApiError::invalid(
+                    format!("Function '{}' is defined twice", f.name),
+                    Some(&param),
+                ));
             }
             if f.parameters.as_ref().is_some_and(|p| !p.is_object()) {
-                return Err(ApiError::invalid("'parameters' must be a JSON Schema object", Some(&param)));
+                return Err(ApiError::invalid(
+                    "'parameters' must be a JSON Schema object",
+                    Some(&param),
+                ));
             }
             functions.push(f);
         }
@@ -104,7 +128,12 @@ impl Tools {
                 "none" => return Ok(None),
                 "auto" => Choice::Auto,
                 "required" => Choice::Required,
-                other => return Err(ApiError::invalid(format!("Unsupported tool_choice '{other}': use none, auto, required or a function"), Some("tool_choice"))),
+                other => return Err(ApiError::invalid(
+                    format!(
+                        "Unsupported tool_choice '{other}': use none, auto, required or a function"
+                    ),
+                    Some("tool_choice"),
+                )),
             },
             Some(named) => {
                 let name = match (named.get("type").and_then(Value::as_str), named.pointer("/function/name").and_then(Value::as_str)) {
@@ -112,7 +141,10 @@ impl Tools {
                     _ => return Err(ApiError::invalid("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}", Some("tool_choice"))),
                 };
                 if !functions.iter().any(|f| f.name == name) {
-                    return Err(ApiError::invalid(format!("tool_choice names '{name}', which is not among the tools"), Some("tool_choice")));
+                    return Err(ApiError::invalid(
+                        format!("tool_choice names '{name}', which is not among the tools"),
+                        Some("tool_choice"),
+                    ));
                 }
                 Choice::Named(name)
             }
@@ -137,9 +169,14 @@ impl Tools {
             })
         };
         let (items, max) = match &self.choice {
-            Choice::Named(name) => (call(self.functions.iter().find(|f| &f.name == name).expect("checked in read")), 1),
+            Choice::Named(name) => {
+                (call(self.functions.iter().find(|f| &f.name == name).expect("checked in read")), 1)
+            }
             _ if self.functions.len() == 1 => (call(&self.functions[0]), self.max_calls()),
-            _ => (json!({"anyOf": self.functions.iter().map(call).collect::<Vec<_>>()}), self.max_calls()),
+            _ => (
+                json!({"anyOf": self.functions.iter().map(call).collect::<Vec<_>>()}),
+                self.max_calls(),
+            ),
         };
         let calls = json!({
             "type": "object",
@@ -159,12 +196,17 @@ impl Tools {
     }
 
     fn max_calls(&self) -> u32 {
-        if self.parallel { MAX_PARALLEL_CALLS } else { 1 }
+        if self.parallel {
+            MAX_PARALLEL_CALLS
+        } else {
+            1
+        }
     }
 
     /// How to answer, for the system turn: the envelope in words.
     pub fn instruction(&self) -> String {
-        let call = r#"{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}"#;
+        let call =
+            r#"{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}"#;
         match &self.choice {
             Choice::Auto => format!("Answer with a JSON object: {call} to call tools, or {{\"response\": \"<your answer>\"}} to answer directly."),
             Choice::Required => format!("Answer by calling tools, with a JSON object: {call}"),
@@ -219,7 +261,9 @@ impl Reader {
                     self.state = State::Response(string);
                 } else if self.raw.starts_with(CALLS_OPENING) {
                     self.state = State::Calls;
-                } else if !RESPONSE_OPENING.starts_with(self.raw.as_str()) && !CALLS_OPENING.starts_with(self.raw.as_str()) {
+                } else if !RESPONSE_OPENING.starts_with(self.raw.as_str())
+                    && !CALLS_OPENING.starts_with(self.raw.as_str())
+                {
                     out.push_str(&self.raw);
                     self.state = State::Plain;
                 }
@@ -240,12 +284,24 @@ impl Reader {
         // Whole, or cut short (max_tokens): then the calls before the one cut off, closed
         // after the last whole one (the grammar writes them compactly, one after another).
         let whole = serde_json::from_str::<Value>(&self.raw).ok().or_else(|| {
-            self.raw.rmatch_indices(CALL_SEPARATOR).find_map(|(at, _)| serde_json::from_str(&format!("{}}}]}}", &self.raw[..at])).ok())
+            self.raw
+                .rmatch_indices(CALL_SEPARATOR)
+                .find_map(|(at, _)| serde_json::from_str(&format!("{}}}]}}", &self.raw[..at])).ok())
         });
-        let calls = whole.as_ref().and_then(|e| e.get("tool_calls")).and_then(Value::as_array).cloned().unwrap_or_default();
+        let calls = whole
+            .as_ref()
+            .and_then(|e| e.get("tool_calls"))
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
         calls
             .into_iter()
-            .filter_map(|c| Some(Call { name: c.get("name")?.as_str()?.to_string(), arguments: c.get("arguments")?.to_string() }))
+            .filter_map(|c| {
+                Some(Call {
+                    name: c.get("name")?.as_str()?.to_string(),
+                    arguments: c.get("arguments")?.to_string(),
+                })
+            })
             .collect()
     }
 }
@@ -276,7 +332,8 @@ impl JsonString {
             }
             self.escape.push(c);
             let unit = match self.escape.as_str() {
-                e if e.len() == 6 && e.starts_with("\\u") => match u32::from_str_radix(&e[2..], 16) {
+                e if e.len() == 6 && e.starts_with("\\u") => match u32::from_str_radix(&e[2..], 16)
+                {
                     Ok(unit) => unit,
                     Err(_) => 0xFFFD,
                 },
@@ -291,7 +348,10 @@ impl JsonString {
             self.escape.clear();
             match (self.high.take(), unit) {
                 (None, 0xD800..=0xDBFF) => self.high = Some(unit),
-                (Some(high), 0xDC00..=0xDFFF) => out.push(char::from_u32(0x10000 + ((high - 0xD800) << 10) + (unit - 0xDC00)).unwrap_or('\u{FFFD}')),
+                (Some(high), 0xDC00..=0xDFFF) => out.push(
+                    char::from_u32(0x10000 + ((high - 0xD800) << 10) + (unit - 0xDC00))
+                        .unwrap_or('\u{FFFD}'),
+                ),
                 (high, unit) => {
                     if high.is_some() {
                         out.push('\u{FFFD}');
@@ -316,42 +376,99 @@ mod tests {
     #[test]
     fn tools_and_tool_choice_are_checked() {
         assert!(tools("{}").unwrap().is_none());
-        assert!(tools(&format!(r#"{{"tools":[{WEATHER}],"tool_choice":"none"}}"#)).unwrap().is_none());
+        assert!(tools(&format!(r#"{{"tools":[{WEATHER}],"tool_choice":"none"}}"#))
+            .unwrap()
+            .is_none());
         assert!(tools(r#"{"tool_choice":"none"}"#).unwrap().is_none());
         let bad = [
             (r#"{"tool_choice":"auto"}"#.to_string(), "tool_choice"),
-            (r#"{"tools":[{"type":"function","function":{"name":"a b"}}]}"#.to_string(), "tools[0]"),
-            (r#"{"tools":[{"type":"code_interpreter","function":{"name":"a"}}]}"#.to_string(), "tools[0]"),
-            (r#"{"tools":[{"type":"function","function":{"name":"a","parameters":[]}}]}"#.to_string(), "tools[0]"),
-            (r#"{"tools":[{"type":"function","function":{"name":"a","nonsense":1}}]}"#.to_string(), "tools"),
+            (
+                r#"{"tools":[{"type":"function","function":{"name":"a b"}}]}"#.to_string(),
+                "tools[0]",
+            ),
+            (
+                r#"{"tools":[{"type":"code_interpreter","function":{"name":"a"}}]}"#.to_string(),
+                "tools[0]",
+            ),
+            (
+                r#"{"tools":[{"type":"function","function":{"name":"a","parameters":[]}}]}"#
+                    .to_string(),
+                "tools[0]",
+            ),
+            (
+                r#"{"tools":[{"type":"function","function":{"name":"a","nonsense":1}}]}"#
+                    .to_string(),
+                "tools",
+            ),
             (format!(r#"{{"tools":[{WEATHER},{WEATHER}]}}"#), "tools[1]"),
             (format!(r#"{{"tools":[{WEATHER}],"tool_choice":"sometimes"}}"#), "tool_choice"),
-            (format!(r#"{{"tools":[{WEATHER}],"tool_choice":{{"type":"function","function":{{"name":"nope"}}}}}}"#), "tool_choice"),
-            (format!(r#"{{"tools":[{WEATHER}],"parallel_tool_calls":"yes"}}"#), "parallel_tool_calls"),
+            (
+                format!(
+                    r#"{{"tools":[{WEATHER}],"tool_choice":{{"type":"function","function":{{"name":"nope"}}}}}}"#
+                ),
+                "tool_choice",
+            ),
+            (
+                format!(r#"{{"tools":[{WEATHER}],"parallel_tool_calls":"yes"}}"#),
+                "parallel_tool_calls",
+            ),
         ];
         for (json, param) in bad {
             let e = tools(&json).err().unwrap_or_else(|| panic!("{json} was accepted"));
             assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{json}: {}", e.message);
         }
-        let many = format!(r#"{{"tools":[{}]}}"#, (0..65).map(|i| format!(r#"{{"type":"function","function":{{"name":"f{i}"}}}}"#)).collect::<Vec<_>>().join(","));
+        let many = format!(
+            r#"{{"tools":[{}]}}"#,
+            (0..65)
+                .map(|i| format!(r#"{{"type":"function","function":{{"name":"f{i}"}}}}"#))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
         assert_eq!(tools(&many).err().unwrap().param.as_deref(), Some("tools"));
     }
 
     #[test]
     fn the_schema_follows_tool_choice_and_parallel_calls() {
-        let t = tools(&format!(r#"{{"tools":[{WEATHER}],"tool_choice":"required","parallel_tool_calls":false}}"#)).unwrap().unwrap();
+        let t = tools(&format!(
+            r#"{{"tools":[{WEATHER}],"tool_choice":"required","parallel_tool_calls":false}}"#
+        ))
+        .unwrap()
+        .unwrap();
         let s = t.schema();
         assert_eq!(s["properties"]["tool_calls"]["maxItems"], 1);
-        assert_eq!(s["properties"]["tool_calls"]["items"]["properties"]["name"]["const"], "weather");
-        assert_eq!(s["properties"]["tool_calls"]["items"]["properties"]["arguments"]["required"][0], "city");
-        let auto = tools(&format!(r#"{{"tools":[{WEATHER},{{"type":"function","function":{{"name":"time"}}}}]}}"#)).unwrap().unwrap().schema();
+        assert_eq!(
+            s["properties"]["tool_calls"]["items"]["properties"]["name"]["const"],
+            "weather"
+        );
+        assert_eq!(
+            s["properties"]["tool_calls"]["items"]["properties"]["arguments"]["required"][0],
+            "city"
+        );
+        let auto = tools(&format!(
+            r#"{{"tools":[{WEATHER},{{"type":"function","function":{{"name":"time"}}}}]}}"#
+        ))
+        .unwrap()
+        .unwrap()
+        .schema();
         assert_eq!(auto["anyOf"][1]["properties"]["response"]["type"], "string");
-        assert_eq!(auto["anyOf"][0]["properties"]["tool_calls"]["items"]["anyOf"].as_array().unwrap().len(), 2);
+        assert_eq!(
+            auto["anyOf"][0]["properties"]["tool_calls"]["items"]["anyOf"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
         assert_eq!(auto["anyOf"][0]["properties"]["tool_calls"]["maxItems"], MAX_PARALLEL_CALLS);
         let named = r#"{"tools":[WEATHER,{"type":"function","function":{"name":"time"}}],"tool_choice":{"type":"function","function":{"name":"time"}}}"#;
         let named = tools(&named.replace("WEATHER", WEATHER)).unwrap().unwrap().schema();
-        assert_eq!(named["properties"]["tool_calls"]["items"]["properties"]["name"]["const"], "time");
-        assert_eq!(named["properties"]["tool_calls"]["items"]["properties"]["arguments"], json!({"type": "object"}));
+        assert_eq!(
+            named["properties"]["tool_calls"]["items"]["properties"]["name"]["const"],
+            "time"
+        );
+        assert_eq!(
+            named["properties"]["tool_calls"]["items"]["properties"]["arguments"],
+            json!({"type": "object"})
+        );
         // Written in the order the model should say it: the name before the arguments.
         let text = named.to_string();
         assert!(text.find(r#""name""#) < text.find(r#""arguments""#), "{text}");
@@ -370,13 +487,22 @@ mod tests {
         assert_eq!(r.push(r#"calls":[{"name":"weather","arguments":{"city":"Lima"}},"#), "");
         assert_eq!(r.push(r#"{"name":"time","arguments":{}}]}"#), "");
         let calls = r.calls();
-        assert_eq!(calls, [Call { name: "weather".into(), arguments: r#"{"city":"Lima"}"#.into() }, Call { name: "time".into(), arguments: "{}".into() }]);
+        assert_eq!(
+            calls,
+            [
+                Call { name: "weather".into(), arguments: r#"{"city":"Lima"}"#.into() },
+                Call { name: "time".into(), arguments: "{}".into() }
+            ]
+        );
         // Cut short by max_tokens: no half calls, the whole ones before it.
         let mut r = Reader::default();
         r.push(r#"{"tool_calls":[{"name":"weather","argu"#);
         assert!(r.calls().is_empty());
         r.push(r#"ments":{"city":"Lima"}},{"name":"time","arguments":{"city":"Li"#);
-        assert_eq!(r.calls(), [Call { name: "weather".into(), arguments: r#"{"city":"Lima"}"#.into() }]);
+        assert_eq!(
+            r.calls(),
+            [Call { name: "weather".into(), arguments: r#"{"city":"Lima"}"#.into() }]
+        );
         // Not an envelope at all: handed on as it is.
         let mut r = Reader::default();
         assert_eq!(r.push("{\"x"), "{\"x");

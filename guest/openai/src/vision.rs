@@ -24,7 +24,9 @@ pub fn projector_for(model: &str) -> Option<String> {
 pub fn decode(url: &str, param: &str) -> Result<Image, ApiError> {
     let invalid = |why: &str| ApiError::invalid(format!("Invalid image: {why}"), Some(param));
     let Some(data) = url.strip_prefix("data:image/png;base64,") else {
-        return Err(invalid("only data:image/png;base64 URLs are served (a plugin fetches nothing)"));
+        return Err(invalid(
+            "only data:image/png;base64 URLs are served (a plugin fetches nothing)",
+        ));
     };
     let bytes = unbase64(data).ok_or_else(|| invalid("the data is not base64"))?;
     let mut decoder = png::Decoder::new(std::io::Cursor::new(bytes));
@@ -32,16 +34,21 @@ pub fn decode(url: &str, param: &str) -> Result<Image, ApiError> {
     let mut reader = decoder.read_info().map_err(|e| invalid(&format!("not a PNG ({e})")))?;
     let (width, height) = (reader.info().width, reader.info().height);
     if width == 0 || height == 0 || width > MAX_IMAGE_SIDE || height > MAX_IMAGE_SIDE {
-        return Err(invalid(&format!("{width}x{height} pixels; each side must be 1..={MAX_IMAGE_SIDE}")));
+        return Err(invalid(&format!(
+            "{width}x{height} pixels; each side must be 1..={MAX_IMAGE_SIDE}"
+        )));
     }
     let mut pixels = vec![0; reader.output_buffer_size()];
-    let frame = reader.next_frame(&mut pixels).map_err(|e| invalid(&format!("a broken PNG ({e})")))?;
+    let frame =
+        reader.next_frame(&mut pixels).map_err(|e| invalid(&format!("a broken PNG ({e})")))?;
     pixels.truncate(frame.buffer_size());
     let rgb = match frame.color_type {
         png::ColorType::Rgb => pixels,
         png::ColorType::Rgba => pixels.chunks_exact(4).flat_map(|p| [p[0], p[1], p[2]]).collect(),
         png::ColorType::Grayscale => pixels.iter().flat_map(|&g| [g, g, g]).collect(),
-        png::ColorType::GrayscaleAlpha => pixels.chunks_exact(2).flat_map(|p| [p[0], p[0], p[0]]).collect(),
+        png::ColorType::GrayscaleAlpha => {
+            pixels.chunks_exact(2).flat_map(|p| [p[0], p[0], p[0]]).collect()
+        }
         png::ColorType::Indexed => return Err(invalid("an indexed PNG that was not expanded")),
     };
     Ok(Image { width, height, rgb })
@@ -60,7 +67,8 @@ fn unbase64(text: &str) -> Option<Vec<u8>> {
     let text = text.trim_end_matches('=').as_bytes();
     let mut out = Vec::with_capacity(text.len() * 3 / 4);
     for group in text.chunks(4) {
-        let n = group.iter().try_fold(0u32, |n, &c| Some(n << 6 | u32::from(digit(c)?)))? << (6 * (4 - group.len()));
+        let n = group.iter().try_fold(0u32, |n, &c| Some(n << 6 | u32::from(digit(c)?)))?
+            << (6 * (4 - group.len()));
         let bytes = n.to_be_bytes();
         out.extend_from_slice(&bytes[1..group.len()]);
     }

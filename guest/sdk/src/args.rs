@@ -17,7 +17,12 @@ pub struct Args {
 /// A command plugin's `main`: reads its options with `read` (from the process's
 /// arguments; `switches` take no value), refuses what `read` left, runs `run`, and on
 /// any error prints it after the plugin's `name` and exits with status 1.
-pub fn command<O>(name: &str, switches: &[&str], read: impl FnOnce(&mut Args) -> Result<O, String>, run: impl FnOnce(&O) -> Result<(), Error>) {
+pub fn command<O>(
+    name: &str,
+    switches: &[&str],
+    read: impl FnOnce(&mut Args) -> Result<O, String>,
+    run: impl FnOnce(&O) -> Result<(), Error>,
+) {
     let options = Args::from_env(switches).and_then(|mut args| {
         let options = read(&mut args)?;
         args.finish().map(|()| options)
@@ -34,7 +39,10 @@ impl Args {
         Args::parse(std::env::args().skip(1), switches)
     }
 
-    pub fn parse(args: impl IntoIterator<Item = String>, switches: &[&str]) -> Result<Args, String> {
+    pub fn parse(
+        args: impl IntoIterator<Item = String>,
+        switches: &[&str],
+    ) -> Result<Args, String> {
         let (mut words, mut flags) = (VecDeque::new(), BTreeMap::new());
         let mut args = args.into_iter();
         while let Some(arg) = args.next() {
@@ -42,7 +50,11 @@ impl Args {
                 words.push_back(arg);
                 continue;
             };
-            let value = if switches.contains(&name) { None } else { Some(args.next().ok_or(format!("{arg} needs a value"))?) };
+            let value = if switches.contains(&name) {
+                None
+            } else {
+                Some(args.next().ok_or(format!("{arg} needs a value"))?)
+            };
             flags.insert(name.to_string(), value);
         }
         Ok(Args { words, flags })
@@ -106,7 +118,8 @@ mod tests {
 
     #[test]
     fn flags_are_read_by_name_with_defaults() {
-        let mut a = args(&["decode", "--model", "m", "--spin", "--tokens", "12", "--tokens", "13"]).unwrap();
+        let mut a = args(&["decode", "--model", "m", "--spin", "--tokens", "12", "--tokens", "13"])
+            .unwrap();
         assert_eq!(a.word().as_deref(), Some("decode"));
         assert_eq!(a.word(), None);
         assert_eq!(a.string("model", "default"), "m");
@@ -121,10 +134,16 @@ mod tests {
     #[test]
     fn bad_command_lines_are_refused_by_name() {
         assert_eq!(args(&["--model"]).err().unwrap(), "--model needs a value");
-        assert_eq!(args(&["model"]).unwrap().finish().unwrap_err(), "unexpected argument \"model\"");
+        assert_eq!(
+            args(&["model"]).unwrap().finish().unwrap_err(),
+            "unexpected argument \"model\""
+        );
         assert_eq!(args(&["--"]).unwrap().finish().unwrap_err(), "unexpected argument \"--\"");
         let mut a = args(&["--tokens", "many", "--typo", "1", "--mode", "fast"]).unwrap();
-        assert_eq!(a.either("mode", "blocking", "pending").unwrap_err(), "--mode: expected blocking|pending, got \"fast\"");
+        assert_eq!(
+            a.either("mode", "blocking", "pending").unwrap_err(),
+            "--mode: expected blocking|pending, got \"fast\""
+        );
         assert_eq!(a.number("tokens", 0u32).unwrap_err(), "--tokens: \"many\" is not a number");
         assert_eq!(a.finish().unwrap_err(), "unknown argument \"--typo\"");
     }

@@ -118,10 +118,16 @@ macro_rules! http_plugin {
 /// `token` is cancelled and the decode stops in flight (within one graph node), its
 /// memory as before the call. Returns the decode's own result: `cancelled` if the timer
 /// won.
-pub fn decode_with_timeout(ctx: &Context, batch: &Batch, token: &CancelToken, timeout: Duration) -> Result<(), Error> {
+pub fn decode_with_timeout(
+    ctx: &Context,
+    batch: &Batch,
+    token: &CancelToken,
+    timeout: Duration,
+) -> Result<(), Error> {
     let pending = ctx.start_decode(batch, token)?;
     let done = pending.subscribe();
-    let timer = monotonic_clock::subscribe_duration(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
+    let timer =
+        monotonic_clock::subscribe_duration(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
     if !poll::poll(&[&done, &timer]).contains(&0) {
         token.cancel();
         done.block();
@@ -140,7 +146,14 @@ pub fn filler(model: &Model, n: u32) -> Result<Vec<i32>, Error> {
 
 /// A greedy generation of at most `max_tokens` on sequence 0, with no stop strings.
 pub fn greedy_params(prompt: Vec<i32>, max_tokens: u32) -> GenerateParams {
-    GenerateParams { prompt, seq: 0, max_tokens, stop: Vec::new(), sampler: generate::greedy_sampler(), logprobs: None }
+    GenerateParams {
+        prompt,
+        seq: 0,
+        max_tokens,
+        stop: Vec::new(),
+        sampler: generate::greedy_sampler(),
+        logprobs: None,
+    }
 }
 
 /// A generation's finish reason as its WIT name (`stop 0`, `max-tokens`, …; `none`
@@ -206,7 +219,10 @@ mod tests {
     #[test]
     fn sequences_ask_for_the_last_rows_logits() {
         let b = sequence_in(2, &[7, 8, 9], 5);
-        assert_eq!((b.tokens, b.positions, b.seq_ids, b.logits), (vec![7, 8, 9], vec![5, 6, 7], vec![2, 2, 2], vec![false, false, true]));
+        assert_eq!(
+            (b.tokens, b.positions, b.seq_ids, b.logits),
+            (vec![7, 8, 9], vec![5, 6, 7], vec![2, 2, 2], vec![false, false, true])
+        );
         assert!(sequence(&[], 0).tokens.is_empty());
     }
 

@@ -183,18 +183,31 @@ fn soak(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
 /// waits; a cancel ends the wait, and the piece it could not deliver is not kept.
 fn stall_generation(o: &Options, model: &Model, ctx: &Context) -> Result<(), Error> {
     let prompt = model.tokenize("The llama in the box", true, true)?;
-    let no_end = SamplerParams { logit_bias: vec![LogitBias { token: model.eos().unwrap_or(0), bias: f32::NEG_INFINITY }], ..generate::greedy_sampler() };
+    let no_end = SamplerParams {
+        logit_bias: vec![LogitBias { token: model.eos().unwrap_or(0), bias: f32::NEG_INFINITY }],
+        ..generate::greedy_sampler()
+    };
     let token = CancelToken::new();
-    let generation = generate::start(ctx, &GenerateParams { sampler: no_end, ..greedy_params(prompt.clone(), 256) }, &token)?;
+    let generation = generate::start(
+        ctx,
+        &GenerateParams { sampler: no_end, ..greedy_params(prompt.clone(), 256) },
+        &token,
+    )?;
     monotonic_clock::subscribe_duration(o.cancel_after_ms * 1_000_000).block();
     token.cancel();
     let mut delivered = 0;
     while let Some(piece) = generation.next()? {
         delivered += piece.tokens.len();
     }
-    println!("stalled-generation: {delivered} delivered, {}", finish_name(generation.finish_reason()));
+    println!(
+        "stalled-generation: {delivered} delivered, {}",
+        finish_name(generation.finish_reason())
+    );
     let consistent = ctx.seq_pos_max(0)? == prompt.len() as i32 + delivered as i32 - 1;
-    println!("stalled-generation-memory: {}", if consistent { "consistent" } else { "inconsistent" });
+    println!(
+        "stalled-generation-memory: {}",
+        if consistent { "consistent" } else { "inconsistent" }
+    );
     Ok(())
 }
 
@@ -221,7 +234,10 @@ fn drop_call_first(o: &Options, model: &Model, ctx: &Context) -> Result<(), Erro
         let media = MediaContext::open(projector, model)?;
         let image = Input::Image(Image { width: 64, height: 64, rgb: vec![128; 64 * 64 * 3] });
         let chunks = media.tokenize(&format!("look: {}", media.marker()), &[image])?;
-        let chunk = chunks.iter().find(|c| c.kind() != ChunkKind::Text).ok_or(Error::Backend("no media chunk".into()))?;
+        let chunk = chunks
+            .iter()
+            .find(|c| c.kind() != ChunkKind::Text)
+            .ok_or(Error::Backend("no media chunk".into()))?;
         let pending = media.start_encode_chunk(chunk, &CancelToken::new())?;
         let ready = pending.subscribe();
         drop(pending);
@@ -252,7 +268,10 @@ fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
         ("token-negative", sequence(&[-1], 0)),
         ("empty-batch", sequence(&[], 0)),
         ("batch-too-large", sequence(&vec![good[0]; ctx.n_batch() as usize + 1], 0)),
-        ("seq-out-of-range", Batch { seq_ids: vec![ctx.n_seq_max() as i32], ..sequence(&good[..1], 0) }),
+        (
+            "seq-out-of-range",
+            Batch { seq_ids: vec![ctx.n_seq_max() as i32], ..sequence(&good[..1], 0) },
+        ),
         ("position-gap", sequence(&good, 5)),
         ("columns-differ", Batch { positions: vec![], ..sequence(&good, 0) }),
     ];
@@ -260,7 +279,11 @@ fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
         println!("bad-input {name}: {}", outcome(ctx.decode(&batch, &never)));
     }
     println!("bad-input unknown-model: {}", outcome(Model::open("no-such-model").map(|_| ())));
-    let shaped = |n_ctx: u32, n_batch: u32, n_ubatch: Option<u32>, n_seq_max: Option<u32>, n_threads: u32| ContextParams {
+    let shaped = |n_ctx: u32,
+                  n_batch: u32,
+                  n_ubatch: Option<u32>,
+                  n_seq_max: Option<u32>,
+                  n_threads: u32| ContextParams {
         n_ctx: Some(n_ctx),
         n_batch: Some(n_batch),
         n_ubatch,
@@ -278,8 +301,12 @@ fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
     for (name, shape) in shapes {
         println!("bad-input {name}: {}", outcome(Context::create(model, shape).map(|_| ())));
     }
-    let extra: Vec<_> = (0..4).map(|_| Context::create(model, shaped(256, 64, None, None, 1))).collect();
-    println!("bad-input too-many-contexts: {}", outcome(extra.into_iter().last().unwrap().map(|_| ())));
+    let extra: Vec<_> =
+        (0..4).map(|_| Context::create(model, shaped(256, 64, None, None, 1))).collect();
+    println!(
+        "bad-input too-many-contexts: {}",
+        outcome(extra.into_iter().last().unwrap().map(|_| ()))
+    );
     println!("bad-input logits-of-unrequested-row: {}", outcome(ctx.logits_ith(0).map(|_| ())));
     println!("good-tokens: {}", good.len());
     println!("good-after-bad: {}", outcome(ctx.decode(&sequence(&good, 0), &never)));
@@ -295,16 +322,40 @@ fn bad_media_inputs(projector: &str, model: &Model, ctx: &Context) -> Result<(),
     let other = MediaContext::open(projector, model)?;
     let image = Input::Image(Image { width: 8, height: 8, rgb: vec![100; 8 * 8 * 3] });
     let chunks = maker.tokenize(&format!("look {}", maker.marker()), &[image]);
-    println!("bad-input chunk-budget: {}", outcome(chunks.as_ref().map(|_| ()).map_err(Clone::clone)));
+    println!(
+        "bad-input chunk-budget: {}",
+        outcome(chunks.as_ref().map(|_| ()).map_err(Clone::clone))
+    );
     if let Ok(chunks) = chunks {
         let refs: Vec<&_> = chunks.iter().collect();
-        let media_chunk = chunks.iter().find(|c| c.kind() != ChunkKind::Text).ok_or(Error::Backend("no media chunk".into()))?;
-        println!("bad-input foreign-chunk-encode: {}", outcome(other.encode_chunk(media_chunk, &never).map(|_| ())));
-        println!("bad-input foreign-chunk-start-encode: {}", outcome(other.start_encode_chunk(media_chunk, &never).map(|_| ())));
-        println!("bad-input foreign-chunk-eval: {}", outcome(other.eval_chunks(ctx, &refs, 0, &never).map(|_| ())));
-        println!("good-own-chunk-eval: {}", outcome(maker.eval_chunks(ctx, &refs, 0, &never).map(|_| ())));
+        let media_chunk = chunks
+            .iter()
+            .find(|c| c.kind() != ChunkKind::Text)
+            .ok_or(Error::Backend("no media chunk".into()))?;
+        println!(
+            "bad-input foreign-chunk-encode: {}",
+            outcome(other.encode_chunk(media_chunk, &never).map(|_| ()))
+        );
+        println!(
+            "bad-input foreign-chunk-start-encode: {}",
+            outcome(other.start_encode_chunk(media_chunk, &never).map(|_| ()))
+        );
+        println!(
+            "bad-input foreign-chunk-eval: {}",
+            outcome(other.eval_chunks(ctx, &refs, 0, &never).map(|_| ()))
+        );
+        println!(
+            "good-own-chunk-eval: {}",
+            outcome(maker.eval_chunks(ctx, &refs, 0, &never).map(|_| ()))
+        );
     }
-    let padded = ContextParams { n_ctx: Some(480), n_batch: Some(64), n_ubatch: None, n_seq_max: Some(16), n_threads: Some(1) };
+    let padded = ContextParams {
+        n_ctx: Some(480),
+        n_batch: Some(64),
+        n_ubatch: None,
+        n_seq_max: Some(16),
+        n_threads: Some(1),
+    };
     println!("bad-input kv-cells-padded: {}", outcome(Context::create(model, padded).map(|_| ())));
     let mut tokens = Vec::new();
     let over = loop {

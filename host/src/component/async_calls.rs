@@ -7,10 +7,13 @@
 use wasmtime::component::{Accessor, Resource};
 
 use super::async_bindings::llamabox::inference::async_calls::{Host, HostWithStore};
+use super::bindings::llamabox::inference::generate::Piece;
 use super::bindings::llamabox::inference::llm::Batch;
 use super::pending::finished;
-use super::bindings::llamabox::inference::generate::Piece;
-use super::{CancelToken, ChunkHandle, ContextHandle, GenerationHandle, HasLlama, LlamaCtxView, LlamaResult, MediaContextHandle};
+use super::{
+    CancelToken, ChunkHandle, ContextHandle, GenerationHandle, HasLlama, LlamaCtxView, LlamaResult,
+    MediaContextHandle,
+};
 
 impl Host for LlamaCtxView<'_> {}
 
@@ -44,13 +47,20 @@ impl<T> HostWithStore<T> for HasLlama {
         Ok(finished(call.await)?)
     }
 
-    async fn generation_next(accessor: &Accessor<T, Self>, generation: Resource<GenerationHandle>) -> LlamaResult<Option<Piece>> {
+    async fn generation_next(
+        accessor: &Accessor<T, Self>,
+        generation: Resource<GenerationHandle>,
+    ) -> LlamaResult<Option<Piece>> {
         // The stream is lent out of the table while this call waits (the store is
         // never held across an await). If the guest drops this call's future, the
         // stream drops with it, and with the stream the generation: it is cancelled.
-        let mut lent = accessor.with(|mut access| access.get().table.get_mut(&generation).map(GenerationHandle::lend))??;
+        let mut lent = accessor.with(|mut access| {
+            access.get().table.get_mut(&generation).map(GenerationHandle::lend)
+        })??;
         let piece = lent.next().await;
-        accessor.with(|mut access| access.get().table.get_mut(&generation).map(|g| g.give_back(lent)))?;
+        accessor.with(|mut access| {
+            access.get().table.get_mut(&generation).map(|g| g.give_back(lent))
+        })?;
         Ok(piece?)
     }
 }

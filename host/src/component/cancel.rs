@@ -6,7 +6,7 @@ use wasmtime::component::Resource;
 
 use super::bindings::llamabox::inference::cancel::{Host, HostCancelToken};
 use super::tokens::ShareError;
-use super::{Error, Charge, LlamaCtxView, LlamaError, LlamaResult, TokenRegistry};
+use super::{Charge, Error, LlamaCtxView, LlamaError, LlamaResult, TokenRegistry};
 use crate::native::CancelFlag;
 
 /// A guest's cancel token: a `CancelFlag`, and the capabilities shared from it. An
@@ -71,7 +71,9 @@ impl HostCancelToken for LlamaCtxView<'_> {
                 match e {
                     ShareError::GroupFull(_) => Err(Error::LimitExceeded(e.to_string()).into()),
                     // No random capability without the OS random source: trap rather than panic.
-                    ShareError::Random(_) => Err(LlamaError::trap(wasmtime::Error::msg(e.to_string()))),
+                    ShareError::Random(_) => {
+                        Err(LlamaError::trap(wasmtime::Error::msg(e.to_string())))
+                    }
                 }
             }
         }
@@ -83,7 +85,10 @@ impl HostCancelToken for LlamaCtxView<'_> {
                 Ok(()) => Ok(self.table.push(CancelToken::from_flag(flag))?),
                 Err(e) => Err(e.into()),
             },
-            None => Err(Error::InvalidArgument("no token is shared under this capability in this group".into()).into()),
+            None => Err(Error::InvalidArgument(
+                "no token is shared under this capability in this group".into(),
+            )
+            .into()),
         }
     }
 

@@ -6,7 +6,7 @@ use wasmtime::component::Resource;
 use super::bindings::llamabox::inference::embeddings::{Host, Pooling};
 use super::llm::ContextHandle;
 use super::pending::finished;
-use super::{LlamaResult, CancelToken, Error, LlamaCtxView};
+use super::{CancelToken, Error, LlamaCtxView, LlamaResult};
 use crate::native::{self, Token};
 
 impl LlamaCtxView<'_> {
@@ -17,13 +17,25 @@ impl LlamaCtxView<'_> {
         let inputs = u32::try_from(inputs).unwrap_or(u32::MAX);
         let tokens = u64::try_from(tokens).unwrap_or(u64::MAX);
         let over = |name: &str, done: u64, more: u64, max: u64| {
-            Err(Error::LimitExceeded(format!("{name}: this plugin embedded {done} of {max} already, and asked for {more} more")))
+            Err(Error::LimitExceeded(format!(
+                "{name}: this plugin embedded {done} of {max} already, and asked for {more} more"
+            )))
         };
         if usage.embedded_inputs.saturating_add(inputs) > limits.max_embed_inputs {
-            return over("max-embed-inputs", usage.embedded_inputs.into(), inputs.into(), limits.max_embed_inputs.into());
+            return over(
+                "max-embed-inputs",
+                usage.embedded_inputs.into(),
+                inputs.into(),
+                limits.max_embed_inputs.into(),
+            );
         }
         if usage.embedded_tokens.saturating_add(tokens) > limits.max_embed_tokens {
-            return over("max-embed-tokens", usage.embedded_tokens, tokens, limits.max_embed_tokens);
+            return over(
+                "max-embed-tokens",
+                usage.embedded_tokens,
+                tokens,
+                limits.max_embed_tokens,
+            );
         }
         usage.embedded_inputs += inputs;
         usage.embedded_tokens += tokens;

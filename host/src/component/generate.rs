@@ -11,11 +11,12 @@ use wasmtime::component::Resource;
 use wasmtime_wasi::p2::{DynPollable, Pollable};
 
 use super::bindings::llamabox::inference::generate::{
-    ChatMessage, FinishReason, GenerateParams, Host, HostGeneration, HostSampler, Logprobs, Piece, SamplerParams, TokenLogprob, Usage,
+    ChatMessage, FinishReason, GenerateParams, Host, HostGeneration, HostSampler, Logprobs, Piece,
+    SamplerParams, TokenLogprob, Usage,
 };
 use super::llm::{ContextHandle, ModelHandle};
 use super::pending::{finished, subscribe_shared};
-use super::{LlamaResult, CancelToken, Error, Charge, LlamaCtxView, PendingSlot};
+use super::{CancelToken, Charge, Error, LlamaCtxView, LlamaResult, PendingSlot};
 use crate::native::{self, CancelFlag, Model, Sampler, Token};
 use crate::worker::Call;
 
@@ -81,7 +82,9 @@ impl Stream {
         match &self.state {
             StreamState::Ended(Ok(_)) => Ok(None),
             StreamState::Ended(Err(e)) => Err(e.clone()),
-            StreamState::Running(_) => unreachable!("ready() returns with a piece or an ended stream"),
+            StreamState::Running(_) => {
+                unreachable!("ready() returns with a piece or an ended stream")
+            }
         }
     }
 
@@ -124,7 +127,9 @@ impl GenerationHandle {
         if lost.load(Relaxed) {
             Error::Cancelled
         } else {
-            Error::InvalidArgument("an async generation-next is already waiting on this generation".into())
+            Error::InvalidArgument(
+                "an async generation-next is already waiting on this generation".into(),
+            )
         }
     }
 
@@ -183,7 +188,11 @@ impl LlamaCtxView<'_> {
     /// bad parameter or grammar fails the call that passed it. Compiling a grammar
     /// (and a model's first grammar, its token trie) is bounded work, done off the
     /// executor.
-    async fn sampler_for(&mut self, model: &Arc<Model>, params: SamplerParams) -> LlamaResult<Sampler> {
+    async fn sampler_for(
+        &mut self,
+        model: &Arc<Model>,
+        params: SamplerParams,
+    ) -> LlamaResult<Sampler> {
         let (model, caps) = (model.clone(), self.ctx.limits.sampler_caps());
         let params = native_sampler_params(params);
         self.off_executor(move || Sampler::new(model, &params, &caps)).await
@@ -193,16 +202,30 @@ impl LlamaCtxView<'_> {
         let l = &self.ctx.limits;
         let over = |what: String| Err(Error::LimitExceeded(what));
         if params.max_tokens > l.max_generate_tokens {
-            return over(format!("max-tokens {} is above max-generate-tokens {}", params.max_tokens, l.max_generate_tokens));
+            return over(format!(
+                "max-tokens {} is above max-generate-tokens {}",
+                params.max_tokens, l.max_generate_tokens
+            ));
         }
         if params.stop.len() > l.max_stop_strings {
-            return over(format!("{} stop strings is above max-stop-strings {}", params.stop.len(), l.max_stop_strings));
+            return over(format!(
+                "{} stop strings is above max-stop-strings {}",
+                params.stop.len(),
+                l.max_stop_strings
+            ));
         }
         if let Some(s) = params.stop.iter().find(|s| s.len() > l.max_stop_bytes) {
-            return over(format!("a stop string of {} bytes is above max-stop-bytes {}", s.len(), l.max_stop_bytes));
+            return over(format!(
+                "a stop string of {} bytes is above max-stop-bytes {}",
+                s.len(),
+                l.max_stop_bytes
+            ));
         }
         if let Some(n) = params.logprobs.filter(|&n| n > native::MAX_TOP_LOGPROBS) {
-            return Err(Error::InvalidArgument(format!("logprobs {n} is outside [0, {}]", native::MAX_TOP_LOGPROBS)));
+            return Err(Error::InvalidArgument(format!(
+                "logprobs {n} is outside [0, {}]",
+                native::MAX_TOP_LOGPROBS
+            )));
         }
         Ok(())
     }
@@ -300,8 +323,10 @@ impl Host for LlamaCtxView<'_> {
         template: Option<String>,
     ) -> LlamaResult<String> {
         let max = self.ctx.limits.max_text_bytes;
-        let messages: Vec<native::ChatMessage> =
-            messages.into_iter().map(|m| native::ChatMessage { role: m.role, content: m.content }).collect();
+        let messages: Vec<native::ChatMessage> = messages
+            .into_iter()
+            .map(|m| native::ChatMessage { role: m.role, content: m.content })
+            .collect();
         let cost = native::chat::messages_cost(&messages);
         if cost > max {
             return Err(Error::LimitExceeded(format!(
@@ -312,31 +337,48 @@ impl Host for LlamaCtxView<'_> {
         }
         let model = self.table.get(&model)?.model.clone();
         let template = template.map_or(native::ChatTemplate::Model, native::ChatTemplate::Named);
-        self.off_executor(move || model.apply_chat_template(&template, &messages, add_assistant_prompt)).await
+        self.off_executor(move || {
+            model.apply_chat_template(&template, &messages, add_assistant_prompt)
+        })
+        .await
     }
 
     async fn builtin_chat_templates(&mut self) -> wasmtime::Result<Vec<String>> {
         Ok(native::chat::builtin_templates())
     }
 
-    async fn model_chat_template(&mut self, model: Resource<ModelHandle>) -> wasmtime::Result<Option<String>> {
+    async fn model_chat_template(
+        &mut self,
+        model: Resource<ModelHandle>,
+    ) -> wasmtime::Result<Option<String>> {
         Ok(self.table.get(&model)?.model.chat_template())
     }
 }
 
 impl HostSampler for LlamaCtxView<'_> {
-    async fn create(&mut self, model: Resource<ModelHandle>, params: SamplerParams) -> LlamaResult<Resource<SamplerHandle>> {
+    async fn create(
+        &mut self,
+        model: Resource<ModelHandle>,
+        params: SamplerParams,
+    ) -> LlamaResult<Resource<SamplerHandle>> {
         let model = self.table.get(&model)?.model.clone();
         let sampler = self.sampler_for(&model, params).await?;
         self.ctx.admit(Charge::Sampler)?;
         Ok(self.table.push(SamplerHandle { sampler: Arc::new(Mutex::new(sampler)) })?)
     }
 
-    async fn sample(&mut self, sampler: Resource<SamplerHandle>, ctx: Resource<ContextHandle>, row: u32) -> LlamaResult<Token> {
+    async fn sample(
+        &mut self,
+        sampler: Resource<SamplerHandle>,
+        ctx: Resource<ContextHandle>,
+        row: u32,
+    ) -> LlamaResult<Token> {
         let sampler = self.table.get(&sampler)?.sampler.clone();
         let context = self.table.get(&ctx)?;
         if !Arc::ptr_eq(lock(&sampler).model(), &context.model) {
-            return Err(Error::InvalidArgument("the sampler was made for another model".into()).into());
+            return Err(
+                Error::InvalidArgument("the sampler was made for another model".into()).into()
+            );
         }
         // Where the logits are (the context's thread or its batch's): they never leave it.
         let call = context.lease.sample(sampler, row);
@@ -372,20 +414,36 @@ impl HostGeneration for LlamaCtxView<'_> {
         Ok(self.table.get_mut(&generation)?.next().await?)
     }
 
-    async fn subscribe(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Resource<DynPollable>> {
+    async fn subscribe(
+        &mut self,
+        generation: Resource<GenerationHandle>,
+    ) -> wasmtime::Result<Resource<DynPollable>> {
         let stream = self.table.get(&generation)?.watch();
         subscribe_shared(self.table, stream)
     }
 
-    async fn finish_reason(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Option<FinishReason>> {
-        Ok(match self.table.get(&generation)?.outcome(|outcome| finish_reason(outcome.finish)).await {
-            Some(Ok(reason)) => Some(reason),
-            Some(Err(())) => Some(FinishReason::Cancelled),
-            None => None,
-        })
+    async fn finish_reason(
+        &mut self,
+        generation: Resource<GenerationHandle>,
+    ) -> wasmtime::Result<Option<FinishReason>> {
+        Ok(
+            match self
+                .table
+                .get(&generation)?
+                .outcome(|outcome| finish_reason(outcome.finish))
+                .await
+            {
+                Some(Ok(reason)) => Some(reason),
+                Some(Err(())) => Some(FinishReason::Cancelled),
+                None => None,
+            },
+        )
     }
 
-    async fn usage(&mut self, generation: Resource<GenerationHandle>) -> wasmtime::Result<Option<Usage>> {
+    async fn usage(
+        &mut self,
+        generation: Resource<GenerationHandle>,
+    ) -> wasmtime::Result<Option<Usage>> {
         Ok(match self.table.get(&generation)?.outcome(|outcome| usage(&outcome.usage)).await {
             Some(Ok(usage)) => Some(usage),
             _ => None,

@@ -158,7 +158,10 @@ impl Limits {
     }
 
     pub(crate) fn media_caps(&self) -> crate::native::MediaCaps {
-        crate::native::MediaCaps { max_image_side: self.max_image_side, max_audio_samples: self.max_audio_samples }
+        crate::native::MediaCaps {
+            max_image_side: self.max_image_side,
+            max_audio_samples: self.max_audio_samples,
+        }
     }
 }
 
@@ -189,7 +192,8 @@ impl LimitOverrides {
         }
         limits.max_n_ctx = self.max_n_ctx.unwrap_or(limits.max_n_ctx);
         limits.max_kv_cells = self.max_kv_cells.unwrap_or(limits.max_kv_cells);
-        limits.max_wasm_memory = self.max_memory_mib.map_or(limits.max_wasm_memory, |mib| mib << 20);
+        limits.max_wasm_memory =
+            self.max_memory_mib.map_or(limits.max_wasm_memory, |mib| mib << 20);
         limits.max_contexts = self.max_contexts.unwrap_or(limits.max_contexts);
         limits.max_generate_tokens = self.max_generate_tokens.unwrap_or(limits.max_generate_tokens);
         limits.max_embed_inputs = self.max_embed_inputs.unwrap_or(limits.max_embed_inputs);
@@ -206,11 +210,20 @@ mod overrides_tests {
     fn overrides_change_only_what_they_name_and_threads_pull_the_default_down() {
         let base = Limits { max_threads: 8, default_threads: 4, ..Limits::default() };
         assert_eq!(format!("{:?}", LimitOverrides::default().apply(&base)), format!("{base:?}"));
-        let l = LimitOverrides { max_threads: Some(2), max_memory_mib: Some(64), max_contexts: Some(1), ..LimitOverrides::default() }.apply(&base);
-        assert_eq!((l.max_threads, l.default_threads, l.max_wasm_memory, l.max_contexts), (2, 2, 64 << 20, 1));
+        let l = LimitOverrides {
+            max_threads: Some(2),
+            max_memory_mib: Some(64),
+            max_contexts: Some(1),
+            ..LimitOverrides::default()
+        }
+        .apply(&base);
+        assert_eq!(
+            (l.max_threads, l.default_threads, l.max_wasm_memory, l.max_contexts),
+            (2, 2, 64 << 20, 1)
+        );
         assert_eq!((l.max_n_ctx, l.max_kv_cells), (base.max_n_ctx, base.max_kv_cells));
-        let zero = LimitOverrides { max_threads: Some(0), ..LimitOverrides::default() }.apply(&base);
+        let zero =
+            LimitOverrides { max_threads: Some(0), ..LimitOverrides::default() }.apply(&base);
         assert_eq!((zero.max_threads, zero.default_threads), (1, 1), "at least one thread");
     }
 }
-

@@ -7,9 +7,11 @@ use std::sync::Arc;
 use wasmtime::component::Resource;
 use wasmtime_wasi::p2::DynPollable;
 
-use super::bindings::llamabox::inference::llm::{Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode};
+use super::bindings::llamabox::inference::llm::{
+    Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode,
+};
 use super::pending::{finished, Pending};
-use super::{LlamaResult, CancelToken, Error, Charge, LlamaCtxView};
+use super::{CancelToken, Charge, Error, LlamaCtxView, LlamaResult};
 use crate::engine::{Lease, LeaseRequest, Opened};
 use crate::native::{self, CancelFlag, Model, Token};
 use crate::worker::Call;
@@ -92,21 +94,44 @@ impl LlamaCtxView<'_> {
     /// Resolve `params` against the host's defaults and caps. Only host limits are
     /// checked here (`limit-exceeded`); whether the params make sense together is
     /// `native`'s to say (`invalid-argument`).
-    fn resolve(&self, params: ContextParams, model: &Model) -> Result<native::ContextParams, Error> {
+    fn resolve(
+        &self,
+        params: ContextParams,
+        model: &Model,
+    ) -> Result<native::ContextParams, Error> {
         let limits = &self.ctx.limits;
         let cap = |name: &str, value: u32, limit: &str, max: u32| {
             if value > max {
-                Err(Error::LimitExceeded(format!("{name} {value} is above this host's limit {max} ({limit})")))
+                Err(Error::LimitExceeded(format!(
+                    "{name} {value} is above this host's limit {max} ({limit})"
+                )))
             } else {
                 Ok(value)
             }
         };
         let n_ctx_default = model.n_ctx_train().clamp(1, 4096).min(limits.max_n_ctx);
-        let n_ctx = cap("n-ctx", params.n_ctx.unwrap_or(n_ctx_default), "max-n-ctx", limits.max_n_ctx)?;
-        let n_batch = cap("n-batch", params.n_batch.unwrap_or(n_ctx.min(512)), "max-n-batch", limits.max_n_batch)?;
-        let n_ubatch = cap("n-ubatch", params.n_ubatch.unwrap_or(n_batch.min(512)), "max-n-batch", limits.max_n_batch)?;
-        let n_seq_max = cap("n-seq-max", params.n_seq_max.unwrap_or(1), "max-n-seq", limits.max_n_seq)?;
-        let n_threads = cap("n-threads", params.n_threads.unwrap_or(limits.default_threads), "max-threads", limits.max_threads)?;
+        let n_ctx =
+            cap("n-ctx", params.n_ctx.unwrap_or(n_ctx_default), "max-n-ctx", limits.max_n_ctx)?;
+        let n_batch = cap(
+            "n-batch",
+            params.n_batch.unwrap_or(n_ctx.min(512)),
+            "max-n-batch",
+            limits.max_n_batch,
+        )?;
+        let n_ubatch = cap(
+            "n-ubatch",
+            params.n_ubatch.unwrap_or(n_batch.min(512)),
+            "max-n-batch",
+            limits.max_n_batch,
+        )?;
+        let n_seq_max =
+            cap("n-seq-max", params.n_seq_max.unwrap_or(1), "max-n-seq", limits.max_n_seq)?;
+        let n_threads = cap(
+            "n-threads",
+            params.n_threads.unwrap_or(limits.default_threads),
+            "max-threads",
+            limits.max_threads,
+        )?;
         Ok(native::ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads })
     }
 }
@@ -117,7 +142,9 @@ impl HostModel for LlamaCtxView<'_> {
     async fn open(&mut self, name: String) -> LlamaResult<Resource<ModelHandle>> {
         use crate::engine::OpenError;
         match self.ctx.registry.open_entry(&name).await {
-            Ok(opened) => Ok(self.table.push(ModelHandle { model: opened.model.clone(), opened })?),
+            Ok(opened) => {
+                Ok(self.table.push(ModelHandle { model: opened.model.clone(), opened })?)
+            }
             Err(OpenError::NotFound(name)) => Err(Error::ModelNotFound(name).into()),
             Err(e @ OpenError::LoadFailed(_)) => Err(Error::Backend(e.to_string()).into()),
         }
@@ -137,13 +164,22 @@ impl HostModel for LlamaCtxView<'_> {
             (limits.max_text_bytes, "max-text-bytes")
         };
         if text.len() > max {
-            return Err(Error::LimitExceeded(format!("text of {} bytes is above {limit} {max}", text.len())).into());
+            return Err(Error::LimitExceeded(format!(
+                "text of {} bytes is above {limit} {max}",
+                text.len()
+            ))
+            .into());
         }
         let model = self.table.get(&model)?.model.clone();
         self.off_executor(move || model.tokenize(&text, add_special, parse_special)).await
     }
 
-    async fn token_to_piece(&mut self, model: Resource<ModelHandle>, token: Token, special: bool) -> LlamaResult<Vec<u8>> {
+    async fn token_to_piece(
+        &mut self,
+        model: Resource<ModelHandle>,
+        token: Token,
+        special: bool,
+    ) -> LlamaResult<Vec<u8>> {
         Ok(self.table.get(&model)?.model.token_to_piece(token, special)?)
     }
 
@@ -156,7 +192,11 @@ impl HostModel for LlamaCtxView<'_> {
     ) -> LlamaResult<String> {
         let max = self.ctx.limits.max_detokenize_tokens;
         if tokens.len() > max {
-            return Err(Error::LimitExceeded(format!("{} tokens is above max-detokenize-tokens {max}", tokens.len())).into());
+            return Err(Error::LimitExceeded(format!(
+                "{} tokens is above max-detokenize-tokens {max}",
+                tokens.len()
+            ))
+            .into());
         }
         let model = self.table.get(&model)?.model.clone();
         self.off_executor(move || model.detokenize(&tokens, remove_special, unparse_special)).await
@@ -182,7 +222,11 @@ impl HostModel for LlamaCtxView<'_> {
         Ok(self.table.get(&model)?.model.eos())
     }
 
-    async fn is_eog(&mut self, model: Resource<ModelHandle>, token: Token) -> wasmtime::Result<bool> {
+    async fn is_eog(
+        &mut self,
+        model: Resource<ModelHandle>,
+        token: Token,
+    ) -> wasmtime::Result<bool> {
         Ok(self.table.get(&model)?.model.is_eog(token))
     }
 
@@ -193,7 +237,11 @@ impl HostModel for LlamaCtxView<'_> {
 }
 
 impl HostContext for LlamaCtxView<'_> {
-    async fn create(&mut self, model: Resource<ModelHandle>, params: ContextParams) -> LlamaResult<Resource<ContextHandle>> {
+    async fn create(
+        &mut self,
+        model: Resource<ModelHandle>,
+        params: ContextParams,
+    ) -> LlamaResult<Resource<ContextHandle>> {
         let handle = self.table.get(&model)?;
         let (model, opened) = (handle.model.clone(), handle.opened.clone());
         let requested = self.resolve(params, &model)?;
@@ -210,7 +258,14 @@ impl HostContext for LlamaCtxView<'_> {
             tracker: &self.ctx.workers,
         };
         match opened.lease(want).await {
-            Ok((lease, params)) => Ok(self.table.push(ContextHandle { lease, params, model, held, requested, opened })?),
+            Ok((lease, params)) => Ok(self.table.push(ContextHandle {
+                lease,
+                params,
+                model,
+                held,
+                requested,
+                opened,
+            })?),
             Err(e) => {
                 self.ctx.release(held);
                 Err(Error::from(e).into())
@@ -218,7 +273,12 @@ impl HostContext for LlamaCtxView<'_> {
         }
     }
 
-    async fn decode(&mut self, ctx: Resource<ContextHandle>, batch: Batch, cancel: Resource<CancelToken>) -> LlamaResult<()> {
+    async fn decode(
+        &mut self,
+        ctx: Resource<ContextHandle>,
+        batch: Batch,
+        cancel: Resource<CancelToken>,
+    ) -> LlamaResult<()> {
         let call = self.queue_decode(&ctx, batch, &cancel)?;
         Ok(finished(call.await)?)
     }
@@ -234,7 +294,11 @@ impl HostContext for LlamaCtxView<'_> {
         Ok(self.table.push(Pending::new(call, slot))?)
     }
 
-    async fn logits_ith(&mut self, ctx: Resource<ContextHandle>, row: u32) -> LlamaResult<Vec<f32>> {
+    async fn logits_ith(
+        &mut self,
+        ctx: Resource<ContextHandle>,
+        row: u32,
+    ) -> LlamaResult<Vec<f32>> {
         self.on_lease(&ctx, |l| l.logits(Some(row))).await
     }
 
@@ -242,7 +306,13 @@ impl HostContext for LlamaCtxView<'_> {
         self.on_lease(&ctx, |l| l.logits(None)).await
     }
 
-    async fn seq_rm(&mut self, ctx: Resource<ContextHandle>, seq: i32, p0: i32, p1: i32) -> LlamaResult<()> {
+    async fn seq_rm(
+        &mut self,
+        ctx: Resource<ContextHandle>,
+        seq: i32,
+        p0: i32,
+        p1: i32,
+    ) -> LlamaResult<()> {
         self.on_lease(&ctx, |l| l.seq_rm(seq, p0, p1)).await
     }
 
@@ -281,7 +351,10 @@ impl HostContext for LlamaCtxView<'_> {
 }
 
 impl HostPendingDecode for LlamaCtxView<'_> {
-    async fn subscribe(&mut self, pending: Resource<PendingDecode>) -> wasmtime::Result<Resource<DynPollable>> {
+    async fn subscribe(
+        &mut self,
+        pending: Resource<PendingDecode>,
+    ) -> wasmtime::Result<Resource<DynPollable>> {
         Pending::subscribe(self.table, &pending)
     }
 

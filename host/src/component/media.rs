@@ -6,12 +6,16 @@ use std::sync::Arc;
 use wasmtime::component::Resource;
 use wasmtime_wasi::p2::DynPollable;
 
-use super::bindings::llamabox::inference::media::{ChunkKind, Host, HostChunk, HostMediaContext, HostPendingEncode, Input};
+use super::bindings::llamabox::inference::media::{
+    ChunkKind, Host, HostChunk, HostMediaContext, HostPendingEncode, Input,
+};
 use super::llm::{ContextHandle, ModelHandle};
-use crate::engine::Lease;
 use super::pending::{finished, Pending};
-use super::{LlamaResult, CancelToken, Error, Charge, LlamaCtxView};
-use crate::native::{self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token};
+use super::{CancelToken, Charge, Error, LlamaCtxView, LlamaResult};
+use crate::engine::Lease;
+use crate::native::{
+    self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token,
+};
 use crate::worker::{Call, Worker};
 
 pub struct ChunkHandle {
@@ -54,7 +58,9 @@ impl LlamaCtxView<'_> {
         let chunk = self.table.get(chunk)?.chunk.clone();
         let media = self.media(media)?;
         native::check_owner(media.id, &chunk)?;
-        Ok(media.worker.call(move |m, abandoned| m.encode(&chunk, Some(Stop::on_either(&token, abandoned)))))
+        Ok(media
+            .worker
+            .call(move |m, abandoned| m.encode(&chunk, Some(Stop::on_either(&token, abandoned)))))
     }
 }
 
@@ -90,15 +96,21 @@ impl HostChunk for LlamaCtxView<'_> {
 }
 
 impl HostMediaContext for LlamaCtxView<'_> {
-    async fn open(&mut self, projector: String, model: Resource<ModelHandle>) -> LlamaResult<Resource<MediaContextHandle>> {
+    async fn open(
+        &mut self,
+        projector: String,
+        model: Resource<ModelHandle>,
+    ) -> LlamaResult<Resource<MediaContextHandle>> {
         let handle = self.table.get(&model)?;
-        let (model, cores) = (handle.model.clone(), handle.opened.policy.as_ref().map(|p| p.cores.clone()));
+        let (model, cores) =
+            (handle.model.clone(), handle.opened.policy.as_ref().map(|p| p.cores.clone()));
         let Ok(path) = self.ctx.registry.projector_path(&projector) else {
             return Err(Error::ModelNotFound(projector).into());
         };
         self.ctx.admit(Charge::MediaContext)?;
         let threads = self.ctx.limits.default_threads;
-        let (latency, fixed) = (self.ctx.limits.encode_cancel_latency, self.ctx.limits.encode_fixed_chunk_work);
+        let (latency, fixed) =
+            (self.ctx.limits.encode_cancel_latency, self.ctx.limits.encode_fixed_chunk_work);
         let (worker_model, meter) = (model.clone(), self.ctx.meter().clone());
         let started = Worker::start("llamabox-media", &self.ctx.workers, move || {
             let mut media = MediaContext::new(&path, worker_model, threads)?;
@@ -117,26 +129,48 @@ impl HostMediaContext for LlamaCtxView<'_> {
             Err(e) => {
                 self.ctx.release(Charge::MediaContext);
                 tracing::error!("opening projector {projector:?}: {e}");
-                return Err(Error::Backend(format!("projector {projector:?} could not be loaded for this model")).into());
+                return Err(Error::Backend(format!(
+                    "projector {projector:?} could not be loaded for this model"
+                ))
+                .into());
             }
         };
-        let probe = worker.call(|m, _| (m.id(), m.supports_vision(), m.supports_audio(), m.audio_sample_rate(), m.uses_mrope()));
+        let probe = worker.call(|m, _| {
+            (m.id(), m.supports_vision(), m.supports_audio(), m.audio_sample_rate(), m.uses_mrope())
+        });
         let Some((id, vision, audio, sample_rate, mrope)) = probe.await else {
             self.ctx.release(Charge::MediaContext);
             return Err(Error::Backend("media worker stopped".into()).into());
         };
-        Ok(self.table.push(MediaContextHandle { worker, id, model, vision, audio, sample_rate, mrope })?)
+        Ok(self.table.push(MediaContextHandle {
+            worker,
+            id,
+            model,
+            vision,
+            audio,
+            sample_rate,
+            mrope,
+        })?)
     }
 
-    async fn supports_vision(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<bool> {
+    async fn supports_vision(
+        &mut self,
+        media: Resource<MediaContextHandle>,
+    ) -> wasmtime::Result<bool> {
         Ok(self.media(&media)?.vision)
     }
 
-    async fn supports_audio(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<bool> {
+    async fn supports_audio(
+        &mut self,
+        media: Resource<MediaContextHandle>,
+    ) -> wasmtime::Result<bool> {
         Ok(self.media(&media)?.audio)
     }
 
-    async fn audio_sample_rate(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<Option<u32>> {
+    async fn audio_sample_rate(
+        &mut self,
+        media: Resource<MediaContextHandle>,
+    ) -> wasmtime::Result<Option<u32>> {
         Ok(self.media(&media)?.sample_rate)
     }
 
@@ -153,18 +187,25 @@ impl HostMediaContext for LlamaCtxView<'_> {
         // mtmd parses special tokens in every prompt.
         let max = self.ctx.limits.max_special_text_bytes;
         if prompt.len() > max {
-            return Err(Error::LimitExceeded(format!("prompt of {} bytes is above max-special-text-bytes {max}", prompt.len())).into());
+            return Err(Error::LimitExceeded(format!(
+                "prompt of {} bytes is above max-special-text-bytes {max}",
+                prompt.len()
+            ))
+            .into());
         }
         let caps = self.ctx.limits.media_caps();
         let inputs: Vec<MediaInput> = inputs
             .into_iter()
             .map(|input| match input {
-                Input::Image(image) => MediaInput::Image { width: image.width, height: image.height, rgb: image.rgb },
+                Input::Image(image) => {
+                    MediaInput::Image { width: image.width, height: image.height, rgb: image.rgb }
+                }
                 Input::Audio(samples) => MediaInput::Audio { samples },
             })
             .collect();
         let budget = self.ctx.chunk_bytes_left();
-        let call = self.media(&media)?.worker.call(move |m, _| m.tokenize(&prompt, &inputs, caps, budget));
+        let call =
+            self.media(&media)?.worker.call(move |m, _| m.tokenize(&prompt, &inputs, caps, budget));
         let chunks = finished(call.await)?;
         let bytes = chunks.iter().map(|c| c.native_bytes() as u64).sum();
         self.ctx.admit(Charge::Chunks { bytes })?;
@@ -208,15 +249,24 @@ impl HostMediaContext for LlamaCtxView<'_> {
         cancel: Resource<CancelToken>,
     ) -> LlamaResult<i32> {
         let token = self.table.get(&cancel)?.flag.clone();
-        let chunks = chunks.iter().map(|c| Ok(self.table.get(c)?.chunk.clone())).collect::<wasmtime::Result<Vec<_>>>()?;
+        let chunks = chunks
+            .iter()
+            .map(|c| Ok(self.table.get(c)?.chunk.clone()))
+            .collect::<wasmtime::Result<Vec<_>>>()?;
         let media = self.media(&media)?;
         let context = self.table.get(&ctx)?;
         if !Arc::ptr_eq(&media.model, &context.model) {
-            return Err(Error::InvalidArgument("the media context was opened for another model".into()).into());
+            return Err(Error::InvalidArgument(
+                "the media context was opened for another model".into(),
+            )
+            .into());
         }
         chunks.iter().try_for_each(|c| native::check_owner(media.id, c))?;
         if media.mrope && chunks.iter().any(|c| c.kind() != native::ChunkKind::Text) {
-            return Err(Error::InvalidArgument("projectors with multi-dimensional positions (M-RoPE) are not supported yet".into()).into());
+            return Err(Error::InvalidArgument(
+                "projectors with multi-dimensional positions (M-RoPE) are not supported yet".into(),
+            )
+            .into());
         }
         // More tokens than the whole context holds can never fit: known before anything
         // is encoded, without waiting for the context's worker (native `eval` checks the
@@ -248,13 +298,18 @@ async fn eval_chunks(
     token: &CancelFlag,
 ) -> Result<i32, Error> {
     let encode_token = token.clone();
-    let encoded = media.call(move |m, abandoned| m.encode_for_eval(&chunks, Some(Stop::on_either(&encode_token, abandoned))));
+    let encoded = media.call(move |m, abandoned| {
+        m.encode_for_eval(&chunks, Some(Stop::on_either(&encode_token, abandoned)))
+    });
     let pieces = finished(encoded.await)?;
     finished(context.eval(pieces, seq, token.clone()).await)
 }
 
 impl HostPendingEncode for LlamaCtxView<'_> {
-    async fn subscribe(&mut self, pending: Resource<PendingEncode>) -> wasmtime::Result<Resource<DynPollable>> {
+    async fn subscribe(
+        &mut self,
+        pending: Resource<PendingEncode>,
+    ) -> wasmtime::Result<Resource<DynPollable>> {
         Pending::subscribe(self.table, &pending)
     }
 

@@ -19,12 +19,12 @@ use wasmtime::component::{HasData, Linker, ResourceTable};
 
 use crate::worker::Tracker;
 
+pub use crate::engine::{ModelRegistry, OpenError};
 pub use cancel::CancelToken;
+pub use generate::{GenerationHandle, SamplerHandle};
 pub use limits::{LimitOverrides, Limits};
 pub use llm::{ContextHandle, ModelHandle, PendingDecode};
-pub use generate::{GenerationHandle, SamplerHandle};
 pub use media::{ChunkHandle, MediaContextHandle, PendingEncode};
-pub use crate::engine::{ModelRegistry, OpenError};
 pub use tokens::{ShareError, TokenRegistry};
 
 /// Bindings generated from `wit/`. Every import is async (decode waits on a worker
@@ -179,20 +179,29 @@ struct Usage {
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Charge {
     /// A context with n-ctx × n-layer KV cells.
-    Context { kv_cells: u64 },
+    Context {
+        kv_cells: u64,
+    },
     MediaContext,
     Token,
     /// A capability shared from one of this store's tokens.
     Share,
     /// Media chunks holding this many native bytes.
-    Chunks { bytes: u64 },
+    Chunks {
+        bytes: u64,
+    },
     /// A `generate.sampler` (n-vocab candidates, maybe a grammar).
     Sampler,
 }
 
 impl LlamaCtx {
     /// `group` scopes shared tokens: a plugin opens only capabilities shared in its group.
-    pub fn new(registry: Arc<ModelRegistry>, tokens: Arc<TokenRegistry>, group: impl Into<String>, limits: Limits) -> Self {
+    pub fn new(
+        registry: Arc<ModelRegistry>,
+        tokens: Arc<TokenRegistry>,
+        group: impl Into<String>,
+        limits: Limits,
+    ) -> Self {
         let workers = Tracker::new();
         let (usage, pending_calls, meter) = (Usage::default(), Arc::default(), Arc::default());
         Self { registry, tokens, group: group.into(), limits, usage, pending_calls, workers, meter }
@@ -233,27 +242,48 @@ impl LlamaCtx {
         self.pending_calls
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < max).then_some(n + 1))
             .map(|_| PendingSlot(self.pending_calls.clone()))
-            .map_err(|_| Error::LimitExceeded(format!("max-pending-calls: this plugin already holds {max}")))
+            .map_err(|_| {
+                Error::LimitExceeded(format!("max-pending-calls: this plugin already holds {max}"))
+            })
     }
 
     /// Count `held` against this store's limits, or name the limit it would exceed.
     pub(crate) fn admit(&mut self, held: Charge) -> Result<(), Error> {
         let (u, l) = (&mut self.usage, &self.limits);
-        let over = |name: &str, max: String| Err(Error::LimitExceeded(format!("{name}: this plugin already holds {max}")));
+        let over = |name: &str, max: String| {
+            Err(Error::LimitExceeded(format!("{name}: this plugin already holds {max}")))
+        };
         match held {
-            Charge::Context { .. } if u.contexts >= l.max_contexts => return over("max-contexts", l.max_contexts.to_string()),
+            Charge::Context { .. } if u.contexts >= l.max_contexts => {
+                return over("max-contexts", l.max_contexts.to_string())
+            }
             Charge::Context { kv_cells } if u.kv_cells + kv_cells > l.max_kv_cells => {
-                return over("max-kv-cells", format!("{} of {} KV cells (n-ctx x layers)", u.kv_cells, l.max_kv_cells))
+                return over(
+                    "max-kv-cells",
+                    format!("{} of {} KV cells (n-ctx x layers)", u.kv_cells, l.max_kv_cells),
+                )
             }
             Charge::MediaContext if u.media_contexts >= l.max_media_contexts => {
                 return over("max-media-contexts", l.max_media_contexts.to_string())
             }
-            Charge::Token if u.tokens >= l.max_tokens => return over("max-tokens", l.max_tokens.to_string()),
-            Charge::Share if u.shares >= l.max_shares => return over("max-shares", l.max_shares.to_string()),
-            Charge::Chunks { bytes } if u.chunk_bytes.saturating_add(bytes) > l.max_chunk_bytes => {
-                return over("max-chunk-bytes", format!("{} of {} bytes in media chunks (this needs {bytes} more)", u.chunk_bytes, l.max_chunk_bytes))
+            Charge::Token if u.tokens >= l.max_tokens => {
+                return over("max-tokens", l.max_tokens.to_string())
             }
-            Charge::Sampler if u.samplers >= l.max_samplers => return over("max-samplers", l.max_samplers.to_string()),
+            Charge::Share if u.shares >= l.max_shares => {
+                return over("max-shares", l.max_shares.to_string())
+            }
+            Charge::Chunks { bytes } if u.chunk_bytes.saturating_add(bytes) > l.max_chunk_bytes => {
+                return over(
+                    "max-chunk-bytes",
+                    format!(
+                        "{} of {} bytes in media chunks (this needs {bytes} more)",
+                        u.chunk_bytes, l.max_chunk_bytes
+                    ),
+                )
+            }
+            Charge::Sampler if u.samplers >= l.max_samplers => {
+                return over("max-samplers", l.max_samplers.to_string())
+            }
             _ => {}
         }
         self.count(held, true);
@@ -262,7 +292,8 @@ impl LlamaCtx {
 
     /// Native bytes this store's media chunks may still hold under max-chunk-bytes.
     pub(crate) fn chunk_bytes_left(&self) -> usize {
-        usize::try_from(self.limits.max_chunk_bytes.saturating_sub(self.usage.chunk_bytes)).unwrap_or(usize::MAX)
+        usize::try_from(self.limits.max_chunk_bytes.saturating_sub(self.usage.chunk_bytes))
+            .unwrap_or(usize::MAX)
     }
 
     /// Stop counting `held` (its resource was dropped).
@@ -276,14 +307,16 @@ impl LlamaCtx {
         match held {
             Charge::Context { kv_cells } => {
                 step(&mut u.contexts);
-                u.kv_cells = if add { u.kv_cells + kv_cells } else { u.kv_cells.saturating_sub(kv_cells) };
+                u.kv_cells =
+                    if add { u.kv_cells + kv_cells } else { u.kv_cells.saturating_sub(kv_cells) };
                 self.meter.note_kv_cells(u.kv_cells);
             }
             Charge::MediaContext => step(&mut u.media_contexts),
             Charge::Token => step(&mut u.tokens),
             Charge::Share => step(&mut u.shares),
             Charge::Chunks { bytes } => {
-                u.chunk_bytes = if add { u.chunk_bytes + bytes } else { u.chunk_bytes.saturating_sub(bytes) };
+                u.chunk_bytes =
+                    if add { u.chunk_bytes + bytes } else { u.chunk_bytes.saturating_sub(bytes) };
             }
             Charge::Sampler => step(&mut u.samplers),
         }
@@ -318,7 +351,10 @@ pub fn add_to_linker<T: LlamaView + 'static>(linker: &mut Linker<T>) -> wasmtime
     wit::media::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     wit::generate::add_to_linker::<T, HasLlama>(linker, T::llama)?;
     wit::embeddings::add_to_linker::<T, HasLlama>(linker, T::llama)?;
-    async_bindings::llamabox::inference::async_calls::add_to_linker::<T, HasLlama>(linker, T::llama)?;
+    async_bindings::llamabox::inference::async_calls::add_to_linker::<T, HasLlama>(
+        linker,
+        T::llama,
+    )?;
     Ok(())
 }
 
@@ -349,7 +385,12 @@ mod tests {
     use super::*;
 
     fn ctx(limits: Limits) -> LlamaCtx {
-        LlamaCtx::new(Arc::new(ModelRegistry::new()), Arc::new(TokenRegistry::new()), "test", limits)
+        LlamaCtx::new(
+            Arc::new(ModelRegistry::new()),
+            Arc::new(TokenRegistry::new()),
+            "test",
+            limits,
+        )
     }
 
     fn limit_named(result: Result<(), Error>) -> String {
@@ -361,7 +402,14 @@ mod tests {
 
     #[test]
     fn each_held_thing_counts_against_its_own_limit_until_released() {
-        let limits = Limits { max_contexts: 2, max_kv_cells: 1000, max_pending_calls: 1, max_tokens: 1, max_media_contexts: 1, ..Limits::default() };
+        let limits = Limits {
+            max_contexts: 2,
+            max_kv_cells: 1000,
+            max_pending_calls: 1,
+            max_tokens: 1,
+            max_media_contexts: 1,
+            ..Limits::default()
+        };
         let mut c = ctx(limits);
         let small = Charge::Context { kv_cells: 400 };
         c.admit(small).unwrap();
@@ -382,9 +430,19 @@ mod tests {
         c.release(Charge::Chunks { bytes: 60 });
         c.admit(Charge::Chunks { bytes: 100 }).unwrap();
 
-        let limits = Limits { max_pending_calls: 2, max_tokens: 1, max_shares: 1, max_media_contexts: 1, ..Limits::default() };
+        let limits = Limits {
+            max_pending_calls: 2,
+            max_tokens: 1,
+            max_shares: 1,
+            max_media_contexts: 1,
+            ..Limits::default()
+        };
         let mut c = ctx(limits);
-        for (held, name) in [(Charge::Token, "max-tokens"), (Charge::Share, "max-shares"), (Charge::MediaContext, "max-media-contexts")] {
+        for (held, name) in [
+            (Charge::Token, "max-tokens"),
+            (Charge::Share, "max-shares"),
+            (Charge::MediaContext, "max-media-contexts"),
+        ] {
             c.admit(held).unwrap();
             assert!(limit_named(c.admit(held)).starts_with(name));
             c.release(held);
@@ -392,7 +450,9 @@ mod tests {
         }
 
         let slots = (c.pending_slot().unwrap(), c.pending_slot().unwrap());
-        assert!(matches!(c.pending_slot(), Err(Error::LimitExceeded(m)) if m.starts_with("max-pending-calls")));
+        assert!(
+            matches!(c.pending_slot(), Err(Error::LimitExceeded(m)) if m.starts_with("max-pending-calls"))
+        );
         drop(slots.0);
         c.pending_slot().expect("a dropped slot frees its place");
     }

@@ -47,7 +47,10 @@ impl<T: Send + 'static> Pending<T> {
     }
 
     /// A pollable ready once the call has ended (or the pending resource was dropped).
-    pub(crate) fn subscribe(table: &mut ResourceTable, pending: &Resource<Self>) -> wasmtime::Result<Resource<DynPollable>> {
+    pub(crate) fn subscribe(
+        table: &mut ResourceTable,
+        pending: &Resource<Self>,
+    ) -> wasmtime::Result<Resource<DynPollable>> {
         let state = Arc::downgrade(&table.get(pending)?.state);
         subscribe_shared(table, state)
     }

@@ -75,7 +75,10 @@ impl TokenRegistry {
             return Err(ShareError::GroupFull(self.max_per_group));
         }
         *count += 1;
-        inner.shared.insert(capability.clone(), Shared { group: group.to_string(), flag: flag.downgrade() });
+        inner.shared.insert(
+            capability.clone(),
+            Shared { group: group.to_string(), flag: flag.downgrade() },
+        );
         Ok(capability)
     }
 
@@ -113,7 +116,11 @@ mod tests {
         let flag = CancelFlag::new();
         let cap = registry.share("tenant-a", &flag).unwrap();
         assert_eq!(cap.len(), 32, "128 bits in hex");
-        assert_ne!(cap, registry.share("tenant-a", &flag).unwrap(), "every share is a fresh capability");
+        assert_ne!(
+            cap,
+            registry.share("tenant-a", &flag).unwrap(),
+            "every share is a fresh capability"
+        );
         assert!(registry.open("tenant-a", &cap).unwrap().same_as(&flag));
         assert!(registry.open("tenant-b", &cap).is_none(), "another group cannot open it");
         assert!(registry.open("tenant-a", "00000000000000000000000000000000").is_none());

@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc as pieces;
 
 use crate::native::{
-    self, Batch, CancelFlag, Context, ContextParams, Cores, Error, FinishReason, GenerateRequest, Meter, Model, Outcome, Pick, Piece, PromptPiece, Sampler,
-    Stop, Token, TokenLoop,
+    self, Batch, CancelFlag, Context, ContextParams, Cores, Error, FinishReason, GenerateRequest,
+    Meter, Model, Outcome, Pick, Piece, PromptPiece, Sampler, Stop, Token, TokenLoop,
 };
 use crate::worker::{Alive, Call, Reply, Tracker};
 
@@ -108,8 +108,21 @@ impl BatchPolicy {
             (Some(a), Some(b)) => Arc::ptr_eq(a, b),
             (a, b) => a.is_none() && b.is_none(),
         };
-        (self.seats, self.seat_n_ctx, self.threads, self.step_rows, self.step_target, self.long_prompt_rows) == (other.seats, other.seat_n_ctx, other.threads, other.step_rows, other.step_target, other.long_prompt_rows)
-            && self.long_prompt_share.to_bits() == other.long_prompt_share.to_bits()
+        (
+            self.seats,
+            self.seat_n_ctx,
+            self.threads,
+            self.step_rows,
+            self.step_target,
+            self.long_prompt_rows,
+        ) == (
+            other.seats,
+            other.seat_n_ctx,
+            other.threads,
+            other.step_rows,
+            other.step_target,
+            other.long_prompt_rows,
+        ) && self.long_prompt_share.to_bits() == other.long_prompt_share.to_bits()
             && same_observer
             && Arc::ptr_eq(&self.cores, &other.cores)
     }
@@ -194,9 +207,19 @@ impl BatchPool {
             },
         };
         drop(batchers);
-        batcher.taken.fetch_update(SeqCst, SeqCst, |n| (n < batcher.seats).then_some(n + 1)).ok()?;
+        batcher
+            .taken
+            .fetch_update(SeqCst, SeqCst, |n| (n < batcher.seats).then_some(n + 1))
+            .ok()?;
         let id = batcher.next_id.fetch_add(1, SeqCst);
-        let join = Op::Join { id, group: group.to_string(), meter, alive: tracker.count(), n_ctx, n_batch };
+        let join = Op::Join {
+            id,
+            group: group.to_string(),
+            meter,
+            alive: tracker.count(),
+            n_ctx,
+            n_batch,
+        };
         if batcher.ops.send(join).is_err() {
             // Its thread ended (it never does unless it panicked): forget it, so the
             // next lease starts a new batch instead of meeting a dead one for good.
@@ -265,9 +288,19 @@ impl Batcher {
             })
             .map_err(|e| Error::Backend(format!("could not start a batch thread: {e}")))?;
         match ready_rx.await {
-            Ok(Ok(())) => Ok(Arc::new(Self { ops, policy: asked, arrived, seats, step_rows, taken, next_id: AtomicU64::new(0) })),
+            Ok(Ok(())) => Ok(Arc::new(Self {
+                ops,
+                policy: asked,
+                arrived,
+                seats,
+                step_rows,
+                taken,
+                next_id: AtomicU64::new(0),
+            })),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(Error::Backend("the batch thread panicked while creating its context".into())),
+            Err(_) => {
+                Err(Error::Backend("the batch thread panicked while creating its context".into()))
+            }
         }
     }
 }
@@ -300,12 +333,28 @@ impl Seat {
     }
 
     /// Generate on this seat (native::generate's contract), pieces sent to `pieces`.
-    pub fn generate(&self, sampler: Sampler, request: GenerateRequest, token: CancelFlag, pieces: pieces::Sender<Piece>) -> Call<native::Result<Outcome>> {
-        self.send(|reply| SeatOp::Generate { sampler: Box::new(sampler), request, pieces, caller: Caller { token, reply } })
+    pub fn generate(
+        &self,
+        sampler: Sampler,
+        request: GenerateRequest,
+        token: CancelFlag,
+        pieces: pieces::Sender<Piece>,
+    ) -> Call<native::Result<Outcome>> {
+        self.send(|reply| SeatOp::Generate {
+            sampler: Box::new(sampler),
+            request,
+            pieces,
+            caller: Caller { token, reply },
+        })
     }
 
     /// `Context::eval` of a media prompt, as a step of its own.
-    pub fn eval(&self, pieces: Vec<PromptPiece>, seq: i32, token: CancelFlag) -> Call<native::Result<i32>> {
+    pub fn eval(
+        &self,
+        pieces: Vec<PromptPiece>,
+        seq: i32,
+        token: CancelFlag,
+    ) -> Call<native::Result<i32>> {
         self.send(|reply| SeatOp::Eval { pieces, seq, caller: Caller { token, reply } })
     }
 
@@ -366,20 +415,61 @@ enum Op {
     /// Test hook: every step that may yield does so at this node.
     #[cfg(test)]
     YieldAt(u64),
-    Join { id: u64, group: String, meter: Arc<Meter>, alive: Alive, n_ctx: u32, n_batch: u32 },
-    Seat { id: u64, op: SeatOp },
-    Leave { id: u64 },
+    Join {
+        id: u64,
+        group: String,
+        meter: Arc<Meter>,
+        alive: Alive,
+        n_ctx: u32,
+        n_batch: u32,
+    },
+    Seat {
+        id: u64,
+        op: SeatOp,
+    },
+    Leave {
+        id: u64,
+    },
 }
 
 enum SeatOp {
-    Decode { batch: Batch, caller: Caller<()> },
-    Generate { sampler: Box<Sampler>, request: GenerateRequest, pieces: pieces::Sender<Piece>, caller: Caller<Outcome> },
-    Eval { pieces: Vec<PromptPiece>, seq: i32, caller: Caller<i32> },
-    Logits { row: Option<u32>, reply: Reply<native::Result<Vec<f32>>> },
-    Sample { sampler: Arc<Mutex<Sampler>>, row: u32, reply: Reply<native::Result<Token>> },
-    SeqRm { seq: i32, p0: i32, p1: i32, reply: Reply<native::Result<()>> },
-    PosMax { seq: i32, reply: Reply<native::Result<i32>> },
-    Clear { reply: Reply<native::Result<()>> },
+    Decode {
+        batch: Batch,
+        caller: Caller<()>,
+    },
+    Generate {
+        sampler: Box<Sampler>,
+        request: GenerateRequest,
+        pieces: pieces::Sender<Piece>,
+        caller: Caller<Outcome>,
+    },
+    Eval {
+        pieces: Vec<PromptPiece>,
+        seq: i32,
+        caller: Caller<i32>,
+    },
+    Logits {
+        row: Option<u32>,
+        reply: Reply<native::Result<Vec<f32>>>,
+    },
+    Sample {
+        sampler: Arc<Mutex<Sampler>>,
+        row: u32,
+        reply: Reply<native::Result<Token>>,
+    },
+    SeqRm {
+        seq: i32,
+        p0: i32,
+        p1: i32,
+        reply: Reply<native::Result<()>>,
+    },
+    PosMax {
+        seq: i32,
+        reply: Reply<native::Result<i32>>,
+    },
+    Clear {
+        reply: Reply<native::Result<()>>,
+    },
 }
 
 impl SeatOp {
@@ -572,7 +662,8 @@ impl Steps {
             // A fresh arrival flag before taking what was sent: a call sent from here on
             // sets it, and one sent before is taken below.
             self.arrived = CancelFlag::new();
-            *self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner) = self.arrived.clone();
+            *self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner) =
+                self.arrived.clone();
             let disconnected = loop {
                 match ops.try_recv() {
                     Ok(op) => self.take(op),
@@ -590,7 +681,8 @@ impl Steps {
             // Nothing to compute: wait for a seat's op, polling while a reader's full
             // buffer holds a generation back.
             let op = if self.members.values().any(|m| m.running.is_some()) {
-                ops.recv_timeout(DELIVERY_POLL).map_err(|e| e == mpsc::RecvTimeoutError::Disconnected)
+                ops.recv_timeout(DELIVERY_POLL)
+                    .map_err(|e| e == mpsc::RecvTimeoutError::Disconnected)
             } else {
                 ops.recv().map_err(|_| true)
             };
@@ -618,7 +710,18 @@ impl Steps {
             #[cfg(test)]
             Op::YieldAt(node) => self.yield_at = Some(node),
             Op::Join { id, group, meter, alive, n_ctx, n_batch } => {
-                let member = Member { group, meter, alive, n_ctx, n_batch, slot: None, logits: Vec::new(), queue: VecDeque::new(), running: None, passed_over: 0 };
+                let member = Member {
+                    group,
+                    meter,
+                    alive,
+                    n_ctx,
+                    n_batch,
+                    slot: None,
+                    logits: Vec::new(),
+                    queue: VecDeque::new(),
+                    running: None,
+                    passed_over: 0,
+                };
                 self.members.insert(id, member);
             }
             // A seat that left has no calls (its ops would drop unanswered).
@@ -670,7 +773,10 @@ impl Steps {
                         }
                     }
                     None => {
-                        let Some(op) = self.members.get_mut(&id).and_then(|m| m.queue.pop_front()) else { break };
+                        let Some(op) = self.members.get_mut(&id).and_then(|m| m.queue.pop_front())
+                        else {
+                            break;
+                        };
                         self.start(id, op);
                     }
                 }
@@ -739,15 +845,21 @@ impl Steps {
                 let row = row.unwrap_or(logits.len().saturating_sub(1) as u32);
                 let result = match logits.get(row as usize) {
                     Some(Some(l)) => Ok(l.clone()),
-                    _ if logits.is_empty() => Err(Error::InvalidArgument("there is no successful decode to read logits from".into())),
-                    _ => Err(Error::InvalidArgument(format!("row {row} has no logits: the last successful decode did not ask for them"))),
+                    _ if logits.is_empty() => Err(Error::InvalidArgument(
+                        "there is no successful decode to read logits from".into(),
+                    )),
+                    _ => Err(Error::InvalidArgument(format!(
+                        "row {row} has no logits: the last successful decode did not ask for them"
+                    ))),
                 };
                 reply.send(result);
             }
             SeatOp::Sample { sampler, row, reply } => {
                 let result = match self.member(id).logits.get(row as usize) {
                     Some(Some(l)) => sampler.lock().unwrap_or_else(|p| p.into_inner()).sample(l),
-                    _ => Err(Error::InvalidArgument(format!("row {row} has no logits: the last successful decode did not ask for them"))),
+                    _ => Err(Error::InvalidArgument(format!(
+                        "row {row} has no logits: the last successful decode did not ask for them"
+                    ))),
                 };
                 reply.send(result);
             }
@@ -773,19 +885,28 @@ impl Steps {
             }
             SeatOp::Decode { batch, caller } => match self.check_decode(id, &batch) {
                 Err(e) => {
-                        caller.reply.send(Err(e));
+                    caller.reply.send(Err(e));
                 }
                 Ok(()) if caller.stop().is_set() => {
                     self.member(id).meter.add_cancel();
-                        caller.reply.send(Err(Error::Cancelled));
+                    caller.reply.send(Err(Error::Cancelled));
                 }
                 Ok(()) => {
                     let end_before = self.end_of(id);
                     self.member(id).logits.clear();
                     let first_out = batch.logits.iter().position(|&l| l).unwrap_or(batch.len());
-                    let (bound_here, done) = self.bind(id, &batch.tokens, first_out.min(batch.len() - 1));
+                    let (bound_here, done) =
+                        self.bind(id, &batch.tokens, first_out.min(batch.len() - 1));
                     let logits = vec![None; batch.len()];
-                    let work = DecodeWork { caller, batch, done, end_before, bound_here, kept: done, logits };
+                    let work = DecodeWork {
+                        caller,
+                        batch,
+                        done,
+                        end_before,
+                        bound_here,
+                        kept: done,
+                        logits,
+                    };
                     self.member(id).running = Some(Running::Decode(work));
                 }
             },
@@ -800,17 +921,23 @@ impl Steps {
                     self.check_room(id, request.prompt.len())
                 });
                 if let Err(e) = checked {
-                        caller.reply.send(Err(e));
+                    caller.reply.send(Err(e));
                     return;
                 }
                 if caller.stop().is_set() {
                     self.member(id).meter.add_cancel();
-                        caller.reply.send(Ok(Outcome { finish: FinishReason::Cancelled, usage: native::GenerationUsage::default() }));
+                    caller.reply.send(Ok(Outcome {
+                        finish: FinishReason::Cancelled,
+                        usage: native::GenerationUsage::default(),
+                    }));
                     return;
                 }
                 let end_before = self.end_of(id);
-                let (bound_here, prompt_done) =
-                    if request.prompt.is_empty() { (false, 0) } else { self.bind(id, &request.prompt, request.prompt.len() - 1) };
+                let (bound_here, prompt_done) = if request.prompt.is_empty() {
+                    (false, 0)
+                } else {
+                    self.bind(id, &request.prompt, request.prompt.len() - 1)
+                };
                 let mut work = GenerateWork {
                     caller,
                     sampler,
@@ -827,7 +954,8 @@ impl Steps {
                     finish: None,
                 };
                 if work.request.prompt.is_empty() {
-                    let logits = self.member(id).logits.last().cloned().flatten().unwrap_or_default();
+                    let logits =
+                        self.member(id).logits.last().cloned().flatten().unwrap_or_default();
                     self.start_tokens(id, &mut work, &logits);
                 }
                 self.member(id).running = Some(Running::Generate(Box::new(work)));
@@ -850,7 +978,9 @@ impl Steps {
         for (expected, (row, (&seq, &pos))) in (self.end_of(id) + 1..).zip(rows) {
             check_seq(seq)?;
             if pos != expected {
-                return invalid(format!("row {row}: sequence {seq} must continue at position {expected}, got {pos}"));
+                return invalid(format!(
+                    "row {row}: sequence {seq} must continue at position {expected}, got {pos}"
+                ));
             }
         }
         self.check_room(id, batch.len())
@@ -874,13 +1004,18 @@ impl Steps {
         }
         let group = self.members[&id].group.clone();
         let common = |slot: &Slot| match &slot.tokens {
-            Some(held) if slot.group == group => held.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(most),
+            Some(held) if slot.group == group => {
+                held.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(most)
+            }
             _ => 0,
         };
         let free = || self.slots.iter().enumerate().filter(|(_, s)| s.seat.is_none());
         // The longest shared start; of equal ones, the least recently left.
-        let best = free().map(|(i, s)| (common(s), std::cmp::Reverse(s.released), std::cmp::Reverse(i))).max();
-        let lowest = free().map(|(i, _)| i).next().expect("a seat was leased, so a sequence is free");
+        let best = free()
+            .map(|(i, s)| (common(s), std::cmp::Reverse(s.released), std::cmp::Reverse(i)))
+            .max();
+        let lowest =
+            free().map(|(i, _)| i).next().expect("a seat was leased, so a sequence is free");
         let (slot, kept) = match best {
             Some((kept, _, std::cmp::Reverse(i))) if kept > 0 => (i, kept),
             _ => (lowest, 0),
@@ -936,13 +1071,21 @@ impl Steps {
     }
 
     /// A media prompt: `Context::eval` into the seat's sequence, alone.
-    fn eval(&mut self, id: u64, pieces: &[PromptPiece], seq: i32, caller: &Caller<i32>) -> native::Result<i32> {
+    fn eval(
+        &mut self,
+        id: u64,
+        pieces: &[PromptPiece],
+        seq: i32,
+        caller: &Caller<i32>,
+    ) -> native::Result<i32> {
         check_seq(seq)?;
         let rows: usize = pieces
             .iter()
             .map(|p| match p {
                 PromptPiece::Tokens(t) => t.len(),
-                PromptPiece::Embeddings { embd, .. } => embd.len() / (self.ctx.model().n_embd_inp() as usize).max(1),
+                PromptPiece::Embeddings { embd, .. } => {
+                    embd.len() / (self.ctx.model().n_embd_inp() as usize).max(1)
+                }
             })
             .fold(0, usize::saturating_add);
         self.check_room(id, rows)?;
@@ -981,7 +1124,14 @@ impl Steps {
         let model = self.ctx.model().clone();
         let pos = self.end_of(id) + 1;
         let prompt = work.request.prompt.len() as u32;
-        let mut tokens = TokenLoop::new(model, &work.request, pos, prompt, work.kept as u32, work.started.elapsed());
+        let mut tokens = TokenLoop::new(
+            model,
+            &work.request,
+            pos,
+            prompt,
+            work.kept as u32,
+            work.started.elapsed(),
+        );
         match tokens.pick(&mut work.sampler, logits) {
             Ok(Pick::Decode(token)) => work.next = Some(token),
             Ok(Pick::Finish(reason)) => work.finish = Some(Ok(reason)),
@@ -1023,7 +1173,10 @@ impl Steps {
                         } else {
                             self.truncate(id, g.end_before);
                         }
-                        let cancelled = Outcome { finish: FinishReason::Cancelled, usage: native::GenerationUsage::default() };
+                        let cancelled = Outcome {
+                            finish: FinishReason::Cancelled,
+                            usage: native::GenerationUsage::default(),
+                        };
                         g.caller.reply.send(result.map(|_| cancelled));
                     }
                 }
@@ -1031,7 +1184,12 @@ impl Steps {
         }
     }
 
-    fn finish_generation(&mut self, id: u64, mut g: Box<GenerateWork>, finish: native::Result<FinishReason>) {
+    fn finish_generation(
+        &mut self,
+        id: u64,
+        mut g: Box<GenerateWork>,
+        finish: native::Result<FinishReason>,
+    ) {
         let tokens = g.tokens.as_mut().expect("a token loop");
         if let Some(rest) = tokens.flush() {
             let _ = g.pieces.try_send(rest); // as `generate`: the last text, if there is room
@@ -1051,9 +1209,16 @@ impl Steps {
         let mut shares = Vec::new();
         for (&id, m) in &self.members {
             if let (Some(Running::Generate(g)), Some(slot)) = (&m.running, m.slot) {
-                if let (Some(token), true) = (g.next, g.undelivered.is_empty() && g.finish.is_none()) {
+                if let (Some(token), true) =
+                    (g.next, g.undelivered.is_empty() && g.finish.is_none())
+                {
                     let pos = g.tokens.as_ref().expect("a token loop").pos();
-                    shares.push(Share { id, slot, rows: Batch::sequence(&[token], pos, slot as i32), long: false });
+                    shares.push(Share {
+                        id,
+                        slot,
+                        rows: Batch::sequence(&[token], pos, slot as i32),
+                        long: false,
+                    });
                 }
             }
         }
@@ -1067,7 +1232,9 @@ impl Steps {
             .filter_map(|(&id, m)| {
                 let left = match &m.running {
                     Some(Running::Decode(d)) => d.batch.len() - d.done,
-                    Some(Running::Generate(g)) if g.tokens.is_none() => g.request.prompt.len() - g.prompt_done,
+                    Some(Running::Generate(g)) if g.tokens.is_none() => {
+                        g.request.prompt.len() - g.prompt_done
+                    }
                     _ => return None,
                 };
                 Some((left > long_rows, m.passed_over < PASSED_OVER_STEPS, left, id))
@@ -1080,7 +1247,9 @@ impl Steps {
         let yields = !others && self.yield_debt <= 0.0;
         let budget = if yields { step_rows } else { self.pace.rows(self.policy.step_target) };
         let mut budget = budget.min(step_rows.saturating_sub(generating));
-        let long_may = !others || self.long_credit >= self.policy.step_target.as_secs_f64() || self.policy.long_prompt_share >= 1.0;
+        let long_may = !others
+            || self.long_credit >= self.policy.step_target.as_secs_f64()
+            || self.policy.long_prompt_share >= 1.0;
         for &(long, _, left, id) in &prompts {
             if budget == 0 || (long && !long_may) {
                 self.member(id).passed_over += 1;
@@ -1121,7 +1290,11 @@ impl Steps {
             }
             Some(Running::Generate(g)) => {
                 let prompt = &g.request.prompt;
-                let mut rows = Batch::sequence(&prompt[g.prompt_done..g.prompt_done + n], g.end_before + 1 + g.prompt_done as i32, slot as i32);
+                let mut rows = Batch::sequence(
+                    &prompt[g.prompt_done..g.prompt_done + n],
+                    g.end_before + 1 + g.prompt_done as i32,
+                    slot as i32,
+                );
                 rows.logits = (0..n).map(|r| g.prompt_done + r + 1 == prompt.len()).collect();
                 rows
             }
@@ -1227,7 +1400,8 @@ impl Steps {
         let share = self.policy.long_prompt_share.clamp(0.0, 0.99);
         let other_time = elapsed.as_secs_f64() - long_time;
         let target = self.policy.step_target.as_secs_f64();
-        self.long_credit = (self.long_credit + share / (1.0 - share) * other_time - long_time).min(target);
+        self.long_credit =
+            (self.long_credit + share / (1.0 - share) * other_time - long_time).min(target);
     }
 
     /// A share of a successful step, whose rows started at `first_row` of the step.
@@ -1237,7 +1411,9 @@ impl Steps {
         if let Some(held) = &mut self.slots[slot].tokens {
             held.extend(&rows.tokens);
         }
-        let logits_of = |ctx: &Context, r: usize| ctx.logits_ith((first_row + r) as u32).map(<[f32]>::to_vec).ok();
+        let logits_of = |ctx: &Context, r: usize| {
+            ctx.logits_ith((first_row + r) as u32).map(<[f32]>::to_vec).ok()
+        };
         self.members[&id].meter.add_decoded(n as u64);
         let mut running = self.member(id).running.take().expect("planned members are running");
         match &mut running {
@@ -1251,7 +1427,7 @@ impl Steps {
                 if d.done == d.batch.len() {
                     let Running::Decode(d) = running else { unreachable!() };
                     self.member(id).logits = d.logits;
-                        d.caller.reply.send(Ok(()));
+                    d.caller.reply.send(Ok(()));
                     return;
                 }
             }
@@ -1271,7 +1447,10 @@ impl Steps {
                             match matched {
                                 Some(reason) => g.finish = Some(Ok(reason)),
                                 None => {
-                                    let picked = self.ctx.logits_ith(first_row as u32).and_then(|l| tokens.pick(&mut g.sampler, l));
+                                    let picked = self
+                                        .ctx
+                                        .logits_ith(first_row as u32)
+                                        .and_then(|l| tokens.pick(&mut g.sampler, l));
                                     match picked {
                                         Ok(Pick::Decode(next)) => g.next = Some(next),
                                         Ok(Pick::Finish(reason)) => g.finish = Some(Ok(reason)),
@@ -1307,7 +1486,8 @@ mod tests {
         static MODEL: std::sync::OnceLock<Arc<Model>> = std::sync::OnceLock::new();
         MODEL
             .get_or_init(|| {
-                let dir = std::env::temp_dir().join(format!("llamabox-batch-{}", std::process::id()));
+                let dir =
+                    std::env::temp_dir().join(format!("llamabox-batch-{}", std::process::id()));
                 std::fs::create_dir_all(&dir).unwrap();
                 let path = dir.join("tiny.gguf");
                 TextModelSpec::tiny().write(&path).unwrap();
@@ -1338,7 +1518,18 @@ mod tests {
 
         async fn seat_in(&self, group: &str, meter: Arc<Meter>) -> Seat {
             let model = model();
-            self.pool.lease(&self.policy, &model, SeatSize { n_ctx: 256, n_batch: 256 }, group, meter, &self.tracker).await.expect("batched").expect("a seat")
+            self.pool
+                .lease(
+                    &self.policy,
+                    &model,
+                    SeatSize { n_ctx: 256, n_batch: 256 },
+                    group,
+                    meter,
+                    &self.tracker,
+                )
+                .await
+                .expect("batched")
+                .expect("a seat")
         }
 
         async fn seat(&self) -> Seat {
@@ -1365,7 +1556,8 @@ mod tests {
 
     /// The last row's logits of `tokens` decoded on a context of its own.
     fn solo_logits(tokens: &[Token]) -> Vec<f32> {
-        let params = ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
+        let params =
+            ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
         let mut ctx = Context::new(model(), params).unwrap();
         ctx.decode(&Batch::sequence(tokens, 0, 0), None).unwrap();
         ctx.last_logits().unwrap().to_vec()
@@ -1381,18 +1573,30 @@ mod tests {
         let seats = [f.seat().await, f.seat().await, f.seat().await];
         let prompts: Vec<Vec<Token>> = (0..3).map(|i| prompt(i, 40)).collect();
         let gate = pause(&seats[0]);
-        let calls: Vec<_> = seats.iter().zip(&prompts).map(|(s, p)| s.decode(Batch::sequence(p, 0, 0), CancelFlag::new())).collect();
+        let calls: Vec<_> = seats
+            .iter()
+            .zip(&prompts)
+            .map(|(s, p)| s.decode(Batch::sequence(p, 0, 0), CancelFlag::new()))
+            .collect();
         drop(gate);
         for call in calls {
             call.await.unwrap().unwrap();
         }
         let steps = f.steps();
-        assert_eq!((steps.len(), steps[0].seats, steps[0].rows), (1, 3, 120), "one step for all three: {steps:?}");
+        assert_eq!(
+            (steps.len(), steps[0].seats, steps[0].rows),
+            (1, 3, 120),
+            "one step for all three: {steps:?}"
+        );
         for (seat, p) in seats.iter().zip(&prompts) {
             let batched = seat.logits(None).await.unwrap().unwrap();
             let solo = solo_logits(p);
             // Batched numerics are not bitwise solo ones (the module doc says why).
-            assert!(max_diff(&batched, &solo) < 1e-3, "batched vs solo logits differ by {}", max_diff(&batched, &solo));
+            assert!(
+                max_diff(&batched, &solo) < 1e-3,
+                "batched vs solo logits differ by {}",
+                max_diff(&batched, &solo)
+            );
             assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), 39);
         }
     }
@@ -1415,8 +1619,17 @@ mod tests {
         let small = BatchPolicy { seat_n_ctx: 128, ..f.policy.clone() };
         let (model, meter) = (model(), Arc::new(Meter::new()));
         let a = f.seat().await;
-        let b = f.pool.lease(&small, &model, SeatSize { n_ctx: 128, n_batch: 128 }, "g", meter, &f.tracker).await.expect("batched").expect("a seat");
-        let mut solo = Context::new(model, ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 }).unwrap();
+        let b = f
+            .pool
+            .lease(&small, &model, SeatSize { n_ctx: 128, n_batch: 128 }, "g", meter, &f.tracker)
+            .await
+            .expect("batched")
+            .expect("a seat");
+        let mut solo = Context::new(
+            model,
+            ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 },
+        )
+        .unwrap();
         solo.share_cores(Some(f.policy.cores.clone()));
         let held = f.policy.cores.turn();
         let decode_a = a.decode(Batch::sequence(&prompt(1, 8), 0, 0), CancelFlag::new());
@@ -1425,7 +1638,11 @@ mod tests {
         let solo = std::thread::spawn(move || solo.decode(&Batch::sequence(&tokens, 0, 0), None));
         // Each asks for a turn and waits: none computes while the cores are held.
         turns_asked(&f.policy.cores, 4).await;
-        assert!(f.steps().is_empty() && !solo.is_finished(), "computed out of turn: {:?}", f.steps());
+        assert!(
+            f.steps().is_empty() && !solo.is_finished(),
+            "computed out of turn: {:?}",
+            f.steps()
+        );
         drop(held);
         decode_a.await.unwrap().unwrap();
         decode_b.await.unwrap().unwrap();
@@ -1442,26 +1659,50 @@ mod tests {
         const NODE: u64 = 5;
         tokens[1].trip_after(NODE);
         let gate = pause(&seats[0]);
-        let calls: Vec<_> = (0..3).map(|i| seats[i].decode(Batch::sequence(&prompts[i], 0, 0), tokens[i].clone())).collect();
+        let calls: Vec<_> = (0..3)
+            .map(|i| seats[i].decode(Batch::sequence(&prompts[i], 0, 0), tokens[i].clone()))
+            .collect();
         drop(gate);
         let results = futures_join(calls).await;
         assert_eq!(results[1], Err(Error::Cancelled));
-        assert_eq!((results[0].clone(), results[2].clone()), (Ok(()), Ok(())), "the others' calls do not fail");
+        assert_eq!(
+            (results[0].clone(), results[2].clone()),
+            (Ok(()), Ok(())),
+            "the others' calls do not fail"
+        );
         assert_eq!(tokens[1].polls(), NODE, "stopped at the node the wire tripped");
         let steps = f.steps();
         assert_eq!(steps.len(), 2, "{steps:?}");
-        assert!(steps[0].rolled_back && steps[0].seats == 3, "the step with all three was rolled back");
-        assert!(!steps[1].rolled_back && steps[1].seats == 2, "and re-run at once without the cancelled one");
-        assert_eq!(seats[1].seq_pos_max(0).await.unwrap().unwrap(), -1, "the cancelled seat's memory is as before");
+        assert!(
+            steps[0].rolled_back && steps[0].seats == 3,
+            "the step with all three was rolled back"
+        );
+        assert!(
+            !steps[1].rolled_back && steps[1].seats == 2,
+            "and re-run at once without the cancelled one"
+        );
+        assert_eq!(
+            seats[1].seq_pos_max(0).await.unwrap().unwrap(),
+            -1,
+            "the cancelled seat's memory is as before"
+        );
         assert!(seats[1].logits(None).await.unwrap().is_err(), "and it has no logits");
         // Sequences 0 and 2 are not consecutive, so the re-run computed each alone:
         // exactly what a context of its own computes.
         for i in [0, 2] {
             assert_eq!(seats[i].seq_pos_max(0).await.unwrap().unwrap(), 39);
-            assert_eq!(seats[i].logits(None).await.unwrap().unwrap(), solo_logits(&prompts[i]), "survivor {i}'s logits are an uncancelled run's");
+            assert_eq!(
+                seats[i].logits(None).await.unwrap().unwrap(),
+                solo_logits(&prompts[i]),
+                "survivor {i}'s logits are an uncancelled run's"
+            );
         }
         // The cancelled seat decodes again as if nothing had happened.
-        seats[1].decode(Batch::sequence(&prompts[1], 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        seats[1]
+            .decode(Batch::sequence(&prompts[1], 0, 0), CancelFlag::new())
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(seats[1].logits(None).await.unwrap().unwrap(), solo_logits(&prompts[1]));
     }
 
@@ -1479,7 +1720,10 @@ mod tests {
         let seat = f.seat().await;
         let token = CancelFlag::new();
         token.cancel();
-        assert_eq!(seat.decode(Batch::sequence(&prompt(1, 8), 0, 0), token).await.unwrap(), Err(Error::Cancelled));
+        assert_eq!(
+            seat.decode(Batch::sequence(&prompt(1, 8), 0, 0), token).await.unwrap(),
+            Err(Error::Cancelled)
+        );
         assert!(f.steps().is_empty());
         assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), -1);
     }
@@ -1490,15 +1734,25 @@ mod tests {
         let seat = f.seat().await;
         let mut bad = Batch::sequence(&prompt(1, 4), 0, 0);
         bad.seq_ids[1] = 1;
-        assert!(matches!(seat.decode(bad, CancelFlag::new()).await.unwrap(), Err(Error::InvalidArgument(m)) if m.contains("outside [0, 1)")));
+        assert!(
+            matches!(seat.decode(bad, CancelFlag::new()).await.unwrap(), Err(Error::InvalidArgument(m)) if m.contains("outside [0, 1)"))
+        );
         let gap = Batch::sequence(&prompt(1, 4), 3, 0);
-        assert!(matches!(seat.decode(gap, CancelFlag::new()).await.unwrap(), Err(Error::InvalidArgument(m)) if m.contains("must continue at position 0")));
+        assert!(
+            matches!(seat.decode(gap, CancelFlag::new()).await.unwrap(), Err(Error::InvalidArgument(m)) if m.contains("must continue at position 0"))
+        );
         let mut many = Batch::sequence(&prompt(1, 100), 0, 0);
         many.logits = vec![true; 100];
-        assert!(matches!(seat.decode(many, CancelFlag::new()).await.unwrap(), Err(Error::LimitExceeded(_))));
+        assert!(matches!(
+            seat.decode(many, CancelFlag::new()).await.unwrap(),
+            Err(Error::LimitExceeded(_))
+        ));
         let full = Batch::sequence(&prompt(1, 200), 0, 0);
         seat.decode(full.clone(), CancelFlag::new()).await.unwrap().unwrap();
-        assert_eq!(seat.decode(Batch::sequence(&prompt(2, 100), 200, 0), CancelFlag::new()).await.unwrap(), Err(Error::ContextFull));
+        assert_eq!(
+            seat.decode(Batch::sequence(&prompt(2, 100), 200, 0), CancelFlag::new()).await.unwrap(),
+            Err(Error::ContextFull)
+        );
         assert!(f.steps().iter().all(|s| !s.rolled_back));
     }
 
@@ -1512,16 +1766,25 @@ mod tests {
 
     /// Tokens a generation on a context of its own picks.
     fn solo_generation(prompt: &[Token], max_tokens: u32) -> Vec<Token> {
-        let params = ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
+        let params =
+            ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
         let mut ctx = Context::new(model(), params).unwrap();
-        let mut sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+        let mut sampler =
+            Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
         let mut tokens = Vec::new();
         let token = CancelFlag::new();
         let mut sink = |p: Piece| {
             tokens.extend(p.tokens);
             true
         };
-        native::generate(&mut ctx, &mut sampler, &request(prompt.to_vec(), max_tokens), Stop::on(&token), &mut sink).unwrap();
+        native::generate(
+            &mut ctx,
+            &mut sampler,
+            &request(prompt.to_vec(), max_tokens),
+            Stop::on(&token),
+            &mut sink,
+        )
+        .unwrap();
         tokens
     }
 
@@ -1542,7 +1805,8 @@ mod tests {
         let mut runs = Vec::new();
         for (seat, p) in seats.iter().zip(&prompts) {
             let (tx, rx) = pieces::channel(64);
-            let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+            let sampler =
+                Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
             runs.push((seat.generate(sampler, request(p.clone(), 16), CancelFlag::new(), tx), rx));
         }
         drop(gate);
@@ -1550,12 +1814,26 @@ mod tests {
             let tokens = read_all(rx).await;
             let outcome = call.await.unwrap().unwrap();
             assert_eq!(outcome.finish, FinishReason::MaxTokens);
-            assert_eq!((outcome.usage.prompt_tokens, outcome.usage.generated_tokens), (p.len() as u32, 16));
-            assert_eq!(tokens, solo_generation(p, 16), "greedy tokens equal a context of its own's");
+            assert_eq!(
+                (outcome.usage.prompt_tokens, outcome.usage.generated_tokens),
+                (p.len() as u32, 16)
+            );
+            assert_eq!(
+                tokens,
+                solo_generation(p, 16),
+                "greedy tokens equal a context of its own's"
+            );
         }
         let steps = f.steps();
-        assert!(steps.iter().filter(|s| s.seats == 2).count() >= 15, "the two generations shared their steps: {steps:?}");
-        assert_eq!(seats[1].seq_pos_max(0).await.unwrap().unwrap(), 20 + 16 - 1, "the prompt and every delivered token");
+        assert!(
+            steps.iter().filter(|s| s.seats == 2).count() >= 15,
+            "the two generations shared their steps: {steps:?}"
+        );
+        assert_eq!(
+            seats[1].seq_pos_max(0).await.unwrap().unwrap(),
+            20 + 16 - 1,
+            "the prompt and every delivered token"
+        );
     }
 
     #[tokio::test]
@@ -1564,17 +1842,27 @@ mod tests {
         let (slow, fast) = (f.seat().await, f.seat().await);
         let sampler = || Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
         let (slow_tx, slow_rx) = pieces::channel(1);
-        let slow_call = slow.generate(sampler(), request(prompt(5, 8), 32), CancelFlag::new(), slow_tx);
+        let slow_call =
+            slow.generate(sampler(), request(prompt(5, 8), 32), CancelFlag::new(), slow_tx);
         let (fast_tx, fast_rx) = pieces::channel(64);
-        let fast_call = fast.generate(sampler(), request(prompt(6, 8), 24), CancelFlag::new(), fast_tx);
+        let fast_call =
+            fast.generate(sampler(), request(prompt(6, 8), 24), CancelFlag::new(), fast_tx);
         assert_eq!(read_all(fast_rx).await.len(), 24);
-        assert_eq!(fast_call.await.unwrap().unwrap().finish, FinishReason::MaxTokens, "finished while the other's reader sleeps");
+        assert_eq!(
+            fast_call.await.unwrap().unwrap().finish,
+            FinishReason::MaxTokens,
+            "finished while the other's reader sleeps"
+        );
         // The slow reader took nothing: one piece sits in its buffer and one token is
         // decoded but undelivered. Hanging up ends it, and only delivered tokens stay.
         drop(slow_rx);
         let outcome = slow_call.await.unwrap().unwrap();
         assert_eq!((outcome.finish, outcome.usage.generated_tokens), (FinishReason::Cancelled, 1));
-        assert_eq!(slow.seq_pos_max(0).await.unwrap().unwrap(), 8, "the prompt and the one delivered token");
+        assert_eq!(
+            slow.seq_pos_max(0).await.unwrap().unwrap(),
+            8,
+            "the prompt and the one delivered token"
+        );
     }
 
     #[tokio::test]
@@ -1583,7 +1871,8 @@ mod tests {
         let (generating, prefilling) = (f.seat().await, f.seat().await);
         let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
         let (tx, rx) = pieces::channel(64);
-        let generation = generating.generate(sampler, request(prompt(7, 4), 12), CancelFlag::new(), tx);
+        let generation =
+            generating.generate(sampler, request(prompt(7, 4), 12), CancelFlag::new(), tx);
         let long = prompt(8, 200);
         let gate = pause(&generating);
         let decode = prefilling.decode(Batch::sequence(&long, 0, 0), CancelFlag::new());
@@ -1599,7 +1888,8 @@ mod tests {
         // A prompt in pieces is not bitwise a prompt whole on llama.cpp's CPU kernels
         // either: compare with the same prompt decoded in 32-row pieces on a context of
         // its own, and with the whole one to a tolerance.
-        let params = ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
+        let params =
+            ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
         let mut own = Context::new(model(), params).unwrap();
         for (i, piece) in long.chunks(32).enumerate() {
             own.decode(&Batch::sequence(piece, (i * 32) as i32, 0), None).unwrap();
@@ -1608,7 +1898,8 @@ mod tests {
         let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
         let (d_batched, d_own) = (max_diff(&chunked, &whole), max_diff(&pieces_own, &whole));
         assert!(d_batched < 1e-2 * scale, "batched chunks vs whole: {d_batched} (logits up to {scale}); own chunks vs whole: {d_own}");
-        let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i);
+        let argmax =
+            |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i);
         assert_eq!(argmax(&chunked), argmax(&whole));
     }
 
@@ -1618,7 +1909,11 @@ mod tests {
         let old = f.seat().await;
         f.policy = BatchPolicy { step_rows: 64, ..f.policy.clone() };
         let new = f.seat().await;
-        assert_eq!((old.n_ubatch(), new.n_ubatch()), (512, 64), "the second seat is in a batch made under the new policy");
+        assert_eq!(
+            (old.n_ubatch(), new.n_ubatch()),
+            (512, 64),
+            "the second seat is in a batch made under the new policy"
+        );
         assert!(!Arc::ptr_eq(&old.batcher, &new.batcher));
         let tokens = prompt(11, 8);
         old.decode(Batch::sequence(&tokens, 0, 0), CancelFlag::new()).await.unwrap().unwrap();
@@ -1639,13 +1934,21 @@ mod tests {
         drop(second);
         drop(first);
         let shares_system = f.seat().await;
-        shares_system.decode(Batch::sequence(&with(&prompt(43, 6)), 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        shares_system
+            .decode(Batch::sequence(&with(&prompt(43, 6)), 0, 0), CancelFlag::new())
+            .await
+            .unwrap()
+            .unwrap();
         // `first`'s leftover is still whole for the conversation it came from.
         let meter = Arc::new(Meter::new());
         let continues = f.seat_in("g", meter.clone()).await;
         let turn = [a.as_slice(), &prompt(44, 4)].concat();
         continues.decode(Batch::sequence(&turn, 0, 0), CancelFlag::new()).await.unwrap().unwrap();
-        assert_eq!(meter.reused(), a.len() as u64, "the newest leftover was kept for its own continuation");
+        assert_eq!(
+            meter.reused(),
+            a.len() as u64,
+            "the newest leftover was kept for its own continuation"
+        );
     }
 
     #[tokio::test]
@@ -1663,7 +1966,11 @@ mod tests {
             _ = long_call => panic!("the longer prompt, which joined first, finished first"),
         }
         let steps = f.steps();
-        assert_eq!((steps[0].seats, steps[0].rows), (2, 32), "the short prompt whole, the rest of the step for the long one: {steps:?}");
+        assert_eq!(
+            (steps[0].seats, steps[0].rows),
+            (2, 32),
+            "the short prompt whole, the rest of the step for the long one: {steps:?}"
+        );
     }
 
     #[tokio::test]
@@ -1676,7 +1983,10 @@ mod tests {
         let mut floods = Vec::new();
         for (i, seat) in flood.iter().enumerate() {
             for k in 0..20 {
-                floods.push(seat.decode(Batch::sequence(&prompt(20 + i as i32, 8), k * 8, 0), CancelFlag::new()));
+                floods.push(seat.decode(
+                    Batch::sequence(&prompt(20 + i as i32, 8), k * 8, 0),
+                    CancelFlag::new(),
+                ));
             }
         }
         let mut last = floods.pop().expect("queued");
@@ -1716,14 +2026,28 @@ mod tests {
         drop(gate);
         call.await.unwrap().unwrap();
         let steps = f.steps();
-        assert!(steps[0].yielded && !steps[0].rolled_back && steps[0].rows == 200, "the first step yielded: {steps:?}");
-        assert!(steps[1..].iter().all(|s| !s.yielded && !s.rolled_back), "the rows ran again, once: {steps:?}");
-        assert_eq!(steps[1..].iter().map(|s| s.rows).sum::<usize>(), 200, "every row once after the yield: {steps:?}");
+        assert!(
+            steps[0].yielded && !steps[0].rolled_back && steps[0].rows == 200,
+            "the first step yielded: {steps:?}"
+        );
+        assert!(
+            steps[1..].iter().all(|s| !s.yielded && !s.rolled_back),
+            "the rows ran again, once: {steps:?}"
+        );
+        assert_eq!(
+            steps[1..].iter().map(|s| s.rows).sum::<usize>(),
+            200,
+            "every row once after the yield: {steps:?}"
+        );
         // Memory as if it never yielded: the whole prompt, and logits of what it holds.
         assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), 199);
         let (batched, whole) = (seat.logits(None).await.unwrap().unwrap(), solo_logits(&long));
         let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
-        assert!(max_diff(&batched, &whole) < 1e-2 * scale, "after a yield: {} (logits up to {scale})", max_diff(&batched, &whole));
+        assert!(
+            max_diff(&batched, &whole) < 1e-2 * scale,
+            "after a yield: {} (logits up to {scale})",
+            max_diff(&batched, &whole)
+        );
     }
 
     #[tokio::test]
@@ -1733,7 +2057,10 @@ mod tests {
         let f = long_prompt_fixture(0.25, Duration::from_micros(100));
         let seat = f.seat().await;
         // One timed step first: the batch then sizes chunks by speed.
-        seat.decode(Batch::sequence(&prompt(5, 32), 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        seat.decode(Batch::sequence(&prompt(5, 32), 0, 0), CancelFlag::new())
+            .await
+            .unwrap()
+            .unwrap();
         seat.clear().await.unwrap().unwrap();
         f.steps.lock().unwrap().clear();
         let long = prompt(6, 240);
@@ -1743,15 +2070,28 @@ mod tests {
         let call = seat.decode(Batch::sequence(&long, 0, 0), CancelFlag::new());
         drop(gate);
         // Without making good what it lost, it would yield at every step, for ever.
-        let done = tokio::time::timeout(Duration::from_secs(30), call).await.expect("the long prompt got through the flood");
+        let done = tokio::time::timeout(Duration::from_secs(30), call)
+            .await
+            .expect("the long prompt got through the flood");
         done.unwrap().unwrap();
         let steps = f.steps();
         let lost: Duration = steps.iter().filter(|s| s.yielded).map(|s| s.elapsed).sum();
         let kept: Duration = steps.iter().filter(|s| !s.yielded).map(|s| s.elapsed).sum();
-        let last_yield = steps.iter().filter(|s| s.yielded).map(|s| s.elapsed).max().unwrap_or_default();
-        assert!(steps.iter().filter(|s| s.yielded).count() >= 2, "the flood made it yield again once the first was made good: {steps:?}");
-        assert!(lost <= kept + last_yield, "lost {lost:?} to yields against {kept:?} kept: {steps:?}");
-        assert_eq!(steps.iter().filter(|s| !s.yielded).map(|s| s.rows).sum::<usize>(), 240, "every row computed for good once");
+        let last_yield =
+            steps.iter().filter(|s| s.yielded).map(|s| s.elapsed).max().unwrap_or_default();
+        assert!(
+            steps.iter().filter(|s| s.yielded).count() >= 2,
+            "the flood made it yield again once the first was made good: {steps:?}"
+        );
+        assert!(
+            lost <= kept + last_yield,
+            "lost {lost:?} to yields against {kept:?} kept: {steps:?}"
+        );
+        assert_eq!(
+            steps.iter().filter(|s| !s.yielded).map(|s| s.rows).sum::<usize>(),
+            240,
+            "every row computed for good once"
+        );
         assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), 239);
     }
 
@@ -1763,7 +2103,8 @@ mod tests {
         let (tx, rx) = pieces::channel(64);
         let gate = pause(&generating);
         generating.batcher.ops.send(Op::YieldAt(1)).unwrap();
-        let generation = generating.generate(sampler, request(prompt(7, 4), 8), CancelFlag::new(), tx);
+        let generation =
+            generating.generate(sampler, request(prompt(7, 4), 8), CancelFlag::new(), tx);
         let decode = prefilling.decode(Batch::sequence(&prompt(8, 100), 0, 0), CancelFlag::new());
         drop(gate);
         decode.await.unwrap().unwrap();
@@ -1782,7 +2123,8 @@ mod tests {
         let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
         let (tx, rx) = pieces::channel(256);
         let gate = pause(&generating);
-        let generation = generating.generate(sampler, request(prompt(9, 4), 120), CancelFlag::new(), tx);
+        let generation =
+            generating.generate(sampler, request(prompt(9, 4), 120), CancelFlag::new(), tx);
         let decode = prefilling.decode(Batch::sequence(&prompt(10, 250), 0, 0), CancelFlag::new());
         drop(gate);
         decode.await.unwrap().unwrap();
@@ -1791,17 +2133,31 @@ mod tests {
         let steps = f.steps();
         // Until the long prompt first ran beside the generation, the generation's steps
         // had to earn it a target's worth at a quarter of the time: three targets.
-        let first = steps.iter().position(|s| s.long_rows > 0 && s.long_rows < s.rows).unwrap_or_else(|| panic!("the long prompt ran beside the generation: {steps:?}"));
-        let earned: Duration = steps[..first].iter().filter(|s| s.long_rows == 0).map(|s| s.elapsed).sum();
-        assert!(earned.as_secs_f64() >= target.as_secs_f64() * (1.0 - share) / share * 0.999, "it ran after {earned:?} of others' steps: {steps:?}");
+        let first = steps
+            .iter()
+            .position(|s| s.long_rows > 0 && s.long_rows < s.rows)
+            .unwrap_or_else(|| panic!("the long prompt ran beside the generation: {steps:?}"));
+        let earned: Duration =
+            steps[..first].iter().filter(|s| s.long_rows == 0).map(|s| s.elapsed).sum();
+        assert!(
+            earned.as_secs_f64() >= target.as_secs_f64() * (1.0 - share) / share * 0.999,
+            "it ran after {earned:?} of others' steps: {steps:?}"
+        );
         // Over the steps they shared, the long prompt took about its share: at most what
         // the others' time earned, plus the one target it may run ahead.
         let end = steps.iter().rposition(|s| s.long_rows > 0).expect("the long prompt ran");
-        let shared: Vec<&StepReport> = steps[..=end].iter().filter(|s| s.long_rows < s.rows).collect();
-        let long: f64 = shared.iter().map(|s| s.elapsed.as_secs_f64() * s.long_rows as f64 / s.rows as f64).sum();
+        let shared: Vec<&StepReport> =
+            steps[..=end].iter().filter(|s| s.long_rows < s.rows).collect();
+        let long: f64 = shared
+            .iter()
+            .map(|s| s.elapsed.as_secs_f64() * s.long_rows as f64 / s.rows as f64)
+            .sum();
         let other: f64 = shared.iter().map(|s| s.elapsed.as_secs_f64()).sum::<f64>() - long;
         let last = shared.iter().map(|s| s.elapsed.as_secs_f64()).fold(0.0, f64::max);
-        assert!(long <= share / (1.0 - share) * other + target.as_secs_f64() + last, "long {long} s beside others' {other} s: {steps:?}");
+        assert!(
+            long <= share / (1.0 - share) * other + target.as_secs_f64() + last,
+            "long {long} s beside others' {other} s: {steps:?}"
+        );
     }
 
     /// Not a gate (timings): what a member's cancel costs the others, on the real model.
@@ -1814,30 +2170,55 @@ mod tests {
     async fn survivors_cost_of_a_cancelled_step() {
         let path = std::env::var("LLAMABOX_REAL_MODEL").expect("LLAMABOX_REAL_MODEL");
         let model = Arc::new(Model::load(std::path::Path::new(&path)).unwrap());
-        let threads: u32 = std::env::var("LLAMABOX_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(1);
+        let threads: u32 =
+            std::env::var("LLAMABOX_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(1);
         let steps: Arc<Mutex<Vec<StepReport>>> = Arc::default();
         let seen = steps.clone();
-        let policy = BatchPolicy { observer: Some(Arc::new(move |r: &StepReport| seen.lock().unwrap().push(*r))), ..BatchPolicy::new(4, 2048, threads) };
+        let policy = BatchPolicy {
+            observer: Some(Arc::new(move |r: &StepReport| seen.lock().unwrap().push(*r))),
+            ..BatchPolicy::new(4, 2048, threads)
+        };
         let (pool, tracker) = (BatchPool::default(), Tracker::new());
-        let seat = || pool.lease(&policy, &model, SeatSize { n_ctx: 2048, n_batch: 512 }, "g", Arc::default(), &tracker);
+        let seat = || {
+            pool.lease(
+                &policy,
+                &model,
+                SeatSize { n_ctx: 2048, n_batch: 512 },
+                "g",
+                Arc::default(),
+                &tracker,
+            )
+        };
         let n_vocab = model.n_vocab() as i32;
         let (mut lost, mut gen_steps, mut shared_steps) = (Vec::new(), Vec::new(), Vec::new());
         let mut rng = crate::native::synthetic::SplitMix64(11);
         for trial in 0..24 {
-            let generators = [seat().await.unwrap().unwrap(), seat().await.unwrap().unwrap(), seat().await.unwrap().unwrap()];
+            let generators = [
+                seat().await.unwrap().unwrap(),
+                seat().await.unwrap().unwrap(),
+                seat().await.unwrap().unwrap(),
+            ];
             let victim = seat().await.unwrap().unwrap();
             let mut runs = Vec::new();
             for (i, g) in generators.iter().enumerate() {
                 let (tx, rx) = pieces::channel(256);
-                let sampler = Sampler::new(model.clone(), &native::SamplerParams::default(), &native::SamplerCaps::default()).unwrap();
-                let prompt: Vec<Token> = (0..16).map(|j| (trial * 131 + i as i32 * 17 + j * 7).rem_euclid(n_vocab)).collect();
+                let sampler = Sampler::new(
+                    model.clone(),
+                    &native::SamplerParams::default(),
+                    &native::SamplerCaps::default(),
+                )
+                .unwrap();
+                let prompt: Vec<Token> = (0..16)
+                    .map(|j| (trial * 131 + i as i32 * 17 + j * 7).rem_euclid(n_vocab))
+                    .collect();
                 runs.push((g.generate(sampler, request(prompt, 64), CancelFlag::new(), tx), rx));
             }
             tokio::time::sleep(Duration::from_millis(30)).await;
             steps.lock().unwrap().clear();
             let token = CancelFlag::new();
             token.trip_after(1 + rng.next_u64() % 600);
-            let prompt: Vec<Token> = (0..500).map(|j| (trial * 977 + j * 31).rem_euclid(n_vocab)).collect();
+            let prompt: Vec<Token> =
+                (0..500).map(|j| (trial * 977 + j * 31).rem_euclid(n_vocab)).collect();
             let result = victim.decode(Batch::sequence(&prompt, 0, 0), token).await.unwrap();
             assert_eq!(result, Err(Error::Cancelled));
             for (call, rx) in runs {
@@ -1845,10 +2226,17 @@ mod tests {
                 call.await.unwrap().unwrap();
             }
             let seen = steps.lock().unwrap().clone();
-            lost.extend(seen.iter().filter(|s| s.rolled_back).map(|s| s.elapsed.as_secs_f64() * 1e3));
-            gen_steps.extend(seen.iter().filter(|s| !s.rolled_back && s.rows == 3).map(|s| s.elapsed.as_secs_f64() * 1e3));
+            lost.extend(
+                seen.iter().filter(|s| s.rolled_back).map(|s| s.elapsed.as_secs_f64() * 1e3),
+            );
+            gen_steps.extend(
+                seen.iter()
+                    .filter(|s| !s.rolled_back && s.rows == 3)
+                    .map(|s| s.elapsed.as_secs_f64() * 1e3),
+            );
             // Steps the generations shared with the prompt: how long they waited for a token.
-            shared_steps.extend(seen.iter().filter(|s| s.rows > 3).map(|s| s.elapsed.as_secs_f64() * 1e3));
+            shared_steps
+                .extend(seen.iter().filter(|s| s.rows > 3).map(|s| s.elapsed.as_secs_f64() * 1e3));
         }
         let q = |v: &mut Vec<f64>, p: f64| {
             v.sort_by(f64::total_cmp);

@@ -12,7 +12,10 @@ use tokio::sync::mpsc;
 
 use super::batch::{Seat, SeatSize};
 use super::registry::Opened;
-use crate::native::{self, Batch, CancelFlag, Context, ContextParams, Error, GenerateRequest, Meter, Outcome, Piece, Pooling, PromptPiece, Sampler, Stop, Token};
+use crate::native::{
+    self, Batch, CancelFlag, Context, ContextParams, Error, GenerateRequest, Meter, Outcome, Piece,
+    Pooling, PromptPiece, Sampler, Stop, Token,
+};
 use crate::worker::{Call, Tracker, Worker};
 
 /// Pieces a generation may run ahead of its reader. A context of its own then waits
@@ -51,14 +54,22 @@ impl Opened {
     /// sequence, n-ubatch left to the host, n-ctx within a seat) and one is free, else
     /// an idle context of the same group and settings, else a new one. Returns the
     /// settings it runs with.
-    pub(crate) async fn lease(&self, want: LeaseRequest<'_>) -> Result<(Lease, ContextParams), Error> {
+    pub(crate) async fn lease(
+        &self,
+        want: LeaseRequest<'_>,
+    ) -> Result<(Lease, ContextParams), Error> {
         if let Some(seat) = self.lease_seat(&want).await {
             return seat;
         }
         if let Some(reused) = self.reuse_idle(&want).await {
             return Ok(reused);
         }
-        let (model, cores, meter, params) = (self.model.clone(), self.policy.as_ref().map(|p| p.cores.clone()), want.meter, want.params);
+        let (model, cores, meter, params) = (
+            self.model.clone(),
+            self.policy.as_ref().map(|p| p.cores.clone()),
+            want.meter,
+            want.params,
+        );
         let init = move || {
             let mut context = Context::new(model, params)?;
             context.set_meter(meter);
@@ -73,15 +84,26 @@ impl Opened {
         }
     }
 
-    async fn lease_seat(&self, want: &LeaseRequest<'_>) -> Option<Result<(Lease, ContextParams), Error>> {
+    async fn lease_seat(
+        &self,
+        want: &LeaseRequest<'_>,
+    ) -> Option<Result<(Lease, ContextParams), Error>> {
         let policy = self.policy.as_ref()?;
         if want.params.n_seq_max != 1 || want.ubatch_chosen {
             return None;
         }
         let size = SeatSize { n_ctx: want.allocated_n_ctx, n_batch: want.params.n_batch };
-        let seat = self.batch.lease(policy, &self.model, size, want.group, want.meter.clone(), want.tracker).await?;
+        let seat = self
+            .batch
+            .lease(policy, &self.model, size, want.group, want.meter.clone(), want.tracker)
+            .await?;
         Some(seat.map(|seat| {
-            let granted = ContextParams { n_ctx: want.allocated_n_ctx, n_ubatch: seat.n_ubatch().min(want.params.n_batch), n_threads: policy.threads, ..want.params };
+            let granted = ContextParams {
+                n_ctx: want.allocated_n_ctx,
+                n_ubatch: seat.n_ubatch().min(want.params.n_batch),
+                n_threads: policy.threads,
+                ..want.params
+            };
             (Lease::Seat(seat), granted)
         }))
     }
@@ -113,7 +135,8 @@ impl Opened {
         };
         // Parked on its own thread, so that when the call returns it reads as new and
         // no call of this run is left on it.
-        if self.idle.keeps_any() && worker.is_idle() && worker.call(|c, _| c.park()).await.is_some() {
+        if self.idle.keeps_any() && worker.is_idle() && worker.call(|c, _| c.park()).await.is_some()
+        {
             self.idle.put(group, requested, worker);
         } else {
             worker.stop().await;
@@ -125,14 +148,21 @@ impl Lease {
     /// Decode `batch`, stopping in flight when `token` is set or the call is dropped.
     pub(crate) fn decode(&self, batch: Batch, token: CancelFlag) -> Call<native::Result<()>> {
         match self {
-            Lease::Own(worker) => worker.call(move |c, abandoned| c.decode(&batch, Some(Stop::on_either(&token, abandoned)))),
+            Lease::Own(worker) => worker.call(move |c, abandoned| {
+                c.decode(&batch, Some(Stop::on_either(&token, abandoned)))
+            }),
             Lease::Seat(seat) => seat.decode(batch, token),
         }
     }
 
     /// Generate (`native::generate`'s contract); its pieces arrive on the receiver,
     /// which ends when the generation does.
-    pub(crate) fn generate(&self, mut sampler: Sampler, request: GenerateRequest, token: CancelFlag) -> (Call<native::Result<Outcome>>, mpsc::Receiver<Piece>) {
+    pub(crate) fn generate(
+        &self,
+        mut sampler: Sampler,
+        request: GenerateRequest,
+        token: CancelFlag,
+    ) -> (Call<native::Result<Outcome>>, mpsc::Receiver<Piece>) {
         let (tx, rx) = mpsc::channel(PIECE_BUFFER);
         let call = match self {
             Lease::Own(worker) => worker.call(move |c, abandoned| {
@@ -153,9 +183,16 @@ impl Lease {
     }
 
     /// `Context::eval` of a prompt with media embeddings into `seq`.
-    pub(crate) fn eval(&self, pieces: Vec<PromptPiece>, seq: i32, token: CancelFlag) -> Call<native::Result<i32>> {
+    pub(crate) fn eval(
+        &self,
+        pieces: Vec<PromptPiece>,
+        seq: i32,
+        token: CancelFlag,
+    ) -> Call<native::Result<i32>> {
         match self {
-            Lease::Own(worker) => worker.call(move |c, abandoned| c.eval(&pieces, seq, Some(Stop::on_either(&token, abandoned)))),
+            Lease::Own(worker) => worker.call(move |c, abandoned| {
+                c.eval(&pieces, seq, Some(Stop::on_either(&token, abandoned)))
+            }),
             Lease::Seat(seat) => seat.eval(pieces, seq, token),
         }
     }
@@ -172,9 +209,15 @@ impl Lease {
     }
 
     /// `sampler` on `row`'s logits, where the logits are: they never leave the thread.
-    pub(crate) fn sample(&self, sampler: Arc<Mutex<Sampler>>, row: u32) -> Call<native::Result<Token>> {
+    pub(crate) fn sample(
+        &self,
+        sampler: Arc<Mutex<Sampler>>,
+        row: u32,
+    ) -> Call<native::Result<Token>> {
         match self {
-            Lease::Own(worker) => worker.call(move |c, _| sampler.lock().unwrap_or_else(PoisonError::into_inner).sample(c.logits_ith(row)?)),
+            Lease::Own(worker) => worker.call(move |c, _| {
+                sampler.lock().unwrap_or_else(PoisonError::into_inner).sample(c.logits_ith(row)?)
+            }),
             Lease::Seat(seat) => seat.sample(sampler, row),
         }
     }
@@ -205,15 +248,30 @@ impl Lease {
 
     /// Pooled embeddings of `inputs`: a context of its own only (embeddings stay
     /// unbatched: a seat answers `invalid-argument` saying so).
-    pub(crate) fn embed(&self, inputs: Vec<Vec<Token>>, pooling: Pooling, normalize: bool, token: CancelFlag) -> native::Result<Call<native::Result<Vec<Vec<f32>>>>> {
+    pub(crate) fn embed(
+        &self,
+        inputs: Vec<Vec<Token>>,
+        pooling: Pooling,
+        normalize: bool,
+        token: CancelFlag,
+    ) -> native::Result<Call<native::Result<Vec<Vec<f32>>>>> {
         let worker = self.own("embed")?;
-        Ok(worker.call(move |c, abandoned| c.embed(&inputs, pooling, normalize, Some(Stop::on_either(&token, abandoned)))))
+        Ok(worker.call(move |c, abandoned| {
+            c.embed(&inputs, pooling, normalize, Some(Stop::on_either(&token, abandoned)))
+        }))
     }
 
     /// One embedding per row of `tokens`: a context of its own only, as `embed`.
-    pub(crate) fn embed_rows(&self, tokens: Vec<Token>, normalize: bool, token: CancelFlag) -> native::Result<Call<native::Result<Vec<Vec<f32>>>>> {
+    pub(crate) fn embed_rows(
+        &self,
+        tokens: Vec<Token>,
+        normalize: bool,
+        token: CancelFlag,
+    ) -> native::Result<Call<native::Result<Vec<Vec<f32>>>>> {
         let worker = self.own("embed")?;
-        Ok(worker.call(move |c, abandoned| c.embed_rows(&tokens, normalize, Some(Stop::on_either(&token, abandoned)))))
+        Ok(worker.call(move |c, abandoned| {
+            c.embed_rows(&tokens, normalize, Some(Stop::on_either(&token, abandoned)))
+        }))
     }
 
     fn own(&self, what: &str) -> native::Result<&Worker<Context>> {

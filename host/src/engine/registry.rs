@@ -97,7 +97,12 @@ impl ModelRegistry {
     /// already opened the old model keep it; later opens load `path`.
     pub fn register(&self, name: impl Into<String>, path: impl Into<PathBuf>) -> &Self {
         let idle = Arc::new(IdleContexts::new(self.keep_idle.clone()));
-        let entry = Arc::new(Registration { path: path.into(), loaded: OnceCell::new(), idle, batch: Arc::default() });
+        let entry = Arc::new(Registration {
+            path: path.into(),
+            loaded: OnceCell::new(),
+            idle,
+            batch: Arc::default(),
+        });
         self.write().models.insert(name.into(), entry);
         self
     }
@@ -166,7 +171,11 @@ impl ModelRegistry {
     }
 
     pub fn projector_path(&self, name: &str) -> Result<PathBuf, OpenError> {
-        self.read().projectors.get(name).cloned().ok_or_else(|| OpenError::NotFound(name.to_string()))
+        self.read()
+            .projectors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| OpenError::NotFound(name.to_string()))
     }
 
     /// A registry of the models and projectors named in `names` that are registered
@@ -176,10 +185,21 @@ impl ModelRegistry {
         let inner = self.read();
         let pick = |name: &S| name.as_ref().to_string();
         let subset = Inner {
-            models: names.iter().filter_map(|n| Some((pick(n), inner.models.get(n.as_ref())?.clone()))).collect(),
-            projectors: names.iter().filter_map(|n| Some((pick(n), inner.projectors.get(n.as_ref())?.clone()))).collect(),
+            models: names
+                .iter()
+                .filter_map(|n| Some((pick(n), inner.models.get(n.as_ref())?.clone())))
+                .collect(),
+            projectors: names
+                .iter()
+                .filter_map(|n| Some((pick(n), inner.projectors.get(n.as_ref())?.clone())))
+                .collect(),
         };
-        ModelRegistry { inner: RwLock::new(subset), keep_idle: self.keep_idle.clone(), batch: self.batch.clone(), offload: self.offload.clone() }
+        ModelRegistry {
+            inner: RwLock::new(subset),
+            keep_idle: self.keep_idle.clone(),
+            batch: self.batch.clone(),
+            offload: self.offload.clone(),
+        }
     }
 
     /// Names registered now.
@@ -204,7 +224,12 @@ impl ModelRegistry {
     pub async fn open_entry(&self, name: &str) -> Result<Opened, OpenError> {
         // The lock is not held across the load: the entry is shared, so a replacement
         // or unload meanwhile does not wait for it.
-        let entry = self.read().models.get(name).cloned().ok_or_else(|| OpenError::NotFound(name.to_string()))?;
+        let entry = self
+            .read()
+            .models
+            .get(name)
+            .cloned()
+            .ok_or_else(|| OpenError::NotFound(name.to_string()))?;
         let model = entry
             .loaded
             .get_or_try_init(|| async {
@@ -212,10 +237,17 @@ impl ModelRegistry {
                 let offload = self.offload.read().unwrap_or_else(|p| p.into_inner()).clone();
                 // llama.cpp's load log goes to the span of the run that loads it.
                 let span = tracing::Span::current();
-                match tokio::task::spawn_blocking(move || span.in_scope(|| Model::load_with(&path, &offload))).await {
+                match tokio::task::spawn_blocking(move || {
+                    span.in_scope(|| Model::load_with(&path, &offload))
+                })
+                .await
+                {
                     Ok(Ok(model)) => Ok(Arc::new(model)),
                     Ok(Err(e)) => {
-                        tracing::error!("loading model {name:?} from {}: {e}", entry.path.display());
+                        tracing::error!(
+                            "loading model {name:?} from {}: {e}",
+                            entry.path.display()
+                        );
                         Err(OpenError::LoadFailed(name.to_string()))
                     }
                     Err(join) => {
@@ -225,6 +257,11 @@ impl ModelRegistry {
                 }
             })
             .await?;
-        Ok(Opened { model: model.clone(), idle: entry.idle.clone(), batch: entry.batch.clone(), policy: self.batch_policy() })
+        Ok(Opened {
+            model: model.clone(),
+            idle: entry.idle.clone(),
+            batch: entry.batch.clone(),
+            policy: self.batch_policy(),
+        })
     }
 }

@@ -85,7 +85,8 @@ pub fn cpu_features() -> Vec<String> {
     // SAFETY: llama_print_system_info returns that string's NUL-terminated buffer (never
     // null); only this function calls it, under `turn`, and copies the text out before
     // releasing it, so the buffer is neither rewritten nor freed while read.
-    let info = unsafe { CStr::from_ptr(sys::llama_print_system_info()) }.to_string_lossy().into_owned();
+    let info =
+        unsafe { CStr::from_ptr(sys::llama_print_system_info()) }.to_string_lossy().into_owned();
     drop(turn);
     // "CPU : SSE3 = 1 | AVX2 = 1 | ... | REPACK = 1 |"
     info.split('|')
@@ -158,10 +159,7 @@ mod tests {
     #[test]
     fn ggml_is_built_for_the_chosen_cpu_features() {
         let features = cpu_features();
-        assert!(
-            features.iter().any(|f| f == "REPACK"),
-            "no features parsed: {features:?}"
-        );
+        assert!(features.iter().any(|f| f == "REPACK"), "no features parsed: {features:?}");
         let chosen = [
             ("AVX", option_env!("GGML_AVX")),
             ("AVX2", option_env!("GGML_AVX2")),
@@ -179,14 +177,12 @@ mod tests {
         for (feature, choice) in chosen {
             let built = features.iter().any(|f| f == feature);
             match choice {
-                Some("ON") => assert!(
-                    built,
-                    "GGML_{feature}=ON but ggml was built without it: {features:?}"
-                ),
-                Some("OFF") => assert!(
-                    !built,
-                    "GGML_{feature}=OFF but ggml was built with it: {features:?}"
-                ),
+                Some("ON") => {
+                    assert!(built, "GGML_{feature}=ON but ggml was built without it: {features:?}")
+                }
+                Some("OFF") => {
+                    assert!(!built, "GGML_{feature}=OFF but ggml was built with it: {features:?}")
+                }
                 _ => {}
             }
         }
@@ -194,8 +190,13 @@ mod tests {
 
     #[test]
     fn instruction_level_is_the_widest_vector_set() {
-        let of = |names: &[&str]| InstructionLevel::of(&names.iter().map(|n| n.to_string()).collect::<Vec<_>>());
-        assert_eq!(of(&["SSE3", "AVX", "AVX2", "FMA", "AVX512", "AVX512_VNNI"]), InstructionLevel::Avx512);
+        let of = |names: &[&str]| {
+            InstructionLevel::of(&names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+        };
+        assert_eq!(
+            of(&["SSE3", "AVX", "AVX2", "FMA", "AVX512", "AVX512_VNNI"]),
+            InstructionLevel::Avx512
+        );
         assert_eq!(of(&["SSE3", "AVX", "AVX2", "FMA"]), InstructionLevel::Avx2);
         assert_eq!(of(&["SSE3", "AVX"]), InstructionLevel::Baseline);
         assert_eq!(of(&[]).name(), "portable");

@@ -95,7 +95,10 @@ impl WeakCancelFlag {
 /// for a step that computes several callers' rows at once, any of theirs.
 #[derive(Clone, Copy, Debug)]
 pub enum Stop<'a> {
-    Call { token: &'a CancelFlag, call: Option<&'a CancelFlag> },
+    Call {
+        token: &'a CancelFlag,
+        call: Option<&'a CancelFlag>,
+    },
     /// Stop when any of these would (a batched step: one member's cancel stops it).
     Any(&'a [Stop<'a>]),
 }
@@ -123,7 +126,9 @@ impl<'a> Stop<'a> {
     /// call's status afterwards.
     pub fn is_set(&self) -> bool {
         match self {
-            Self::Call { token, call } => token.is_cancelled() || call.is_some_and(CancelFlag::is_cancelled),
+            Self::Call { token, call } => {
+                token.is_cancelled() || call.is_some_and(CancelFlag::is_cancelled)
+            }
             Self::Any(stops) => stops.iter().any(Stop::is_set),
         }
     }

@@ -20,7 +20,10 @@ pub const MESSAGE_OVERHEAD: usize = 64;
 
 /// What `messages` cost against a text limit: their bytes plus each one's overhead.
 pub fn messages_cost(messages: &[ChatMessage]) -> usize {
-    messages.iter().map(|m| m.role.len() + m.content.len() + MESSAGE_OVERHEAD).fold(0, usize::saturating_add)
+    messages
+        .iter()
+        .map(|m| m.role.len() + m.content.len() + MESSAGE_OVERHEAD)
+        .fold(0, usize::saturating_add)
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,10 +73,17 @@ impl Model {
     /// Format `messages` into a prompt; `add_assistant` ends it with the start of an
     /// assistant turn. Tokenize the result with `parse_special` so its markers become
     /// their tokens.
-    pub fn apply_chat_template(&self, template: &ChatTemplate, messages: &[ChatMessage], add_assistant: bool) -> Result<String> {
+    pub fn apply_chat_template(
+        &self,
+        template: &ChatTemplate,
+        messages: &[ChatMessage],
+        add_assistant: bool,
+    ) -> Result<String> {
         let source = match template {
             ChatTemplate::Model => self.chat_template().ok_or_else(|| {
-                Error::InvalidArgument("this model has no chat template (tokenizer.chat_template); name one".into())
+                Error::InvalidArgument(
+                    "this model has no chat template (tokenizer.chat_template); name one".into(),
+                )
             })?,
             ChatTemplate::Named(name) => {
                 if !builtin_templates().iter().any(|n| n == name) {
@@ -82,16 +92,35 @@ impl Model {
                 name.clone()
             }
         };
-        let c = |s: &str, what: &str| CString::new(s).map_err(|_| Error::InvalidArgument(format!("{what} contains a NUL byte")));
+        let c = |s: &str, what: &str| {
+            CString::new(s)
+                .map_err(|_| Error::InvalidArgument(format!("{what} contains a NUL byte")))
+        };
         let source = c(&source, "the chat template")?;
         let owned: Vec<(CString, CString)> = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| Ok((c(&m.role, &format!("message {i}'s role"))?, c(&m.content, &format!("message {i}'s content"))?)))
+            .map(|(i, m)| {
+                Ok((
+                    c(&m.role, &format!("message {i}'s role"))?,
+                    c(&m.content, &format!("message {i}'s content"))?,
+                ))
+            })
             .collect::<Result<_>>()?;
-        let raw: Vec<sys::llama_chat_message> =
-            owned.iter().map(|(role, content)| sys::llama_chat_message { role: role.as_ptr(), content: content.as_ptr() }).collect();
-        let mut buf = vec![0u8; messages_cost(messages).saturating_mul(2).saturating_add(256).min(i32::MAX as usize)];
+        let raw: Vec<sys::llama_chat_message> = owned
+            .iter()
+            .map(|(role, content)| sys::llama_chat_message {
+                role: role.as_ptr(),
+                content: content.as_ptr(),
+            })
+            .collect();
+        let mut buf = vec![
+            0u8;
+            messages_cost(messages)
+                .saturating_mul(2)
+                .saturating_add(256)
+                .min(i32::MAX as usize)
+        ];
         loop {
             // SAFETY: `source` and every role and content are NUL-terminated strings owned
             // by `source` and `owned`, alive across the call; `raw` has `raw.len()` entries;
@@ -115,7 +144,9 @@ impl Model {
             let n = n as usize;
             if n <= buf.len() {
                 buf.truncate(n);
-                return String::from_utf8(buf).map_err(|_| Error::Backend("the chat template produced invalid UTF-8".into()));
+                return String::from_utf8(buf).map_err(|_| {
+                    Error::Backend("the chat template produced invalid UTF-8".into())
+                });
             }
             buf.resize(n, 0);
         }

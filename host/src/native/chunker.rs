@@ -98,9 +98,19 @@ impl NodeWork {
     /// views and no-ops are free; any other computed op costs its element count. `rows`
     /// is the output's second dimension, `masked` whether a SOFT_MAX has a mask: where a
     /// boundary may fall depends on both (the module doc says why).
-    pub fn of(op: sys::ggml_op, out_elements: u64, rows: u64, mul_mat_inner: u64, masked: bool) -> Self {
+    pub fn of(
+        op: sys::ggml_op,
+        out_elements: u64,
+        rows: u64,
+        mul_mat_inner: u64,
+        masked: bool,
+    ) -> Self {
         let units = match op {
-            sys::GGML_OP_NONE | sys::GGML_OP_VIEW | sys::GGML_OP_RESHAPE | sys::GGML_OP_PERMUTE | sys::GGML_OP_TRANSPOSE => 0,
+            sys::GGML_OP_NONE
+            | sys::GGML_OP_VIEW
+            | sys::GGML_OP_RESHAPE
+            | sys::GGML_OP_PERMUTE
+            | sys::GGML_OP_TRANSPOSE => 0,
             sys::GGML_OP_MUL_MAT => out_elements.saturating_mul(mul_mat_inner),
             _ => out_elements,
         };
@@ -158,7 +168,13 @@ mod tests {
     fn work_units_by_op() {
         assert_eq!(NodeWork::of(sys::GGML_OP_MUL_MAT, 100, 10, 64, false).units, 6400);
         assert_eq!(NodeWork::of(sys::GGML_OP_ADD, 100, 10, 64, false).units, 100);
-        for view in [sys::GGML_OP_VIEW, sys::GGML_OP_RESHAPE, sys::GGML_OP_PERMUTE, sys::GGML_OP_TRANSPOSE, sys::GGML_OP_NONE] {
+        for view in [
+            sys::GGML_OP_VIEW,
+            sys::GGML_OP_RESHAPE,
+            sys::GGML_OP_PERMUTE,
+            sys::GGML_OP_TRANSPOSE,
+            sys::GGML_OP_NONE,
+        ] {
             assert_eq!(NodeWork::of(view, 100, 10, 64, false).units, 0);
         }
     }
@@ -168,10 +184,19 @@ mod tests {
         let allowed = |op, rows, masked| NodeWork::of(op, 8, rows, 1, masked).boundary_allowed;
         assert!(allowed(sys::GGML_OP_FLASH_ATTN_EXT, 1, false));
         assert!(allowed(sys::GGML_OP_SOFT_MAX, 1, true), "attention's softmax");
-        assert!(!allowed(sys::GGML_OP_SOFT_MAX, 1, false), "never inside ggml-vulkan's MoE top-k fusion");
+        assert!(
+            !allowed(sys::GGML_OP_SOFT_MAX, 1, false),
+            "never inside ggml-vulkan's MoE top-k fusion"
+        );
         assert!(allowed(sys::GGML_OP_MUL_MAT, 2, false));
-        assert!(!allowed(sys::GGML_OP_MUL_MAT, 1, false), "never between a one-row matmul and the ADD ggml-vulkan fuses with it");
-        assert!(!allowed(sys::GGML_OP_RMS_NORM, 8, false), "never between RMS_NORM and the MUL fused with it");
+        assert!(
+            !allowed(sys::GGML_OP_MUL_MAT, 1, false),
+            "never between a one-row matmul and the ADD ggml-vulkan fuses with it"
+        );
+        assert!(
+            !allowed(sys::GGML_OP_RMS_NORM, 8, false),
+            "never between RMS_NORM and the MUL fused with it"
+        );
         assert!(!allowed(sys::GGML_OP_ADD, 8, false));
     }
 
@@ -179,8 +204,14 @@ mod tests {
     fn a_cancel_stops_at_the_next_computed_node_whatever_its_op() {
         let mut c = Chunker::with_budget(u64::MAX);
         assert!(!c.ask(NORM, false));
-        assert!(c.ask(NORM, true), "cancelled: the output is thrown away, so any node may end the chunk");
-        assert!(!c.ask(NodeWork { units: 0, boundary_allowed: false }, true), "but not a view, which computes nothing");
+        assert!(
+            c.ask(NORM, true),
+            "cancelled: the output is thrown away, so any node may end the chunk"
+        );
+        assert!(
+            !c.ask(NodeWork { units: 0, boundary_allowed: false }, true),
+            "but not a view, which computes nothing"
+        );
         assert!(!c.at_boundary(true));
     }
 

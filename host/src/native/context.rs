@@ -145,7 +145,13 @@ impl ContextParams {
     pub fn allocated_n_ctx(&self) -> Result<u32> {
         let Self { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads } = *self;
         let invalid = |what: String| Err(Error::InvalidArgument(what));
-        for (name, value) in [("n-ctx", n_ctx), ("n-batch", n_batch), ("n-ubatch", n_ubatch), ("n-seq-max", n_seq_max), ("n-threads", n_threads)] {
+        for (name, value) in [
+            ("n-ctx", n_ctx),
+            ("n-batch", n_batch),
+            ("n-ubatch", n_ubatch),
+            ("n-seq-max", n_seq_max),
+            ("n-threads", n_threads),
+        ] {
             if value == 0 {
                 return invalid(format!("{name} must be at least 1"));
             }
@@ -154,14 +160,20 @@ impl ContextParams {
             return invalid(format!("n-ubatch {n_ubatch} is larger than n-batch {n_batch}"));
         }
         if n_seq_max > MAX_SEQ {
-            return invalid(format!("n-seq-max {n_seq_max} is above llama.cpp's maximum {MAX_SEQ}"));
+            return invalid(format!(
+                "n-seq-max {n_seq_max} is above llama.cpp's maximum {MAX_SEQ}"
+            ));
         }
         if n_threads > MAX_THREADS {
             return invalid(format!("n-threads {n_threads} is above ggml's maximum {MAX_THREADS}"));
         }
         let usable_batch = n_batch.min(n_ctx);
         if n_seq_max > usable_batch {
-            let cut = if n_ctx < n_batch { format!(" (n-batch {n_batch} is cut to n-ctx {n_ctx})") } else { String::new() };
+            let cut = if n_ctx < n_batch {
+                format!(" (n-batch {n_batch} is cut to n-ctx {n_ctx})")
+            } else {
+                String::new()
+            };
             return invalid(format!(
                 "n-seq-max {n_seq_max} needs an n-batch of at least {n_seq_max} (one output row per sequence), but n-batch is {usable_batch}{cut}"
             ));
@@ -201,7 +213,10 @@ impl Context {
         // A failed decode is undone by cutting each sequence back (`all_or_nothing`);
         // recurrent state cannot be cut back to an earlier position.
         // SAFETY: `model` is an `Arc`, so the model is live; both only read its architecture.
-        if unsafe { sys::llama_model_is_recurrent(model.as_ptr()) || sys::llama_model_is_hybrid(model.as_ptr()) } {
+        if unsafe {
+            sys::llama_model_is_recurrent(model.as_ptr())
+                || sys::llama_model_is_hybrid(model.as_ptr())
+        } {
             return Err(Error::InvalidArgument(
                 "this model keeps recurrent state, which cannot be rolled back after a failed or cancelled decode: llamabox does not run it".into(),
             ));
@@ -244,7 +259,20 @@ impl Context {
             }
         };
         let history = fresh_history(actual);
-        Ok(Self { ptr, params: actual, logit_rows: Vec::new(), logit_offset: 0, history, leftover: Vec::new(), _team: team, meter: Arc::default(), cores: None, device_pace: model.device().map(|_| Pace::new(DEFAULT_LATENCY_TARGET)), device_chunk_work: None, model })
+        Ok(Self {
+            ptr,
+            params: actual,
+            logit_rows: Vec::new(),
+            logit_offset: 0,
+            history,
+            leftover: Vec::new(),
+            _team: team,
+            meter: Arc::default(),
+            cores: None,
+            device_pace: model.device().map(|_| Pace::new(DEFAULT_LATENCY_TARGET)),
+            device_chunk_work: None,
+            model,
+        })
     }
 
     /// Make the context read as new for its next user: empty memory, no logits, a
@@ -387,7 +415,9 @@ impl Context {
             }
             Ok(())
         } else {
-            Err(Error::InvalidArgument(format!("this memory cannot remove [{p0}, {p1}) from sequence {seq}")))
+            Err(Error::InvalidArgument(format!(
+                "this memory cannot remove [{p0}, {p1}) from sequence {seq}"
+            )))
         }
     }
 
@@ -451,7 +481,9 @@ impl Context {
                     "row {row}: sequence {seq} must continue at position {expected}, got {pos}"
                 ));
             }
-            let after = pos.checked_add(1).ok_or_else(|| Error::InvalidArgument("position overflow".into()))?;
+            let after = pos
+                .checked_add(1)
+                .ok_or_else(|| Error::InvalidArgument("position overflow".into()))?;
             next.insert(seq, after);
         }
         Ok(())
@@ -524,7 +556,8 @@ impl Context {
 
     /// One `llama_decode` of a batch `check_batch` accepted; no rollback of its own.
     fn decode_checked(&mut self, batch: &Batch, stop: Option<Stop<'_>>) -> Result<()> {
-        let mut seq_ptrs: Vec<*mut i32> = batch.seq_ids.iter().map(|s| s as *const i32 as *mut i32).collect();
+        let mut seq_ptrs: Vec<*mut i32> =
+            batch.seq_ids.iter().map(|s| s as *const i32 as *mut i32).collect();
         let mut n_seq_id = vec![1i32; batch.len()];
         let mut logits: Vec<i8> = batch.logits.iter().map(|&l| l as i8).collect();
         // For `decode_raw`'s contract: every pointer points into a vector that outlives
@@ -565,7 +598,9 @@ impl Context {
         }
         self.check_seq(seq)?;
         self.drop_leftover();
-        self.all_or_nothing(&[seq], |ctx| ctx.embeddings_in(embd, seq, non_causal, logits_last, stop))
+        self.all_or_nothing(&[seq], |ctx| {
+            ctx.embeddings_in(embd, seq, non_causal, logits_last, stop)
+        })
     }
 
     /// Evaluate a prompt into `seq` from its current end: each piece's tokens or
@@ -576,13 +611,23 @@ impl Context {
     /// On a parked context, the part of a leading token piece that equals the
     /// leftover's start is kept rather than computed again (at least the last row is
     /// always computed); a failure makes it leftover again.
-    pub fn eval(&mut self, pieces: &[PromptPiece], seq: i32, stop: Option<Stop<'_>>) -> Result<i32> {
+    pub fn eval(
+        &mut self,
+        pieces: &[PromptPiece],
+        seq: i32,
+        stop: Option<Stop<'_>>,
+    ) -> Result<i32> {
         self.eval_reusing(pieces, seq, stop).map(|(end, _)| end)
     }
 
     /// [`Context::eval`], and how many of the leading tokens were kept from the
     /// leftover rather than computed (what a generation reports as cached).
-    pub(crate) fn eval_reusing(&mut self, pieces: &[PromptPiece], seq: i32, stop: Option<Stop<'_>>) -> Result<(i32, usize)> {
+    pub(crate) fn eval_reusing(
+        &mut self,
+        pieces: &[PromptPiece],
+        seq: i32,
+        stop: Option<Stop<'_>>,
+    ) -> Result<(i32, usize)> {
         if stop.is_some_and(|s| s.is_set()) {
             self.meter.add_cancel();
             return Err(Error::Cancelled);
@@ -599,7 +644,9 @@ impl Context {
             _ => None,
         };
         // The last row's logits are wanted: a prompt of one piece keeps one row to compute.
-        let most = first.map_or(0, |t| if pieces.len() == 1 { t.len().saturating_sub(1) } else { t.len() });
+        let most =
+            first
+                .map_or(0, |t| if pieces.len() == 1 { t.len().saturating_sub(1) } else { t.len() });
         let reused = self.reuse_leftover(first, most);
         let last = pieces.len().checked_sub(1);
         let result = self.all_or_nothing(&[seq], |ctx| {
@@ -610,7 +657,9 @@ impl Context {
                         let skip = if i == 0 { reused } else { 0 };
                         ctx.tokens_in(&tokens[skip..], seq, logits_last, stop)
                     }
-                    PromptPiece::Embeddings { embd, non_causal } => ctx.embeddings_in(embd, seq, *non_causal, logits_last, stop),
+                    PromptPiece::Embeddings { embd, non_causal } => {
+                        ctx.embeddings_in(embd, seq, *non_causal, logits_last, stop)
+                    }
                 }
             })
         });
@@ -623,12 +672,20 @@ impl Context {
     }
 
     /// `tokens` appended to `seq` in n-batch pieces; no rollback of its own.
-    fn tokens_in(&mut self, tokens: &[Token], seq: i32, logits_last: bool, stop: Option<Stop<'_>>) -> Result<()> {
+    fn tokens_in(
+        &mut self,
+        tokens: &[Token],
+        seq: i32,
+        logits_last: bool,
+        stop: Option<Stop<'_>>,
+    ) -> Result<()> {
         let n_batch = self.params.n_batch as usize;
         let n_pieces = tokens.len().div_ceil(n_batch);
         tokens.chunks(n_batch).enumerate().try_for_each(|(p, piece)| {
             let mut batch = Batch::sequence(piece, self.seq_pos_max(seq)? + 1, seq);
-            batch.logits = (0..piece.len()).map(|r| logits_last && p + 1 == n_pieces && r + 1 == piece.len()).collect();
+            batch.logits = (0..piece.len())
+                .map(|r| logits_last && p + 1 == n_pieces && r + 1 == piece.len())
+                .collect();
             self.check_batch(&batch)?;
             self.decode_checked(&batch, stop)
         })
@@ -636,7 +693,14 @@ impl Context {
 
     /// Embeddings appended to `seq` (see [`Context::decode_embeddings`]); no rollback
     /// of its own.
-    fn embeddings_in(&mut self, embd: &[f32], seq: i32, non_causal: bool, logits_last: bool, stop: Option<Stop<'_>>) -> Result<()> {
+    fn embeddings_in(
+        &mut self,
+        embd: &[f32],
+        seq: i32,
+        non_causal: bool,
+        logits_last: bool,
+        stop: Option<Stop<'_>>,
+    ) -> Result<()> {
         let width = self.model.n_embd_inp() as usize;
         if width == 0 || embd.is_empty() || !embd.len().is_multiple_of(width) {
             return Err(Error::InvalidArgument(format!(
@@ -701,7 +765,9 @@ impl Context {
     /// Logits of the last row of the last successful decode, if it asked for them.
     pub fn last_logits(&self) -> Result<&[f32]> {
         match self.logit_rows.len() {
-            0 => Err(Error::InvalidArgument("there is no successful decode to read logits from".into())),
+            0 => Err(Error::InvalidArgument(
+                "there is no successful decode to read logits from".into(),
+            )),
             n => self.logits_ith(n as u32 - 1),
         }
     }
@@ -709,19 +775,28 @@ impl Context {
     /// Run `f`; if it fails, remove from every sequence in `seqs` whatever lies past
     /// where it ended before. Valid because every decode continues its sequences
     /// (checked up front), so all a failed call can have added lies past that end.
-    fn all_or_nothing(&mut self, seqs: &[i32], f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+    fn all_or_nothing(
+        &mut self,
+        seqs: &[i32],
+        f: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
         let mut seqs = seqs.to_vec();
         seqs.sort_unstable();
         seqs.dedup();
         // SAFETY: the live context's memory; every id in `seqs` was checked in range by the
         // caller (`check_batch`, `check_seq`).
-        let ends: Vec<(i32, i32)> = seqs.iter().map(|&s| (s, unsafe { sys::llama_memory_seq_pos_max(self.memory(), s) })).collect();
+        let ends: Vec<(i32, i32)> = seqs
+            .iter()
+            .map(|&s| (s, unsafe { sys::llama_memory_seq_pos_max(self.memory(), s) }))
+            .collect();
         self.logit_rows.clear();
         let result = f(self);
         if result.is_err() {
             self.logit_rows.clear();
             // SAFETY: the live context's memory; the same checked ids as `ends`.
-            let undone = ends.iter().all(|&(seq, end)| unsafe { sys::llama_memory_seq_rm(self.memory(), seq, end + 1, -1) });
+            let undone = ends.iter().all(|&(seq, end)| unsafe {
+                sys::llama_memory_seq_rm(self.memory(), seq, end + 1, -1)
+            });
             if let (Some(tokens), Some(&(0, end))) = (&mut self.history, ends.first()) {
                 tokens.truncate((end + 1) as usize);
             }
@@ -748,7 +823,12 @@ impl Context {
     /// (`n_tokens × n_embd_inp` floats). An `embd` batch must not go to a model with
     /// M-RoPE positions: llama.cpp then reads 4 positions per row. llama.cpp copies the
     /// batch and never writes through these pointers, so they may come from shared borrows.
-    unsafe fn decode_raw(&mut self, raw: sys::llama_batch, logit_rows: &[bool], stop: Option<Stop<'_>>) -> Result<()> {
+    unsafe fn decode_raw(
+        &mut self,
+        raw: sys::llama_batch,
+        logit_rows: &[bool],
+        stop: Option<Stop<'_>>,
+    ) -> Result<()> {
         let _turn = self.cores.as_ref().map(|cores| cores.turn());
         let ctx = self.ptr;
         let decode = || {

@@ -81,10 +81,7 @@ mod tests {
                 std::thread::yield_now();
             }
         }
-        assert!(
-            order.try_recv().is_err(),
-            "nobody runs while the first turn is held"
-        );
+        assert!(order.try_recv().is_err(), "nobody runs while the first turn is held");
         drop(first);
         waiters.into_iter().for_each(|w| w.join().unwrap());
         assert_eq!(order.try_iter().collect::<Vec<_>>(), [0, 1, 2]);

@@ -133,10 +133,15 @@ impl Offload {
     pub(crate) fn place(&self) -> Result<Placement> {
         backend::init();
         let cpu_only = Placement { device: None, gpu_layers: 0, device_name: None };
-        let gpus: Vec<String> = devices().into_iter().filter(|d| d.kind.is_gpu()).map(|d| d.name).collect();
+        let gpus: Vec<String> =
+            devices().into_iter().filter(|d| d.kind.is_gpu()).map(|d| d.name).collect();
         // A device is checked even with 0 layers: a misspelt name is never silently ignored.
         if let Some(name) = self.device.as_ref().filter(|name| !gpus.contains(name)) {
-            let there = if gpus.is_empty() { "none in this build and machine".to_string() } else { gpus.join(", ") };
+            let there = if gpus.is_empty() {
+                "none in this build and machine".to_string()
+            } else {
+                gpus.join(", ")
+            };
             return Err(Error::InvalidArgument(format!("no GPU named {name:?} (GPUs: {there})")));
         }
         if self.gpu_layers == Some(0) {
@@ -147,16 +152,21 @@ impl Offload {
             None => match gpus.into_iter().next() {
                 Some(first) => first,
                 None if self.gpu_layers.is_some() => {
-                    return Err(Error::InvalidArgument("GPU layers were asked for, but this build and machine have no GPU".into()));
+                    return Err(Error::InvalidArgument(
+                        "GPU layers were asked for, but this build and machine have no GPU".into(),
+                    ));
                 }
                 None => return Ok(cpu_only),
             },
         };
-        let c_name = CString::new(name.as_str()).map_err(|_| Error::InvalidArgument("device name contains a NUL byte".into()))?;
+        let c_name = CString::new(name.as_str())
+            .map_err(|_| Error::InvalidArgument("device name contains a NUL byte".into()))?;
         // SAFETY: a NUL-terminated name; the registry is initialised; returns a live device or null.
         let dev = unsafe { sys::ggml_backend_dev_by_name(c_name.as_ptr()) };
         if dev.is_null() {
-            return Err(Error::Backend(format!("ggml lists {name:?} but does not find it by name")));
+            return Err(Error::Backend(format!(
+                "ggml lists {name:?} but does not find it by name"
+            )));
         }
         let gpu_layers = self.gpu_layers.map_or(i32::MAX, |n| i32::try_from(n).unwrap_or(i32::MAX));
         Ok(Placement { device: Some(dev), gpu_layers, device_name: Some(name) })
@@ -171,13 +181,25 @@ mod tests {
     fn the_cpu_is_always_a_device_and_an_unknown_gpu_is_refused_by_name() {
         let all = devices();
         assert!(all.iter().any(|d| d.kind == DeviceKind::Cpu), "{all:?}");
-        let err = Offload { gpu_layers: None, device: Some("NoSuchGpu7".into()) }.place().unwrap_err();
+        let err =
+            Offload { gpu_layers: None, device: Some("NoSuchGpu7".into()) }.place().unwrap_err();
         assert!(err.to_string().contains("no GPU named \"NoSuchGpu7\""), "{err}");
         let cpu = Offload { gpu_layers: Some(0), device: None }.place().unwrap();
-        assert_eq!((cpu.device, cpu.gpu_layers), (None, 0), "0 layers: the CPU alone, whatever GPUs there are");
+        assert_eq!(
+            (cpu.device, cpu.gpu_layers),
+            (None, 0),
+            "0 layers: the CPU alone, whatever GPUs there are"
+        );
         if all.iter().all(|d| !d.kind.is_gpu()) {
-            assert_eq!(Offload::default().place().unwrap().device, None, "no GPU: the default is the CPU");
-            assert!(Offload { gpu_layers: Some(4), device: None }.place().is_err(), "layers asked of no GPU");
+            assert_eq!(
+                Offload::default().place().unwrap().device,
+                None,
+                "no GPU: the default is the CPU"
+            );
+            assert!(
+                Offload { gpu_layers: Some(4), device: None }.place().is_err(),
+                "layers asked of no GPU"
+            );
         }
     }
 }

@@ -47,8 +47,17 @@ pub(crate) struct ScopeReport {
 /// the duration of `f`. The state lives on this function's stack and the thread-local
 /// points at it only between entry and exit (restored on unwind too), so no order of
 /// drops or `mem::forget` can leave the callback holding freed state.
-pub(crate) fn in_eval_scope<R>(stop: Stop<'_>, chunker: Chunker, f: impl FnOnce() -> R) -> (R, ScopeReport) {
-    let state = ScopeState { stop, chunker: RefCell::new(chunker), boundaries: Cell::new(0), stopped: Cell::new(false) };
+pub(crate) fn in_eval_scope<R>(
+    stop: Stop<'_>,
+    chunker: Chunker,
+    f: impl FnOnce() -> R,
+) -> (R, ScopeReport) {
+    let state = ScopeState {
+        stop,
+        chunker: RefCell::new(chunker),
+        boundaries: Cell::new(0),
+        stopped: Cell::new(false),
+    };
     /// Restores the outer scope when `in_eval_scope` returns or unwinds.
     struct Restore(*const ScopeState<'static>);
     impl Drop for Restore {
@@ -73,7 +82,11 @@ pub(crate) fn in_eval_scope<R>(stop: Stop<'_>, chunker: Chunker, f: impl FnOnce(
 /// When `ask` is true, `t` must be null or point at a live graph node whose `src`
 /// pointers are null or live tensors (what the scheduler passes). With `ask` false `t` is
 /// not read. The user data is ignored.
-pub(crate) unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, _: *mut c_void) -> bool {
+pub(crate) unsafe extern "C" fn eval_callback(
+    t: *mut sys::ggml_tensor,
+    ask: bool,
+    _: *mut c_void,
+) -> bool {
     SCOPE.with(|scope| {
         // SAFETY: non-null only inside `in_eval_scope` on this thread, whose stack
         // frame owns the state.
@@ -153,7 +166,11 @@ mod tests {
                 s.spawn(|| assert!(!call(&mut node(sys::GGML_OP_FLASH_ATTN_EXT), true)));
             });
         });
-        assert_eq!(report, ScopeReport { stopped: true, boundaries: 1, units: 32 }, "units: RMS_NORM and FLASH_ATTN_EXT, 4x4 each");
+        assert_eq!(
+            report,
+            ScopeReport { stopped: true, boundaries: 1, units: 32 },
+            "units: RMS_NORM and FLASH_ATTN_EXT, 4x4 each"
+        );
         assert!(!call(&mut attn, true), "the scope is gone with its call");
     }
 
@@ -162,13 +179,19 @@ mod tests {
         let (outer_token, inner_token) = (CancelFlag::new(), CancelFlag::new());
         inner_token.cancel();
         let mut attn = node(sys::GGML_OP_FLASH_ATTN_EXT);
-        let ((), outer) = in_eval_scope(Stop::on(&outer_token), Chunker::with_budget(u64::MAX), || {
-            let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                in_eval_scope(Stop::on(&inner_token), Chunker::with_budget(u64::MAX), || panic!("inside the inner scope"))
-            }));
-            assert!(unwound.is_err());
-            assert!(!call(&mut attn, true), "the outer scope is back: not cancelled, budget not spent");
-        });
+        let ((), outer) =
+            in_eval_scope(Stop::on(&outer_token), Chunker::with_budget(u64::MAX), || {
+                let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    in_eval_scope(Stop::on(&inner_token), Chunker::with_budget(u64::MAX), || {
+                        panic!("inside the inner scope")
+                    })
+                }));
+                assert!(unwound.is_err());
+                assert!(
+                    !call(&mut attn, true),
+                    "the outer scope is back: not cancelled, budget not spent"
+                );
+            });
         assert_eq!(outer, ScopeReport { stopped: false, boundaries: 0, units: 16 });
         assert!(!call(&mut attn, true) && call(&mut attn, false), "and no scope after it");
     }

@@ -58,7 +58,9 @@ pub struct Piece {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     /// The text matched `stop[index]`.
-    Stop { index: u32 },
+    Stop {
+        index: u32,
+    },
     /// The model produced an end-of-generation token.
     EndOfGeneration,
     MaxTokens,
@@ -100,7 +102,11 @@ impl<F: FnMut(Piece) -> bool> Sink for F {
 }
 
 /// Check a request against what generation needs before anything is decoded.
-pub fn check_request(model: &std::sync::Arc<super::Model>, sampler: &Sampler, request: &GenerateRequest) -> Result<()> {
+pub fn check_request(
+    model: &std::sync::Arc<super::Model>,
+    sampler: &Sampler,
+    request: &GenerateRequest,
+) -> Result<()> {
     if let Some(i) = request.stop.iter().position(String::is_empty) {
         return Err(Error::InvalidArgument(format!("stop string {i} is empty")));
     }
@@ -115,7 +121,9 @@ pub fn check_request(model: &std::sync::Arc<super::Model>, sampler: &Sampler, re
 
 /// The error for a generation with no prompt on a context without logits to go on.
 pub fn nothing_to_continue() -> Error {
-    Error::InvalidArgument("the prompt is empty and the context's last decode left no logits to continue from".into())
+    Error::InvalidArgument(
+        "the prompt is empty and the context's last decode left no logits to continue from".into(),
+    )
 }
 
 /// The token loop of one generation after its prefill, as steps for whoever drives the
@@ -150,10 +158,28 @@ pub enum Pick {
 impl TokenLoop {
     /// After a prefill of `prompt_tokens` (`cached_tokens` of them found in memory) that
     /// took `prefill`; the next token goes at `pos`.
-    pub fn new(model: std::sync::Arc<super::Model>, request: &GenerateRequest, pos: i32, prompt_tokens: u32, cached_tokens: u32, prefill: Duration) -> Self {
-        let usage = GenerationUsage { prompt_tokens, cached_tokens, prefill, ..GenerationUsage::default() };
+    pub fn new(
+        model: std::sync::Arc<super::Model>,
+        request: &GenerateRequest,
+        pos: i32,
+        prompt_tokens: u32,
+        cached_tokens: u32,
+        prefill: Duration,
+    ) -> Self {
+        let usage =
+            GenerationUsage { prompt_tokens, cached_tokens, prefill, ..GenerationUsage::default() };
         let text = TextStream::new(&request.stop);
-        Self { model, max_tokens: request.max_tokens, logprobs: request.logprobs, picked: None, text, usage, pos, in_flight: false, started: Instant::now() }
+        Self {
+            model,
+            max_tokens: request.max_tokens,
+            logprobs: request.logprobs,
+            picked: None,
+            text,
+            usage,
+            pos,
+            in_flight: false,
+            started: Instant::now(),
+        }
     }
 
     pub fn pos(&self) -> i32 {
@@ -168,7 +194,11 @@ impl TokenLoop {
         let token = sampler.sample(logits)?;
         // From the logits as the model left them: `sample` works on a copy.
         self.picked = self.logprobs.map(|top| token_logprob(logits, token, top));
-        Ok(if self.model.is_eog(token) { Pick::Finish(FinishReason::EndOfGeneration) } else { Pick::Decode(token) })
+        Ok(if self.model.is_eog(token) {
+            Pick::Finish(FinishReason::EndOfGeneration)
+        } else {
+            Pick::Decode(token)
+        })
     }
 
     /// `token` is in memory at `pos`: the piece to deliver, and the stop string it
@@ -177,7 +207,10 @@ impl TokenLoop {
         let (text, matched) = self.text.push(&self.model.token_to_piece(token, false)?);
         self.in_flight = true;
         let logprobs = self.picked.take().filter(|p| p.token == token).into_iter().collect();
-        Ok((Piece { text, tokens: vec![token], logprobs }, matched.map(|index| FinishReason::Stop { index: index as u32 })))
+        Ok((
+            Piece { text, tokens: vec![token], logprobs },
+            matched.map(|index| FinishReason::Stop { index: index as u32 }),
+        ))
     }
 
     pub fn delivered(&mut self) {
@@ -194,7 +227,10 @@ impl TokenLoop {
 
     /// The outcome, once `finish` is decided and the held-back text flushed.
     pub fn outcome(&self, finish: FinishReason) -> Outcome {
-        Outcome { finish, usage: GenerationUsage { generation: self.started.elapsed(), ..self.usage } }
+        Outcome {
+            finish,
+            usage: GenerationUsage { generation: self.started.elapsed(), ..self.usage },
+        }
     }
 }
 
@@ -218,11 +254,23 @@ pub fn generate(
     let started = Instant::now();
     let cached = match prefill(ctx, prompt, seq, stop) {
         Ok(cached) => cached,
-        Err(Error::Cancelled) => return Ok(Outcome { finish: FinishReason::Cancelled, usage: GenerationUsage::default() }),
+        Err(Error::Cancelled) => {
+            return Ok(Outcome {
+                finish: FinishReason::Cancelled,
+                usage: GenerationUsage::default(),
+            })
+        }
         Err(e) => return Err(e),
     };
     let pos = ctx.seq_pos_max(seq)? + 1;
-    let mut tokens = TokenLoop::new(ctx.model().clone(), request, pos, prompt.len() as u32, cached as u32, started.elapsed());
+    let mut tokens = TokenLoop::new(
+        ctx.model().clone(),
+        request,
+        pos,
+        prompt.len() as u32,
+        cached as u32,
+        started.elapsed(),
+    );
     let finish = loop {
         let token = match tokens.pick(sampler, ctx.last_logits()?)? {
             Pick::Decode(token) => token,
@@ -262,7 +310,8 @@ fn prefill(ctx: &mut Context, prompt: &[Token], seq: i32, stop: Stop<'_>) -> Res
     if prompt.is_empty() {
         return Ok(0);
     }
-    ctx.eval_reusing(&[PromptPiece::Tokens(prompt.to_vec())], seq, Some(stop)).map(|(_, cached)| cached)
+    ctx.eval_reusing(&[PromptPiece::Tokens(prompt.to_vec())], seq, Some(stop))
+        .map(|(_, cached)| cached)
 }
 
 /// Bytes in, whole UTF-8 text out, with stop strings matched across token boundaries.

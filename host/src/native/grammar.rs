@@ -270,7 +270,10 @@ impl<'a> Parser<'a> {
         if self.peek() == b'[' {
             self.pos += 1;
             let id = self.int()?;
-            let id = u32::try_from(id).map_or_else(|_| err(format!("parsed token id is too big at {}", self.here())), Ok)?;
+            let id = u32::try_from(id).map_or_else(
+                |_| err(format!("parsed token id is too big at {}", self.here())),
+                Ok,
+            )?;
             for close in [b']', b'>'] {
                 if self.peek() != close {
                     return err(format!("expecting '{}' at {}", close as char, self.here()));
@@ -355,7 +358,10 @@ impl<'a> Parser<'a> {
                     self.depth += 1;
                     self.deepest = self.deepest.max(self.depth);
                     if self.depth > self.max_nesting {
-                        return err(format!("nests groups deeper than the limit {}", self.max_nesting));
+                        return err(format!(
+                            "nests groups deeper than the limit {}",
+                            self.max_nesting
+                        ));
                     }
                     let group = self.alternates(true)?;
                     self.depth -= 1;
@@ -383,7 +389,12 @@ impl<'a> Parser<'a> {
                             items.push(Item::Repeat { item: Box::new(last), min, max });
                             continue;
                         }
-                        _ => return err(format!("expecting preceding item to */+/?/{{ at {}", self.here())),
+                        _ => {
+                            return err(format!(
+                                "expecting preceding item to */+/?/{{ at {}",
+                                self.here()
+                            ))
+                        }
                     }
                 }
                 _ => return Ok(items),
@@ -460,9 +471,18 @@ impl<'a> Parser<'a> {
 
 /// Parse GBNF as llama.cpp's parser does, and check it against `caps`. `resolve` maps a
 /// `<text>` token to its id (llama.cpp tokenizes it with special tokens parsed).
-fn parse_gbnf(text: &str, root: &str, caps: &GrammarCaps, resolve: &dyn Fn(&str) -> Option<u32>) -> Result<Gbnf> {
+fn parse_gbnf(
+    text: &str,
+    root: &str,
+    caps: &GrammarCaps,
+    resolve: &dyn Fn(&str) -> Option<u32>,
+) -> Result<Gbnf> {
     if text.len() > caps.max_bytes {
-        return Err(Error::InvalidArgument(format!("grammar of {} bytes is above the limit {}", text.len(), caps.max_bytes)));
+        return Err(Error::InvalidArgument(format!(
+            "grammar of {} bytes is above the limit {}",
+            text.len(),
+            caps.max_bytes
+        )));
     }
     if text.contains('\0') || root.contains('\0') {
         return err("contains a NUL byte");
@@ -494,9 +514,13 @@ fn parse_gbnf(text: &str, root: &str, caps: &GrammarCaps, resolve: &dyn Fn(&str)
     let Some(root) = p.names.iter().position(|n| n == root) else {
         return err(format!("grammar does not contain a root symbol '{root}'"));
     };
-    let repetitions = p.rules.iter().flatten().flatten().flatten().map(copies).fold(0u64, u64::saturating_add);
+    let repetitions =
+        p.rules.iter().flatten().flatten().flatten().map(copies).fold(0u64, u64::saturating_add);
     if repetitions > caps.max_repetitions {
-        return err(format!("repetitions {{m,n}} add up to {repetitions} copies, above the limit {}", caps.max_repetitions));
+        return err(format!(
+            "repetitions {{m,n}} add up to {repetitions} copies, above the limit {}",
+            caps.max_repetitions
+        ));
     }
     Ok(Gbnf {
         names: p.names,
@@ -517,7 +541,9 @@ fn copies(item: &Item) -> u64 {
             0 | 1 => copies(item),
             own => own.saturating_mul(copies(item).max(1)),
         },
-        Item::Group(alternates) => alternates.iter().flatten().map(copies).fold(0, u64::saturating_add),
+        Item::Group(alternates) => {
+            alternates.iter().flatten().map(copies).fold(0, u64::saturating_add)
+        }
         _ => 0,
     }
 }
@@ -593,7 +619,13 @@ impl Gbnf {
         name
     }
 
-    fn write_alternates<'g>(&self, out: &mut String, groups: &mut Vec<&'g [Vec<Item>]>, refs: &mut Vec<String>, alternates: &'g [Vec<Item>]) {
+    fn write_alternates<'g>(
+        &self,
+        out: &mut String,
+        groups: &mut Vec<&'g [Vec<Item>]>,
+        refs: &mut Vec<String>,
+        alternates: &'g [Vec<Item>],
+    ) {
         for (i, sequence) in alternates.iter().enumerate() {
             if i > 0 {
                 out.push_str(" | ");
@@ -608,7 +640,13 @@ impl Gbnf {
         }
     }
 
-    fn write_item<'g>(&self, out: &mut String, groups: &mut Vec<&'g [Vec<Item>]>, refs: &mut Vec<String>, item: &'g Item) {
+    fn write_item<'g>(
+        &self,
+        out: &mut String,
+        groups: &mut Vec<&'g [Vec<Item>]>,
+        refs: &mut Vec<String>,
+        item: &'g Item,
+    ) {
         match item {
             Item::Literal(chars) => {
                 for &c in chars {
@@ -664,7 +702,8 @@ struct LarkRule {
 /// The rules reachable from `root`, each after every rule it refers to (except along
 /// a cycle), by an explicit stack: grammars are guest input, recursion depth is not.
 fn post_order<'a>(rules: &'a [LarkRule], root: &'a str) -> Vec<&'a str> {
-    let index: std::collections::HashMap<&str, &LarkRule> = rules.iter().map(|r| (r.name.as_str(), r)).collect();
+    let index: std::collections::HashMap<&str, &LarkRule> =
+        rules.iter().map(|r| (r.name.as_str(), r)).collect();
     let mut seen = std::collections::HashSet::new();
     let mut order = Vec::new();
     // (rule, how many of its references have been pushed)
@@ -769,11 +808,14 @@ impl GrammarEnv {
         }
         // toktrie asserts on an empty list of ends (a panic, not an error).
         let Some(&first) = eog.first() else {
-            return Err(Error::InvalidArgument("this model has no end-of-generation token, which a grammar needs to end".into()));
+            return Err(Error::InvalidArgument(
+                "this model has no end-of-generation token, which a grammar needs to end".into(),
+            ));
         };
         let trie = TokTrie::from(&TokRxInfo::new(n_vocab, first), &words).with_eos_tokens(&eog);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| Error::Backend(format!("grammar engine: {e}")))?;
+        let mut factory = ParserFactory::new_simple(&env)
+            .map_err(|e| Error::Backend(format!("grammar engine: {e}")))?;
         factory.quiet();
         *factory.limits_mut() = parser_limits();
         Ok(Self { factory, eog })
@@ -835,27 +877,46 @@ impl Constraint {
     /// a grammar (`caps.max_bytes`) and [`MAX_SCHEMA_DEPTH`] levels deep.
     pub(crate) fn json_schema(model: &Model, schema: &str, caps: &GrammarCaps) -> Result<Self> {
         if schema.len() > caps.max_bytes {
-            return Err(Error::InvalidArgument(format!("json-schema of {} bytes is above the limit {}", schema.len(), caps.max_bytes)));
+            return Err(Error::InvalidArgument(format!(
+                "json-schema of {} bytes is above the limit {}",
+                schema.len(),
+                caps.max_bytes
+            )));
         }
-        let mut value: serde_json::Value =
-            serde_json::from_str(schema).map_err(|e| Error::InvalidArgument(format!("json-schema is not JSON: {e}")))?;
+        let mut value: serde_json::Value = serde_json::from_str(schema)
+            .map_err(|e| Error::InvalidArgument(format!("json-schema is not JSON: {e}")))?;
         let depth = json_depth(&value);
         if depth > MAX_SCHEMA_DEPTH {
-            return Err(Error::InvalidArgument(format!("json-schema nests {depth} levels deep, above the limit {MAX_SCHEMA_DEPTH}")));
+            return Err(Error::InvalidArgument(format!(
+                "json-schema nests {depth} levels deep, above the limit {MAX_SCHEMA_DEPTH}"
+            )));
         }
         match &mut value {
             serde_json::Value::Object(map) if map.contains_key("x-guidance") => {
-                return Err(Error::InvalidArgument("json-schema: x-guidance is set by the host".into()));
+                return Err(Error::InvalidArgument(
+                    "json-schema: x-guidance is set by the host".into(),
+                ));
             }
             serde_json::Value::Object(map) => {
-                map.insert("x-guidance".into(), serde_json::json!({ "whitespace_flexible": false }));
+                map.insert(
+                    "x-guidance".into(),
+                    serde_json::json!({ "whitespace_flexible": false }),
+                );
             }
             serde_json::Value::Bool(_) => {}
-            _ => return Err(Error::InvalidArgument("json-schema must be a JSON object or a boolean".into())),
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "json-schema must be a JSON object or a boolean".into(),
+                ))
+            }
         }
-        Self::compile(model.grammar_env()?, TopLevelGrammar::from_json_schema(value)).map_err(|e| match e {
-            Error::InvalidArgument(m) => Error::InvalidArgument(m.replacen("grammar: ", "json-schema: ", 1)),
-            e => e,
+        Self::compile(model.grammar_env()?, TopLevelGrammar::from_json_schema(value)).map_err(|e| {
+            match e {
+                Error::InvalidArgument(m) => {
+                    Error::InvalidArgument(m.replacen("grammar: ", "json-schema: ", 1))
+                }
+                e => e,
+            }
         })
     }
 
@@ -914,7 +975,8 @@ mod tests {
         // The attack that crashed the host: a `#` comment ended by CR hid a second rule
         // from a scanner that ended comments at LF only. Here the second rule is seen,
         // and its nesting is measured and refused.
-        let deep = format!("root ::= x # comment\rx ::= {}\"a\"{}", "(".repeat(8155), ")".repeat(8155));
+        let deep =
+            format!("root ::= x # comment\rx ::= {}\"a\"{}", "(".repeat(8155), ")".repeat(8155));
         let e = parse(&deep).unwrap_err().to_string();
         assert!(e.contains("nests groups deeper than the limit 64"), "{e}");
         let hidden = format!("root ::= x # c\rx ::= {}", "\"a\"{0,2000} ".repeat(3));
@@ -933,7 +995,8 @@ mod tests {
         assert_eq!(parse("root ::= \"a\"* \"b\"+ \"c\"? [d]{3,} ").unwrap().repetitions(), 3);
         assert_eq!(parse("root ::= (((\"a\")))").unwrap().nesting(), 3);
         // Parentheses inside literals, classes and comments are not nesting.
-        let g = parse(&format!("root ::= \"{}\" [(] # {}\n", "(".repeat(100), "(".repeat(100))).unwrap();
+        let g = parse(&format!("root ::= \"{}\" [(] # {}\n", "(".repeat(100), "(".repeat(100)))
+            .unwrap();
         assert_eq!(g.nesting(), 0);
     }
 
@@ -1002,7 +1065,8 @@ mod tests {
         assert!(parse(&big).unwrap_err_or_default().contains("above the limit"));
         // What llama.cpp accepts: newlines inside groups and after `|`, a max above 2000
         // read as "no maximum", empty alternatives, redefinitions (the last one wins).
-        let g = parse("root ::= (\"a\"\n | \"b\") |\n \"c\"{1,5000} | \"\"\nroot ::= \"z\"").unwrap();
+        let g =
+            parse("root ::= (\"a\"\n | \"b\") |\n \"c\"{1,5000} | \"\"\nroot ::= \"z\"").unwrap();
         assert_eq!(g.rules[0].as_ref().map(Vec::len), Some(1));
         assert!(parse("root ::= (\"a\"\n\"b\")").is_ok());
         assert!(parse("root ::= \"a\" | ").is_ok());
@@ -1010,7 +1074,9 @@ mod tests {
 
     #[test]
     fn lark_has_one_code_point_per_terminal() {
-        let g = parse("root ::= \"a\\\"\\x7f\" [^a-c\\]] . Name*\nName ::= [\\u00e9-\\u00e8] | \"\"").unwrap();
+        let g =
+            parse("root ::= \"a\\\"\\x7f\" [^a-c\\]] . Name*\nName ::= [\\u00e9-\\u00e8] | \"\"")
+                .unwrap();
         let lark = g.to_lark();
         assert!(lark.starts_with(&format!("start: {NOTHING} g-_name g-root | g-root\n")), "{lark}");
         assert!(lark.contains(r#" "a"  "\""  "\u007f" "#), "{lark}");
@@ -1049,8 +1115,20 @@ mod differential {
     /// memory, which is the grammar bomb this engine replaced, not a difference.
     fn atom(r: &mut Rng, lo: usize, rules: usize) -> String {
         match r.below(9) {
-            0 | 1 => format!("\"{}\"", (0..r.below(3)).map(|_| r.pick(&["a", "b", "\\n", "\\r", "\\x61", "\\u00e9", "é", "\\\"", "\\\\"])).collect::<String>()),
-            2 => format!("[{}{}]", r.pick(&["", "^"]), (0..1 + r.below(2)).map(|_| r.pick(&["a", "b-c", "\\n", "\\u00e0-\\u00ff", "\\]", "c-a", "\\-"])).collect::<String>()),
+            0 | 1 => format!(
+                "\"{}\"",
+                (0..r.below(3))
+                    .map(|_| r
+                        .pick(&["a", "b", "\\n", "\\r", "\\x61", "\\u00e9", "é", "\\\"", "\\\\"]))
+                    .collect::<String>()
+            ),
+            2 => format!(
+                "[{}{}]",
+                r.pick(&["", "^"]),
+                (0..1 + r.below(2))
+                    .map(|_| r.pick(&["a", "b-c", "\\n", "\\u00e0-\\u00ff", "\\]", "c-a", "\\-"]))
+                    .collect::<String>()
+            ),
             3 => ".".into(),
             4 | 5 if lo < rules => format!("r{}", lo as u64 + r.below((rules - lo) as u64)),
             4 | 5 => "tail".into(),
@@ -1073,13 +1151,21 @@ mod differential {
             }
             item.push_str(r.pick(&["", "", "", "*", "+", "?", "{2}", "{0,2}", "{1,}", " "]));
             s.push_str(&item);
-            s.push_str(if depth > 0 { r.pick(&[" ", " # note\r", "\n", "\r\n\t", "\t"]) } else { r.pick(&[" ", "  ", "\t", " ", " "]) });
+            s.push_str(if depth > 0 {
+                r.pick(&[" ", " # note\r", "\n", "\r\n\t", "\t"])
+            } else {
+                r.pick(&[" ", "  ", "\t", " ", " "])
+            });
         }
         s
     }
 
     fn alternates(r: &mut Rng, lo: usize, rules: usize, depth: u32, nested: bool) -> String {
-        let sep = if nested { r.pick(&[" | ", "\n| ", " |\n", " | # c\r\n"]) } else { r.pick(&[" | ", " |\n ", " | # c\r"]) };
+        let sep = if nested {
+            r.pick(&[" | ", "\n| ", " |\n", " | # c\r\n"])
+        } else {
+            r.pick(&[" | ", " |\n ", " | # c\r"])
+        };
         (0..1 + r.below(3)).map(|_| sequence(r, lo, rules, depth)).collect::<Vec<_>>().join(sep)
     }
 
@@ -1088,7 +1174,11 @@ mod differential {
         let mut g = String::new();
         for i in 0..rules {
             let name = if i == 0 { "root".to_string() } else { format!("r{i}") };
-            g.push_str(&format!("{name} ::= {}{}", alternates(r, i + 1, rules, 0, false), r.pick(&["\n", "\r\n", "\r", "\n\n# x\n"])));
+            g.push_str(&format!(
+                "{name} ::= {}{}",
+                alternates(r, i + 1, rules, 0, false),
+                r.pick(&["\n", "\r\n", "\r", "\n\n# x\n"])
+            ));
         }
         // Recursion on the right, which both matchers take.
         g + "tail ::= \"b\" tail | \"c\"\n"
@@ -1115,7 +1205,12 @@ mod differential {
         /// One candidate through llama.cpp's grammar stage: is it allowed?
         fn allows(&self, token: Token) -> bool {
             let mut one = sys::llama_token_data { id: token, logit: 0.0, p: 0.0 };
-            let mut array = sys::llama_token_data_array { data: &mut one, size: 1, selected: -1, sorted: false };
+            let mut array = sys::llama_token_data_array {
+                data: &mut one,
+                size: 1,
+                selected: -1,
+                sorted: false,
+            };
             // SAFETY: a live grammar sampler (freed only in `Drop`) and an array of one
             // candidate, `one`, alive across the call; a token of the model's vocabulary.
             unsafe { sys::llama_sampler_apply(self.0, &mut array) };
@@ -1144,8 +1239,12 @@ mod differential {
         let model = Model::load(&path).unwrap();
         let bytes = byte_tokens(&model);
         let eos = model.eos().expect("the generated model has an end of sequence");
-        let seed = std::env::var("LLAMABOX_GRAMMAR_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7);
-        let grammars: u64 = std::env::var("LLAMABOX_GRAMMAR_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(150);
+        let seed =
+            std::env::var("LLAMABOX_GRAMMAR_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7);
+        let grammars: u64 = std::env::var("LLAMABOX_GRAMMAR_CASES")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(150);
         let mut r = Rng(SplitMix64(seed));
         let (mut compared, mut strings, mut refused_both) = (0, 0, 0);
         for case in 0..grammars {
@@ -1160,21 +1259,30 @@ mod differential {
             if std::env::var_os("LLAMABOX_GRAMMAR_TRACE").is_some() {
                 eprintln!("case {case}: {text:?}");
             }
-            let ours = parse_gbnf(&text, "root", &GrammarCaps::default(), &|_| None).and_then(|g| Constraint::from_lark(model.grammar_env()?, g.to_lark()));
+            let ours = parse_gbnf(&text, "root", &GrammarCaps::default(), &|_| None)
+                .and_then(|g| Constraint::from_lark(model.grammar_env()?, g.to_lark()));
             let c_text = std::ffi::CString::new(text.clone()).unwrap();
             // SAFETY: NUL-terminated strings alive for the call (llama.cpp parses and does not
             // keep them) and the vocabulary of `model`, which outlives `theirs` (dropped
             // every case); null on a parse failure.
             let (theirs, reason) = super::super::backend::with_errors(|| unsafe {
-                sys::llama_sampler_init_grammar(model.vocab_ptr(), c_text.as_ptr(), c"root".as_ptr())
+                sys::llama_sampler_init_grammar(
+                    model.vocab_ptr(),
+                    c_text.as_ptr(),
+                    c"root".as_ptr(),
+                )
             });
             let theirs = (!theirs.is_null()).then(|| Llama(theirs));
             match (ours, theirs) {
                 (Err(_), None) => refused_both += 1,
                 // An Earley parser takes left recursion, which llama.cpp refuses.
                 (Ok(_), None) if reason.contains("left recursion") => {}
-                (Ok(_), None) => panic!("case {case}: llama.cpp refused ({reason}) what we accept:\n{text:?}"),
-                (Err(e), Some(_)) => panic!("case {case}: we refused ({e}) what llama.cpp accepts:\n{text:?}"),
+                (Ok(_), None) => {
+                    panic!("case {case}: llama.cpp refused ({reason}) what we accept:\n{text:?}")
+                }
+                (Err(e), Some(_)) => {
+                    panic!("case {case}: we refused ({e}) what llama.cpp accepts:\n{text:?}")
+                }
                 (Ok(mut ours), Some(theirs)) => {
                     compared += 1;
                     for _ in 0..12 {
@@ -1210,8 +1318,13 @@ mod differential {
                 }
             }
         }
-        eprintln!("{compared} grammars compared on {strings} prefixes, {refused_both} refused by both");
-        assert!(compared > grammars / 3 && refused_both > 0, "the generator must exercise both paths");
+        eprintln!(
+            "{compared} grammars compared on {strings} prefixes, {refused_both} refused by both"
+        );
+        assert!(
+            compared > grammars / 3 && refused_both > 0,
+            "the generator must exercise both paths"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

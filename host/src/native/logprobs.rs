@@ -48,8 +48,15 @@ pub fn token_logprob(logits: &[f32], token: Token, top: u32) -> TokenLogprob {
     }
     let log_norm = max + sum.ln() as f32;
     let logprob_of = |l: f32| finite(l) - log_norm;
-    let logprob = usize::try_from(token).ok().and_then(|i| logits.get(i)).map_or(f32::NEG_INFINITY, |&l| logprob_of(l));
-    TokenLogprob { token, logprob, top: leaders.into_iter().map(|(id, l)| (id, logprob_of(l))).collect() }
+    let logprob = usize::try_from(token)
+        .ok()
+        .and_then(|i| logits.get(i))
+        .map_or(f32::NEG_INFINITY, |&l| logprob_of(l));
+    TokenLogprob {
+        token,
+        logprob,
+        top: leaders.into_iter().map(|(id, l)| (id, logprob_of(l))).collect(),
+    }
 }
 
 #[cfg(test)]
@@ -59,7 +66,8 @@ mod tests {
     /// The textbook formula, in f64, sorted by hand.
     fn reference(logits: &[f32], token: Token, top: usize) -> (f64, Vec<(Token, f64)>) {
         let norm: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum::<f64>().ln();
-        let mut all: Vec<(Token, f64)> = logits.iter().enumerate().map(|(i, &l)| (i as Token, f64::from(l) - norm)).collect();
+        let mut all: Vec<(Token, f64)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as Token, f64::from(l) - norm)).collect();
         all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         all.truncate(top);
         (f64::from(logits[token as usize]) - norm, all)
@@ -71,14 +79,24 @@ mod tests {
         for top in [0, 1, 3, 5, 8] {
             let got = token_logprob(&logits, 4, top);
             let (logprob, leaders) = reference(&logits, 4, top as usize);
-            assert!((f64::from(got.logprob) - logprob).abs() < 1e-5, "{} vs {logprob}", got.logprob);
-            assert_eq!(got.top.iter().map(|t| t.0).collect::<Vec<_>>(), leaders.iter().map(|t| t.0).collect::<Vec<_>>());
+            assert!(
+                (f64::from(got.logprob) - logprob).abs() < 1e-5,
+                "{} vs {logprob}",
+                got.logprob
+            );
+            assert_eq!(
+                got.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                leaders.iter().map(|t| t.0).collect::<Vec<_>>()
+            );
             for (g, r) in got.top.iter().zip(&leaders) {
                 assert!((f64::from(g.1) - r.1).abs() < 1e-5);
             }
         }
         // The ties at 3.5: ids 1, 3, 7 in that order after the leader 5.
-        assert_eq!(token_logprob(&logits, 0, 4).top.iter().map(|t| t.0).collect::<Vec<_>>(), [5, 1, 3, 7]);
+        assert_eq!(
+            token_logprob(&logits, 0, 4).top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            [5, 1, 3, 7]
+        );
     }
 
     #[test]
@@ -86,7 +104,11 @@ mod tests {
         let logits: Vec<f32> = (0..1000).map(|i| 1000.0 + (i % 17) as f32).collect();
         let all = token_logprob(&logits, 999, MAX_TOP_LOGPROBS);
         assert!(all.logprob.is_finite() && all.logprob < 0.0);
-        let total: f64 = logits.iter().enumerate().map(|(i, _)| f64::from(token_logprob(&logits, i as Token, 0).logprob).exp()).sum();
+        let total: f64 = logits
+            .iter()
+            .enumerate()
+            .map(|(i, _)| f64::from(token_logprob(&logits, i as Token, 0).logprob).exp())
+            .sum();
         assert!((total - 1.0).abs() < 1e-3, "{total}");
         assert_eq!(all.top.len(), MAX_TOP_LOGPROBS as usize, "capped at the bound");
     }

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use llama_cpp_sys_2 as sys;
 
 use super::cancel::Stop;
-use super::cores::Cores;
 use super::chunker::{Chunker, Pace, DEFAULT_LATENCY_TARGET};
+use super::cores::Cores;
 use super::eval_scope::{eval_callback, in_eval_scope};
 use super::model::{Model, Token};
 use super::{backend, Error, Result};
@@ -181,7 +181,10 @@ impl MediaContext {
             sys::mtmd_init_from_file(c_path.as_ptr(), model.as_ptr(), p)
         };
         let ptr = NonNull::new(ptr).ok_or_else(|| {
-            Error::Backend(format!("mtmd could not load projector {} for this model (see its log)", path.display()))
+            Error::Backend(format!(
+                "mtmd could not load projector {} for this model (see its log)",
+                path.display()
+            ))
         })?;
         let n_embd = model.n_embd_inp() as usize;
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -286,12 +289,21 @@ impl MediaContext {
     /// marker, as mtmd splits it anyway), and tokenizing stops with `LimitExceeded` at
     /// the input that crosses the budget, so memory never runs more than one input
     /// ahead of what is charged (1000 tiny images were refused only after a 1.3 GB peak).
-    pub fn tokenize(&mut self, prompt: &str, inputs: &[MediaInput], caps: MediaCaps, budget: usize) -> Result<Vec<Arc<Chunk>>> {
+    pub fn tokenize(
+        &mut self,
+        prompt: &str,
+        inputs: &[MediaInput],
+        caps: MediaCaps,
+        budget: usize,
+    ) -> Result<Vec<Arc<Chunk>>> {
         let invalid = |m: String| Err(Error::InvalidArgument(m));
         let marker = Self::marker();
         let markers = prompt.matches(marker).count();
         if markers != inputs.len() {
-            return invalid(format!("the prompt has {markers} media markers but {} inputs were given", inputs.len()));
+            return invalid(format!(
+                "the prompt has {markers} media markers but {} inputs were given",
+                inputs.len()
+            ));
         }
         let (mut chunks, mut held, mut rest) = (Vec::new(), 0usize, prompt);
         for i in 0..=inputs.len() {
@@ -308,7 +320,11 @@ impl MediaContext {
             let part = self.tokenize_part(segment, media, i, caps, i == 0)?;
             held = part.iter().map(|c| c.native_bytes()).fold(held, usize::saturating_add);
             if held > budget {
-                let upto = if media.is_empty() { "its end".to_string() } else { format!("media input {i}") };
+                let upto = if media.is_empty() {
+                    "its end".to_string()
+                } else {
+                    format!("media input {i}")
+                };
                 return Err(Error::LimitExceeded(format!(
                     "max-chunk-bytes: the prompt's chunks up to {upto} hold {held} bytes, above the {budget} left"
                 )));
@@ -320,12 +336,29 @@ impl MediaContext {
 
     /// mtmd's tokenizer on one part of a prompt (`first`: the part that starts it, and
     /// gets the model's start-of-text token); `index` numbers its input in messages.
-    fn tokenize_part(&mut self, prompt: &str, inputs: &[MediaInput], index: usize, caps: MediaCaps, first: bool) -> Result<Vec<Arc<Chunk>>> {
+    fn tokenize_part(
+        &mut self,
+        prompt: &str,
+        inputs: &[MediaInput],
+        index: usize,
+        caps: MediaCaps,
+        first: bool,
+    ) -> Result<Vec<Arc<Chunk>>> {
         let invalid = |m: String| Err(Error::InvalidArgument(m));
-        let text = CString::new(prompt).map_err(|_| Error::InvalidArgument("prompt contains a NUL byte".into()))?;
-        let bitmaps = inputs.iter().map(|input| self.bitmap(index, input, caps)).collect::<Result<Vec<_>>>()?;
-        let raw: Vec<*const sys::mtmd_bitmap> = bitmaps.iter().map(|b| b.0.as_ptr().cast_const()).collect();
-        let input = sys::mtmd_input_text { text: text.as_ptr(), text_len: prompt.len(), add_special: first, parse_special: true };
+        let text = CString::new(prompt)
+            .map_err(|_| Error::InvalidArgument("prompt contains a NUL byte".into()))?;
+        let bitmaps = inputs
+            .iter()
+            .map(|input| self.bitmap(index, input, caps))
+            .collect::<Result<Vec<_>>>()?;
+        let raw: Vec<*const sys::mtmd_bitmap> =
+            bitmaps.iter().map(|b| b.0.as_ptr().cast_const()).collect();
+        let input = sys::mtmd_input_text {
+            text: text.as_ptr(),
+            text_len: prompt.len(),
+            add_special: first,
+            parse_special: true,
+        };
         let list = ChunkList::new()?;
         // SAFETY: a live context (`&mut self`; mtmd_tokenize only reads it); a live, empty
         // list it fills; `input.text` is `text`, NUL-terminated, alive across the call;
@@ -350,11 +383,16 @@ impl MediaContext {
                 }
                 let max = caps.max_image_side;
                 if *width == 0 || *height == 0 || *width > max || *height > max {
-                    return invalid(format!("image {width}x{height} is outside 1..={max} per side"));
+                    return invalid(format!(
+                        "image {width}x{height} is outside 1..={max} per side"
+                    ));
                 }
                 let expected = *width as usize * *height as usize * 3;
                 if rgb.len() != expected {
-                    return invalid(format!("image {width}x{height} needs {expected} RGB bytes, got {}", rgb.len()));
+                    return invalid(format!(
+                        "image {width}x{height} needs {expected} RGB bytes, got {}",
+                        rgb.len()
+                    ));
                 }
                 // SAFETY: `rgb` is exactly `width * height * 3` bytes (checked above), what
                 // mtmd reads; it copies them into the bitmap.
@@ -367,7 +405,10 @@ impl MediaContext {
                 // mtmd asserts on a single sample: at least two.
                 if samples.len() < 2 || samples.len() > caps.max_audio_samples {
                     let max = caps.max_audio_samples;
-                    return invalid(format!("audio of {} samples is outside 2..={max}", samples.len()));
+                    return invalid(format!(
+                        "audio of {} samples is outside 2..={max}",
+                        samples.len()
+                    ));
                 }
                 if !samples.iter().all(|s| s.is_finite()) {
                     return invalid("audio samples must be finite".into());
@@ -377,7 +418,9 @@ impl MediaContext {
                 unsafe { sys::mtmd_bitmap_init_from_audio(samples.len(), samples.as_ptr()) }
             }
         };
-        NonNull::new(ptr).map(Bitmap).ok_or_else(|| Error::Backend("could not allocate a bitmap".into()))
+        NonNull::new(ptr)
+            .map(Bitmap)
+            .ok_or_else(|| Error::Backend("could not allocate a bitmap".into()))
     }
 
     /// Encode a media chunk into `n_tokens × n_embd` embeddings. With a `stop`, the
@@ -386,7 +429,9 @@ impl MediaContext {
     pub fn encode(&mut self, chunk: &Chunk, stop: Option<Stop<'_>>) -> Result<Vec<f32>> {
         self.check_owns(chunk)?;
         match chunk.kind() {
-            ChunkKind::Text => return Err(Error::InvalidArgument("a text chunk has nothing to encode".into())),
+            ChunkKind::Text => {
+                return Err(Error::InvalidArgument("a text chunk has nothing to encode".into()))
+            }
             ChunkKind::Image if !self.supports_vision() => {
                 return Err(Error::InvalidArgument("this projector takes no images".into()))
             }
@@ -409,7 +454,9 @@ impl MediaContext {
                     // media chunk this context made (`check_owns` above: mtmd asserts on
                     // another projector's data). The eval callback it runs reads only the
                     // scope this closure runs in.
-                    backend::with_errors(|| unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) })
+                    backend::with_errors(|| unsafe {
+                        sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr())
+                    })
                 });
                 self.pace.observe(scope.units, started.elapsed());
                 // mtmd returns 0 for a stopped encode: the scope knows it stopped.
@@ -420,7 +467,9 @@ impl MediaContext {
                 (ret, reason)
             }
             // SAFETY: as above; outside a scope the eval callback stops nothing.
-            None => backend::with_errors(|| unsafe { sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr()) }),
+            None => backend::with_errors(|| unsafe {
+                sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr())
+            }),
         };
         if ret != 0 {
             return Err(Error::Backend(format!("mtmd_encode_chunk failed ({ret}): {reason}")));
@@ -450,7 +499,11 @@ pub fn check_owner(id: MediaContextId, chunk: &Chunk) -> Result<()> {
 impl MediaContext {
     /// The pieces `Context::eval` takes for `chunks`: text chunks' tokens, media chunks
     /// encoded (each stoppable by `stop`). Only this media context's chunks.
-    pub fn encode_for_eval(&mut self, chunks: &[Arc<Chunk>], stop: Option<Stop<'_>>) -> Result<Vec<super::PromptPiece>> {
+    pub fn encode_for_eval(
+        &mut self,
+        chunks: &[Arc<Chunk>],
+        stop: Option<Stop<'_>>,
+    ) -> Result<Vec<super::PromptPiece>> {
         chunks
             .iter()
             .map(|chunk| match chunk.kind() {
@@ -458,7 +511,10 @@ impl MediaContext {
                     self.check_owns(chunk)?;
                     Ok(super::PromptPiece::Tokens(chunk.text_tokens().to_vec()))
                 }
-                _ => Ok(super::PromptPiece::Embeddings { embd: self.encode(chunk, stop)?, non_causal: self.needs_non_causal(chunk) }),
+                _ => Ok(super::PromptPiece::Embeddings {
+                    embd: self.encode(chunk, stop)?,
+                    non_causal: self.needs_non_causal(chunk),
+                }),
             })
             .collect()
     }
@@ -502,7 +558,9 @@ impl ChunkList {
                 // SAFETY: `i < n`, so mtmd_input_chunks_get returns a live entry of the list
                 // (alive until `self` drops, after this); the copy is a new chunk owned by
                 // the `Chunk` made from it.
-                let copy = unsafe { sys::mtmd_input_chunk_copy(sys::mtmd_input_chunks_get(self.0.as_ptr(), i)) };
+                let copy = unsafe {
+                    sys::mtmd_input_chunk_copy(sys::mtmd_input_chunks_get(self.0.as_ptr(), i))
+                };
                 NonNull::new(copy)
                     .map(|ptr| Chunk { ptr, owner, bytes: 0 })
                     .ok_or_else(|| Error::Backend("could not copy a chunk".into()))

@@ -6,8 +6,8 @@ pub mod cancel;
 pub mod chat;
 pub mod chunker;
 pub mod context;
-pub mod devices;
 mod cores;
+pub mod devices;
 mod eval_scope;
 pub mod generate;
 mod grammar;
@@ -23,13 +23,18 @@ mod threads;
 pub use backend::{build_c_flags, cpu_features, InstructionLevel};
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use chat::{ChatMessage, ChatTemplate};
+pub use context::{warm_up, Batch, Context, ContextParams, Pooling, PromptPiece};
 pub use cores::{Cores, Turn};
 pub use devices::{devices, gpu_backends, Device, DeviceKind, Offload};
-pub use context::{warm_up, Batch, Context, ContextParams, Pooling, PromptPiece};
-pub use generate::{check_request, generate, nothing_to_continue, FinishReason, GenerateRequest, Outcome, Pick, Piece, TokenLoop, GenerationUsage};
+pub use generate::{
+    check_request, generate, nothing_to_continue, FinishReason, GenerateRequest, GenerationUsage,
+    Outcome, Pick, Piece, TokenLoop,
+};
 pub use logprobs::{token_logprob, TokenLogprob, MAX_TOP_LOGPROBS};
+pub use media::{
+    check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput,
+};
 pub use meter::Meter;
-pub use media::{check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput};
 pub use model::{Model, Token};
 pub use sampler::{Grammar, Penalties, Sampler, SamplerCaps, SamplerParams, MIN_TEMPERATURE};
 #[cfg(feature = "synthetic")]

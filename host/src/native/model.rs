@@ -52,7 +52,8 @@ impl Model {
         let c_path = CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| Error::InvalidArgument("model path contains a NUL byte".into()))?;
         // One device and the end of the list: llama.cpp copies it while loading.
-        let mut devices: Vec<sys::ggml_backend_dev_t> = placement.device.into_iter().chain([std::ptr::null_mut()]).collect();
+        let mut devices: Vec<sys::ggml_backend_dev_t> =
+            placement.device.into_iter().chain([std::ptr::null_mut()]).collect();
         // SAFETY: llama.cpp's default params with a null-terminated device list (a live
         // registry device, or none: then the CPU alone, since 0 layers go anywhere else)
         // alive for the call; `c_path` is a NUL-terminated string alive for the call
@@ -79,7 +80,11 @@ impl Model {
         // SAFETY: a live model; reads its hyperparameters.
         let n_layer = unsafe { sys::llama_model_n_layer(ptr.as_ptr()) }.max(0) as u32;
         // llama.cpp puts min(asked, layers + the output layer) on the device.
-        let gpu_layers = if placement.device.is_some() { (placement.gpu_layers.max(0) as u32).min(n_layer + 1) } else { 0 };
+        let gpu_layers = if placement.device.is_some() {
+            (placement.gpu_layers.max(0) as u32).min(n_layer + 1)
+        } else {
+            0
+        };
         let device = placement.device_name.filter(|_| gpu_layers > 0);
         Ok(Self { ptr, vocab, n_vocab, grammar_env: OnceLock::new(), device, gpu_layers })
     }
@@ -171,7 +176,12 @@ impl Model {
         }
     }
 
-    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+    pub fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<Token>> {
         let len = i32::try_from(text.len())
             .map_err(|_| Error::InvalidArgument("text longer than 2^31 bytes".into()))?;
         // One token per byte plus BOS/EOS is an upper bound for every tokenizer llama.cpp has.
@@ -206,7 +216,10 @@ impl Model {
     /// One token's bytes (which may be part of a UTF-8 character).
     pub fn token_to_piece(&self, token: Token, special: bool) -> Result<Vec<u8>> {
         if !self.is_valid(token) {
-            return Err(Error::InvalidArgument(format!("token {token} is outside the vocabulary [0, {})", self.n_vocab)));
+            return Err(Error::InvalidArgument(format!(
+                "token {token} is outside the vocabulary [0, {})",
+                self.n_vocab
+            )));
         }
         let mut buf = vec![0u8; 64];
         loop {
@@ -214,7 +227,14 @@ impl Model {
             // llama.cpp throws from `id_to_token.at`, which must not unwind into Rust);
             // `buf` has `buf.len()` writable bytes, all llama.cpp is told it may write.
             let n = unsafe {
-                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special)
+                sys::llama_token_to_piece(
+                    self.vocab(),
+                    token,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                    0,
+                    special,
+                )
             };
             if n >= 0 {
                 buf.truncate(n as usize);
@@ -225,7 +245,12 @@ impl Model {
     }
 
     /// Tokens to text; invalid UTF-8 becomes U+FFFD.
-    pub fn detokenize(&self, tokens: &[Token], remove_special: bool, unparse_special: bool) -> Result<String> {
+    pub fn detokenize(
+        &self,
+        tokens: &[Token],
+        remove_special: bool,
+        unparse_special: bool,
+    ) -> Result<String> {
         self.check_tokens(tokens)?;
         let n_tokens = i32::try_from(tokens.len())
             .map_err(|_| Error::InvalidArgument("too many tokens".into()))?;

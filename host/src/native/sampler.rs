@@ -98,7 +98,11 @@ impl Default for SamplerCaps {
 
 impl SamplerCaps {
     fn grammar(&self) -> GrammarCaps {
-        GrammarCaps { max_bytes: self.max_grammar_bytes, max_nesting: self.max_grammar_nesting, ..GrammarCaps::default() }
+        GrammarCaps {
+            max_bytes: self.max_grammar_bytes,
+            max_nesting: self.max_grammar_nesting,
+            ..GrammarCaps::default()
+        }
     }
 }
 
@@ -150,7 +154,10 @@ impl SamplerParams {
         unit("typical-p", self.typical_p, false)?;
         if let Some(p) = &self.penalties {
             if p.last_n == 0 || p.last_n > caps.max_penalty_last_n {
-                return invalid(format!("penalties.last-n {} is outside [1, {}]", p.last_n, caps.max_penalty_last_n));
+                return invalid(format!(
+                    "penalties.last-n {} is outside [1, {}]",
+                    p.last_n, caps.max_penalty_last_n
+                ));
             }
             if !p.repeat.is_finite() || p.repeat <= 0.0 {
                 return invalid(format!("penalties.repeat {} must be finite and > 0", p.repeat));
@@ -169,7 +176,9 @@ impl SamplerParams {
         for &(token, bias) in &self.logit_bias {
             model.check_tokens(&[token])?;
             if bias.is_nan() || bias == f32::INFINITY {
-                return invalid(format!("logit bias {bias} for token {token} must be finite or -inf"));
+                return invalid(format!(
+                    "logit bias {bias} for token {token} must be finite or -inf"
+                ));
             }
         }
         Ok(())
@@ -187,33 +196,61 @@ impl Sampler {
         let n_vocab = model.n_vocab() as i32;
         // SAFETY: plain constructors (default params); the chain, freed in `Drop`, owns
         // every stage added to it; a null return is handled.
-        let chain = NonNull::new(unsafe { sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params()) })
-            .ok_or_else(|| Error::Backend("llama.cpp could not create a sampler chain".into()))?;
+        let chain = NonNull::new(unsafe {
+            sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params())
+        })
+        .ok_or_else(|| Error::Backend("llama.cpp could not create a sampler chain".into()))?;
         let mut sampler = Self { chain, grammar: None, candidates: Vec::new(), model };
-        let add = |s: &Self, stage: *mut sys::llama_sampler| -> Result<NonNull<sys::llama_sampler>> {
-            let stage = NonNull::new(stage).ok_or_else(|| Error::Backend("llama.cpp could not create a sampler".into()))?;
-            // SAFETY: a live chain and a new, non-null stage owned by no one else: the chain
-            // takes ownership of it and frees it with itself (never twice: `stage` is only
-            // returned for identification, never freed by us).
-            unsafe { sys::llama_sampler_chain_add(s.chain.as_ptr(), stage.as_ptr()) };
-            Ok(stage)
-        };
+        let add =
+            |s: &Self, stage: *mut sys::llama_sampler| -> Result<NonNull<sys::llama_sampler>> {
+                let stage = NonNull::new(stage)
+                    .ok_or_else(|| Error::Backend("llama.cpp could not create a sampler".into()))?;
+                // SAFETY: a live chain and a new, non-null stage owned by no one else: the chain
+                // takes ownership of it and frees it with itself (never twice: `stage` is only
+                // returned for identification, never freed by us).
+                unsafe { sys::llama_sampler_chain_add(s.chain.as_ptr(), stage.as_ptr()) };
+                Ok(stage)
+            };
         if !params.logit_bias.is_empty() {
-            let bias: Vec<sys::llama_logit_bias> =
-                params.logit_bias.iter().map(|&(token, bias)| sys::llama_logit_bias { token, bias }).collect();
+            let bias: Vec<sys::llama_logit_bias> = params
+                .logit_bias
+                .iter()
+                .map(|&(token, bias)| sys::llama_logit_bias { token, bias })
+                .collect();
             // SAFETY: `bias` holds `bias.len()` entries, alive for the call, which llama.cpp
             // copies; every token was checked in [0, n_vocab) (llama.cpp bounds-checks too).
-            add(&sampler, unsafe { sys::llama_sampler_init_logit_bias(n_vocab, bias.len() as i32, bias.as_ptr()) })?;
+            add(&sampler, unsafe {
+                sys::llama_sampler_init_logit_bias(n_vocab, bias.len() as i32, bias.as_ptr())
+            })?;
         }
         if let Some(p) = &params.penalties {
             // SAFETY: a plain constructor, ranges checked; it allocates a ring of `last_n`
             // tokens, which `check` capped.
-            add(&sampler, unsafe { sys::llama_sampler_init_penalties(n_vocab, p.last_n as i32, p.repeat, p.frequency, p.presence) })?;
+            add(&sampler, unsafe {
+                sys::llama_sampler_init_penalties(
+                    n_vocab,
+                    p.last_n as i32,
+                    p.repeat,
+                    p.frequency,
+                    p.presence,
+                )
+            })?;
         }
         sampler.grammar = match (&params.grammar, &params.json_schema) {
-            (Some(_), Some(_)) => return invalid("a grammar and a json-schema cannot both constrain one sampler".into()),
-            (Some(g), None) => Some(Constraint::gbnf(&sampler.model, &g.text, g.root.as_deref().unwrap_or("root"), &caps.grammar())?),
-            (None, Some(schema)) => Some(Constraint::json_schema(&sampler.model, schema, &caps.grammar())?),
+            (Some(_), Some(_)) => {
+                return invalid(
+                    "a grammar and a json-schema cannot both constrain one sampler".into(),
+                )
+            }
+            (Some(g), None) => Some(Constraint::gbnf(
+                &sampler.model,
+                &g.text,
+                g.root.as_deref().unwrap_or("root"),
+                &caps.grammar(),
+            )?),
+            (None, Some(schema)) => {
+                Some(Constraint::json_schema(&sampler.model, schema, &caps.grammar())?)
+            }
             (None, None) => None,
         };
         let greedy = params.temperature.is_none_or(|t| t < MIN_TEMPERATURE);
@@ -222,7 +259,9 @@ impl Sampler {
             // to the chain; their parameters were checked in range by `check`.
             if let Some(k) = params.top_k {
                 // SAFETY: a plain constructor; k >= 1 (checked), capped to i32.
-                add(&sampler, unsafe { sys::llama_sampler_init_top_k(k.min(i32::MAX as u32) as i32) })?;
+                add(&sampler, unsafe {
+                    sys::llama_sampler_init_top_k(k.min(i32::MAX as u32) as i32)
+                })?;
             }
             if let Some(p) = params.typical_p {
                 // SAFETY: a plain constructor; p in (0, 1] (checked).
@@ -237,12 +276,15 @@ impl Sampler {
                 add(&sampler, unsafe { sys::llama_sampler_init_min_p(p, 1) })?;
             }
             // SAFETY: a plain constructor; a finite temperature >= MIN_TEMPERATURE here.
-            add(&sampler, unsafe { sys::llama_sampler_init_temp(params.temperature.unwrap_or(1.0)) })?;
+            add(&sampler, unsafe {
+                sys::llama_sampler_init_temp(params.temperature.unwrap_or(1.0))
+            })?;
             let seed = match params.seed {
                 Some(seed) => seed,
                 None => {
                     let mut bytes = [0u8; 4];
-                    getrandom::fill(&mut bytes).map_err(|e| Error::Backend(format!("OS random source: {e}")))?;
+                    getrandom::fill(&mut bytes)
+                        .map_err(|e| Error::Backend(format!("OS random source: {e}")))?;
                     // LLAMA_DEFAULT_SEED (u32::MAX) asks llama.cpp for its own random seed.
                     u32::from_le_bytes(bytes).min(u32::MAX - 1)
                 }
@@ -269,7 +311,13 @@ impl Sampler {
             return invalid(format!("{} logits for a vocabulary of {n_vocab}", logits.len()));
         }
         self.candidates.clear();
-        self.candidates.extend(logits.iter().enumerate().map(|(id, &logit)| sys::llama_token_data { id: id as Token, logit, p: 0.0 }));
+        self.candidates.extend(
+            logits.iter().enumerate().map(|(id, &logit)| sys::llama_token_data {
+                id: id as Token,
+                logit,
+                p: 0.0,
+            }),
+        );
         if let Some(grammar) = &mut self.grammar {
             let mask = grammar.mask()?;
             let mut any = false;
@@ -347,4 +395,3 @@ impl Drop for Sampler {
         unsafe { sys::llama_sampler_free(self.chain.as_ptr()) }
     }
 }
-

@@ -49,13 +49,27 @@ impl TextModelSpec {
     /// A model whose 512-token decode takes a good fraction of a second on one core:
     /// for cancel demos and benchmarks.
     pub fn slow() -> Self {
-        Self { n_embd: 512, n_layer: 8, n_head: 8, n_head_kv: 8, n_ff: 1536, n_ctx_train: 4096, seed: 2, chat_template: None, pooling_type: None }
+        Self {
+            n_embd: 512,
+            n_layer: 8,
+            n_head: 8,
+            n_head_kv: 8,
+            n_ff: 1536,
+            n_ctx_train: 4096,
+            seed: 2,
+            chat_template: None,
+            pooling_type: None,
+        }
     }
 
     /// Write the model to `path` (overwriting it).
     pub fn write(&self, path: &Path) -> Result<()> {
         backend::init();
-        if self.n_head == 0 || self.n_head_kv == 0 || !self.n_embd.is_multiple_of(self.n_head) || !self.n_head.is_multiple_of(self.n_head_kv) {
+        if self.n_head == 0
+            || self.n_head_kv == 0
+            || !self.n_embd.is_multiple_of(self.n_head)
+            || !self.n_head.is_multiple_of(self.n_head_kv)
+        {
             return Err(Error::InvalidArgument(format!("inconsistent head counts in {self:?}")));
         }
         let vocab = Vocab::spm();
@@ -166,12 +180,24 @@ impl ProjectorSpec {
 
     /// An audio projector whose encode takes milliseconds.
     pub fn tiny_audio(n_embd_text: u32) -> Self {
-        Self { kind: ProjectorKind::Audio { n_mel: 16 }, n_embd: 32, n_ff: 64, n_head: 2, n_layer: 2, n_embd_text, seed: 13 }
+        Self {
+            kind: ProjectorKind::Audio { n_mel: 16 },
+            n_embd: 32,
+            n_ff: 64,
+            n_head: 2,
+            n_layer: 2,
+            n_embd_text,
+            seed: 13,
+        }
     }
 
     pub fn write(&self, path: &Path) -> Result<()> {
         backend::init();
-        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) || self.n_ff == self.n_embd || self.n_layer == 0 {
+        if self.n_head == 0
+            || !self.n_embd.is_multiple_of(self.n_head)
+            || self.n_ff == self.n_embd
+            || self.n_layer == 0
+        {
             // n_ff == n_embd would make clip swap the FFN's up and down (a legacy fix).
             return Err(Error::InvalidArgument(format!("unusable projector shape {self:?}")));
         }
@@ -194,7 +220,9 @@ impl ProjectorSpec {
         match self.kind {
             ProjectorKind::Vision { image_size, patch_size } => {
                 if patch_size == 0 || !image_size.is_multiple_of(patch_size) {
-                    return Err(Error::InvalidArgument(format!("image size {image_size} is not a multiple of patch size {patch_size}")));
+                    return Err(Error::InvalidArgument(format!(
+                        "image size {image_size} is not a multiple of patch size {patch_size}"
+                    )));
                 }
                 let patches = ((image_size / patch_size) as usize).pow(2);
                 let p = patch_size as usize;
@@ -249,9 +277,10 @@ impl ProjectorSpec {
                 ("mm.2.weight".into(), vec![text, text]),
                 ("mm.2.bias".into(), vec![text]),
             ]),
-            ProjectorKind::Audio { .. } => {
-                tensors.extend([("mm.a.fc.weight".into(), vec![e, text]), ("mm.a.fc.bias".into(), vec![text])])
-            }
+            ProjectorKind::Audio { .. } => tensors.extend([
+                ("mm.a.fc.weight".into(), vec![e, text]),
+                ("mm.a.fc.bias".into(), vec![text]),
+            ]),
         }
         file.random_tensors(self.seed, &tensors)?;
         file.write(path)
@@ -286,8 +315,8 @@ impl Vocab {
         }
         let letters = ('a'..='z').chain('A'..='Z').map(String::from);
         let words = [
-            "the", "llama", "box", "cancel", "token", "hello", "world", "plugin", "wasm", "in", "of", "to",
-            "and", "is", "it", "that", "stop", "now", "fast",
+            "the", "llama", "box", "cancel", "token", "hello", "world", "plugin", "wasm", "in",
+            "of", "to", "and", "is", "it", "that", "stop", "now", "fast",
         ];
         let pieces = std::iter::once("\u{2581}".to_string())
             .chain(letters.clone())
@@ -359,7 +388,8 @@ impl GgufFile {
     /// A string value; one with a NUL byte (a chat template from the caller's spec, say)
     /// is refused rather than cut short.
     pub(crate) fn kv_str(&mut self, key: &str, value: &str) -> Result<()> {
-        let value = CString::new(value).map_err(|_| Error::InvalidArgument(format!("{key}: the value contains a NUL byte")))?;
+        let value = CString::new(value)
+            .map_err(|_| Error::InvalidArgument(format!("{key}: the value contains a NUL byte")))?;
         // SAFETY: `self.gguf` is live and non-null (checked in `new`) until `Drop`; key and
         // value are NUL-terminated strings alive for the call, which gguf copies.
         unsafe { sys::gguf_set_val_str(self.gguf, Self::key(key).as_ptr(), value.as_ptr()) };
@@ -385,29 +415,48 @@ impl GgufFile {
     pub(crate) fn kv_f32s(&mut self, key: &str, values: &[f32]) {
         // SAFETY: as in `kv_u32`; gguf copies `values.len()` f32s from `values`, which has them.
         unsafe {
-            sys::gguf_set_arr_data(self.gguf, Self::key(key).as_ptr(), sys::GGUF_TYPE_FLOAT32, values.as_ptr().cast(), values.len())
+            sys::gguf_set_arr_data(
+                self.gguf,
+                Self::key(key).as_ptr(),
+                sys::GGUF_TYPE_FLOAT32,
+                values.as_ptr().cast(),
+                values.len(),
+            )
         }
     }
 
     pub(crate) fn kv_i32s(&mut self, key: &str, values: &[i32]) {
         // SAFETY: as in `kv_u32`; gguf copies `values.len()` i32s from `values`, which has them.
         unsafe {
-            sys::gguf_set_arr_data(self.gguf, Self::key(key).as_ptr(), sys::GGUF_TYPE_INT32, values.as_ptr().cast(), values.len())
+            sys::gguf_set_arr_data(
+                self.gguf,
+                Self::key(key).as_ptr(),
+                sys::GGUF_TYPE_INT32,
+                values.as_ptr().cast(),
+                values.len(),
+            )
         }
     }
 
     pub(crate) fn kv_strs(&mut self, key: &str, values: &[String]) {
-        let owned: Vec<CString> = values.iter().map(|s| CString::new(s.as_str()).expect("no NUL in vocab")).collect();
+        let owned: Vec<CString> =
+            values.iter().map(|s| CString::new(s.as_str()).expect("no NUL in vocab")).collect();
         let mut ptrs: Vec<*const c_char> = owned.iter().map(|s| s.as_ptr()).collect();
         // SAFETY: as in `kv_u32`; `ptrs` holds `ptrs.len()` NUL-terminated strings owned by
         // `owned`, alive for the call, which gguf copies.
-        unsafe { sys::gguf_set_arr_str(self.gguf, Self::key(key).as_ptr(), ptrs.as_mut_ptr(), ptrs.len()) }
+        unsafe {
+            sys::gguf_set_arr_str(self.gguf, Self::key(key).as_ptr(), ptrs.as_mut_ptr(), ptrs.len())
+        }
     }
 
     /// Add seeded random F32 tensors. Names ending in `.bias` get small values, other
     /// 1-D tensors (norm scales) ones; the rest uniform with the variance of
     /// N(0, 1/fan_in), so activations stay O(1) through any depth.
-    pub(crate) fn random_tensors(&mut self, seed: u64, tensors: &[(String, Vec<usize>)]) -> Result<()> {
+    pub(crate) fn random_tensors(
+        &mut self,
+        seed: u64,
+        tensors: &[(String, Vec<usize>)],
+    ) -> Result<()> {
         let mut rng = SplitMix64(seed);
         for (name, shape) in tensors {
             let n = shape.iter().product::<usize>();
@@ -426,21 +475,31 @@ impl GgufFile {
     }
 
     /// Add an F32 tensor; `shape` is ggml order (ne0 = the contiguous dimension).
-    pub(crate) fn tensor_f32(&mut self, name: &str, shape: &[usize], mut data: Vec<f32>) -> Result<()> {
+    pub(crate) fn tensor_f32(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        mut data: Vec<f32>,
+    ) -> Result<()> {
         if data.len() != shape.iter().product::<usize>() || shape.is_empty() || shape.len() > 4 {
-            return Err(Error::InvalidArgument(format!("tensor {name}: shape {shape:?} does not fit {} values", data.len())));
+            return Err(Error::InvalidArgument(format!(
+                "tensor {name}: shape {shape:?} does not fit {} values",
+                data.len()
+            )));
         }
         if self.data.len() == Self::MAX_TENSORS {
             return Err(Error::InvalidArgument("too many tensors".into()));
         }
         let ne: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-        let name = CString::new(name).map_err(|_| Error::InvalidArgument("NUL in tensor name".into()))?;
+        let name =
+            CString::new(name).map_err(|_| Error::InvalidArgument("NUL in tensor name".into()))?;
         // SAFETY: `meta` has room for MAX_TENSORS headers (fewer so far, checked), so
         // ggml_new_tensor returns a live header (it aborts rather than return null); `ne`
         // holds its 1 to 4 dimensions; the name is copied. The data pointer stays valid
         // (the Vec's heap buffer does not move when the Vec is moved into `self.data`).
         unsafe {
-            let t = sys::ggml_new_tensor(self.meta, sys::GGML_TYPE_F32, ne.len() as i32, ne.as_ptr());
+            let t =
+                sys::ggml_new_tensor(self.meta, sys::GGML_TYPE_F32, ne.len() as i32, ne.as_ptr());
             sys::ggml_set_name(t, name.as_ptr());
             (*t).data = data.as_mut_ptr().cast();
             sys::gguf_add_tensor(self.gguf, t);

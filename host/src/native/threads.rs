@@ -56,9 +56,9 @@ impl ThreadPool {
             params.poll = idle_poll();
             sys::ggml_threadpool_new(&mut params)
         };
-        NonNull::new(ptr)
-            .map(Self)
-            .ok_or_else(|| Error::Backend(format!("ggml could not start a team of {n_threads} threads")))
+        NonNull::new(ptr).map(Self).ok_or_else(|| {
+            Error::Backend(format!("ggml could not start a team of {n_threads} threads"))
+        })
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::ggml_threadpool {

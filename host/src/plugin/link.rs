@@ -6,7 +6,11 @@ use super::*;
 /// Every top-level import of `component` that `linker` cannot satisfy (absent, or of
 /// another type), by name. wasmtime's check stops at the first one (`error`), so each
 /// one found is stubbed in a scratch copy of the linker and the check runs again.
-pub(super) fn unresolved_imports(linker: &Linker<PluginState>, component: &Component, error: &wasmtime::Error) -> Vec<String> {
+pub(super) fn unresolved_imports(
+    linker: &Linker<PluginState>,
+    component: &Component,
+    error: &wasmtime::Error,
+) -> Vec<String> {
     let (engine, ty) = (component.engine(), component.component_type());
     let mut probe = linker.clone();
     probe.allow_shadowing(true);
@@ -16,7 +20,9 @@ pub(super) fn unresolved_imports(linker: &Linker<PluginState>, component: &Compo
         if missing.contains(&name) {
             break; // stubbing it did not satisfy the check: report what was found
         }
-        let stubbed = ty.get_import(engine, &name).is_some_and(|import| stub(&mut probe.root(), &name, &import.ty, engine).is_ok());
+        let stubbed = ty
+            .get_import(engine, &name)
+            .is_some_and(|import| stub(&mut probe.root(), &name, &import.ty, engine).is_ok());
         missing.push(name);
         if !stubbed || missing.len() >= ty.imports(engine).len() {
             break;
@@ -51,16 +57,23 @@ fn stub(
 ) -> wasmtime::Result<()> {
     use wasmtime::component::types::ComponentItem;
     match item {
-        ComponentItem::ComponentFunc(func) if func.async_() => {
-            linker.func_new_concurrent(name, |_, _, _, _| Box::pin(async { wasmtime::bail!("a link-check stub") }))
+        ComponentItem::ComponentFunc(func) if func.async_() => linker
+            .func_new_concurrent(name, |_, _, _, _| {
+                Box::pin(async { wasmtime::bail!("a link-check stub") })
+            }),
+        ComponentItem::ComponentFunc(_) => {
+            linker.func_new(name, |_, _, _, _| wasmtime::bail!("a link-check stub"))
         }
-        ComponentItem::ComponentFunc(_) => linker.func_new(name, |_, _, _, _| wasmtime::bail!("a link-check stub")),
-        ComponentItem::Resource(_) => {
-            linker.resource(name, wasmtime::component::ResourceType::host::<StubResource>(), |_, _| Ok(()))
-        }
+        ComponentItem::Resource(_) => linker.resource(
+            name,
+            wasmtime::component::ResourceType::host::<StubResource>(),
+            |_, _| Ok(()),
+        ),
         ComponentItem::ComponentInstance(instance) => {
             let mut inner = linker.instance(name)?;
-            instance.exports(engine).try_for_each(|(export, item)| stub(&mut inner, export, &item.ty, engine))
+            instance
+                .exports(engine)
+                .try_for_each(|(export, item)| stub(&mut inner, export, &item.ty, engine))
         }
         // Types need no definition; modules and components are not imported by plugins.
         ComponentItem::Type(_) => Ok(()),

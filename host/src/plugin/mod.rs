@@ -28,16 +28,18 @@ use wasmtime_wasi_http::p2::bindings::ProxyPre;
 use wasmtime_wasi_http::p2::body::{HyperIncomingBody, HyperOutgoingBody};
 use wasmtime_wasi_http::{WasiHttp, WasiHttpCtx, WasiHttpCtxView, WasiHttpView};
 
-use crate::component::{self, LlamaCtx, LlamaCtxView, LlamaView, Limits, ModelRegistry, TokenRegistry};
+use crate::component::{
+    self, Limits, LlamaCtx, LlamaCtxView, LlamaView, ModelRegistry, TokenRegistry,
+};
 use crate::error::{Error, Result};
 use crate::native::Meter;
 use crate::worker::Tracker;
 
-pub use run::{HttpResponse, Plugin, ResponseSender};
-pub use state::PluginState;
 use epoch::EpochTicker;
 use link::unresolved_imports;
 use run::PreInstance;
+pub use run::{HttpResponse, Plugin, ResponseSender};
+pub use state::PluginState;
 
 /// Hosts plugins: compiles components and runs them against a model registry.
 pub struct PluginHost {
@@ -164,7 +166,14 @@ pub struct RunOptions {
 
 impl Default for RunOptions {
     fn default() -> Self {
-        Self { group: "default".into(), deadline: None, limits: None, models: None, stop: None, embedder: None }
+        Self {
+            group: "default".into(),
+            deadline: None,
+            limits: None,
+            models: None,
+            stop: None,
+            embedder: None,
+        }
     }
 }
 
@@ -200,11 +209,19 @@ impl PluginHost {
         Self::with_options(registry, limits, HostOptions::default())
     }
 
-    pub fn with_options(registry: ModelRegistry, limits: Limits, options: HostOptions) -> Result<Self> {
+    pub fn with_options(
+        registry: ModelRegistry,
+        limits: Limits,
+        options: HostOptions,
+    ) -> Result<Self> {
         Self::build(registry, limits, options).map_err(Error::Host)
     }
 
-    fn build(registry: ModelRegistry, limits: Limits, options: HostOptions) -> wasmtime::Result<Self> {
+    fn build(
+        registry: ModelRegistry,
+        limits: Limits,
+        options: HostOptions,
+    ) -> wasmtime::Result<Self> {
         let mut config = wasmtime::Config::new();
         config.epoch_interruption(true);
         // WASI 0.3 guests: `async func` imports (`llamabox:inference/async-calls`).
@@ -270,7 +287,9 @@ impl PluginHost {
 
     /// Hits and misses of the compile cache, if this host has one.
     pub fn compile_cache_stats(&self) -> Option<CompileCacheStats> {
-        self.cache.as_ref().map(|c| CompileCacheStats { hits: c.cache_hits(), misses: c.cache_misses() })
+        self.cache
+            .as_ref()
+            .map(|c| CompileCacheStats { hits: c.cache_hits(), misses: c.cache_misses() })
     }
 
     /// Shared cancel tokens. The embedder shares its own [`crate::CancelFlag`] here,
@@ -298,22 +317,26 @@ impl PluginHost {
         let (host, path) = (self.clone(), path.to_path_buf());
         match tokio::task::spawn_blocking(move || host.load(&path)).await {
             Ok(loaded) => loaded,
-            Err(join) => Err(Error::Host(wasmtime::Error::msg(format!("the compile thread failed: {join}")))),
+            Err(join) => {
+                Err(Error::Host(wasmtime::Error::msg(format!("the compile thread failed: {join}"))))
+            }
         }
     }
 
     /// A component the embedder compiled (or deserialized) itself with this host's
     /// [`PluginHost::engine`].
     pub fn load_component(&self, component: Component) -> Result<Plugin> {
-        let pre = self
-            .linker
-            .instantiate_pre(&component)
-            .map_err(|source| Error::Link { missing: unresolved_imports(&self.linker, &component, &source), source })?;
+        let pre = self.linker.instantiate_pre(&component).map_err(|source| Error::Link {
+            missing: unresolved_imports(&self.linker, &component, &source),
+            source,
+        })?;
         let entry = match CommandPre::new(pre.clone()) {
             Ok(command) => PreInstance::Command(command),
             Err(e) => match ProxyPre::new(pre.clone()) {
                 Ok(handler) => PreInstance::Http(handler),
-                Err(_) if component.get_export_index(None, "run").is_some() => PreInstance::AsyncRun(pre),
+                Err(_) if component.get_export_index(None, "run").is_some() => {
+                    PreInstance::AsyncRun(pre)
+                }
                 Err(_) => return Err(Error::NoEntryPoint(e)),
             },
         };
@@ -330,7 +353,9 @@ impl PluginHost {
 
 /// wasmtime's compile cache in `dir` (made if missing; wasmtime wants an absolute path).
 fn compile_cache(dir: &Path) -> wasmtime::Result<wasmtime::Cache> {
-    let io = |what: &str, e: std::io::Error| wasmtime::Error::msg(format!("{what} {}: {e}", dir.display()));
+    let io = |what: &str, e: std::io::Error| {
+        wasmtime::Error::msg(format!("{what} {}: {e}", dir.display()))
+    };
     std::fs::create_dir_all(dir).map_err(|e| io("creating the compile cache folder", e))?;
     let dir = dir.canonicalize().map_err(|e| io("resolving", e))?;
     let mut config = wasmtime::CacheConfig::new();

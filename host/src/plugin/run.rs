@@ -1,8 +1,8 @@
 //! A compiled plugin and its runs: a fresh store and instance per run, the run's
 //! deadline and stop, its report.
 
-use super::*;
 use super::state::{NoOutgoingRequests, RunLimiter};
+use super::*;
 
 /// How a plugin is started.
 pub(super) enum PreInstance {
@@ -81,7 +81,11 @@ impl Plugin {
     /// `run_with`, returning what the run used with its outcome. The run (and every
     /// native thread working for it, so llama.cpp's log lines from its calls) is in a
     /// `tracing` span `llamabox_run` with its `group` and `run` id.
-    pub async fn run_report(&self, options: &RunOptions, wasi: WasiCtxBuilder) -> Result<RunReport> {
+    pub async fn run_report(
+        &self,
+        options: &RunOptions,
+        wasi: WasiCtxBuilder,
+    ) -> Result<RunReport> {
         if let PreInstance::Http(_) = self.entry {
             return Err(Error::WrongKind { wanted: "a command", found: self.entry.kind() });
         }
@@ -122,12 +126,20 @@ impl Plugin {
         self.run_call(options, wasi, Invocation::Http { request: Box::new(request), respond }).await
     }
 
-    async fn run_call(&self, options: &RunOptions, wasi: WasiCtxBuilder, call: Invocation) -> Result<RunReport> {
+    async fn run_call(
+        &self,
+        options: &RunOptions,
+        wasi: WasiCtxBuilder,
+        call: Invocation,
+    ) -> Result<RunReport> {
         static NEXT_RUN: AtomicU64 = AtomicU64::new(1);
         let run_id = NEXT_RUN.fetch_add(1, Relaxed);
         let span = tracing::info_span!("llamabox_run", group = %options.group, run = run_id);
         let (workers, meter) = (self.workers.child(), Arc::new(Meter::new()));
-        let outcome = self.run_to_end(options, wasi, call, workers.clone(), meter.clone()).instrument(span).await?;
+        let outcome = self
+            .run_to_end(options, wasi, call, workers.clone(), meter.clone())
+            .instrument(span)
+            .await?;
         let usage = RunUsage {
             tokens_decoded: meter.decoded(),
             tokens_generated: meter.generated(),
@@ -140,7 +152,14 @@ impl Plugin {
         Ok(RunReport { outcome, usage, run_id })
     }
 
-    async fn run_to_end(&self, options: &RunOptions, wasi: WasiCtxBuilder, call: Invocation, workers: Tracker, meter: Arc<Meter>) -> Result<RunOutcome> {
+    async fn run_to_end(
+        &self,
+        options: &RunOptions,
+        wasi: WasiCtxBuilder,
+        call: Invocation,
+        workers: Tracker,
+        meter: Arc<Meter>,
+    ) -> Result<RunOutcome> {
         let limits = options.limits.as_ref().unwrap_or(&self.limits);
         let run = self.run_in_store(options, limits, wasi, call, workers.clone(), meter);
         let deadline = async {
@@ -167,7 +186,9 @@ impl Plugin {
         // ended it (a write to a departed client's body fails), is still a stop.
         let stopped_meanwhile = options.stop.as_ref().is_some_and(RunStop::is_stopped);
         let outcome = match outcome {
-            Ok(RunOutcome::Success | RunOutcome::Failed(_)) if stopped_meanwhile => Ok(RunOutcome::Stopped),
+            Ok(RunOutcome::Success | RunOutcome::Failed(_)) if stopped_meanwhile => {
+                Ok(RunOutcome::Stopped)
+            }
             other => other,
         };
         workers.all_stopped().await;
@@ -184,7 +205,8 @@ impl Plugin {
         meter: Arc<Meter>,
     ) -> Result<RunOutcome> {
         let models = options.models.clone().unwrap_or_else(|| self.registry.clone());
-        let llama = LlamaCtx::new(models, self.tokens.clone(), options.group.as_str(), limits.clone());
+        let llama =
+            LlamaCtx::new(models, self.tokens.clone(), options.group.as_str(), limits.clone());
         let state = PluginState {
             wasi: wasi.build(),
             http: WasiHttpCtx::new(),
@@ -198,18 +220,34 @@ impl Plugin {
         store.limiter(|state| &mut state.limits);
         store.epoch_deadline_async_yield_and_update(1);
         let ended = match (&self.entry, call) {
-            (PreInstance::Http(pre), Invocation::Http { request, respond }) => match pre.instantiate_async(&mut store).await {
-                Ok(proxy) => Self::handle(&mut store, &proxy, *request, respond).await,
-                Err(e) => Err(e),
-            },
-            (PreInstance::Http(_), Invocation::Main) => return Err(Error::WrongKind { wanted: "a command", found: self.entry.kind() }),
-            (_, Invocation::Http { .. }) => return Err(Error::WrongKind { wanted: "an HTTP handler", found: self.entry.kind() }),
-            (PreInstance::Command(pre), Invocation::Main) => match pre.instantiate_async(&mut store).await {
-                Ok(command) => command.wasi_cli_run().call_run(&mut store).await,
-                Err(e) => Err(e),
-            },
-            (PreInstance::AsyncRun(pre), Invocation::Main) => match pre.instantiate_async(&mut store).await {
-                Ok(instance) => match instance.get_typed_func::<(), (Result<(), ()>,)>(&mut store, "run") {
+            (PreInstance::Http(pre), Invocation::Http { request, respond }) => {
+                match pre.instantiate_async(&mut store).await {
+                    Ok(proxy) => Self::handle(&mut store, &proxy, *request, respond).await,
+                    Err(e) => Err(e),
+                }
+            }
+            (PreInstance::Http(_), Invocation::Main) => {
+                return Err(Error::WrongKind { wanted: "a command", found: self.entry.kind() })
+            }
+            (_, Invocation::Http { .. }) => {
+                return Err(Error::WrongKind {
+                    wanted: "an HTTP handler",
+                    found: self.entry.kind(),
+                })
+            }
+            (PreInstance::Command(pre), Invocation::Main) => {
+                match pre.instantiate_async(&mut store).await {
+                    Ok(command) => command.wasi_cli_run().call_run(&mut store).await,
+                    Err(e) => Err(e),
+                }
+            }
+            (PreInstance::AsyncRun(pre), Invocation::Main) => match pre
+                .instantiate_async(&mut store)
+                .await
+            {
+                Ok(instance) => match instance
+                    .get_typed_func::<(), (Result<(), ()>,)>(&mut store, "run")
+                {
                     Ok(run) => store
                         .run_concurrent(async |accessor| run.call_concurrent(accessor, ()).await)
                         .await
@@ -228,7 +266,9 @@ impl Plugin {
                 Some(wasmtime_wasi::I32Exit(code)) => Ok(RunOutcome::Failed(*code)),
                 None => Err(match store.data().limits.refused {
                     Some(limit) => Error::Limit { limit, source: e },
-                    None => Error::Trap { code: e.downcast_ref::<wasmtime::Trap>().copied(), source: e },
+                    None => {
+                        Error::Trap { code: e.downcast_ref::<wasmtime::Trap>().copied(), source: e }
+                    }
                 }),
             },
         }
@@ -243,10 +283,12 @@ impl Plugin {
         respond: ResponseSender,
     ) -> wasmtime::Result<Result<(), ()>> {
         let mut http = store.data_mut().http();
-        let request = http.new_incoming_request(wasmtime_wasi_http::p2::bindings::http::types::Scheme::Http, request)?;
+        let request = http.new_incoming_request(
+            wasmtime_wasi_http::p2::bindings::http::types::Scheme::Http,
+            request,
+        )?;
         let response = http.new_response_outparam(respond)?;
         proxy.wasi_http_incoming_handler().call_handle(&mut *store, request, response).await?;
         Ok(Ok(()))
     }
 }
-

@@ -40,7 +40,12 @@ pub(super) struct RunLimiter {
 }
 
 impl wasmtime::ResourceLimiter for RunLimiter {
-    fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+    fn memory_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
         let allowed = self.limits.memory_growing(current, desired, maximum)?;
         if !allowed {
             self.refused.get_or_insert("max-wasm-memory");
@@ -48,7 +53,12 @@ impl wasmtime::ResourceLimiter for RunLimiter {
         Ok(allowed)
     }
 
-    fn table_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+    fn table_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
         let allowed = self.limits.table_growing(current, desired, maximum)?;
         if !allowed {
             self.refused.get_or_insert("max-wasm-table-elements");
@@ -77,7 +87,11 @@ impl WasiView for PluginState {
 
 impl WasiHttpView for PluginState {
     fn http(&mut self) -> WasiHttpCtxView<'_> {
-        WasiHttpCtxView { ctx: &mut self.http, table: &mut self.table, hooks: &mut self.no_outgoing }
+        WasiHttpCtxView {
+            ctx: &mut self.http,
+            table: &mut self.table,
+            hooks: &mut self.no_outgoing,
+        }
     }
 }
 
@@ -96,7 +110,10 @@ impl wasmtime_wasi_http::WasiHttpHooks for NoOutgoingRequests {
                 Output = Result<
                     (
                         http::Response<wasmtime_wasi_http::WasiBody>,
-                        Box<dyn std::future::Future<Output = Result<(), wasmtime_wasi_http::Error>> + Send>,
+                        Box<
+                            dyn std::future::Future<Output = Result<(), wasmtime_wasi_http::Error>>
+                                + Send,
+                        >,
                     ),
                     wasmtime_wasi_http::Error,
                 >,

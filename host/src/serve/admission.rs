@@ -219,7 +219,8 @@ mod tests {
         let running = server.admit(&plugin).await.unwrap();
         for _ in 0..3 {
             // A client that hangs up while it waits: its wait is dropped.
-            let waited = tokio::time::timeout(Duration::from_millis(10), server.admit(&plugin)).await;
+            let waited =
+                tokio::time::timeout(Duration::from_millis(10), server.admit(&plugin)).await;
             assert!(waited.is_err());
             assert_eq!(server.queued(), 0);
         }
@@ -251,7 +252,10 @@ mod tests {
         let mapped: IpAddr = "::ffff:127.0.0.2".parse().unwrap();
         assert!(clients.enter(mapped).is_err(), "an IPv4-mapped address is its IPv4 client");
         let v6 = |s: &str| s.parse::<IpAddr>().unwrap();
-        let (_x, _y) = (clients.enter(v6("2001:db8:1:2::1")).unwrap(), clients.enter(v6("2001:db8:1:2::ffff")).unwrap());
+        let (_x, _y) = (
+            clients.enter(v6("2001:db8:1:2::1")).unwrap(),
+            clients.enter(v6("2001:db8:1:2::ffff")).unwrap(),
+        );
         assert!(clients.enter(v6("2001:db8:1:2:abcd::1")).is_err(), "one /64 is one client");
         assert!(clients.enter(v6("2001:db8:1:3::1")).is_ok());
         assert!(Clients::new(None).enter(a).unwrap().is_none(), "no cap: nothing counted");

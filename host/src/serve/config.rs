@@ -216,7 +216,8 @@ fn default_batch_long_prompt_share() -> f64 {
 impl ServeConfig {
     /// Read and check a TOML file.
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
         Self::from_toml(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
     }
 
@@ -286,7 +287,10 @@ impl ServeConfig {
             bail!("body_timeout_ms and write_stall_timeout_ms must be at least 1");
         }
         if !(1..=crate::native::context::MAX_SEQ).contains(&self.batch_seats) {
-            bail!("batch_seats must be 1..={} (llama.cpp's most sequences per context)", crate::native::context::MAX_SEQ);
+            bail!(
+                "batch_seats must be 1..={} (llama.cpp's most sequences per context)",
+                crate::native::context::MAX_SEQ
+            );
         }
         if self.batch_n_ctx < 16 {
             bail!("batch_n_ctx must be at least 16");
@@ -298,10 +302,15 @@ impl ServeConfig {
         let mut routes = std::collections::HashSet::new();
         for plugin in &mut self.plugins {
             let name = plugin.name.clone();
-            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            if name.is_empty()
+                || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            {
                 bail!("plugin name {name:?}: use letters, digits, '-' and '_'");
             }
-            let route = plugin.route.get_or_insert_with(|| if only { "/".into() } else { format!("/{name}") });
+            let route =
+                plugin
+                    .route
+                    .get_or_insert_with(|| if only { "/".into() } else { format!("/{name}") });
             if !route.starts_with('/') || (route.len() > 1 && route.ends_with('/')) {
                 bail!("plugin {name:?}: route {route:?} must start with '/' and not end with one");
             }
@@ -312,7 +321,11 @@ impl ServeConfig {
                 bail!("plugin {name:?}: route {route:?} is served by another plugin");
             }
             if plugin.threads == 0 || plugin.threads > self.threads {
-                bail!("plugin {name:?}: threads {} must be 1..={} (the server's threads)", plugin.threads, self.threads);
+                bail!(
+                    "plugin {name:?}: threads {} must be 1..={} (the server's threads)",
+                    plugin.threads,
+                    self.threads
+                );
             }
             if plugin.max_concurrent == Some(0) {
                 bail!("plugin {name:?}: max_concurrent must be at least 1");
@@ -437,7 +450,10 @@ threads = 2
         let mut more = config.clone();
         more.threads = 8;
         assert_eq!(more.idle_contexts(), 8, "follows threads set after the file (a flag)");
-        let none = ServeConfig::from_toml(&FULL.replace("threads = 2\n[models]", "threads = 2\nidle_contexts = 0\n[models]")).unwrap();
+        let none = ServeConfig::from_toml(
+            &FULL.replace("threads = 2\n[models]", "threads = 2\nidle_contexts = 0\n[models]"),
+        )
+        .unwrap();
         assert_eq!(none.idle_contexts(), 0);
     }
 
@@ -460,10 +476,19 @@ threads = 2
     #[test]
     fn refuses_what_cannot_work() {
         for (broken, why) in [
-            (FULL.replace("threads = 2\n[models]", "threads = 1\n[models]"), "threads 2 must be 1..=1"),
+            (
+                FULL.replace("threads = 2\n[models]", "threads = 1\n[models]"),
+                "threads 2 must be 1..=1",
+            ),
             (FULL.replace("models = [\"m\"]", "models = [\"x\"]"), "model \"x\" is not in"),
-            (FULL.replace("name = \"other\"", "name = \"other\"\nroute = \"/openai\""), "served by another plugin"),
-            (FULL.replace("name = \"other\"", "name = \"other\"\nroute = \"/metrics\""), "the server's own"),
+            (
+                FULL.replace("name = \"other\"", "name = \"other\"\nroute = \"/openai\""),
+                "served by another plugin",
+            ),
+            (
+                FULL.replace("name = \"other\"", "name = \"other\"\nroute = \"/metrics\""),
+                "the server's own",
+            ),
             (FULL.replace("max_n_ctx", "max_n_cxt"), "unknown field"),
             (FULL.replace("max_n_ctx = 4096", "max_threads = 1"), "the plugin's `threads`"),
             (FULL.replace("name = \"openai\"", "name = \"a/b\""), "use letters"),

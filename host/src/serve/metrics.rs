@@ -127,28 +127,60 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("llamabox");
         let requests = Family::default();
-        registry.register("requests", "Requests answered, by plugin and HTTP status", Family::clone(&requests));
+        registry.register(
+            "requests",
+            "Requests answered, by plugin and HTTP status",
+            Family::clone(&requests),
+        );
         let refused = Family::default();
-        registry.register("refused", "Requests refused before a plugin saw them, by reason", Family::clone(&refused));
+        registry.register(
+            "refused",
+            "Requests refused before a plugin saw them, by reason",
+            Family::clone(&refused),
+        );
         let cancels = Family::default();
         registry.register("cancels", "Runs a stop cut short (a native call cancelled or the body unfinished), by cause (plugin: calls a plugin cancelled)", Family::clone(&cancels));
         let queue_depth = Gauge::default();
         registry.register("queue_depth", "Requests waiting for a slot", queue_depth.clone());
         let reading_bodies = Gauge::default();
-        registry.register("reading_bodies", "Requests whose body is being read, before admission", reading_bodies.clone());
+        registry.register(
+            "reading_bodies",
+            "Requests whose body is being read, before admission",
+            reading_bodies.clone(),
+        );
         let in_flight = Gauge::default();
         registry.register("in_flight", "Requests whose plugin is running", in_flight.clone());
         let live_workers = Gauge::default();
-        registry.register("live_workers", "Native threads working for plugin runs", live_workers.clone());
+        registry.register(
+            "live_workers",
+            "Native threads working for plugin runs",
+            live_workers.clone(),
+        );
         let idle_contexts = Gauge::default();
-        registry.register("idle_contexts", "Contexts kept idle for later requests of their group", idle_contexts.clone());
+        registry.register(
+            "idle_contexts",
+            "Contexts kept idle for later requests of their group",
+            idle_contexts.clone(),
+        );
         let request_seconds: HistogramFamily<PluginLabels> =
             Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.005, 2.0, 16)));
-        registry.register("request_duration_seconds", "Time from admission to the run's end", request_seconds.clone());
+        registry.register(
+            "request_duration_seconds",
+            "Time from admission to the run's end",
+            request_seconds.clone(),
+        );
         let tokens_generated = Family::default();
-        registry.register("tokens_generated", "Tokens the host's generation delivered", Family::clone(&tokens_generated));
+        registry.register(
+            "tokens_generated",
+            "Tokens the host's generation delivered",
+            Family::clone(&tokens_generated),
+        );
         let tokens_decoded = Family::default();
-        registry.register("tokens_decoded", "Rows llama.cpp decoded (prompts and generated tokens)", Family::clone(&tokens_decoded));
+        registry.register(
+            "tokens_decoded",
+            "Rows llama.cpp decoded (prompts and generated tokens)",
+            Family::clone(&tokens_decoded),
+        );
         let tokens_reused = Family::default();
         registry.register(
             "tokens_reused",
@@ -176,10 +208,26 @@ impl Metrics {
             rollbacks: Counter::default(),
             yields: Counter::default(),
         };
-        registry.register("batch_step_rows", "Rows (tokens) one batched step decoded", batch.rows.clone());
-        registry.register("batch_step_seats", "Requests' sequences with rows in one batched step", batch.seats.clone());
-        registry.register("batch_step_seconds", "Time one batched step took", batch.step_seconds.clone());
-        registry.register("batch_seats_active", "Sequences of batched contexts leased now", batch.seats_active.clone());
+        registry.register(
+            "batch_step_rows",
+            "Rows (tokens) one batched step decoded",
+            batch.rows.clone(),
+        );
+        registry.register(
+            "batch_step_seats",
+            "Requests' sequences with rows in one batched step",
+            batch.seats.clone(),
+        );
+        registry.register(
+            "batch_step_seconds",
+            "Time one batched step took",
+            batch.step_seconds.clone(),
+        );
+        registry.register(
+            "batch_seats_active",
+            "Sequences of batched contexts leased now",
+            batch.seats_active.clone(),
+        );
         registry.register(
             "batch_step_rollbacks",
             "Batched steps stopped in flight by one member's cancel, rolled back for all and re-run without it",

@@ -25,8 +25,8 @@ mod request;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::net::{IpAddr, SocketAddr};
 use std::future::Future as _;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -41,12 +41,14 @@ use http_body_util::{combinators::UnsyncBoxBody, BodyExt as _, Full, LengthLimit
 use hyper::body::Incoming;
 use tracing::Instrument as _;
 
-use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
-use crate::{HostOptions, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome, RunStop};
+use crate::{
+    HostOptions, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome, RunStop,
+};
 use admission::{Admission, Admitted, ClientPermit, Clients, PluginAdmission, Refused};
 pub use config::{PluginConfig, ServeConfig};
 use metrics::{Cause, Metrics, PluginLabels, Refusal};
 use request::*;
+use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Every response body the server sends: a plugin's stream, or its own small answers.
@@ -97,8 +99,12 @@ struct Served {
 impl Server {
     /// Serve `config` until `shutdown` resolves, then drain (see the module docs).
     /// Prints `listening on http://ADDR` once bound, progress while loading, then `ready`.
-    pub async fn run(config: ServeConfig, shutdown: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
-        let listener = listen(config.listen).with_context(|| format!("listening on {}", config.listen))?;
+    pub async fn run(
+        config: ServeConfig,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<()> {
+        let listener =
+            listen(config.listen).with_context(|| format!("listening on {}", config.listen))?;
         let addr = listener.local_addr()?;
         status_line(&format!("listening on http://{addr}"));
         let registry = ModelRegistry::new();
@@ -106,18 +112,30 @@ impl Server {
             registry.register(name.clone(), path.clone());
         }
         for (name, path) in &config.projectors {
-            anyhow::ensure!(path.is_file(), "projector {name:?}: file {} not found", path.display());
+            anyhow::ensure!(
+                path.is_file(),
+                "projector {name:?}: file {} not found",
+                path.display()
+            );
             registry.register_projector(name.clone(), path.clone());
         }
         registry.keep_idle_contexts(config.idle_contexts() as usize);
         config.offload().check()?;
         registry.offload(config.offload());
         let metrics = Metrics::new();
-        registry.batch(config.batch_policy().map(|policy| crate::BatchPolicy { observer: Some(metrics.batch_observer()), ..policy }));
+        registry.batch(config.batch_policy().map(|policy| crate::BatchPolicy {
+            observer: Some(metrics.batch_observer()),
+            ..policy
+        }));
         let options = HostOptions { compile_cache: config.compile_cache.clone() };
         let host = Arc::new(PluginHost::with_options(registry, Limits::default(), options)?);
         let server = Arc::new(Server {
-            admission: Admission::new(config.max_running(), config.threads, config.max_queue, config.queue_timeout()),
+            admission: Admission::new(
+                config.max_running(),
+                config.threads,
+                config.max_queue,
+                config.queue_timeout(),
+            ),
             clients: Clients::new(config.max_client_requests()),
             config,
             host,
@@ -157,19 +175,31 @@ impl Server {
         for (name, path) in &self.config.models {
             status_line(&format!("loading model {name} from {}", path.display()));
             let started = Instant::now();
-            let model = registry.open(name).await.map_err(|e| anyhow::anyhow!("model {name:?} ({}): {e}", path.display()))?;
+            let model = registry
+                .open(name)
+                .await
+                .map_err(|e| anyhow::anyhow!("model {name:?} ({}): {e}", path.display()))?;
             let threads = self.config.threads;
             tokio::task::spawn_blocking(move || crate::native::warm_up(model, threads))
                 .await?
                 .with_context(|| format!("warming up model {name:?}"))?;
-            status_line(&format!("loaded and warmed up model {name} in {:.2} s", started.elapsed().as_secs_f64()));
+            status_line(&format!(
+                "loaded and warmed up model {name} in {:.2} s",
+                started.elapsed().as_secs_f64()
+            ));
         }
         // When the models were loaded, for the plugins' model cards (OpenAI's `created`).
-        let loaded_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let loaded_at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         let mut plugins = Vec::new();
         for config in &self.config.plugins {
             let started = Instant::now();
-            let plugin = self.host.load_async(&config.path).await.with_context(|| format!("plugin {:?}", config.name))?;
+            let plugin = self
+                .host
+                .load_async(&config.path)
+                .await
+                .with_context(|| format!("plugin {:?}", config.name))?;
             anyhow::ensure!(
                 plugin.serves_http(),
                 "plugin {:?} is not an HTTP handler: it must export wasi:http/incoming-handler (the http-plugin world)",
@@ -178,7 +208,10 @@ impl Server {
             let names: Vec<String> = config.models.clone().unwrap_or_else(|| {
                 self.config.models.keys().chain(self.config.projectors.keys()).cloned().collect()
             });
-            let mut env = vec![("LLAMABOX_MODELS".to_string(), names.join(",")), ("LLAMABOX_MODELS_LOADED_AT".to_string(), loaded_at.to_string())];
+            let mut env = vec![
+                ("LLAMABOX_MODELS".to_string(), names.join(",")),
+                ("LLAMABOX_MODELS_LOADED_AT".to_string(), loaded_at.to_string()),
+            ];
             env.extend(config.env.iter().map(|(k, v)| (k.clone(), v.clone())));
             status_line(&format!(
                 "compiled plugin {} in {:.2} s, serving {}",
@@ -205,7 +238,11 @@ impl Server {
     }
 
     /// Accept connections until the listener fails for good (never, in practice).
-    async fn accept(self: Arc<Self>, listener: &tokio::net::TcpListener, graceful: &hyper_util::server::graceful::GracefulShutdown) {
+    async fn accept(
+        self: Arc<Self>,
+        listener: &tokio::net::TcpListener,
+        graceful: &hyper_util::server::graceful::GracefulShutdown,
+    ) {
         loop {
             let (stream, peer) = match listener.accept().await {
                 Ok(accepted) => accepted,
@@ -248,12 +285,22 @@ impl Server {
     async fn drain(&self, graceful: hyper_util::server::graceful::GracefulShutdown) {
         self.draining.store(true, Relaxed);
         let running = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).len();
-        status_line(&format!("draining: {running} requests in flight, {} ms grace", self.config.shutdown_grace_ms));
+        status_line(&format!(
+            "draining: {running} requests in flight, {} ms grace",
+            self.config.shutdown_grace_ms
+        ));
         let connections = graceful.shutdown();
         tokio::pin!(connections);
-        let finished = tokio::time::timeout(self.config.shutdown_grace(), &mut connections).await.is_ok();
+        let finished =
+            tokio::time::timeout(self.config.shutdown_grace(), &mut connections).await.is_ok();
         if !finished {
-            let states: Vec<_> = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+            let states: Vec<_> = self
+                .in_flight
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .cloned()
+                .collect();
             status_line(&format!("grace period over: stopping {} requests", states.len()));
             for state in states {
                 state.stop(Cause::Shutdown);
@@ -263,7 +310,8 @@ impl Server {
         // Runs end (and their native threads are joined) before their bodies do, but a
         // run whose client already left may still be unwinding.
         let deadline = Instant::now() + STOP_WAIT;
-        while (!self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).is_empty() || self.host.live_workers() > 0)
+        while (!self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+            || self.host.live_workers() > 0)
             && Instant::now() < deadline
         {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -288,14 +336,21 @@ impl Server {
                     self.metrics.live_workers.set(self.host.live_workers() as i64);
                     self.metrics.idle_contexts.set(self.host.models().idle_contexts() as i64);
                     let mut response = Response::new(full(self.metrics.encode()));
-                    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(metrics::CONTENT_TYPE));
+                    response.headers_mut().insert(
+                        header::CONTENT_TYPE,
+                        HeaderValue::from_static(metrics::CONTENT_TYPE),
+                    );
                     return response;
                 }
                 _ => {}
             }
         }
         let Some(plugins) = self.plugins.get() else {
-            return error(StatusCode::SERVICE_UNAVAILABLE, "the server is loading its models", Some(1));
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is loading its models",
+                Some(1),
+            );
         };
         match plugins.iter().find(|served| route_matches(served.config.route(), path)).cloned() {
             Some(served) => {
@@ -311,20 +366,44 @@ impl Server {
     fn request_id(&self, request: &Request<Incoming>) -> String {
         let given = request.headers().get("x-request-id").and_then(|v| v.to_str().ok());
         match given {
-            Some(id) if !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_graphic()) => id.to_string(),
+            Some(id)
+                if !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_graphic()) =>
+            {
+                id.to_string()
+            }
             _ => format!("{:016x}", self.next_request.fetch_add(1, Relaxed)),
         }
     }
 
-    async fn serve_plugin(self: Arc<Self>, served: Arc<Served>, id: String, request: Request<Incoming>, peer: Peer) -> Response<Body> {
+    async fn serve_plugin(
+        self: Arc<Self>,
+        served: Arc<Served>,
+        id: String,
+        request: Request<Incoming>,
+        peer: Peer,
+    ) -> Response<Body> {
         let name = served.config.name.as_str();
         let retry_after = self.config.queue_timeout().as_secs().max(1);
         if self.draining.load(Relaxed) {
             self.metrics.refuse(name, Refusal::Draining);
-            return self.answer(name, &id, error(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down", Some(retry_after)));
+            return self.answer(
+                name,
+                &id,
+                error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the server is shutting down",
+                    Some(retry_after),
+                ),
+            );
         }
         let max_body = self.config.max_body_bytes;
-        let too_large = || error(StatusCode::PAYLOAD_TOO_LARGE, &format!("the request body is over {max_body} bytes"), None);
+        let too_large = || {
+            error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("the request body is over {max_body} bytes"),
+                None,
+            )
+        };
         if request.body().size_hint().lower() > max_body {
             self.metrics.refuse(name, Refusal::BodyTooLarge);
             return self.answer(name, &id, closing(too_large()));
@@ -335,14 +414,23 @@ impl Server {
             Err(max) => {
                 self.metrics.refuse(name, Refusal::ClientLimit);
                 let message = format!("this client already has {max} requests in progress");
-                return self.answer(name, &id, closing(error(StatusCode::TOO_MANY_REQUESTS, &message, Some(retry_after))));
+                return self.answer(
+                    name,
+                    &id,
+                    closing(error(StatusCode::TOO_MANY_REQUESTS, &message, Some(retry_after))),
+                );
             }
         };
         // The whole body before a slot: a client that stalls mid-body holds no slot.
         let (parts, body) = request.into_parts();
         let timeout = self.config.body_timeout();
         let reading = Reading::new(&self.metrics.reading_bodies);
-        let body = match tokio::time::timeout(timeout, Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX)).collect()).await {
+        let body = match tokio::time::timeout(
+            timeout,
+            Limited::new(body, usize::try_from(max_body).unwrap_or(usize::MAX)).collect(),
+        )
+        .await
+        {
             Ok(Ok(body)) => body.to_bytes(),
             Ok(Err(e)) if e.is::<LengthLimitError>() => {
                 self.metrics.refuse(name, Refusal::BodyTooLarge);
@@ -351,12 +439,25 @@ impl Server {
             Ok(Err(e)) => {
                 // The client hung up mid-body (or sent a malformed chunk).
                 tracing::debug!("reading the request body failed: {e}");
-                return self.answer(name, &id, closing(error(StatusCode::BAD_REQUEST, "the request body could not be read", None)));
+                return self.answer(
+                    name,
+                    &id,
+                    closing(error(
+                        StatusCode::BAD_REQUEST,
+                        "the request body could not be read",
+                        None,
+                    )),
+                );
             }
             Err(_) => {
                 self.metrics.refuse(name, Refusal::BodyTimeout);
-                let message = format!("the request body did not arrive within {} ms", timeout.as_millis());
-                return self.answer(name, &id, closing(error(StatusCode::REQUEST_TIMEOUT, &message, None)));
+                let message =
+                    format!("the request body did not arrive within {} ms", timeout.as_millis());
+                return self.answer(
+                    name,
+                    &id,
+                    closing(error(StatusCode::REQUEST_TIMEOUT, &message, None)),
+                );
             }
         };
         drop(reading);
@@ -368,7 +469,11 @@ impl Server {
                     Refused::Timeout => (Refusal::QueueTimeout, "no slot came free in time"),
                 };
                 self.metrics.refuse(name, reason);
-                return self.answer(name, &id, error(StatusCode::SERVICE_UNAVAILABLE, message, Some(retry_after)));
+                return self.answer(
+                    name,
+                    &id,
+                    error(StatusCode::SERVICE_UNAVAILABLE, message, Some(retry_after)),
+                );
             }
         };
         let state = Arc::new(RequestState::new());
@@ -376,14 +481,25 @@ impl Server {
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).insert(key, state.clone());
         self.metrics.in_flight.inc();
         // From here on a drop of this future (the client left) stops the run.
-        let mut hang_up = HangUp { server: self.clone(), plugin: served.clone(), state: state.clone(), answered: false, completed: false };
-        let request = for_plugin(Request::from_parts(parts, body), served.config.route(), self.config.listen);
+        let mut hang_up = HangUp {
+            server: self.clone(),
+            plugin: served.clone(),
+            state: state.clone(),
+            answered: false,
+            completed: false,
+        };
+        let request =
+            for_plugin(Request::from_parts(parts, body), served.config.route(), self.config.listen);
         let (respond, response) = tokio::sync::oneshot::channel();
         let (ended, run_ended) = tokio::sync::oneshot::channel();
         let replies = Replies { respond, ended };
         let place = ClientPlace(Arc::new(Mutex::new(client)));
         let holds = Holds { _admitted: admitted, client: place.clone() };
-        let run = tokio::spawn(self.clone().run_request(served.clone(), key, state.clone(), holds, request, replies).in_current_span());
+        let run = tokio::spawn(
+            self.clone()
+                .run_request(served.clone(), key, state.clone(), holds, request, replies)
+                .in_current_span(),
+        );
         let response = match response.await {
             Ok(Ok(response)) => response,
             Ok(Err(code)) => {
@@ -391,7 +507,11 @@ impl Server {
                 tracing::warn!("the plugin answered with an error: {code:?}");
                 (hang_up.answered, hang_up.completed) = (true, true);
                 let message = format!("the plugin failed: {code:?}");
-                return self.answer(name, &id, error(StatusCode::INTERNAL_SERVER_ERROR, &message, None));
+                return self.answer(
+                    name,
+                    &id,
+                    error(StatusCode::INTERNAL_SERVER_ERROR, &message, None),
+                );
             }
             Err(_) => {
                 // The run ended without a response: why decides the status.
@@ -401,11 +521,19 @@ impl Server {
                     RunEnd::Outcome(RunOutcome::DeadlineExceeded) => {
                         error(StatusCode::GATEWAY_TIMEOUT, "the request's deadline passed", None)
                     }
-                    RunEnd::Outcome(RunOutcome::Stopped) => error(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down", Some(retry_after)),
-                    RunEnd::Outcome(RunOutcome::Success | RunOutcome::Failed(_)) => {
-                        error(StatusCode::INTERNAL_SERVER_ERROR, "the plugin returned without a response", None)
+                    RunEnd::Outcome(RunOutcome::Stopped) => error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the server is shutting down",
+                        Some(retry_after),
+                    ),
+                    RunEnd::Outcome(RunOutcome::Success | RunOutcome::Failed(_)) => error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "the plugin returned without a response",
+                        None,
+                    ),
+                    RunEnd::Failed => {
+                        error(StatusCode::INTERNAL_SERVER_ERROR, "the plugin failed", None)
                     }
-                    RunEnd::Failed => error(StatusCode::INTERNAL_SERVER_ERROR, "the plugin failed", None),
                 };
                 return self.answer(name, &id, response);
             }
@@ -414,7 +542,14 @@ impl Server {
         let (parts, body) = response.into_parts();
         let progress = Arc::new(Progress::new());
         watch_for_stall(progress.clone(), state, peer.close, self.config.write_stall_timeout());
-        let body = GuardedBody { hang_up: Some(hang_up), inner: body, inner_ended: false, run_ended, progress: Watched(progress), client: place };
+        let body = GuardedBody {
+            hang_up: Some(hang_up),
+            inner: body,
+            inner_ended: false,
+            run_ended,
+            progress: Watched(progress),
+            client: place,
+        };
         self.answer(name, &id, Response::from_parts(parts, body.boxed_unsync()))
     }
 
@@ -496,7 +631,11 @@ impl Server {
                 if let Some(cause) = stopped_by {
                     metrics.cancel(cause, 1);
                 }
-                tracing::warn!(ms = elapsed.as_millis() as u64, "run failed: {:#}", anyhow::Error::from(e));
+                tracing::warn!(
+                    ms = elapsed.as_millis() as u64,
+                    "run failed: {:#}",
+                    anyhow::Error::from(e)
+                );
                 (RunEnd::Failed, stopped_by)
             }
         };
@@ -504,9 +643,14 @@ impl Server {
             (Some(Cause::Disconnect), Some(at)) => {
                 let stopped_in = at.elapsed();
                 metrics.disconnect_stop_seconds.observe(stopped_in.as_secs_f64());
-                tracing::info!(stop_ms = stopped_in.as_secs_f64() * 1e3, "client hung up; its native work stopped");
+                tracing::info!(
+                    stop_ms = stopped_in.as_secs_f64() * 1e3,
+                    "client hung up; its native work stopped"
+                );
             }
-            (None, Some(_)) => tracing::debug!("client left once the plugin's work was done: nothing was cut short"),
+            (None, Some(_)) => tracing::debug!(
+                "client left once the plugin's work was done: nothing was cut short"
+            ),
             _ => {}
         }
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
@@ -525,7 +669,11 @@ struct Peer {
 /// Bind `addr` with a small send buffer ([`SEND_BUFFER`]), which accepted connections
 /// inherit.
 fn listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
     // As TcpListener::bind does: a restarted server rebinds at once.
     socket.set_reuseaddr(true)?;
     socket.set_send_buffer_size(SEND_BUFFER)?;
@@ -542,7 +690,9 @@ fn closing(mut response: Response<Body>) -> Response<Body> {
 
 /// Whether `route` serves `path`: the same, or a prefix ending at a `/`.
 fn route_matches(route: &str, path: &str) -> bool {
-    route == "/" || path == route || path.strip_prefix(route).is_some_and(|rest| rest.starts_with('/'))
+    route == "/"
+        || path == route
+        || path.strip_prefix(route).is_some_and(|rest| rest.starts_with('/'))
 }
 
 fn full(text: impl Into<Bytes>) -> Body {
@@ -552,7 +702,9 @@ fn full(text: impl Into<Bytes>) -> Body {
 fn text(status: StatusCode, text: &'static str) -> Response<Body> {
     let mut response = Response::new(full(text));
     *response.status_mut() = status;
-    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
     response
 }
 
@@ -563,7 +715,9 @@ fn error(status: StatusCode, message: &str, retry_after: Option<u64>) -> Respons
     let body = format!("{body}\n");
     let mut response = Response::new(full(body));
     *response.status_mut() = status;
-    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     if let Some(seconds) = retry_after {
         response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
     }
@@ -596,8 +750,10 @@ mod tests {
     async fn accepted_connections_inherit_the_small_send_buffer() {
         let listener = listen("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = listener.local_addr().unwrap();
-        let (_client, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-        let socket = tokio::net::TcpSocket::from_std_stream(accepted.unwrap().0.into_std().unwrap());
+        let (_client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let socket =
+            tokio::net::TcpSocket::from_std_stream(accepted.unwrap().0.into_std().unwrap());
         // Linux doubles what was set (for its bookkeeping) and locks it: no autotuning.
         assert_eq!(socket.send_buffer_size().unwrap(), 2 * SEND_BUFFER);
     }
@@ -616,7 +772,12 @@ mod tests {
     #[tokio::test]
     async fn errors_are_json() {
         let message = "a \"b\"\n\\";
-        let body = error(StatusCode::BAD_REQUEST, message, None).into_body().collect().await.unwrap().to_bytes();
+        let body = error(StatusCode::BAD_REQUEST, message, None)
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes();
         let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(parsed["error"]["message"], message);
         assert_eq!(parsed["error"]["type"], "invalid_request_error");

@@ -92,7 +92,8 @@ impl RequestState {
     /// flight, stopped nothing: SSE clients close as soon as they read `data: [DONE]`,
     /// before the body's last chunk, which waits for the handler's return.
     pub(super) fn stopped_by(&self, outcome: &RunOutcome, cancels: u64) -> Option<Cause> {
-        let cut_short = matches!(outcome, RunOutcome::Stopped) && (cancels > 0 || !self.body_finished.load(Relaxed));
+        let cut_short = matches!(outcome, RunOutcome::Stopped)
+            && (cancels > 0 || !self.body_finished.load(Relaxed));
         self.cause.get().copied().filter(|_| cut_short)
     }
 
@@ -154,7 +155,10 @@ impl http_body::Body for GuardedBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         // hyper asks for the next piece: it has taken the last one.
         self.progress.0.taken();
         if !self.inner_ended {
@@ -175,7 +179,9 @@ impl http_body::Body for GuardedBody {
                 }
                 Poll::Ready(None)
             }
-            Poll::Ready(Ok(false) | Err(_)) => Poll::Ready(Some(Err("the request was stopped before its body ended".into()))),
+            Poll::Ready(Ok(false) | Err(_)) => {
+                Poll::Ready(Some(Err("the request was stopped before its body ended".into())))
+            }
         }
     }
 
@@ -232,7 +238,11 @@ pub(super) struct Progress {
 impl Progress {
     pub(super) fn new() -> Self {
         // The response head is handed over with it: a client that takes nothing stalls.
-        let progress = Self { start: Instant::now(), handed_at: AtomicU64::new(0), done: AtomicBool::new(false) };
+        let progress = Self {
+            start: Instant::now(),
+            handed_at: AtomicU64::new(0),
+            done: AtomicBool::new(false),
+        };
         progress.handed();
         progress
     }
@@ -267,13 +277,21 @@ impl Drop for Watched {
 /// the client stopped reading. It is then treated as gone: its run is stopped (native
 /// work included, `cause="write_stall"`, its slot freed) and its connection closed
 /// (hyper, blocked on a full socket, would otherwise hold it).
-pub(super) fn watch_for_stall(progress: Arc<Progress>, state: Arc<RequestState>, close: Arc<tokio::sync::Notify>, timeout: Duration) {
+pub(super) fn watch_for_stall(
+    progress: Arc<Progress>,
+    state: Arc<RequestState>,
+    close: Arc<tokio::sync::Notify>,
+    timeout: Duration,
+) {
     tokio::spawn(
         async move {
             while !progress.done.load(Relaxed) {
                 match progress.waiting() {
                     Some(waited) if waited >= timeout => {
-                        tracing::info!(stall_ms = waited.as_millis() as u64, "the client stopped reading its response: closing it");
+                        tracing::info!(
+                            stall_ms = waited.as_millis() as u64,
+                            "the client stopped reading its response: closing it"
+                        );
                         state.stop(Cause::WriteStall);
                         close.notify_one();
                         return;
@@ -294,7 +312,11 @@ pub(super) type PluginBody = UnsyncBoxBody<Bytes, wasmtime_wasi_http::Error>;
 /// The request as its plugin sees it: the route's prefix stripped from the path, a
 /// `host` header (wasi:http wants an authority), and its body, read whole (within the
 /// body cap) before admission.
-pub(super) fn for_plugin(request: Request<Bytes>, route: &str, listen: SocketAddr) -> Request<PluginBody> {
+pub(super) fn for_plugin(
+    request: Request<Bytes>,
+    route: &str,
+    listen: SocketAddr,
+) -> Request<PluginBody> {
     let (mut parts, body) = request.into_parts();
     if route != "/" {
         let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());

@@ -32,9 +32,17 @@ impl Context {
     /// One vector (n-embd floats) per input, input `i` decoded as sequence `i`, all in
     /// one batch: at most n-seq-max inputs and n-batch tokens in all. (A model that
     /// pools by itself: one decode per input, each at most n-ubatch tokens.)
-    pub fn embed(&mut self, inputs: &[Vec<Token>], pooling: Pooling, normalize: bool, stop: Option<Stop<'_>>) -> Result<Vec<Vec<f32>>> {
+    pub fn embed(
+        &mut self,
+        inputs: &[Vec<Token>],
+        pooling: Pooling,
+        normalize: bool,
+        stop: Option<Stop<'_>>,
+    ) -> Result<Vec<Vec<f32>>> {
         if inputs.is_empty() || inputs.iter().any(Vec::is_empty) {
-            return Err(Error::InvalidArgument("every input to embed needs at least one token".into()));
+            return Err(Error::InvalidArgument(
+                "every input to embed needs at least one token".into(),
+            ));
         }
         if inputs.len() > self.params.n_seq_max as usize {
             return Err(Error::InvalidArgument(format!(
@@ -108,12 +116,21 @@ impl Context {
     }
 
     /// Every row's vector (n-embd floats) for one input of at most n-batch tokens.
-    pub fn embed_rows(&mut self, tokens: &[Token], normalize: bool, stop: Option<Stop<'_>>) -> Result<Vec<Vec<f32>>> {
+    pub fn embed_rows(
+        &mut self,
+        tokens: &[Token],
+        normalize: bool,
+        stop: Option<Stop<'_>>,
+    ) -> Result<Vec<Vec<f32>>> {
         if tokens.is_empty() {
-            return Err(Error::InvalidArgument("the input to embed needs at least one token".into()));
+            return Err(Error::InvalidArgument(
+                "the input to embed needs at least one token".into(),
+            ));
         }
         if let Some(own) = self.own_pooling()? {
-            return Err(Error::InvalidArgument(format!("this model pools its embeddings itself ({own:?}): no per-row vectors")));
+            return Err(Error::InvalidArgument(format!(
+                "this model pools its embeddings itself ({own:?}): no per-row vectors"
+            )));
         }
         let mut batch = Batch::sequence(tokens, 0, 0);
         batch.logits = vec![true; tokens.len()];
@@ -132,22 +149,29 @@ impl Context {
             sys::LLAMA_POOLING_TYPE_MEAN => Ok(Some(Pooling::Mean)),
             sys::LLAMA_POOLING_TYPE_CLS => Ok(Some(Pooling::Cls)),
             sys::LLAMA_POOLING_TYPE_LAST => Ok(Some(Pooling::Last)),
-            other => Err(Error::InvalidArgument(format!("this model's own pooling (llama.cpp type {other}, e.g. rank) is not supported"))),
+            other => Err(Error::InvalidArgument(format!(
+                "this model's own pooling (llama.cpp type {other}, e.g. rank) is not supported"
+            ))),
         }
     }
 
     /// Decode `batch` (positions from 0) into emptied memory with embedding output on,
     /// and read every row, or (`pooled_seqs` > 0, a model that pools) the vectors of
     /// sequences `0..pooled_seqs`. Memory is emptied again afterwards.
-    fn embed_batch(&mut self, batch: &Batch, pooled_seqs: usize, stop: Option<Stop<'_>>) -> Result<Vec<Vec<f32>>> {
+    fn embed_batch(
+        &mut self,
+        batch: &Batch,
+        pooled_seqs: usize,
+        stop: Option<Stop<'_>>,
+    ) -> Result<Vec<Vec<f32>>> {
         let ctx = self.ptr.as_ptr();
         if stop.is_some_and(|s| s.is_set()) {
             self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
         self.clear_all(); // from nothing, leftover included: the same input, the same vector
-        // SAFETY: a live context, `&mut self` (no decode in flight); a flag the next decode
-        // reads, switched back below before returning.
+                          // SAFETY: a live context, `&mut self` (no decode in flight); a flag the next decode
+                          // reads, switched back below before returning.
         unsafe { sys::llama_set_embeddings(ctx, true) };
         let decoded = self.decode(batch, stop);
         // SAFETY: the model is live (`self.model` is an `Arc`); reads a number.
@@ -170,7 +194,9 @@ impl Context {
                 // floats; valid until the next decode, and copied out here.
                 Ok(unsafe { std::slice::from_raw_parts(ptr, width) }.to_vec())
             };
-            (0..if pooled_seqs > 0 { pooled_seqs } else { batch.len() }).map(read).collect::<Result<Vec<_>>>()
+            (0..if pooled_seqs > 0 { pooled_seqs } else { batch.len() })
+                .map(read)
+                .collect::<Result<Vec<_>>>()
         });
         // SAFETY: as above; embedding output off again, as `new` made the context.
         unsafe { sys::llama_set_embeddings(ctx, false) };
