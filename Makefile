@@ -106,10 +106,12 @@ test-gpu: deps
 	  GGML_VK_DISABLE_COOPMAT=$${GGML_VK_DISABLE_COOPMAT-1} \
 	  $(CARGO) test $(PROFILE) -p llamabox $(FEATURES) --test gpu -- --test-threads=1
 
-# Clippy on the host package, warnings as errors (not part of `make test`: a second,
-# check-mode build of every dependency). lib.rs denies undocumented unsafe blocks and
-# unsafe fns without a `# Safety` section.
+# rustfmt on both workspaces (rustfmt.toml), then clippy on the host package, warnings as
+# errors (not part of `make test`: a second, check-mode build of every dependency).
+# lib.rs denies undocumented unsafe blocks and unsafe fns without a `# Safety` section.
 lint: deps
+	$(CARGO) fmt --all --check
+	cd guest && $(CARGO) fmt --all --check
 	$(CARGO) clippy $(PROFILE) -p llamabox $(FEATURES) --all-targets -- -D warnings
 	$(CARGO) clippy $(PROFILE) -p llamabox --no-default-features --lib --example embedder -- -D warnings
 	@! $(CARGO) tree -p llamabox --no-default-features -e normal --prefix none | grep -E '^(clap|prometheus-client|hyper-util|tracing-subscriber) ' \
