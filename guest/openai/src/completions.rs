@@ -32,9 +32,47 @@ pub enum Prompt {
 }
 
 pub struct MediaPrompt {
+    /// In order; a last run of tokens is the generation's own prompt.
     // Chunks drop before their projector's context.
-    pub chunks: Vec<Chunk>,
+    pub parts: Vec<MediaPart>,
     pub media: MediaContext,
+}
+
+/// A piece of a prompt with media: text tokens (prefilled by a generation of no
+/// tokens) or a media chunk (encoded and evaluated by the projector).
+pub enum MediaPart {
+    Tokens(Vec<i32>),
+    Media(Chunk),
+}
+
+impl MediaPrompt {
+    /// The parts evaluated before the generation starts, and the tokens it starts with.
+    fn split(&self) -> (&[MediaPart], &[i32]) {
+        match self.parts.split_last() {
+            Some((MediaPart::Tokens(tokens), before)) => (before, tokens),
+            _ => (&self.parts, &[]),
+        }
+    }
+
+    fn n_tokens(&self) -> u32 {
+        let n = |p: &MediaPart| match p {
+            MediaPart::Tokens(tokens) => tokens.len() as u32,
+            MediaPart::Media(chunk) => chunk.n_tokens(),
+        };
+        self.parts.iter().map(n).sum()
+    }
+}
+
+/// `tokens` decoded into `ctx` after what it holds, by a generation of no tokens: the
+/// host's prefill, batched and cancellable like any.
+fn prefill(ctx: &Context, tokens: &[i32], cancel: &CancelToken) -> Result<(), ApiError> {
+    let generation =
+        generate::start(ctx, &llamabox_guest::greedy_params(tokens.to_vec(), 0), cancel)?;
+    while generation.next()?.is_some() {}
+    match generation.finish_reason() {
+        Some(FinishReason::Cancelled) => Err(HostError::Cancelled.into()),
+        _ => Ok(()),
+    }
 }
 
 /// One choice's generation on the host, with what it needs alive. `begin` starts it:
@@ -72,7 +110,7 @@ impl Run {
         let limit = model.n_ctx_train().min(cap).max(1);
         let n_prompt = match prompt {
             Prompt::Tokens(tokens) => tokens.len() as u32,
-            Prompt::Media(m) => m.chunks.iter().map(|c| c.n_tokens()).sum(),
+            Prompt::Media(m) => m.n_tokens(),
         };
         if n_prompt == 0 {
             return Err(ApiError::invalid("The prompt is empty", Some(param)));
@@ -103,7 +141,7 @@ impl Run {
         let cancel = CancelToken::create()?;
         let (tokens, media) = match prompt {
             Prompt::Tokens(tokens) => (tokens.clone(), None),
-            Prompt::Media(m) => (Vec::new(), Some(m.clone())),
+            Prompt::Media(m) => (m.split().1.to_vec(), Some(m.clone())),
         };
         let sampler = sampling.sampler(model, choice)?;
         let params = GenerateParams {
@@ -122,8 +160,22 @@ impl Run {
     fn begin(&mut self) -> Result<(), ApiError> {
         if self.generation.is_none() {
             if let Some(m) = &self.media {
-                let chunks: Vec<&Chunk> = m.chunks.iter().collect();
-                m.media.eval_chunks(&self.ctx, &chunks, 0, &self.cancel)?;
+                let mut chunks: Vec<&Chunk> = Vec::new();
+                for part in m.split().0 {
+                    match part {
+                        MediaPart::Media(chunk) => chunks.push(chunk),
+                        MediaPart::Tokens(tokens) => {
+                            if !chunks.is_empty() {
+                                m.media.eval_chunks(&self.ctx, &chunks, 0, &self.cancel)?;
+                                chunks.clear();
+                            }
+                            prefill(&self.ctx, tokens, &self.cancel)?;
+                        }
+                    }
+                }
+                if !chunks.is_empty() {
+                    m.media.eval_chunks(&self.ctx, &chunks, 0, &self.cancel)?;
+                }
             }
             self.generation = Some(generate::start(&self.ctx, &self.params, &self.cancel)?);
         }

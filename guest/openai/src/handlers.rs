@@ -1,9 +1,9 @@
 //! The endpoints: routing, request checks, and generation on the host.
 
 use crate::api::{self, ApiError, Message, Object, OneOrMany};
-use crate::completions::{Choices, Format, MediaPrompt, Prompt, Stream, MAX_CHOICES};
+use crate::completions::{Choices, Format, MediaPart, MediaPrompt, Prompt, Stream, MAX_CHOICES};
 use crate::http::{self, Body};
-use crate::template::{self, ToolCall, Turn};
+use crate::template::{self, Span, ToolCall, Turn};
 use crate::tools::Tools;
 use crate::vision;
 use crate::wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
@@ -11,7 +11,7 @@ use llamabox_guest::cancel::CancelToken;
 use llamabox_guest::embeddings::{self, Pooling};
 use llamabox_guest::generate::{self, LogitBias, Penalties, SamplerParams};
 use llamabox_guest::llm::{Context, ContextParams, Model};
-use llamabox_guest::media::{Input, MediaContext};
+use llamabox_guest::media::{ChunkKind, Input, MediaContext};
 use llamabox_guest::types::Error as HostError;
 
 /// Context size cap when `LLAMABOX_N_CTX` does not set one (the model's training length caps it too).
@@ -180,11 +180,12 @@ fn chat(body: &Object) -> Result<Reply, ApiError> {
     }
     let (turns, images) = chat_messages(body)?;
     let (name, model) = open_model(body)?;
-    let (prompt, texts) = chat_prompt(&model, &turns, tools.as_ref())?;
+    let rendered = chat_prompt(&model, &turns, tools.as_ref())?;
+    let spans = prompt_spans(&model, &rendered)?;
     let prompt = if images.is_empty() {
-        Prompt::Tokens(chat_tokens(&model, &prompt, &texts)?)
+        Prompt::Tokens(chat_tokens(&model, &rendered.text, &spans)?)
     } else {
-        media_prompt(&name, &model, &prompt, images)?
+        media_prompt(&name, &model, &rendered.text, &spans, images)?
     };
     let format = Format { chat: true, id: new_id("chatcmpl"), created: now(), model: name };
     Choices::start(model, &[prompt], &sampling, "messages", format)?.finish()
@@ -227,48 +228,150 @@ fn chat_messages(body: &Object) -> Result<(Vec<Turn>, Vec<Input>), ApiError> {
             Some("messages"),
         ));
     }
-    let mut images = Vec::new();
+    let mut inputs = Inputs::default();
     let turns = messages
         .into_iter()
         .enumerate()
-        .map(|(i, m)| chat_turn(i, m, &mut images))
+        .map(|(i, m)| chat_turn(i, m, &mut inputs))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok((turns, images))
+    // Beside images, text that spells their marker would take an image's place.
+    if let (false, Some(param)) = (inputs.images.is_empty(), inputs.marker_text) {
+        let message =
+            format!("Text that spells the image marker '{}' cannot go with images", vision::MARKER);
+        return Err(ApiError::invalid(message, Some(&param)));
+    }
+    Ok((turns, inputs.images))
+}
+
+/// What a request's messages hold beside their texts: their images (each a marker in
+/// its message's text), and the first text that spells the marker itself, if any.
+#[derive(Default)]
+struct Inputs {
+    images: Vec<Input>,
+    marker_text: Option<String>,
 }
 
 /// `turns` formatted with `model`'s own chat template (and `tools`, when the model may
 /// call them), ending with the opening of the assistant's turn: a chat completion's
-/// prompt text, and the texts in it that the client wrote.
+/// prompt text, and where the texts the client wrote are in it.
+///
+/// Message text is never parsed for special tokens (SECURITY.md), on every path: plain
+/// chat, images, tools and the polyfills. A turn's text (its `content`, what the
+/// polyfills wrote into it included) is tokenized as plain text wherever the prompt
+/// can be cut provably into the template's pieces and the texts ([`template::split`]);
+/// where it cannot, a text that spells a special token is refused (see
+/// [`prompt_spans`]). Every other string of the request that the template writes where
+/// it likes, among its own text (`tools`, a message's `name` and `tool_call_id`, its
+/// calls' ids, names and arguments), is refused with a 400 naming its field if it
+/// spells a special token.
 fn chat_prompt(
     model: &Model,
     turns: &[Turn],
     tools: Option<&Tools>,
-) -> Result<(String, Vec<String>), ApiError> {
+) -> Result<template::Rendered, ApiError> {
     if let Some(tools) = tools {
         no_special_text(model, &tools.listed().to_string(), "tools")?;
     }
-    for (i, call) in
-        turns.iter().enumerate().flat_map(|(i, t)| t.tool_calls.iter().map(move |c| (i, c)))
-    {
-        no_special_text(model, &call.arguments.to_string(), &format!("messages[{i}].tool_calls"))?;
+    let fields = template_fields(turns);
+    // One check of them all together; only if that finds something, one by one to name it.
+    let all: Vec<&str> = fields.iter().map(|(_, text)| text.as_str()).collect();
+    if no_special_text(model, &all.join("\n"), "messages").is_err() {
+        for (param, text) in &fields {
+            no_special_text(model, text, param)?;
+        }
     }
     let instruction = tools.map(Tools::instruction);
     template::chat_prompt(model, turns, tools.map(Tools::listed), instruction.as_deref())
         .map_err(|e| too_long(e, "messages"))
 }
 
-/// Text the template may write where it likes (tool definitions, call arguments) must
-/// not spell a special token: it is tokenized with the template's own text, where
-/// special tokens are parsed, and a client must not write `<|im_end|>` into its prompt.
+/// The strings of `turns` beside their texts that a template may write among its own
+/// text, with their fields' paths.
+fn template_fields(turns: &[Turn]) -> Vec<(String, String)> {
+    let mut fields = Vec::new();
+    for (t, turn) in turns.iter().enumerate() {
+        let i = turn.source.unwrap_or(t);
+        if let Some(name) = &turn.name {
+            fields.push((format!("messages[{i}].name"), name.clone()));
+        }
+        if let Some(id) = &turn.tool_call_id {
+            fields.push((format!("messages[{i}].tool_call_id"), id.clone()));
+        }
+        for (j, call) in turn.tool_calls.iter().enumerate() {
+            let at = format!("messages[{i}].tool_calls[{j}]");
+            fields.push((format!("{at}.id"), call.id.clone()));
+            fields.push((format!("{at}.function.name"), call.name.clone()));
+            let arguments = match &call.arguments {
+                serde_json::Value::String(text) => text.clone(),
+                other => other.to_string(),
+            };
+            fields.push((format!("{at}.function.arguments"), arguments));
+        }
+    }
+    fields.retain(|(_, text)| !text.is_empty());
+    fields
+}
+
+/// Where the messages' texts are in `rendered`: the proven cut, or, for a template that
+/// rewrites texts so that none can be proven, the texts where they are found, after
+/// refusing any text that spells a special token (the one rule either way: a message's
+/// text never becomes a special token).
+fn prompt_spans(model: &Model, rendered: &template::Rendered) -> Result<Vec<Span>, ApiError> {
+    if let Some(spans) = &rendered.spans {
+        return Ok(spans.clone());
+    }
+    for (source, text) in &rendered.texts {
+        let param = source.map_or("tools".to_string(), |i| format!("messages[{i}].content"));
+        no_special_text(model, text, &param)?;
+    }
+    let texts: Vec<String> = rendered.texts.iter().map(|(_, t)| t.clone()).collect();
+    Ok(template::locate(&rendered.text, &texts))
+}
+
+/// Bytes of text checked for special tokens at a time: llama.cpp's special-token split
+/// is quadratic in the text's length (and the host caps it, `max-special-text-bytes`),
+/// so a long text is checked in windows that overlap by more than any special token's
+/// text, which each occurrence therefore lies whole within.
+const SPECIAL_WINDOW: usize = 4096;
+const SPECIAL_OVERLAP: usize = 256;
+
+/// A 400 naming `param` if `text` spells a special token: it is tokenized with and
+/// without special parsing (window by window, [`windows`]), which differ exactly then.
 fn no_special_text(model: &Model, text: &str, param: &str) -> Result<(), ApiError> {
-    let parsed = tokenize(model, text, false, true, param)?;
-    if parsed != tokenize(model, text, false, false, param)? {
-        return Err(ApiError::invalid(
-            format!("'{param}' contains a special token's text"),
-            Some(param),
-        ));
+    for window in windows(text, SPECIAL_WINDOW, SPECIAL_OVERLAP) {
+        let parsed = tokenize(model, window, false, true, param)?;
+        if parsed != tokenize(model, window, false, false, param)? {
+            return Err(ApiError::invalid(
+                format!("'{param}' contains a special token's text"),
+                Some(param),
+            ));
+        }
     }
     Ok(())
+}
+
+/// `text` in windows of at most `size` bytes (cut at character boundaries), each
+/// starting `overlap` bytes or less before the last one ended: any piece of at most
+/// `overlap` bytes lies whole within one of them.
+fn windows(text: &str, size: usize, overlap: usize) -> Vec<&str> {
+    let floor = |mut at: usize| {
+        while !text.is_char_boundary(at) {
+            at -= 1;
+        }
+        at
+    };
+    let mut out = Vec::new();
+    let mut start = 0;
+    loop {
+        let end = floor((start + size).min(text.len()));
+        out.push(&text[start..end]);
+        if end == text.len() {
+            return out;
+        }
+        // At least one character on, at most `overlap` bytes back.
+        let back = floor(end.saturating_sub(overlap));
+        start = if back > start { back } else { end };
+    }
 }
 
 /// `POST /apply-template` (llama-server's): the prompt text a chat completion of the
@@ -278,7 +381,7 @@ fn post_apply_template(body: &Object) -> Result<String, ApiError> {
     let tools = Tools::read(body)?;
     let (turns, _images) = chat_messages(body)?;
     let (_, model) = open_model_or_only(body)?;
-    let (prompt, _) = chat_prompt(&model, &turns, tools.as_ref())?;
+    let prompt = chat_prompt(&model, &turns, tools.as_ref())?.text;
     Ok(api::to_json(&api::TemplatedPrompt { prompt }))
 }
 
@@ -312,22 +415,18 @@ fn post_detokenize(body: &Object) -> Result<String, ApiError> {
     Ok(api::to_json(&api::Detokenized { content }))
 }
 
-/// The templated prompt's tokens. The template's own text is parsed for special tokens
-/// (`<|im_start|>`, ...); the messages' texts are not: a user cannot write a special
-/// token, and long texts escape the host's cap on special parsing. Should the template
-/// have changed a text so that it is not found, the whole prompt is parsed.
-fn chat_tokens(model: &Model, prompt: &str, texts: &[String]) -> Result<Vec<i32>, ApiError> {
+/// The templated prompt's tokens: the template's pieces parsed for special tokens
+/// (`<|im_start|>`, ...), the messages' texts not (a user cannot write a special
+/// token, and long texts escape the host's cap on special parsing).
+fn chat_tokens(model: &Model, prompt: &str, spans: &[Span]) -> Result<Vec<i32>, ApiError> {
     let mut tokens = Vec::new();
-    let mut rest = prompt;
-    for text in texts.iter().filter(|t| !t.is_empty()) {
-        let Some(at) = rest.find(text.as_str()) else {
-            return tokenize(model, prompt, true, true, "messages");
-        };
-        tokens.extend(tokenize(model, &rest[..at], tokens.is_empty(), true, "messages")?);
-        tokens.extend(tokenize(model, text, tokens.is_empty(), false, "messages")?);
-        rest = &rest[at + text.len()..];
+    for span in spans {
+        let text = &prompt[span.start..span.end];
+        tokens.extend(tokenize(model, text, tokens.is_empty(), !span.message, "messages")?);
     }
-    tokens.extend(tokenize(model, rest, tokens.is_empty(), true, "messages")?);
+    if tokens.is_empty() {
+        tokens = tokenize(model, "", true, true, "messages")?;
+    }
     Ok(tokens)
 }
 
@@ -355,12 +454,17 @@ fn too_long(e: HostError, param: &str) -> ApiError {
     }
 }
 
-/// A prompt with images: chunks of text and images for the model's projector (named in
-/// `LLAMABOX_VISION`). Its text is tokenized whole, special tokens parsed.
+/// A prompt with images: text tokens and images for the model's projector (named in
+/// `LLAMABOX_VISION`), in order. The text is tokenized here as [`chat_tokens`] does
+/// (the messages' texts never special-parsed: the host's media tokenizer parses every
+/// text it is given), and each image is tokenized alone, as its marker: the projector's
+/// own text around it (`<start_of_image>`, ...) is kept, the start-of-text tokens it
+/// writes at the start of each call are not.
 fn media_prompt(
     name: &str,
     model: &Model,
     prompt: &str,
+    spans: &[Span],
     images: Vec<Input>,
 ) -> Result<Prompt, ApiError> {
     let Some(projector) = vision::projector_for(name) else {
@@ -369,16 +473,56 @@ fn media_prompt(
         );
         return Err(ApiError::invalid(message, Some("messages")));
     };
+    let segments = vision::segments(prompt, spans);
+    let markers = segments.iter().filter(|s| matches!(s, vision::Segment::Media)).count();
+    if markers != images.len() {
+        let message = format!("The chat template wrote {markers} of the messages' {} images: it rewrote a message with images in it", images.len());
+        return Err(ApiError::invalid(message, Some("messages")));
+    }
     let media = MediaContext::open(&projector, model)?;
-    let prompt = prompt.replace(vision::MARKER, &media.marker());
-    let chunks = media.tokenize(&prompt, &images).map_err(|e| too_long(e, "messages"))?;
-    Ok(Prompt::Media(std::rc::Rc::new(MediaPrompt { chunks, media })))
+    let marker = media.marker();
+    let bos = tokenize(model, "", true, false, "messages")?;
+    let (mut parts, mut tokens) = (Vec::new(), Vec::new());
+    let mut images = images.into_iter();
+    for segment in segments {
+        let first = parts.is_empty() && tokens.is_empty();
+        match segment {
+            vision::Segment::Template(text) => {
+                tokens.extend(tokenize(model, text, first, true, "messages")?)
+            }
+            vision::Segment::Text(text) => {
+                tokens.extend(tokenize(model, text, first, false, "messages")?)
+            }
+            vision::Segment::Media => {
+                let image = images.next().expect("as many images as markers");
+                let chunks =
+                    media.tokenize(&marker, &[image]).map_err(|e| too_long(e, "messages"))?;
+                for (k, chunk) in chunks.into_iter().enumerate() {
+                    if chunk.kind() != ChunkKind::Text {
+                        if !tokens.is_empty() {
+                            parts.push(MediaPart::Tokens(std::mem::take(&mut tokens)));
+                        }
+                        parts.push(MediaPart::Media(chunk));
+                        continue;
+                    }
+                    let text = chunk.text_tokens();
+                    let skip =
+                        if k == 0 && !first && text.starts_with(&bos) { bos.len() } else { 0 };
+                    tokens.extend_from_slice(&text[skip..]);
+                }
+            }
+        }
+    }
+    if !tokens.is_empty() {
+        parts.push(MediaPart::Tokens(tokens));
+    }
+    Ok(Prompt::Media(std::rc::Rc::new(MediaPrompt { parts, media })))
 }
 
 /// One turn for the chat template: roles as the template knows them, text parts
 /// joined, each image part a marker (its image pushed onto `images`), an assistant's
 /// calls with their arguments as objects, a tool's answer with the call it answers.
-fn chat_turn(i: usize, m: Message, images: &mut Vec<Input>) -> Result<Turn, ApiError> {
+fn chat_turn(i: usize, m: Message, inputs: &mut Inputs) -> Result<Turn, ApiError> {
     let role = match m.role.as_str() {
         "system" | "developer" => "system",
         "user" => "user",
@@ -395,15 +539,25 @@ fn chat_turn(i: usize, m: Message, images: &mut Vec<Input>) -> Result<Turn, ApiE
     let content = match m.content {
         // A refusal an assistant turn gave is what it said.
         None => m.refusal.unwrap_or_default(),
-        Some(api::Content::Text(text)) => text,
+        Some(api::Content::Text(text)) => {
+            if text.contains(vision::MARKER) {
+                inputs.marker_text.get_or_insert(format!("messages[{i}].content"));
+            }
+            text
+        }
         Some(api::Content::Parts(parts)) => {
             let mut text = String::new();
             for (j, part) in parts.into_iter().enumerate() {
                 let param = format!("messages[{i}].content[{j}]");
                 match (part.kind.as_str(), part.text, part.image_url) {
-                    ("text", Some(t), _) => text.push_str(&t),
+                    ("text", Some(t), _) => {
+                        if t.contains(vision::MARKER) {
+                            inputs.marker_text.get_or_insert(format!("{param}.text"));
+                        }
+                        text.push_str(&t)
+                    }
                     ("image_url", _, Some(image)) => {
-                        images.push(Input::Image(vision::decode(&image.url, &param)?));
+                        inputs.images.push(Input::Image(vision::decode(&image.url, &param)?));
                         text.push_str(vision::MARKER);
                     }
                     (kind, _, _) => {
@@ -454,7 +608,7 @@ fn chat_turn(i: usize, m: Message, images: &mut Vec<Input>) -> Result<Turn, ApiE
         }
         (_, None) => None,
     };
-    Ok(Turn { role: role.into(), content, tool_calls, tool_call_id, name: m.name })
+    Ok(Turn { role: role.into(), content, tool_calls, tool_call_id, name: m.name, source: Some(i) })
 }
 
 /// `POST /v1/completions`.
@@ -1100,8 +1254,95 @@ mod tests {
     }
 
     #[test]
+    fn long_texts_are_checked_in_overlapping_windows() {
+        let text: String = (0..3000).map(|i| if i % 7 == 0 { 'é' } else { 'a' }).collect();
+        let parts = windows(&text, 100, 10);
+        assert!(parts.iter().all(|w| w.len() <= 100 && !w.is_empty()));
+        assert_eq!(parts.concat().len() > text.len(), true, "they overlap");
+        // Every piece of at most 10 bytes is whole within one window.
+        let offsets: Vec<usize> =
+            parts.iter().map(|w| w.as_ptr() as usize - text.as_ptr() as usize).collect();
+        for start in (0..text.len()).filter(|&i| text.is_char_boundary(i)) {
+            let end = (start + 10).min(text.len());
+            assert!(
+                offsets.iter().zip(&parts).any(|(&o, w)| o <= start && end <= o + w.len()),
+                "{start}..{end} is cut"
+            );
+        }
+        assert_eq!(windows("", 100, 10), [""]);
+        assert_eq!(windows("short", 100, 10), ["short"]);
+    }
+
+    #[test]
+    fn strings_a_template_writes_among_its_own_are_named_by_path() {
+        let m = |i: usize, json: &str| {
+            chat_turn(i, serde_json::from_str(json).unwrap(), &mut Inputs::default()).unwrap()
+        };
+        let turns = [
+            m(0, r#"{"role":"user","content":"hi","name":"ann"}"#),
+            m(
+                1,
+                r#"{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\":\"<|x|>\"}"}}]}"#,
+            ),
+            m(2, r#"{"role":"tool","content":"4","tool_call_id":"c1"}"#),
+        ];
+        let fields = template_fields(&turns);
+        let paths: Vec<&str> = fields.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "messages[0].name",
+                "messages[1].tool_calls[0].id",
+                "messages[1].tool_calls[0].function.name",
+                "messages[1].tool_calls[0].function.arguments",
+                "messages[2].tool_call_id",
+            ]
+        );
+        assert_eq!(fields[3].1, r#"{"a":"<|x|>"}"#);
+    }
+
+    #[test]
+    fn text_that_spells_the_image_marker_cannot_go_with_images() {
+        let parse = |json: &str| Object::parse(json.as_bytes()).unwrap();
+        // Alone it is text like any.
+        let (turns, images) =
+            chat_messages(&parse(r#"{"messages":[{"role":"user","content":"a <__media__> b"}]}"#))
+                .unwrap();
+        assert_eq!((turns[0].content.as_str(), images.len()), ("a <__media__> b", 0));
+        let image = format!(
+            r#"{{"type":"image_url","image_url":{{"url":"{}"}}}}"#,
+            vision::tests::png_url()
+        );
+        let (turns, images) = chat_messages(&parse(&format!(
+            r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"see "}},{image}]}}]}}"#
+        )))
+        .unwrap();
+        assert_eq!((turns[0].content.as_str(), images.len()), ("see <__media__>", 1));
+        for (messages, param) in [
+            (
+                format!(
+                    r#"[{{"role":"user","content":"x <__media__>"}},{{"role":"user","content":[{image}]}}]"#
+                ),
+                "messages[0].content",
+            ),
+            (
+                format!(
+                    r#"[{{"role":"user","content":[{image},{{"type":"text","text":"<__media__>"}}]}}]"#
+                ),
+                "messages[0].content[1].text",
+            ),
+        ] {
+            let e = chat_messages(&parse(&format!(r#"{{"messages":{messages}}}"#)))
+                .err()
+                .unwrap_or_else(|| panic!("{messages} was accepted"));
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{messages}");
+        }
+    }
+
+    #[test]
     fn chat_messages_map_roles_and_parts() {
-        let m = |json: &str| chat_turn(1, serde_json::from_str(json).unwrap(), &mut Vec::new());
+        let m =
+            |json: &str| chat_turn(1, serde_json::from_str(json).unwrap(), &mut Inputs::default());
         assert_eq!(m(r#"{"role":"developer","content":"x"}"#).unwrap().role, "system");
         assert_eq!(m(r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}"#).unwrap().content, "ab");
         assert_eq!(

@@ -128,12 +128,14 @@ impl Tools {
                 "none" => return Ok(None),
                 "auto" => Choice::Auto,
                 "required" => Choice::Required,
-                other => return Err(ApiError::invalid(
-                    format!(
+                other => {
+                    return Err(ApiError::invalid(
+                        format!(
                         "Unsupported tool_choice '{other}': use none, auto, required or a function"
                     ),
-                    Some("tool_choice"),
-                )),
+                        Some("tool_choice"),
+                    ))
+                }
             },
             Some(named) => {
                 let name = match (named.get("type").and_then(Value::as_str), named.pointer("/function/name").and_then(Value::as_str)) {

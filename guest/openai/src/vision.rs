@@ -2,6 +2,7 @@
 //! URL (no fetching: a plugin has no network), decoded to RGB for the host's projector.
 
 use crate::api::ApiError;
+use crate::template::Span;
 use llamabox_guest::media::Image;
 
 /// The host's `max-image-side`: larger images are refused before they are decoded.
@@ -10,6 +11,40 @@ const MAX_IMAGE_SIDE: u32 = 2048;
 /// What stands for an image in the text given to the chat template; replaced by the
 /// projector's own marker once it is open.
 pub const MARKER: &str = "<__media__>";
+
+/// A piece of a chat prompt with images, in order.
+#[derive(Debug, PartialEq)]
+pub enum Segment<'a> {
+    /// The template's text: special tokens parsed.
+    Template(&'a str),
+    /// A message's text: plain.
+    Text(&'a str),
+    /// Where the next image goes.
+    Media,
+}
+
+/// `prompt` as its `spans` cut it, each message text cut again at its markers (which
+/// image parts put there: the request's own text may not spell one, see
+/// `handlers::chat_messages`). A marker in the template's pieces is not an image.
+pub fn segments<'a>(prompt: &'a str, spans: &[Span]) -> Vec<Segment<'a>> {
+    let mut out = Vec::new();
+    for span in spans {
+        let text = &prompt[span.start..span.end];
+        if !span.message {
+            out.push(Segment::Template(text));
+            continue;
+        }
+        for (k, piece) in text.split(MARKER).enumerate() {
+            if k > 0 {
+                out.push(Segment::Media);
+            }
+            if !piece.is_empty() {
+                out.push(Segment::Text(piece));
+            }
+        }
+    }
+    out
+}
 
 /// The projector to use with `model`, from `LLAMABOX_VISION` (`model=projector,...`).
 pub fn projector_for(model: &str) -> Option<String> {
@@ -76,7 +111,7 @@ fn unbase64(text: &str) -> Option<Vec<u8>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -85,5 +120,43 @@ mod tests {
             assert_eq!(unbase64(&crate::api::base64(bytes)).as_deref(), Some(bytes));
         }
         assert_eq!(unbase64("a*b="), None);
+    }
+
+    /// A 1x1 PNG as a data URL.
+    pub(crate) fn png_url() -> String {
+        let mut bytes = Vec::new();
+        let mut encoder = png::Encoder::new(&mut bytes, 1, 1);
+        encoder.set_color(png::ColorType::Rgb);
+        encoder.write_header().unwrap().write_image_data(&[1, 2, 3]).unwrap();
+        format!("data:image/png;base64,{}", crate::api::base64(&bytes))
+    }
+
+    #[test]
+    fn a_png_data_url_decodes() {
+        let image = decode(&png_url(), "p").unwrap();
+        assert_eq!((image.width, image.height, image.rgb), (1, 1, vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn images_are_found_in_the_messages_texts_only() {
+        let prompt = "<s>user\nSee <__media__> and<__media__></s><__media__>";
+        let end = prompt.find("</s>").unwrap();
+        let spans = [
+            Span { start: 0, end: 8, message: false },
+            Span { start: 8, end, message: true },
+            Span { start: end, end: prompt.len(), message: false },
+        ];
+        assert_eq!(&prompt[8..end], "See <__media__> and<__media__>");
+        assert_eq!(
+            segments(prompt, &spans),
+            [
+                Segment::Template("<s>user\n"),
+                Segment::Text("See "),
+                Segment::Media,
+                Segment::Text(" and"),
+                Segment::Media,
+                Segment::Template("</s><__media__>"),
+            ]
+        );
     }
 }
