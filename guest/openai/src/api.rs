@@ -150,9 +150,6 @@ impl Object {
     /// `false`, `[]`): a field this server would otherwise ignore, leaving the client
     /// believing it got JSON, a tool call or logprobs.
     pub fn refuse_unknown(&self, honoured: &[&str]) -> Result<(), ApiError> {
-        let off = |v: &Value| {
-            matches!(v, Value::Null | Value::Bool(false)) || v.as_array().is_some_and(Vec::is_empty)
-        };
         match self.0.iter().find(|(name, value)| !honoured.contains(&name.as_str()) && !off(value))
         {
             Some((name, _)) => Err(ApiError::invalid(
@@ -188,45 +185,165 @@ impl<T> OneOrMany<T> {
     }
 }
 
-/// One chat message as clients send it.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+/// One chat message as clients send it, read field by field (`Message::read`) so that
+/// an error names the field by its whole path (`messages[3].tool_calls[0].function.name`).
+///
+/// Fields of OpenAI's own message schema that this server does not read — what the
+/// SDK writes back when an application appends `message.model_dump()` to its history:
+/// `annotations`, `audio`, `function_call` — are accepted when off (`null`, `false`,
+/// `[]`), as at the top level of a request; any other value of them, or of a field
+/// nobody knows, is refused naming it (`messages[1].audio`): it asks for something
+/// (an audio turn, a legacy function call, citations) this server cannot honour.
 pub struct Message {
     pub role: String,
     /// `null` for an assistant turn that only called tools.
-    #[serde(default)]
     pub content: Option<Content>,
     /// The participant's name (a tool message's: the function's).
-    #[serde(default)]
     pub name: Option<String>,
     /// An assistant turn's calls.
-    #[serde(default)]
     pub tool_calls: Option<Vec<ToolCallIn>>,
     /// A tool turn answers this call.
-    #[serde(default)]
     pub tool_call_id: Option<String>,
     /// An assistant turn that refused (OpenAI's structured outputs): its text, when the
     /// turn has no content.
-    #[serde(default)]
     pub refusal: Option<String>,
 }
 
-/// A call in an assistant turn of the history.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A call in an assistant turn of the history. Its `index` (which a streamed answer's
+/// deltas carry, and a client that joins them may keep) is read and changes nothing.
 pub struct ToolCallIn {
     pub id: String,
-    #[serde(rename = "type")]
     pub kind: String,
     pub function: FunctionCallIn,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct FunctionCallIn {
     pub name: String,
     /// JSON text, as OpenAI sends it.
     pub arguments: String,
+}
+
+/// A JSON object's fields, read one by one and named by `path` in errors.
+struct Fields {
+    map: Map<String, Value>,
+    path: String,
+}
+
+impl Fields {
+    fn new(value: Value, path: String) -> Result<Self, ApiError> {
+        match value {
+            Value::Object(map) => Ok(Fields { map, path }),
+            _ => Err(ApiError::invalid(format!("'{path}' must be an object"), Some(&path))),
+        }
+    }
+
+    fn path(&self, name: &str) -> String {
+        format!("{}.{name}", self.path)
+    }
+
+    /// Field `name` (absent and `null` are `None`), taken out.
+    fn take<T: DeserializeOwned>(&mut self, name: &str) -> Result<Option<T>, ApiError> {
+        match self.map.remove(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(value) => T::deserialize(value).map(Some).map_err(|e| {
+                let path = self.path(name);
+                ApiError::invalid(format!("Invalid value for '{path}': {e}"), Some(&path))
+            }),
+        }
+    }
+
+    fn require<T: DeserializeOwned>(&mut self, name: &str) -> Result<T, ApiError> {
+        self.take(name)?.ok_or_else(|| {
+            let path = self.path(name);
+            ApiError::invalid(format!("Missing required parameter: '{path}'"), Some(&path))
+        })
+    }
+
+    /// A 400 naming the first field left that is not off: nobody read it.
+    fn refuse_rest(&self) -> Result<(), ApiError> {
+        match self.map.iter().find(|(_, value)| !off(value)) {
+            Some((name, _)) => {
+                let path = self.path(name);
+                Err(ApiError::invalid(
+                    format!("Unsupported parameter: '{path}' is not supported by this server"),
+                    Some(&path),
+                )
+                .with_code("unsupported_parameter"))
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// Whether a field's value asks for nothing: `null`, `false` or `[]`.
+fn off(value: &Value) -> bool {
+    matches!(value, Value::Null | Value::Bool(false)) || value.as_array().is_some_and(Vec::is_empty)
+}
+
+impl Message {
+    /// `messages[i]`, from its JSON.
+    pub fn read(value: Value, i: usize) -> Result<Message, ApiError> {
+        let mut f = Fields::new(value, format!("messages[{i}]"))?;
+        let role = f.require("role")?;
+        let content = match f.take::<Value>("content")? {
+            None => None,
+            Some(Value::String(text)) => Some(Content::Text(text)),
+            Some(Value::Array(parts)) => Some(Content::Parts(
+                parts
+                    .into_iter()
+                    .enumerate()
+                    .map(|(j, part)| {
+                        let path = format!("{}[{j}]", f.path("content"));
+                        ContentPart::deserialize(part).map_err(|e| {
+                            ApiError::invalid(
+                                format!("Invalid value for '{path}': {e}"),
+                                Some(&path),
+                            )
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+            )),
+            Some(_) => {
+                let path = f.path("content");
+                return Err(ApiError::invalid(
+                    format!("'{path}' must be a string or a list of content parts"),
+                    Some(&path),
+                ));
+            }
+        };
+        let name = f.take("name")?;
+        let tool_calls = match f.take::<Vec<Value>>("tool_calls")? {
+            None => None,
+            Some(calls) => Some(
+                calls
+                    .into_iter()
+                    .enumerate()
+                    .map(|(j, call)| {
+                        ToolCallIn::read(call, format!("{}[{j}]", f.path("tool_calls")))
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+        };
+        let tool_call_id = f.take("tool_call_id")?;
+        let refusal = f.take("refusal")?;
+        f.refuse_rest()?;
+        Ok(Message { role, content, name, tool_calls, tool_call_id, refusal })
+    }
+}
+
+impl ToolCallIn {
+    fn read(value: Value, path: String) -> Result<ToolCallIn, ApiError> {
+        let mut f = Fields::new(value, path)?;
+        let id = f.require("id")?;
+        let kind = f.require("type")?;
+        let _index: Option<u32> = f.take("index")?;
+        let mut g = Fields::new(f.require("function")?, f.path("function"))?;
+        let function =
+            FunctionCallIn { name: g.require("name")?, arguments: g.require("arguments")? };
+        g.refuse_rest()?;
+        f.refuse_rest()?;
+        Ok(ToolCallIn { id, kind, function })
+    }
 }
 
 #[derive(Deserialize)]
@@ -589,7 +706,7 @@ mod tests {
         assert_eq!(o.get::<Vec<String>>("stop").unwrap(), None);
         let e = o.get::<f32>("temperature").unwrap_err();
         assert_eq!((e.status, e.param.as_deref()), (400, Some("temperature")));
-        let e = o.require::<Vec<Message>>("messages").err().unwrap();
+        let e = o.require::<Vec<Value>>("messages").err().unwrap();
         assert_eq!(e.param.as_deref(), Some("messages"));
         assert!(e.to_json().starts_with(r#"{"error":{"message":"Missing required parameter: 'messages'","type":"invalid_request_error","param":"messages","code":null}}"#));
         assert_eq!(Object::parse(b"[1]").unwrap_err().status, 400);
@@ -612,11 +729,66 @@ mod tests {
 
     #[test]
     fn content_is_text_or_parts() {
-        let m: Vec<Message> =
+        let m: Vec<Value> =
             serde_json::from_str(r#"[{"role":"user","content":"hi"},{"role":"user","content":[{"type":"text","text":"a"}]},{"role":"assistant","content":null}]"#)
                 .unwrap();
+        let m: Vec<Message> =
+            m.into_iter().enumerate().map(|(i, v)| Message::read(v, i).ok().unwrap()).collect();
         assert!(matches!(&m[0].content, Some(Content::Text(t)) if t == "hi"));
         assert!(matches!(&m[1].content, Some(Content::Parts(p)) if p[0].kind == "text"));
         assert!(m[2].content.is_none());
+    }
+
+    #[test]
+    fn messages_the_sdk_writes_back_are_read() {
+        let read = |json: &str| Message::read(serde_json::from_str(json).unwrap(), 3);
+        // openai-python's `message.model_dump()` of an answer, and of one that called a tool.
+        let m = read(r#"{"content":"Hi","refusal":null,"role":"assistant","annotations":[],"audio":null,"function_call":null,"tool_calls":null}"#).ok().unwrap();
+        assert!(matches!(m.content, Some(Content::Text(t)) if t == "Hi"));
+        let m = read(r#"{"content":null,"refusal":null,"role":"assistant","annotations":null,"audio":null,"function_call":null,"tool_calls":[{"id":"c","function":{"arguments":"{}","name":"f"},"type":"function","index":0}]}"#).ok().unwrap();
+        assert_eq!(m.tool_calls.unwrap()[0].function.name, "f");
+        // What they would ask for, this server cannot do: refused by their whole path.
+        for (json, param) in [
+            (r#"{"role":"assistant","content":"x","audio":{"id":"a"}}"#, "messages[3].audio"),
+            (
+                r#"{"role":"assistant","content":null,"function_call":{"name":"f","arguments":"{}"}}"#,
+                "messages[3].function_call",
+            ),
+            (
+                r#"{"role":"assistant","content":"x","annotations":[{"type":"url_citation"}]}"#,
+                "messages[3].annotations",
+            ),
+            (r#"{"role":"user","content":"x","mood":"sunny"}"#, "messages[3].mood"),
+            (
+                r#"{"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}","strict":true}}]}"#,
+                "messages[3].tool_calls[0].function.strict",
+            ),
+            (
+                r#"{"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":{"a":1}}}]}"#,
+                "messages[3].tool_calls[0].function.arguments",
+            ),
+            (
+                r#"{"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"},"index":"first"}]}"#,
+                "messages[3].tool_calls[0].index",
+            ),
+            (
+                r#"{"role":"assistant","tool_calls":[{"type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
+                "messages[3].tool_calls[0].id",
+            ),
+            (
+                r#"{"role":"assistant","tool_calls":[{"id":"c","type":"function"}]}"#,
+                "messages[3].tool_calls[0].function",
+            ),
+            (r#"{"role":"assistant","tool_calls":{}}"#, "messages[3].tool_calls"),
+            (r#"{"role":"user","content":7}"#, "messages[3].content"),
+            (r#"{"role":"user","content":[{"text":"a"}]}"#, "messages[3].content[0]"),
+            (r#"{"content":"x"}"#, "messages[3].role"),
+            (r#"{"role":"user","name":5}"#, "messages[3].name"),
+            (r#""hi""#, "messages[3]"),
+        ] {
+            let e = read(json).err().unwrap_or_else(|| panic!("{json} was accepted"));
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{json}: {}", e.message);
+            assert!(e.message.contains(param), "{}", e.message);
+        }
     }
 }

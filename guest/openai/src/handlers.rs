@@ -221,7 +221,7 @@ fn chat_sampling(body: &Object) -> Result<Sampling, ApiError> {
 /// A chat request's `messages`, as the chat template takes them, and the images in
 /// them (each a marker in its message's text).
 fn chat_messages(body: &Object) -> Result<(Vec<Turn>, Vec<Input>), ApiError> {
-    let messages: Vec<Message> = body.require("messages")?;
+    let messages: Vec<serde_json::Value> = body.require("messages")?;
     if messages.is_empty() {
         return Err(ApiError::invalid(
             "'messages' must contain at least one message",
@@ -232,7 +232,7 @@ fn chat_messages(body: &Object) -> Result<(Vec<Turn>, Vec<Input>), ApiError> {
     let turns = messages
         .into_iter()
         .enumerate()
-        .map(|(i, m)| chat_turn(i, m, &mut inputs))
+        .map(|(i, m)| chat_turn(i, Message::read(m, i)?, &mut inputs))
         .collect::<Result<Vec<_>, _>>()?;
     // Beside images, text that spells their marker would take an image's place.
     if let (false, Some(param)) = (inputs.images.is_empty(), inputs.marker_text) {
@@ -1276,7 +1276,8 @@ mod tests {
     #[test]
     fn strings_a_template_writes_among_its_own_are_named_by_path() {
         let m = |i: usize, json: &str| {
-            chat_turn(i, serde_json::from_str(json).unwrap(), &mut Inputs::default()).unwrap()
+            let m = Message::read(serde_json::from_str(json).unwrap(), i).ok().unwrap();
+            chat_turn(i, m, &mut Inputs::default()).ok().unwrap()
         };
         let turns = [
             m(0, r#"{"role":"user","content":"hi","name":"ann"}"#),
@@ -1341,8 +1342,13 @@ mod tests {
 
     #[test]
     fn chat_messages_map_roles_and_parts() {
-        let m =
-            |json: &str| chat_turn(1, serde_json::from_str(json).unwrap(), &mut Inputs::default());
+        let m = |json: &str| {
+            chat_turn(
+                1,
+                Message::read(serde_json::from_str(json).unwrap(), 1)?,
+                &mut Inputs::default(),
+            )
+        };
         assert_eq!(m(r#"{"role":"developer","content":"x"}"#).unwrap().role, "system");
         assert_eq!(m(r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}"#).unwrap().content, "ab");
         assert_eq!(
@@ -1390,9 +1396,7 @@ mod tests {
             "I cannot help with that."
         );
         // A field nobody reads is refused, not ignored.
-        assert!(serde_json::from_str::<Message>(
-            r#"{"role":"user","content":"x","audio":{"id":"a"}}"#
-        )
-        .is_err());
+        let e = chat_messages(&Object::parse(br#"{"messages":[{"role":"user","content":"x"},{"role":"user","content":"x","audio":{"id":"a"}}]}"#).unwrap()).err().unwrap();
+        assert_eq!(e.param.as_deref(), Some("messages[1].audio"));
     }
 }
