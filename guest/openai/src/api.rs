@@ -150,15 +150,34 @@ impl Object {
     /// `false`, `[]`): a field this server would otherwise ignore, leaving the client
     /// believing it got JSON, a tool call or logprobs.
     pub fn refuse_unknown(&self, honoured: &[&str]) -> Result<(), ApiError> {
-        match self.0.iter().find(|(name, value)| !honoured.contains(&name.as_str()) && !off(value))
-        {
-            Some((name, _)) => Err(ApiError::invalid(
-                format!("Unsupported parameter: '{name}' is not supported by this server"),
-                Some(name),
-            )
-            .with_code("unsupported_parameter")),
-            None => Ok(()),
+        self.refuse_unknown_but(honoured, &[])
+    }
+
+    /// [`Object::refuse_unknown`], accepting also the fields of `defaults` with a value
+    /// that asks for what this server does anyway; another value of one of them is
+    /// refused naming the values it may take.
+    pub fn refuse_unknown_but(
+        &self,
+        honoured: &[&str],
+        defaults: &[AsDefault],
+    ) -> Result<(), ApiError> {
+        for (name, value) in &self.0 {
+            if honoured.contains(&name.as_str()) || off(value) {
+                continue;
+            }
+            let unsupported = match defaults.iter().find(|d| d.name == name) {
+                Some(d) if (d.accepts)(value) => continue,
+                Some(d) => format!(
+                    "Unsupported value for '{name}': {value}; this server takes {} (what it does anyway)",
+                    d.values
+                ),
+                None => format!("Unsupported parameter: '{name}' is not supported by this server"),
+            };
+            return Err(
+                ApiError::invalid(unsupported, Some(name)).with_code("unsupported_parameter")
+            );
         }
+        Ok(())
     }
 
     pub fn require<T: DeserializeOwned>(&self, name: &str) -> Result<T, ApiError> {
@@ -166,6 +185,14 @@ impl Object {
             ApiError::invalid(format!("Missing required parameter: '{name}'"), Some(name))
         })
     }
+}
+
+/// A field accepted only with values that ask for what the server does anyway.
+pub struct AsDefault {
+    pub name: &'static str,
+    /// The values accepted, in words, for the error.
+    pub values: &'static str,
+    pub accepts: fn(&Value) -> bool,
 }
 
 /// A field that takes one value or a list of them (`stop`, `input`).

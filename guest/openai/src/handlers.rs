@@ -613,7 +613,15 @@ fn chat_turn(i: usize, m: Message, inputs: &mut Inputs) -> Result<Turn, ApiError
 
 /// `POST /v1/completions`.
 fn completion(body: &Object) -> Result<Reply, ApiError> {
-    let mut sampling = Sampling::read(body, &["prompt", "logprobs"])?;
+    let mut sampling = Sampling::read(body, &["prompt", "logprobs", "best_of"])?;
+    // `best_of` choices of which `n` are returned: the same as `n` alone when they are equal.
+    if let Some(best_of) = body.get::<u32>("best_of")?.filter(|&b| b != sampling.n) {
+        return Err(ApiError::invalid(
+            format!("Unsupported value for 'best_of': {best_of}; this server takes best_of equal to n ({}), what it does anyway", sampling.n),
+            Some("best_of"),
+        )
+        .with_code("unsupported_parameter"));
+    }
     // Text completions' `logprobs` is the number of alternatives, OpenAI's 0 to 5.
     sampling.logprobs = body.get::<u32>("logprobs")?;
     if let Some(n) = sampling.logprobs.filter(|&n| n > MAX_TEXT_LOGPROBS) {
@@ -689,6 +697,47 @@ const SAMPLING_FIELDS: &[&str] = &[
     "ignore_eos",
 ];
 
+/// Fields chat and text completions accept with the values that ask for what this
+/// server does anyway (OpenAI's defaults, or a hint that changes no answer), and refuse
+/// by name with any other, which would change the answer:
+/// - `service_tier`: `"auto"` or `"default"` (one tier here; `flex`, `priority` refused);
+/// - `modalities`: `["text"]` (text out; `audio` refused);
+/// - `function_call` (the legacy form of `tool_choice`): `"none"` or `"auto"`, which
+///   call nothing without legacy `functions` (and `functions` are refused);
+/// - `prompt_cache_key` and `safety_identifier`: any string (a hint for routing to a
+///   cache, and an end user's id for abuse reports, like `user`: neither changes an
+///   answer; this server reuses cached prompt starts by itself);
+/// - `best_of` (text completions): equal to `n` (read in `completion`).
+/// Any field at all is accepted off (`null`, `false`, `[]`): `store: false`,
+/// `logprobs: false`, `echo: false`, `audio: null`, ...
+const AS_DEFAULT: &[api::AsDefault] = &[
+    api::AsDefault {
+        name: "service_tier",
+        values: "\"auto\" or \"default\"",
+        accepts: |v| matches!(v.as_str(), Some("auto" | "default")),
+    },
+    api::AsDefault {
+        name: "modalities",
+        values: "[\"text\"]",
+        accepts: |v| v.as_array().is_some_and(|m| m.len() == 1 && m[0] == "text"),
+    },
+    api::AsDefault {
+        name: "function_call",
+        values: "\"none\" or \"auto\"",
+        accepts: |v| matches!(v.as_str(), Some("none" | "auto")),
+    },
+    api::AsDefault {
+        name: "prompt_cache_key",
+        values: "a string",
+        accepts: serde_json::Value::is_string,
+    },
+    api::AsDefault {
+        name: "safety_identifier",
+        values: "a string",
+        accepts: serde_json::Value::is_string,
+    },
+];
+
 /// How output is constrained: a GBNF grammar or a JSON Schema (text), or neither.
 pub(crate) enum Constraint {
     None,
@@ -732,7 +781,7 @@ impl Sampling {
     /// and `own` (the endpoint's own fields).
     fn read(body: &Object, own: &[&str]) -> Result<Self, ApiError> {
         let honoured: Vec<&str> = SAMPLING_FIELDS.iter().chain(own).copied().collect();
-        body.refuse_unknown(&honoured)?;
+        body.refuse_unknown_but(&honoured, AS_DEFAULT)?;
         let in_range = |name: &str, value: Option<f32>, default: f32, lo: f32, hi: f32| match value
         {
             Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::invalid(
@@ -1137,6 +1186,37 @@ mod tests {
             let e = read(json).err().unwrap_or_else(|| panic!("{json} was accepted"));
             assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{json}");
         }
+    }
+
+    #[test]
+    fn fields_that_ask_for_what_the_server_does_anyway_are_accepted() {
+        let parse = |json: &str| Object::parse(json.as_bytes()).unwrap();
+        let read = |json: &str| Sampling::read(&parse(json), &["messages"]);
+        read(r#"{"service_tier":"auto","modalities":["text"],"store":false,"function_call":"none","prompt_cache_key":"k","safety_identifier":"u1","metadata":null}"#).ok().unwrap();
+        read(r#"{"service_tier":"default","function_call":"auto"}"#).ok().unwrap();
+        for (json, param) in [
+            (r#"{"service_tier":"flex"}"#, "service_tier"),
+            (r#"{"service_tier":"priority"}"#, "service_tier"),
+            (r#"{"modalities":["text","audio"]}"#, "modalities"),
+            (r#"{"function_call":{"name":"f"}}"#, "function_call"),
+            (r#"{"prompt_cache_key":7}"#, "prompt_cache_key"),
+            (r#"{"store":true}"#, "store"),
+            (r#"{"reasoning_effort":"low"}"#, "reasoning_effort"),
+        ] {
+            let e = read(json).err().unwrap_or_else(|| panic!("{json} was accepted"));
+            assert_eq!(
+                (e.status, e.param.as_deref(), e.code),
+                (400, Some(param), Some("unsupported_parameter")),
+                "{json}"
+            );
+        }
+        let e = read(r#"{"service_tier":"flex"}"#).err().unwrap();
+        assert!(e.message.contains(r#""auto" or "default""#), "{}", e.message);
+        // Text completions' best_of: as many as n, else refused before any model is opened.
+        let e = completion(&parse(r#"{"prompt":"x","best_of":3,"n":2}"#)).err().unwrap();
+        assert_eq!(e.param.as_deref(), Some("best_of"));
+        let e = completion(&parse(r#"{"prompt":"x","best_of":2,"n":2}"#)).err().unwrap();
+        assert_eq!(e.param.as_deref(), Some("model"), "best_of = n passes on: {}", e.message);
     }
 
     #[test]
