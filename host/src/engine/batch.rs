@@ -268,7 +268,6 @@ impl Batcher {
         std::thread::Builder::new()
             .name("llamabox-batch".into())
             .spawn(move || {
-                let _in_span = span.entered();
                 let params = ContextParams {
                     n_ctx: policy.seat_n_ctx.saturating_mul(policy.seats),
                     n_batch: policy.step_rows,
@@ -276,7 +275,9 @@ impl Batcher {
                     n_seq_max: policy.seats,
                     n_threads: policy.threads,
                 };
-                match Context::new(model, params) {
+                // Only its creation is the creating run's: what later steps log carries
+                // their own members (`Steps::step`), not the first request's id.
+                match span.in_scope(|| Context::new(model, params)) {
                     Ok(ctx) => {
                         let _ = ready_tx.send(Ok(()));
                         Steps::new(ctx, policy, thread_arrived).run(ops_rx);
@@ -1014,11 +1015,17 @@ impl Steps {
         let best = free()
             .map(|(i, s)| (common(s), std::cmp::Reverse(s.released), std::cmp::Reverse(i)))
             .max();
-        let lowest =
-            free().map(|(i, _)| i).next().expect("a seat was leased, so a sequence is free");
+        // Nothing to reuse: the lowest sequence that holds nothing, so that another
+        // group's (another tenant's) leftover is not thrown away while an empty one is
+        // free; else the leftover left longest ago.
+        let empty = |s: &Slot| s.group.is_empty() || s.tokens.as_ref().is_some_and(Vec::is_empty);
+        let fresh = free()
+            .min_by_key(|(i, s)| (!empty(s), if empty(s) { 0 } else { s.released }, *i))
+            .map(|(i, _)| i)
+            .expect("a seat was leased, so a sequence is free");
         let (slot, kept) = match best {
             Some((kept, _, std::cmp::Reverse(i))) if kept > 0 => (i, kept),
-            _ => (lowest, 0),
+            _ => (fresh, 0),
         };
         // The rest of what the sequence held goes (all of it from another group).
         let _ = self.ctx.seq_rm(slot as i32, kept as i32, -1);
@@ -1309,6 +1316,11 @@ impl Steps {
         if shares.is_empty() {
             return;
         }
+        // llama.cpp's log lines from this step name the groups (tenant/plugin) whose
+        // rows it computes.
+        let members: Vec<&str> =
+            shares.iter().map(|s| self.members[&s.id].group.as_str()).collect();
+        let _in_span = tracing::info_span!("batch_step", members = %members.join(",")).entered();
         let mut batch = Batch::default();
         for share in &shares {
             batch.tokens.extend(&share.rows.tokens);
