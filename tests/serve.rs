@@ -8,6 +8,8 @@
 //! compute; the run's own report (`decoded=`) then proves where native work stopped.
 
 mod common;
+#[path = "serve/tenants.rs"]
+mod tenants;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -706,7 +708,7 @@ fn a_hostile_plugin_gets_answers_for_its_misdeeds_and_the_server_keeps_serving()
     let config = std::env::temp_dir().join(format!("llamabox-hostile-{}.toml", std::process::id()));
     let plugin = common::guest_plugin("llamabox_http_hostile.wasm");
     let toml = format!(
-        "listen = \"127.0.0.1:0\"\nthreads = 2\n[models]\nslow = {:?}\n\
+        "listen = \"127.0.0.1:0\"\nthreads = 2\nmax_client_requests = 1\n[models]\nslow = {:?}\n\
          [[plugins]]\nname = \"hostile\"\npath = {:?}\ndeadline_ms = 1000\n[plugins.limits]\nmax_memory_mib = 32\n",
         common::slow_model().display().to_string(),
         plugin.display().to_string()

@@ -37,7 +37,8 @@ fn attacker(n: u8) -> IpAddr {
 
 /// The server every attack meets: SmolLM2 for the normal client, the tiny model for
 /// attackers that need a long stream fast; 2 threads, 1 per request, so 2 slots, and
-/// every other setting at its default (1 request in progress per client).
+/// the per-address flood guard at 1 request in progress (its default is generous:
+/// these tests hold it to account), every other setting at its default.
 fn server() -> Server {
     let flags = [
         "--threads",
@@ -48,6 +49,8 @@ fn server() -> Server {
         &BODY_TIMEOUT_MS.to_string(),
         "--write-stall-timeout-ms",
         &WRITE_STALL_MS.to_string(),
+        "--max-client-requests",
+        "1",
     ]
     .map(String::from);
     Server::start(

@@ -115,6 +115,20 @@ enum Command {
         /// (default: half of what can run at once, at least 1; 0: no cap).
         #[arg(long, value_name = "N")]
         max_client_requests: Option<u32>,
+        /// Require this API key (`authorization: Bearer KEY` or `x-api-key: KEY`): one
+        /// tenant, named `default`. For several, use `[[tenants]]` in a config file.
+        #[arg(long, value_name = "KEY", env = "LLAMABOX_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
+        /// The same, read from a file (e.g. a mounted Kubernetes Secret).
+        #[arg(long, value_name = "FILE", conflicts_with = "api_key")]
+        api_key_file: Option<PathBuf>,
+        /// A proxy (address or network) whose Forwarded / X-Forwarded-For headers name
+        /// the client (repeatable).
+        #[arg(long = "trusted-proxy", value_name = "ADDR[/BITS]")]
+        trusted_proxies: Vec<String>,
+        /// Serve /metrics on this address instead of the main one.
+        #[arg(long, value_name = "ADDR")]
+        metrics_listen: Option<std::net::SocketAddr>,
         /// On SIGTERM, how long requests in flight may take before they are stopped.
         #[arg(long, value_name = "MS")]
         shutdown_grace_ms: Option<u64>,
@@ -355,6 +369,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             body_timeout_ms,
             write_stall_timeout_ms,
             max_client_requests,
+            api_key,
+            api_key_file,
+            trusted_proxies,
+            metrics_listen,
             shutdown_grace_ms,
             idle_contexts,
             batch,
@@ -380,6 +398,19 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             flags_over_file!(config: write_stall_timeout_ms, shutdown_grace_ms, batch, batch_seats, batch_n_ctx);
             flags_over_file!(config: batch_step_ms, batch_long_prompt_rows, batch_long_prompt_share);
             flags_over_file!(config: optional max_client_requests, idle_contexts);
+            if api_key.is_some() || api_key_file.is_some() {
+                anyhow::ensure!(
+                    config.tenants.is_empty(),
+                    "--api-key and LLAMABOX_API_KEY name one tenant; the config file has [[tenants]]"
+                );
+                let mut tenant = llamabox::serve::TenantConfig::named("default");
+                (tenant.key, tenant.key_file) = (api_key, api_key_file);
+                config.tenants.push(tenant);
+            }
+            config.trusted_proxies.extend(trusted_proxies);
+            if metrics_listen.is_some() {
+                config.metrics_listen = metrics_listen;
+            }
             for plugin in &mut config.plugins {
                 plugin.threads = request_threads.unwrap_or(plugin.threads);
                 plugin.deadline_ms = deadline_ms.unwrap_or(plugin.deadline_ms);

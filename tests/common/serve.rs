@@ -21,6 +21,8 @@ pub fn openai_plugin() -> PathBuf {
 pub struct Server {
     pub child: Child,
     pub addr: SocketAddr,
+    /// The key `/metrics` asks for, if the server has one (`metrics_key`).
+    pub metrics_key: Option<String>,
     stdout: Arc<Mutex<String>>,
     stderr: Arc<Mutex<String>>,
 }
@@ -48,7 +50,13 @@ impl Server {
             (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
         collect(child.stdout.take().unwrap(), stdout.clone());
         collect(child.stderr.take().unwrap(), stderr.clone());
-        let mut server = Server { child, addr: "127.0.0.1:0".parse().unwrap(), stdout, stderr };
+        let mut server = Server {
+            child,
+            addr: "127.0.0.1:0".parse().unwrap(),
+            metrics_key: None,
+            stdout,
+            stderr,
+        };
         server.wait_for_line("ready");
         let out = server.stdout.lock().unwrap().clone();
         let addr = out
@@ -92,7 +100,12 @@ impl Server {
 
     /// The sum of the metric lines named `name` (with labels, if given as `name{..}`).
     pub fn metric(&self, name: &str) -> f64 {
-        let (status, text) = curl(&[&self.url("/metrics")]);
+        let auth = self.metrics_key.as_ref().map(|key| format!("authorization: Bearer {key}"));
+        let mut args = vec![self.url("/metrics")];
+        if let Some(auth) = auth {
+            args.extend(["-H".to_string(), auth]);
+        }
+        let (status, text) = curl(&args.iter().map(String::as_str).collect::<Vec<_>>());
         assert_eq!(status, 200);
         text.lines()
             .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))

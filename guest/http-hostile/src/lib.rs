@@ -10,6 +10,8 @@
 //!   stop native work in flight).
 //! - `/linger`: responds 200 with a whole body, then spins in wasm until the deadline:
 //!   the run outlives the response its client has already read.
+//! - `/headers`: not hostile: answers with the request's headers, one `name: value` a
+//!   line, and the models it may open (what a plugin learns of its tenant).
 
 // What the plugin world has comes from the shared bindings (guest/sdk); the HTTP
 // side is generated here.
@@ -62,10 +64,21 @@ fn misbehave(request: IncomingRequest, out: ResponseOutparam) {
                 n = std::hint::black_box(n.wrapping_add(1));
             }
         }
+        "/headers" => {
+            let mut text = String::new();
+            for (name, value) in request.headers().entries() {
+                text += &format!("{name}: {}\n", String::from_utf8_lossy(&value));
+            }
+            text += &format!("models: {}\n", std::env::var("LLAMABOX_MODELS").unwrap_or_default());
+            let (stream, body) = start(out);
+            let _ = stream.blocking_write_and_flush(text.as_bytes());
+            drop(stream);
+            let _ = OutgoingBody::finish(body, None);
+        }
         _ => {
             let (stream, body) = start(out);
             let _ = stream.blocking_write_and_flush(
-                b"paths: /trap /no-response /spin /grow /endless /decode-forever /linger\n",
+                b"paths: /trap /no-response /spin /grow /endless /decode-forever /linger /headers\n",
             );
             drop(stream);
             let _ = OutgoingBody::finish(body, None);

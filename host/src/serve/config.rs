@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::tenants::TenantConfig;
 use crate::{LimitOverrides, Limits};
 
 /// The whole server. Field names are the TOML keys.
@@ -44,14 +45,31 @@ pub struct ServeConfig {
     /// (`cause="write_stall"`) and its connection closed.
     #[serde(default = "default_write_stall_timeout_ms")]
     pub write_stall_timeout_ms: u64,
-    /// Requests one client (an IPv4 address, an IPv6 /64) may have in progress at once,
-    /// from its request head to the end of its run (reading its body, queued, running);
-    /// one more is answered 429 at once. Default: half of what can run at once
-    /// (`min(max_concurrent, threads)`), at least 1, so that no one client can hold
-    /// every slot. 0: no per-client cap (behind a proxy every request comes from the
-    /// proxy's address: let the proxy cap its clients).
+    /// Requests one client address (an IPv4 address, an IPv6 /64; the forwarded one
+    /// behind a trusted proxy) may have in progress at once, from its request head to
+    /// the end of its run; one more is answered 429 at once. A flood guard, not an
+    /// identity: contention between clients is settled by fair share (tenants), so the
+    /// default is generous: `max_concurrent`. 0: no cap.
     #[serde(default)]
     pub max_client_requests: Option<u32>,
+    /// Tenants, each named by an API key. With none, the server is open: each client
+    /// address is a tenant of its own (and the server says so at start when it listens
+    /// beyond loopback).
+    #[serde(default)]
+    pub tenants: Vec<TenantConfig>,
+    /// Proxies (addresses or networks, `10.0.0.0/8`) whose `Forwarded` /
+    /// `X-Forwarded-For` headers name the client; from anyone else they are ignored.
+    #[serde(default)]
+    pub trusted_proxies: Vec<String>,
+    /// The key `/metrics` asks for (`authorization: Bearer`). Without it (and without
+    /// `metrics_listen`), `/metrics` is open on an open server and refused on a server
+    /// with tenants.
+    #[serde(default)]
+    pub metrics_key: Option<String>,
+    /// Serve `/metrics` (and the health checks) on this address instead, e.g. a
+    /// cluster-internal port; the main address then answers 404 for it.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
     /// On SIGTERM, how long in-flight requests may take to finish before they are
     /// stopped (native work included).
     #[serde(default = "default_shutdown_grace_ms")]
@@ -133,9 +151,12 @@ pub struct PluginConfig {
     /// started).
     #[serde(default = "default_deadline_ms")]
     pub deadline_ms: u64,
-    /// The tenant its runs belong to: shared cancel tokens open only within a group.
-    #[serde(default = "default_group")]
-    pub group: String,
+    /// The cache group of its runs, within each tenant: runs of plugins with the same
+    /// group (and the same tenant) may reuse each other's prompts and open each other's
+    /// shared cancel tokens. Default: the plugin's name, so nothing crosses plugins
+    /// unless their config says so.
+    #[serde(default)]
+    pub group: Option<String>,
     /// Models (and projectors) it may open (default: all).
     #[serde(default)]
     pub models: Option<Vec<String>>,
@@ -187,9 +208,6 @@ fn default_shutdown_grace_ms() -> u64 {
 fn default_deadline_ms() -> u64 {
     120_000
 }
-fn default_group() -> String {
-    "default".into()
-}
 fn one() -> u32 {
     1
 }
@@ -240,6 +258,10 @@ impl ServeConfig {
             body_timeout_ms: default_body_timeout_ms(),
             write_stall_timeout_ms: default_write_stall_timeout_ms(),
             max_client_requests: None,
+            tenants: Vec::new(),
+            trusted_proxies: Vec::new(),
+            metrics_key: None,
+            metrics_listen: None,
             shutdown_grace_ms: default_shutdown_grace_ms(),
             compile_cache: None,
             idle_contexts: None,
@@ -262,7 +284,7 @@ impl ServeConfig {
                     threads: one(),
                     max_concurrent: None,
                     deadline_ms: default_deadline_ms(),
-                    group: default_group(),
+                    group: None,
                     models: None,
                     env: BTreeMap::new(),
                     limits: LimitOverrides::default(),
@@ -297,6 +319,24 @@ impl ServeConfig {
         }
         if self.batch_step_ms == 0 || !(0.0..=1.0).contains(&self.batch_long_prompt_share) {
             bail!("batch_step_ms must be at least 1 and batch_long_prompt_share in 0..=1");
+        }
+        for tenant in &self.tenants {
+            for plugin in tenant.plugins.iter().flatten() {
+                if !self.plugins.iter().any(|p| &p.name == plugin) {
+                    bail!("tenant {:?}: plugin {plugin:?} is not in [[plugins]]", tenant.name);
+                }
+            }
+            for model in tenant.models.iter().flatten() {
+                if !self.models.contains_key(model) && !self.projectors.contains_key(model) {
+                    bail!(
+                        "tenant {:?}: model {model:?} is not in [models] or [projectors]",
+                        tenant.name
+                    );
+                }
+            }
+        }
+        if self.metrics_key.as_ref().is_some_and(|key| key.trim().len() < 16) {
+            bail!("metrics_key must be at least 16 characters");
         }
         let only = self.plugins.len() == 1;
         let mut routes = std::collections::HashSet::new();
@@ -346,14 +386,14 @@ impl ServeConfig {
         self.idle_contexts.unwrap_or(self.threads)
     }
 
-    /// Requests one client may have in progress: the setting, or half of what can run
-    /// at once (at least 1); `None` for no cap (a setting of 0). Derived, like
-    /// `idle_contexts`, so a `--threads` given after a config file moves it.
+    /// Requests one client address may have in progress: the setting, or
+    /// `max_concurrent`; `None` for no cap (a setting of 0). Derived, like
+    /// `idle_contexts`, so a `--max-concurrent` given after a config file moves it.
     pub fn max_client_requests(&self) -> Option<u32> {
         match self.max_client_requests {
             Some(0) => None,
             Some(n) => Some(n),
-            None => Some((self.max_concurrent.min(self.threads) / 2).max(1)),
+            None => Some(self.max_concurrent),
         }
     }
 
@@ -401,6 +441,11 @@ impl ServeConfig {
 }
 
 impl PluginConfig {
+    /// Its runs' cache group within a tenant: `group`, or its name.
+    pub fn group(&self) -> &str {
+        self.group.as_deref().unwrap_or(&self.name)
+    }
+
     /// The route, once `ServeConfig::check` has filled it in.
     pub fn route(&self) -> &str {
         self.route.as_deref().unwrap_or("/")
@@ -458,15 +503,11 @@ threads = 2
     }
 
     #[test]
-    fn each_client_gets_half_of_what_can_run_at_once() {
+    fn one_address_may_have_as_many_requests_as_the_server_runs() {
         let mut config = ServeConfig::from_toml(FULL).unwrap();
-        assert_eq!(config.max_client_requests(), Some(1), "2 threads: 1 each");
-        config.threads = 8;
-        assert_eq!(config.max_client_requests(), Some(4));
+        assert_eq!(config.max_client_requests(), Some(64), "max_concurrent");
         config.max_concurrent = 3;
-        assert_eq!(config.max_client_requests(), Some(1), "bounded by max_concurrent too");
-        config.threads = 1;
-        assert_eq!(config.max_client_requests(), Some(1), "never 0");
+        assert_eq!(config.max_client_requests(), Some(3), "follows max_concurrent");
         config.max_client_requests = Some(0);
         assert_eq!(config.max_client_requests(), None, "0 turns it off");
         config.max_client_requests = Some(5);

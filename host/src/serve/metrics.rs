@@ -20,6 +20,13 @@ pub struct PluginLabels {
     pub plugin: String,
 }
 
+/// A configured tenant's name, or `anonymous` for every client of an open server, so
+/// that the labels stay as few as the config's tenants.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabels {
+    pub tenant: String,
+}
+
 /// Why a request's run was stopped before it ended by itself.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Cause {
@@ -49,8 +56,15 @@ pub enum Refusal {
     BodyTooLarge,
     /// The body did not arrive within the body timeout (408).
     BodyTimeout,
-    /// Its client had its most requests in progress already (429).
+    /// Its client address had its most requests in progress already (429).
     ClientLimit,
+    /// No key, or a key no tenant has (401).
+    Unauthorized,
+    /// Its tenant may not call this plugin (403).
+    Forbidden,
+    /// One of its tenant's own quotas (429): requests in progress, queue places,
+    /// requests or tokens per minute.
+    TenantQuota,
     Draining,
 }
 
@@ -80,6 +94,9 @@ impl EncodeLabelValue for Refusal {
             Refusal::BodyTooLarge => "body_too_large",
             Refusal::BodyTimeout => "body_timeout",
             Refusal::ClientLimit => "client_limit",
+            Refusal::Unauthorized => "unauthorized",
+            Refusal::Forbidden => "forbidden",
+            Refusal::TenantQuota => "tenant_quota",
             Refusal::Draining => "draining",
         })
     }
@@ -103,6 +120,8 @@ pub struct Metrics {
     pub tokens_reused: Family<PluginLabels, Counter>,
     pub generated_tokens_per_second: HistogramFamily<PluginLabels>,
     pub disconnect_stop_seconds: Histogram,
+    pub tenant_requests: Family<TenantLabels, Counter>,
+    pub tenant_tokens: Family<TenantLabels, Counter>,
     batch: BatchMetrics,
 }
 
@@ -200,6 +219,18 @@ impl Metrics {
             "From noticing a client hung up to its run's native work having stopped",
             disconnect_stop_seconds.clone(),
         );
+        let tenant_requests = Family::default();
+        registry.register(
+            "tenant_requests",
+            "Requests admitted to run, by tenant (anonymous: every client of an open server)",
+            Family::clone(&tenant_requests),
+        );
+        let tenant_tokens = Family::default();
+        registry.register(
+            "tenant_tokens",
+            "Tokens charged to each tenant's per-minute budget (prompt plus completion)",
+            Family::clone(&tenant_tokens),
+        );
         let batch = BatchMetrics {
             rows: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
             seats: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
@@ -255,6 +286,8 @@ impl Metrics {
             tokens_reused,
             generated_tokens_per_second,
             disconnect_stop_seconds,
+            tenant_requests,
+            tenant_tokens,
         }
     }
 

@@ -12,8 +12,12 @@
 //! - no client can stall or starve the others: a request's body is read whole, within
 //!   the body timeout (408) and the body cap (413), before it takes a slot; a client
 //!   that stops reading its response is taken for gone after the write-stall timeout
-//!   (its run stopped, its connection closed); each client (IP address) has only so
-//!   many requests in progress at once (429);
+//!   (its run stopped, its connection closed); waiting requests are let in by fair
+//!   share between tenants ([`admission`]), and each client address has only so many
+//!   requests in progress at once (429, a flood guard);
+//! - tenants ([`tenants`]): API keys (401), what each tenant may call (403), its quotas
+//!   (429 with `Retry-After` and `x-ratelimit-*`), its own prompt cache (the run's
+//!   group), its name for the plugin (`x-llamabox-tenant`), never its key;
 //! - `/healthz`, `/readyz`, Prometheus `/metrics` ([`metrics`]), request ids in logs;
 //! - a drain on shutdown: stop accepting, let requests finish within the grace period,
 //!   then stop the rest in flight.
@@ -22,6 +26,7 @@ pub mod admission;
 pub mod config;
 pub mod metrics;
 mod request;
+pub mod tenants;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -39,15 +44,18 @@ use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt as _, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
+use sha2::Digest as _;
 use tracing::Instrument as _;
 
 use crate::{
     HostOptions, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome, RunStop,
 };
-use admission::{Admission, Admitted, ClientPermit, Clients, PluginAdmission, Refused};
+use admission::{Admission, Admitted, Ask, ClientPermit, Clients, Refused};
 pub use config::{PluginConfig, ServeConfig};
-use metrics::{Cause, Metrics, PluginLabels, Refusal};
+use metrics::{Cause, Metrics, PluginLabels, Refusal, TenantLabels};
 use request::*;
+pub use tenants::TenantConfig;
+use tenants::{OverQuota, Tenant, Tenants, Unauthorized};
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -74,8 +82,9 @@ pub struct Server {
     host: Arc<PluginHost>,
     /// Set once every model is loaded and every plugin compiled (`/readyz`).
     plugins: OnceLock<Vec<Arc<Served>>>,
-    admission: Admission,
-    /// Requests in progress per client.
+    admission: Arc<Admission>,
+    tenants: Tenants,
+    /// Requests in progress per client address.
     clients: Clients,
     metrics: Metrics,
     draining: AtomicBool,
@@ -88,12 +97,29 @@ pub struct Server {
 struct Served {
     config: PluginConfig,
     plugin: Plugin,
-    admission: PluginAdmission,
+    /// Its index in the server's [`Admission`].
+    admission: usize,
+    /// llama.cpp threads each request holds while it runs (0 when batched: every step
+    /// runs on all).
+    threads: u32,
     limits: Limits,
+    /// What its runs may open: for tenants with a model list of their own, by name.
+    access: Arc<Access>,
+    tenant_access: HashMap<Arc<str>, Arc<Access>>,
+}
+
+/// The models a plugin's runs may open, and the environment that names them.
+struct Access {
     models: Arc<ModelRegistry>,
     /// `LLAMABOX_MODELS`, `LLAMABOX_MODELS_LOADED_AT` (Unix seconds) and the configured
     /// environment.
     env: Vec<(String, String)>,
+}
+
+impl Served {
+    fn access(&self, tenant: &Tenant) -> &Arc<Access> {
+        self.tenant_access.get(&tenant.name).unwrap_or(&self.access)
+    }
 }
 
 impl Server {
@@ -129,13 +155,31 @@ impl Server {
         }));
         let options = HostOptions { compile_cache: config.compile_cache.clone() };
         let host = Arc::new(PluginHost::with_options(registry, Limits::default(), options)?);
+        let tenants = Tenants::new(&config.tenants, &config.trusted_proxies, config.max_queue)?;
+        if tenants.keyed() {
+            status_line(&format!("{} tenants, each by its API key", tenants.all().len()));
+        } else if !addr.ip().is_loopback() {
+            status_line(&format!(
+                "open: no API keys, anyone who reaches {addr} may use it (each address is a tenant of its own)"
+            ));
+        }
+        let admin = match config.metrics_listen {
+            Some(at) => {
+                Some(listen(at).with_context(|| format!("listening on {at} for /metrics"))?)
+            }
+            None => None,
+        };
+        if let Some(admin) = &admin {
+            status_line(&format!("metrics on http://{}/metrics", admin.local_addr()?));
+        }
         let server = Arc::new(Server {
-            admission: Admission::new(
+            admission: Arc::new(Admission::new(
                 config.max_running(),
                 config.threads,
                 config.max_queue,
                 config.queue_timeout(),
-            ),
+            )),
+            tenants,
             clients: Clients::new(config.max_client_requests()),
             config,
             host,
@@ -149,7 +193,14 @@ impl Server {
         tokio::pin!(shutdown);
         {
             // Health answers while models load; plugin routes wait for `ready`.
-            let accepting = server.clone().accept(&listener, &graceful);
+            if let Some(admin) = admin {
+                let server = server.clone();
+                let connections = hyper_util::server::graceful::GracefulShutdown::new();
+                tokio::spawn(
+                    async move { server.accept(&admin, &connections, Listener::Admin).await },
+                );
+            }
+            let accepting = server.clone().accept(&listener, &graceful, Listener::Main);
             tokio::pin!(accepting);
             tokio::select! {
                 loaded = server.load() => {
@@ -208,11 +259,22 @@ impl Server {
             let names: Vec<String> = config.models.clone().unwrap_or_else(|| {
                 self.config.models.keys().chain(self.config.projectors.keys()).cloned().collect()
             });
-            let mut env = vec![
-                ("LLAMABOX_MODELS".to_string(), names.join(",")),
-                ("LLAMABOX_MODELS_LOADED_AT".to_string(), loaded_at.to_string()),
-            ];
-            env.extend(config.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+            let access = |names: &[String]| {
+                let mut env = vec![
+                    ("LLAMABOX_MODELS".to_string(), names.join(",")),
+                    ("LLAMABOX_MODELS_LOADED_AT".to_string(), loaded_at.to_string()),
+                ];
+                env.extend(config.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+                Arc::new(Access { models: Arc::new(registry.subset(names)), env })
+            };
+            let tenant_access = (self.tenants.all().iter())
+                .filter_map(|tenant| {
+                    let allowed = tenant.models.as_ref()?;
+                    let both: Vec<String> =
+                        names.iter().filter(|n| allowed.contains(n)).cloned().collect();
+                    Some((tenant.name.clone(), access(&both)))
+                })
+                .collect();
             status_line(&format!(
                 "compiled plugin {} in {:.2} s, serving {}",
                 config.name,
@@ -220,14 +282,14 @@ impl Server {
                 config.route()
             ));
             plugins.push(Arc::new(Served {
+                admission: self
+                    .admission
+                    .add_plugin(config.max_concurrent.unwrap_or(self.config.max_concurrent)),
                 // Batched requests hold no threads of their own: every step runs on all.
-                admission: PluginAdmission::new(
-                    config.max_concurrent.unwrap_or(self.config.max_concurrent),
-                    if self.config.batch { 0 } else { config.threads },
-                ),
+                threads: if self.config.batch { 0 } else { config.threads },
                 limits: config.limits(&Limits::default()),
-                models: Arc::new(registry.subset(&names)),
-                env,
+                access: access(&names),
+                tenant_access,
                 plugin,
                 config: config.clone(),
             }));
@@ -242,6 +304,7 @@ impl Server {
         self: Arc<Self>,
         listener: &tokio::net::TcpListener,
         graceful: &hyper_util::server::graceful::GracefulShutdown,
+        kind: Listener,
     ) {
         loop {
             let (stream, peer) = match listener.accept().await {
@@ -255,7 +318,7 @@ impl Server {
             };
             let _ = stream.set_nodelay(true);
             let server = self.clone();
-            let peer = Peer { ip: peer.ip(), close: Arc::new(tokio::sync::Notify::new()) };
+            let peer = Peer { ip: peer.ip(), close: Arc::new(tokio::sync::Notify::new()), kind };
             let close = peer.close.clone();
             let service = hyper::service::service_fn(move |request| {
                 let (server, peer) = (server.clone(), peer.clone());
@@ -321,6 +384,7 @@ impl Server {
 
     async fn route(self: Arc<Self>, request: Request<Incoming>, peer: Peer) -> Response<Body> {
         let path = request.uri().path();
+        let shape = Shape::of(path);
         if request.method() == Method::GET {
             match path {
                 "/healthz" => return text(StatusCode::OK, "ok\n"),
@@ -331,22 +395,16 @@ impl Server {
                         (true, false) => text(StatusCode::OK, "ready\n"),
                     }
                 }
-                "/metrics" => {
-                    self.metrics.queue_depth.set(self.admission.queued().into());
-                    self.metrics.live_workers.set(self.host.live_workers() as i64);
-                    self.metrics.idle_contexts.set(self.host.models().idle_contexts() as i64);
-                    let mut response = Response::new(full(self.metrics.encode()));
-                    response.headers_mut().insert(
-                        header::CONTENT_TYPE,
-                        HeaderValue::from_static(metrics::CONTENT_TYPE),
-                    );
-                    return response;
-                }
+                "/metrics" => return self.metrics_page(request.headers(), peer.kind, shape),
                 _ => {}
             }
         }
+        if peer.kind == Listener::Admin {
+            return error(shape, StatusCode::NOT_FOUND, "this address serves /metrics only", None);
+        }
         let Some(plugins) = self.plugins.get() else {
             return error(
+                shape,
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the server is loading its models",
                 Some(1),
@@ -355,11 +413,66 @@ impl Server {
         match plugins.iter().find(|served| route_matches(served.config.route(), path)).cloned() {
             Some(served) => {
                 let id = self.request_id(&request);
-                let span = tracing::info_span!("request", id = %id, plugin = %served.config.name);
-                self.serve_plugin(served, id, request, peer).instrument(span).await
+                let span = tracing::info_span!(
+                    "request",
+                    id = %id,
+                    plugin = %served.config.name,
+                    tenant = tracing::field::Empty
+                );
+                self.serve_plugin(served, id, request, peer, shape).instrument(span).await
             }
-            None => error(StatusCode::NOT_FOUND, "no plugin serves this path", None),
+            None => error(shape, StatusCode::NOT_FOUND, "no plugin serves this path", None),
         }
+    }
+
+    /// `GET /metrics`: on its own address if it has one; else behind `metrics_key` if
+    /// set; else open on an open server and refused on a server with tenants (the
+    /// counts of every plugin and tenant are the operator's, not a tenant's).
+    fn metrics_page(
+        &self,
+        headers: &http::HeaderMap,
+        kind: Listener,
+        shape: Shape,
+    ) -> Response<Body> {
+        let allowed = match (kind, &self.config.metrics_listen, &self.config.metrics_key) {
+            (Listener::Admin, ..) => Ok(()),
+            (Listener::Main, Some(_), _) => {
+                return error(
+                    shape,
+                    StatusCode::NOT_FOUND,
+                    "/metrics is served on metrics_listen",
+                    None,
+                )
+            }
+            (Listener::Main, None, Some(key)) => {
+                let given = tenants::presented_key(headers).unwrap_or("");
+                let same: bool = subtle::ConstantTimeEq::ct_eq(
+                    sha2::Sha256::digest(given.as_bytes()).as_slice(),
+                    sha2::Sha256::digest(key.trim().as_bytes()).as_slice(),
+                )
+                .into();
+                if same {
+                    Ok(())
+                } else {
+                    Err("/metrics needs the metrics key")
+                }
+            }
+            (Listener::Main, None, None) if self.tenants.keyed() => Err(
+                "/metrics is closed on a server with tenants: set metrics_key or metrics_listen",
+            ),
+            (Listener::Main, None, None) => Ok(()),
+        };
+        if let Err(message) = allowed {
+            return error(shape, StatusCode::UNAUTHORIZED, message, None);
+        }
+        self.metrics.queue_depth.set(self.admission.queued().into());
+        self.metrics.live_workers.set(self.host.live_workers() as i64);
+        self.metrics.idle_contexts.set(self.host.models().idle_contexts() as i64);
+        let mut response = Response::new(full(self.metrics.encode()));
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(metrics::CONTENT_TYPE));
+        response
     }
 
     /// The client's `x-request-id` if it is short and printable, else a new one.
@@ -381,9 +494,11 @@ impl Server {
         id: String,
         request: Request<Incoming>,
         peer: Peer,
+        shape: Shape,
     ) -> Response<Body> {
         let name = served.config.name.as_str();
         let retry_after = self.config.queue_timeout().as_secs().max(1);
+        let error = |status, message: &str, retry_after| error(shape, status, message, retry_after);
         if self.draining.load(Relaxed) {
             self.metrics.refuse(name, Refusal::Draining);
             return self.answer(
@@ -408,17 +523,83 @@ impl Server {
             self.metrics.refuse(name, Refusal::BodyTooLarge);
             return self.answer(name, &id, closing(too_large()));
         }
-        // Held from here to the end of the run: reading the body, queued and running.
-        let client = match self.clients.enter(peer.ip) {
-            Ok(permit) => permit,
-            Err(max) => {
-                self.metrics.refuse(name, Refusal::ClientLimit);
-                let message = format!("this client already has {max} requests in progress");
+        // Who is asking, before anything is read or held.
+        let tenant = match self.tenants.identify(request.headers(), peer.ip) {
+            Ok(tenant) => tenant,
+            Err(why) => {
+                self.metrics.refuse(name, Refusal::Unauthorized);
+                let message = match why {
+                    Unauthorized::NoKey => {
+                        "no API key: send `authorization: Bearer KEY` or `x-api-key: KEY`"
+                    }
+                    Unauthorized::WrongKey => "the API key is not valid",
+                };
                 return self.answer(
                     name,
                     &id,
-                    closing(error(StatusCode::TOO_MANY_REQUESTS, &message, Some(retry_after))),
+                    closing(error(StatusCode::UNAUTHORIZED, message, None)),
                 );
+            }
+        };
+        tracing::Span::current().record("tenant", tracing::field::display(&tenant.name));
+        if !tenant.may_call(name) {
+            self.metrics.refuse(name, Refusal::Forbidden);
+            let message = format!("tenant {} may not call plugin {name}", tenant.name);
+            return self.answer(name, &id, closing(error(StatusCode::FORBIDDEN, &message, None)));
+        }
+        // OpenAI's `x-ratelimit-*` on every answer of a tenant with budgets, as they
+        // stand when it is sent.
+        let add_limits = |headers: &mut http::HeaderMap| {
+            for (header, value) in tenant.rate_limit_headers() {
+                if let Ok(value) = HeaderValue::from_str(&value) {
+                    headers.insert(header, value);
+                }
+            }
+        };
+        let with_limits = |mut response: Response<Body>| {
+            add_limits(response.headers_mut());
+            response
+        };
+        let tenant_place = match tenant.enter() {
+            Ok(place) => place,
+            Err(over) => {
+                self.metrics.refuse(name, Refusal::TenantQuota);
+                let (message, kind, wait) = match over {
+                    OverQuota::Concurrent(max) => (
+                        format!("tenant {} already has {max} requests in progress", tenant.name),
+                        "requests",
+                        retry_after,
+                    ),
+                    OverQuota::Requests { per_minute, retry_after } => (
+                        format!(
+                            "tenant {} is over its {per_minute} requests per minute",
+                            tenant.name
+                        ),
+                        "requests",
+                        retry_after.as_secs_f64().ceil() as u64,
+                    ),
+                    OverQuota::Tokens { per_minute, retry_after } => (
+                        format!(
+                            "tenant {} is over its {per_minute} tokens per minute",
+                            tenant.name
+                        ),
+                        "tokens",
+                        retry_after.as_secs_f64().ceil() as u64,
+                    ),
+                };
+                let refusal = rate_limited(shape, &message, kind, wait.max(1));
+                return self.answer(name, &id, closing(with_limits(refusal)));
+            }
+        };
+        // Held from here to the end of the run: reading the body, queued and running.
+        let address = self.tenants.client_address(request.headers(), peer.ip);
+        let client = match self.clients.enter(address) {
+            Ok(permit) => permit,
+            Err(max) => {
+                self.metrics.refuse(name, Refusal::ClientLimit);
+                let message = format!("this client address already has {max} requests in progress");
+                let refusal = rate_limited(shape, &message, "requests", retry_after);
+                return self.answer(name, &id, closing(refusal));
             }
         };
         // The whole body before a slot: a client that stalls mid-body holds no slot.
@@ -461,12 +642,28 @@ impl Server {
             }
         };
         drop(reading);
-        let admitted = match self.admission.admit(&served.admission).await {
+        let deadline = Duration::from_millis(served.config.deadline_ms);
+        let ask = Ask {
+            tenant: tenant.name.clone(),
+            weight: tenant.weight,
+            priority: tenant.priority,
+            max_queued: tenant.max_queued,
+            deadline: Instant::now() + deadline,
+            plugin: served.admission,
+            threads: served.threads,
+        };
+        let admitted = match self.admission.admit(ask).await {
             Ok(admitted) => admitted,
+            Err(Refused::TenantQueueFull(max)) => {
+                self.metrics.refuse(name, Refusal::TenantQuota);
+                let message = format!("tenant {} already has {max} requests waiting", tenant.name);
+                let refusal = rate_limited(shape, &message, "requests", retry_after);
+                return self.answer(name, &id, with_limits(refusal));
+            }
             Err(refused) => {
                 let (reason, message) = match refused {
                     Refused::QueueFull => (Refusal::QueueFull, "the server's queue is full"),
-                    Refused::Timeout => (Refusal::QueueTimeout, "no slot came free in time"),
+                    _ => (Refusal::QueueTimeout, "no slot came free in time"),
                 };
                 self.metrics.refuse(name, reason);
                 return self.answer(
@@ -476,6 +673,10 @@ impl Server {
                 );
             }
         };
+        self.metrics
+            .tenant_requests
+            .get_or_create(&TenantLabels { tenant: tenant.label.to_string() })
+            .inc();
         let state = Arc::new(RequestState::new());
         let key = self.next_request.fetch_add(1, Relaxed);
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).insert(key, state.clone());
@@ -488,16 +689,28 @@ impl Server {
             answered: false,
             completed: false,
         };
-        let request =
-            for_plugin(Request::from_parts(parts, body), served.config.route(), self.config.listen);
+        let request = for_plugin(
+            Request::from_parts(parts, body),
+            served.config.route(),
+            self.config.listen,
+            &tenant.name,
+        );
         let (respond, response) = tokio::sync::oneshot::channel();
         let (ended, run_ended) = tokio::sync::oneshot::channel();
         let replies = Replies { respond, ended };
         let place = ClientPlace(Arc::new(Mutex::new(client)));
-        let holds = Holds { _admitted: admitted, client: place.clone() };
+        let holds = Holds { _admitted: admitted, _tenant: tenant_place, client: place.clone() };
         let run = tokio::spawn(
             self.clone()
-                .run_request(served.clone(), key, state.clone(), holds, request, replies)
+                .run_request(
+                    served.clone(),
+                    tenant.clone(),
+                    key,
+                    state.clone(),
+                    holds,
+                    request,
+                    replies,
+                )
                 .in_current_span(),
         );
         let response = match response.await {
@@ -539,7 +752,8 @@ impl Server {
             }
         };
         hang_up.answered = true;
-        let (parts, body) = response.into_parts();
+        let (mut parts, body) = response.into_parts();
+        add_limits(&mut parts.headers);
         let progress = Arc::new(Progress::new());
         watch_for_stall(progress.clone(), state, peer.close, self.config.write_stall_timeout());
         let body = GuardedBody {
@@ -568,22 +782,27 @@ impl Server {
     async fn run_request(
         self: Arc<Self>,
         served: Arc<Served>,
+        tenant: Arc<Tenant>,
         key: u64,
         state: Arc<RequestState>,
         holds: Holds,
         request: Request<PluginBody>,
         replies: Replies,
     ) -> RunEnd {
+        let access = served.access(&tenant);
         let options = RunOptions {
-            group: served.config.group.clone(),
+            // The tenant first: prompts are reused, and shared tokens opened, only
+            // within one tenant's group (and across plugins only where their config
+            // names the same group).
+            group: format!("{}/{}", tenant.name, served.config.group()),
             deadline: Some(Duration::from_millis(served.config.deadline_ms)),
             limits: Some(served.limits.clone()),
-            models: Some(served.models.clone()),
+            models: Some(access.models.clone()),
             stop: Some(state.run.clone()),
             embedder: None,
         };
         let mut wasi = wasmtime_wasi::WasiCtxBuilder::new();
-        wasi.envs(&served.env).inherit_stderr();
+        wasi.envs(&access.env).inherit_stderr();
         let started = Instant::now();
         let report = served.plugin.serve_http(&options, wasi, request, replies.respond).await;
         state.finished.store(true, Relaxed);
@@ -601,6 +820,11 @@ impl Server {
         let (ended, stopped_by) = match report {
             Ok(report) => {
                 let usage = report.usage;
+                // Prompt plus completion: every row its contexts held, computed or reused.
+                let tokens = usage.tokens_decoded + usage.tokens_reused;
+                tenant.charge_tokens(tokens);
+                let tenant_labels = TenantLabels { tenant: tenant.label.to_string() };
+                metrics.tenant_tokens.get_or_create(&tenant_labels).inc_by(tokens);
                 let stopped_by = state.stopped_by(&report.outcome, usage.cancels);
                 metrics.tokens_generated.get_or_create(&labels).inc_by(usage.tokens_generated);
                 metrics.tokens_decoded.get_or_create(&labels).inc_by(usage.tokens_decoded);
@@ -664,6 +888,16 @@ struct Peer {
     ip: IpAddr,
     /// Closes the connection (its task drops it): for a client that stopped reading.
     close: Arc<tokio::sync::Notify>,
+    kind: Listener,
+}
+
+/// Which address a connection came to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Listener {
+    /// `listen`: the plugins, the health checks, and `/metrics` unless it has its own.
+    Main,
+    /// `metrics_listen`: `/metrics` and the health checks only.
+    Admin,
 }
 
 /// Bind `addr` with a small send buffer ([`SEND_BUFFER`]), which accepted connections
@@ -708,10 +942,79 @@ fn text(status: StatusCode, text: &'static str) -> Response<Body> {
     response
 }
 
-/// The server's own errors, shaped like OpenAI's (`{"error": {"message", "type"}}`).
-fn error(status: StatusCode, message: &str, retry_after: Option<u64>) -> Response<Body> {
-    let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
-    let body = serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": null}});
+/// Which API's error body a path gets: Anthropic's for its Messages API, OpenAI's
+/// everywhere else.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Shape {
+    OpenAi,
+    Anthropic,
+}
+
+impl Shape {
+    fn of(path: &str) -> Self {
+        if path.contains("/v1/messages") {
+            Shape::Anthropic
+        } else {
+            Shape::OpenAi
+        }
+    }
+}
+
+/// The server's own errors, in the API's own shape: OpenAI's `{"error": {"message",
+/// "type", "param", "code"}}` or Anthropic's `{"type": "error", "error": {"type",
+/// "message"}}`, each API's type names for the status.
+fn error(
+    shape: Shape,
+    status: StatusCode,
+    message: &str,
+    retry_after: Option<u64>,
+) -> Response<Body> {
+    let openai_type =
+        if status.is_server_error() { "server_error" } else { "invalid_request_error" };
+    typed_error(shape, status, openai_type, message, retry_after)
+}
+
+/// A 429 from a quota: OpenAI types it by what ran out (`requests` or `tokens`).
+fn rate_limited(
+    shape: Shape,
+    message: &str,
+    kind: &'static str,
+    retry_after: u64,
+) -> Response<Body> {
+    typed_error(shape, StatusCode::TOO_MANY_REQUESTS, kind, message, Some(retry_after))
+}
+
+fn typed_error(
+    shape: Shape,
+    status: StatusCode,
+    openai_type: &str,
+    message: &str,
+    retry_after: Option<u64>,
+) -> Response<Body> {
+    let body = match shape {
+        Shape::OpenAi => {
+            let code = match status {
+                StatusCode::UNAUTHORIZED => Some("invalid_api_key"),
+                StatusCode::FORBIDDEN => Some("permission_denied"),
+                StatusCode::TOO_MANY_REQUESTS => Some("rate_limit_exceeded"),
+                _ => None,
+            };
+            serde_json::json!({"error": {"message": message, "type": openai_type, "param": null, "code": code}})
+        }
+        Shape::Anthropic => {
+            let kind = match status {
+                StatusCode::UNAUTHORIZED => "authentication_error",
+                StatusCode::FORBIDDEN => "permission_error",
+                StatusCode::NOT_FOUND => "not_found_error",
+                StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+                StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+                StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+                s if s.is_server_error() => "api_error",
+                _ => "invalid_request_error",
+            };
+            serde_json::json!({"type": "error", "error": {"type": kind, "message": message}})
+        }
+    };
     let body = format!("{body}\n");
     let mut response = Response::new(full(body));
     *response.status_mut() = status;
@@ -769,17 +1072,28 @@ mod tests {
         assert!(progress.waiting().unwrap() >= Duration::from_millis(5));
     }
 
+    async fn json_of(response: Response<Body>) -> serde_json::Value {
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&body).unwrap()
+    }
+
     #[tokio::test]
-    async fn errors_are_json() {
+    async fn errors_are_json_in_each_apis_shape() {
         let message = "a \"b\"\n\\";
-        let body = error(StatusCode::BAD_REQUEST, message, None)
-            .into_body()
-            .collect()
-            .await
-            .unwrap()
-            .to_bytes();
-        let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap();
-        assert_eq!(parsed["error"]["message"], message);
-        assert_eq!(parsed["error"]["type"], "invalid_request_error");
+        let openai = json_of(error(Shape::OpenAi, StatusCode::BAD_REQUEST, message, None)).await;
+        assert_eq!(openai["error"]["message"], message);
+        assert_eq!(openai["error"]["type"], "invalid_request_error");
+        let limited = json_of(rate_limited(Shape::OpenAi, "m", "tokens", 3)).await;
+        assert_eq!(
+            (limited["error"]["type"].as_str(), limited["error"]["code"].as_str()),
+            (Some("tokens"), Some("rate_limit_exceeded"))
+        );
+        assert_eq!(Shape::of("/v1/messages/count_tokens"), Shape::Anthropic);
+        assert_eq!(Shape::of("/v1/chat/completions"), Shape::OpenAi);
+        let anthropic =
+            json_of(error(Shape::Anthropic, StatusCode::UNAUTHORIZED, message, None)).await;
+        assert_eq!(anthropic["type"], "error");
+        assert_eq!(anthropic["error"]["type"], "authentication_error");
+        assert_eq!(anthropic["error"]["message"], message);
     }
 }

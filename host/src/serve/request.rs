@@ -25,6 +25,8 @@ impl Drop for Reading {
 /// then).
 pub(super) struct Holds {
     pub(super) _admitted: Admitted,
+    /// Its place among its tenant's requests in progress.
+    pub(super) _tenant: tenants::InProgress,
     pub(super) client: ClientPlace,
 }
 
@@ -310,14 +312,22 @@ pub(super) fn watch_for_stall(
 pub(super) type PluginBody = UnsyncBoxBody<Bytes, wasmtime_wasi_http::Error>;
 
 /// The request as its plugin sees it: the route's prefix stripped from the path, a
-/// `host` header (wasi:http wants an authority), and its body, read whole (within the
-/// body cap) before admission.
+/// `host` header (wasi:http wants an authority), its tenant's name in
+/// `x-llamabox-tenant` (and no credentials: the key is the server's business), and its
+/// body, read whole (within the body cap) before admission.
 pub(super) fn for_plugin(
     request: Request<Bytes>,
     route: &str,
     listen: SocketAddr,
+    tenant: &str,
 ) -> Request<PluginBody> {
     let (mut parts, body) = request.into_parts();
+    for credential in [header::AUTHORIZATION.as_str(), "x-api-key", tenants::TENANT_HEADER] {
+        parts.headers.remove(credential);
+    }
+    if let Ok(tenant) = HeaderValue::from_str(tenant) {
+        parts.headers.insert(tenants::TENANT_HEADER, tenant);
+    }
     if route != "/" {
         let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
         let rest = &path_and_query[route.len().min(path_and_query.len())..];
