@@ -87,6 +87,8 @@ struct Run {
     prompt: usize,
     /// Reads a tool-call envelope out of the answer, when the request offered tools.
     reader: Option<Reader>,
+    /// The answer must call a tool (`tool_choice` `required` or a function).
+    forced_call: bool,
     n_prompt: u32,
     cancel: CancelToken,
     ctx: Context,
@@ -152,8 +154,19 @@ impl Run {
             sampler,
             logprobs: sampling.logprobs,
         };
-        let reader = sampling.tool_calls.then(Reader::default);
-        Ok(Run { generation: None, media, params, prompt: index, reader, n_prompt, cancel, ctx })
+        let reader = sampling.tool_calls.then(|| Reader::new(sampling.json_response));
+        let forced_call = sampling.forced_call;
+        Ok(Run {
+            generation: None,
+            media,
+            params,
+            prompt: index,
+            reader,
+            forced_call,
+            n_prompt,
+            cancel,
+            ctx,
+        })
     }
 
     /// Evaluate the media prompt, if any, and start generating.
@@ -188,10 +201,32 @@ impl Run {
         self.begin()?;
         let Some(generation) = &self.generation else { return Ok(None) };
         let mut piece = generation.next()?;
-        if let (Some(piece), Some(reader)) = (&mut piece, &mut self.reader) {
-            piece.text = reader.push(&piece.text);
+        match (&mut piece, &mut self.reader) {
+            (Some(piece), Some(reader)) => piece.text = reader.push(&piece.text),
+            // What the reader held back, once (a JSON response's last braces).
+            (None, Some(reader)) => {
+                let text = reader.finish();
+                if !text.is_empty() {
+                    return Ok(Some(Piece { text, tokens: Vec::new(), logprobs: Vec::new() }));
+                }
+            }
+            _ => {}
         }
         Ok(piece)
+    }
+
+    /// An answer that had to call a tool and did not even name one: cut short before
+    /// (max_tokens), which is an error rather than an answer with neither text nor calls.
+    fn unanswered(&self) -> Option<ApiError> {
+        if !self.forced_call || !self.calls().is_empty() {
+            return None;
+        }
+        let message = format!(
+            "The answer ended ({}) before it named the function the forced tool_choice calls: raise max_tokens (it was {})",
+            self.finish_reason(),
+            self.params.max_tokens
+        );
+        Some(ApiError::invalid(message, Some("max_tokens")).with_code("tool_call_cut_short"))
     }
 
     /// The calls the answer made, once generation has ended.
@@ -557,6 +592,9 @@ impl Choices {
                 &mut Offsets { asked: self.logprobs, text: 0 },
             )?;
             let run = &self.runs[i];
+            if let Some(e) = run.unanswered() {
+                return Err(e);
+            }
             let reason = Some(run.finish_reason());
             let calls = calls_out(run.calls(), false);
             // A message that calls tools has no text (OpenAI's `content: null`).
@@ -624,6 +662,9 @@ impl Stream {
                 }
                 Event::Ended => {
                     let run = &c.runs[i as usize];
+                    if let Some(e) = run.unanswered() {
+                        return Err(e);
+                    }
                     // Each call as OpenAI streams it: id, type and name first, then its arguments.
                     for call in calls_out(run.calls(), true) {
                         let arguments = call.function.arguments.clone();

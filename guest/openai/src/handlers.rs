@@ -167,16 +167,28 @@ fn model_card(id: &str) -> Result<api::ModelCard, ApiError> {
 /// `POST /v1/chat/completions`.
 fn chat(body: &Object) -> Result<Reply, ApiError> {
     let mut sampling = chat_sampling(body)?;
-    let tools = Tools::read(body)?;
-    if let Some(tools) = &tools {
-        if !matches!(sampling.constraint, Constraint::None) {
-            let message =
-                "Use either 'tools' or one of 'response_format', 'grammar' and 'json_schema'";
-            return Err(ApiError::invalid(message, Some("tools")));
+    let mut tools = Tools::read(body)?;
+    if let Some(tools) = &mut tools {
+        // With a response_format (or llama-server's json_schema), the answer is a call
+        // or, under `auto`, a JSON value following that schema, as OpenAI serves it.
+        let response = match &sampling.constraint {
+            Constraint::None => None,
+            Constraint::JsonSchema(text) => {
+                Some(serde_json::from_str::<serde_json::Value>(text).expect("written from a Value"))
+            }
+            Constraint::Grammar(_) => {
+                let message = "Use either 'tools' or 'grammar': a GBNF grammar cannot be combined with tool calls";
+                return Err(ApiError::invalid(message, Some("grammar")));
+            }
+        };
+        sampling.json_response = response.is_some();
+        if sampling.json_response {
+            tools.answer_in_json();
         }
-        sampling.constraint = Constraint::JsonSchema(tools.schema().to_string());
+        sampling.constraint = Constraint::JsonSchema(tools.schema(response.as_ref()).to_string());
         sampling.constraint_param = "tools";
         sampling.tool_calls = true;
+        sampling.forced_call = tools.forced();
     }
     let (turns, images) = chat_messages(body)?;
     let (name, model) = open_model(body)?;
@@ -754,6 +766,10 @@ pub(crate) struct Sampling {
     pub logprobs: Option<u32>,
     /// The answer is a tool-call envelope ([`Tools`]), read back by the endpoint.
     pub tool_calls: bool,
+    /// The envelope's `response` is JSON following the request's `response_format`.
+    pub json_response: bool,
+    /// The answer must call a tool.
+    pub forced_call: bool,
     /// The field the constraint came from, for errors about it.
     pub constraint_param: &'static str,
     pub max_tokens: Option<u32>,
@@ -857,6 +873,8 @@ impl Sampling {
             n,
             logprobs: None,
             tool_calls: false,
+            json_response: false,
+            forced_call: false,
             constraint_param,
             top_k: body.get("top_k")?.unwrap_or(0),
             min_p: in_range("min_p", body.get("min_p")?, 0.0, 0.0, 1.0)?,
@@ -1217,6 +1235,24 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("best_of"));
         let e = completion(&parse(r#"{"prompt":"x","best_of":2,"n":2}"#)).err().unwrap();
         assert_eq!(e.param.as_deref(), Some("model"), "best_of = n passes on: {}", e.message);
+    }
+
+    #[test]
+    fn tools_go_with_a_response_format_but_not_a_grammar() {
+        let parse = |json: &str| Object::parse(json.as_bytes()).unwrap();
+        let tools = r#""tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"user","content":"x"}]"#;
+        // Checked, then on to the model (which is missing here).
+        for format in [
+            r#""response_format":{"type":"json_object"}"#,
+            r#""response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"integer"}}}"#,
+            r#""json_schema":{"type":"integer"}"#,
+            r#""response_format":{"type":"text"}"#,
+        ] {
+            let e = chat(&parse(&format!("{{{tools},{format}}}"))).err().unwrap();
+            assert_eq!(e.param.as_deref(), Some("model"), "{format}: {}", e.message);
+        }
+        let e = chat(&parse(&format!(r#"{{{tools},"grammar":"root ::= [0-9]"}}"#))).err().unwrap();
+        assert_eq!(e.param.as_deref(), Some("grammar"));
     }
 
     #[test]

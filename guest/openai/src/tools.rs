@@ -59,6 +59,8 @@ pub struct Tools {
     parallel: bool,
     /// The request's `tools` as sent, for the prompt.
     listed: Value,
+    /// A direct answer is JSON following the request's `response_format`.
+    json_response: bool,
 }
 
 impl Tools {
@@ -120,6 +122,9 @@ impl Tools {
                     Some(&param),
                 ));
             }
+            if let Some(parameters) = &f.parameters {
+                check_refs(parameters, &format!("{param}.function.parameters"))?;
+            }
             functions.push(f);
         }
         let choice = match choice {
@@ -151,7 +156,7 @@ impl Tools {
                 Choice::Named(name)
             }
         };
-        Ok(Some(Tools { functions, choice, parallel, listed }))
+        Ok(Some(Tools { functions, choice, parallel, listed, json_response: false }))
     }
 
     /// The request's `tools`, for the prompt.
@@ -159,10 +164,37 @@ impl Tools {
         &self.listed
     }
 
-    /// The JSON Schema the answer must follow.
-    pub fn schema(&self) -> Value {
-        let call = |f: &Function| {
-            let arguments = f.parameters.clone().unwrap_or_else(|| json!({"type": "object"}));
+    /// Whether the answer must call (`required` or a named function).
+    pub fn forced(&self) -> bool {
+        self.choice != Choice::Auto
+    }
+
+    /// The JSON Schema the answer must follow: the calls, or under `auto` also
+    /// `{"response": …}`, a string or, when the request has a `response_format` schema
+    /// (`response`), a JSON value following it.
+    ///
+    /// Each function's `parameters` go in as given, but for two things:
+    /// - Objects that list `properties` and do not say `additionalProperties` are
+    ///   closed (`false`), as llama.cpp's schema converter reads them: else a call
+    ///   could pad its arguments with made-up fields until max_tokens. An object that
+    ///   lists no properties stays open (any object), and so do the branches of an
+    ///   `allOf`, whose properties add up.
+    /// - References resolve: a function whose parameters use `$ref` (Pydantic's
+    ///   nested models: `#/$defs/Model`) has them at `$defs/f<index>` of the envelope,
+    ///   its references rewritten to point there (`#/$defs/f0/$defs/Model`). Only local
+    ///   references (`#`, `#/...`) are taken (checked in `read`); a recursive one is
+    ///   the host grammar's to take or refuse (a 400 naming `tools` before any work).
+    pub fn schema(&self, response: Option<&Value>) -> Value {
+        let mut defs = serde_json::Map::new();
+        let mut call = |i: usize, f: &Function| {
+            let mut arguments = f.parameters.clone().unwrap_or_else(|| json!({"type": "object"}));
+            close_objects(&mut arguments, false);
+            if has_refs(&arguments) {
+                let at = format!("f{i}");
+                rebase_refs(&mut arguments, &format!("#/$defs/{at}"));
+                defs.insert(at.clone(), arguments);
+                arguments = json!({"$ref": format!("#/$defs/{at}")});
+            }
             json!({
                 "type": "object",
                 "properties": {"name": {"const": f.name}, "arguments": arguments},
@@ -172,13 +204,16 @@ impl Tools {
         };
         let (items, max) = match &self.choice {
             Choice::Named(name) => {
-                (call(self.functions.iter().find(|f| &f.name == name).expect("checked in read")), 1)
+                let i =
+                    self.functions.iter().position(|f| &f.name == name).expect("checked in read");
+                (call(i, &self.functions[i]), 1)
             }
-            _ if self.functions.len() == 1 => (call(&self.functions[0]), self.max_calls()),
-            _ => (
-                json!({"anyOf": self.functions.iter().map(call).collect::<Vec<_>>()}),
-                self.max_calls(),
-            ),
+            _ if self.functions.len() == 1 => (call(0, &self.functions[0]), self.max_calls()),
+            _ => {
+                let each: Vec<Value> =
+                    self.functions.iter().enumerate().map(|(i, f)| call(i, f)).collect();
+                (json!({ "anyOf": each }), self.max_calls())
+            }
         };
         let calls = json!({
             "type": "object",
@@ -186,15 +221,29 @@ impl Tools {
             "required": ["tool_calls"],
             "additionalProperties": false,
         });
-        match self.choice {
+        let response = match response {
+            None => json!({"type": "string"}),
+            Some(schema) if has_refs(schema) => {
+                let mut schema = schema.clone();
+                rebase_refs(&mut schema, "#/$defs/response");
+                defs.insert("response".into(), schema);
+                json!({"$ref": "#/$defs/response"})
+            }
+            Some(schema) => schema.clone(),
+        };
+        let mut schema = match self.choice {
             Choice::Auto => json!({"anyOf": [calls, {
                 "type": "object",
-                "properties": {"response": {"type": "string"}},
+                "properties": {"response": response},
                 "required": ["response"],
                 "additionalProperties": false,
             }]}),
             _ => calls,
+        };
+        if !defs.is_empty() {
+            schema["$defs"] = Value::Object(defs);
         }
+        schema
     }
 
     fn max_calls(&self) -> u32 {
@@ -205,15 +254,121 @@ impl Tools {
         }
     }
 
+    /// A direct answer (`auto`) is to be JSON following the request's `response_format`.
+    pub fn answer_in_json(&mut self) {
+        self.json_response = true;
+    }
+
     /// How to answer, for the system turn: the envelope in words.
     pub fn instruction(&self) -> String {
         let call =
             r#"{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}]}"#;
+        let answer =
+            if self.json_response { "<your answer, as JSON>" } else { "\"<your answer>\"" };
         match &self.choice {
-            Choice::Auto => format!("Answer with a JSON object: {call} to call tools, or {{\"response\": \"<your answer>\"}} to answer directly."),
+            Choice::Auto => format!("Answer with a JSON object: {call} to call tools, or {{\"response\": {answer}}} to answer directly."),
             Choice::Required => format!("Answer by calling tools, with a JSON object: {call}"),
             Choice::Named(name) => format!("Answer by calling the function {name}, with a JSON object: {call}"),
         }
+    }
+}
+
+/// Keywords whose values are data, not schemas: never walked.
+const DATA_KEYWORDS: [&str; 4] = ["enum", "const", "default", "examples"];
+
+/// A 400 naming `param` for a reference that does not point into the function's own
+/// parameters (`#`, `#/...`): nothing else can be resolved here.
+fn check_refs(schema: &Value, param: &str) -> Result<(), ApiError> {
+    let mut bad = None;
+    visit_refs(schema, &mut |r| {
+        if r != "#" && !r.starts_with("#/") {
+            bad.get_or_insert_with(|| r.to_string());
+        }
+    });
+    match bad {
+        Some(r) => Err(ApiError::invalid(
+            format!("'$ref' {r:?} is not served: only references within the function's parameters ('#/$defs/...')"),
+            Some(param),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn visit_refs(schema: &Value, see: &mut impl FnMut(&str)) {
+    match schema {
+        Value::Object(map) => {
+            for (key, value) in map {
+                match (key.as_str(), value) {
+                    ("$ref", Value::String(r)) => see(r),
+                    (key, _) if DATA_KEYWORDS.contains(&key) => {}
+                    _ => visit_refs(value, see),
+                }
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| visit_refs(v, see)),
+        _ => {}
+    }
+}
+
+fn has_refs(schema: &Value) -> bool {
+    let mut any = false;
+    visit_refs(schema, &mut |_| any = true);
+    any
+}
+
+/// Every local reference of `schema` (`#/x`) made to point to the same place in
+/// `schema` once it stands at `base` (`base/x`).
+fn rebase_refs(schema: &mut Value, base: &str) {
+    match schema {
+        Value::Object(map) => {
+            for (key, value) in map.iter_mut() {
+                match (key.as_str(), value) {
+                    ("$ref", Value::String(r)) => *r = format!("{base}{}", &r[1..]),
+                    (key, _) if DATA_KEYWORDS.contains(&key) => {}
+                    (_, value) => rebase_refs(value, base),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| rebase_refs(v, base)),
+        _ => {}
+    }
+}
+
+/// `additionalProperties: false` on every object schema within `schema` that lists
+/// `properties` and says nothing of other ones, except the branches of an `allOf`
+/// (`in_all_of`), whose properties add up.
+fn close_objects(schema: &mut Value, in_all_of: bool) {
+    match schema {
+        Value::Object(map) => {
+            if !in_all_of
+                && map.contains_key("properties")
+                && !map.contains_key("additionalProperties")
+                && !map.contains_key("patternProperties")
+                && !map.contains_key("unevaluatedProperties")
+            {
+                map.insert("additionalProperties".into(), Value::Bool(false));
+            }
+            for (key, value) in map.iter_mut() {
+                match key.as_str() {
+                    key if DATA_KEYWORDS.contains(&key) => {}
+                    "allOf" => {
+                        for branch in value.as_array_mut().into_iter().flatten() {
+                            close_objects(branch, true);
+                        }
+                    }
+                    // Maps of name to schema.
+                    "properties" | "patternProperties" | "$defs" | "definitions"
+                    | "dependentSchemas" => {
+                        for sub in value.as_object_mut().into_iter().flat_map(|m| m.values_mut()) {
+                            close_objects(sub, false);
+                        }
+                    }
+                    _ => close_objects(value, false),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| close_objects(v, false)),
+        _ => {}
     }
 }
 
@@ -225,11 +380,14 @@ pub struct Call {
 }
 
 /// Reads one answer's envelope as its text arrives: the `response` text is handed on
-/// as it is decoded; calls are read once the answer is whole.
+/// as it is decoded (or, for a `response_format` answer, the JSON value's own text);
+/// calls are read once the answer is whole.
 #[derive(Default)]
 pub struct Reader {
     raw: String,
     state: State,
+    /// `response` is a JSON value (a `response_format`), not a string of text.
+    json: bool,
 }
 
 #[derive(Default)]
@@ -239,31 +397,48 @@ enum State {
     Undecided,
     /// In `{"response":"…`: the string's text so far.
     Response(JsonString),
+    /// In `{"response":…` with a JSON value: how much of it was handed on.
+    Json(usize),
     Calls,
     /// Not an envelope (never from the grammar): handed on as text.
     Plain,
 }
 
 const RESPONSE_OPENING: &str = r#"{"response":""#;
+const JSON_OPENING: &str = r#"{"response":"#;
 const CALLS_OPENING: &str = r#"{"tool_calls":"#;
 /// Between two calls of the envelope.
 const CALL_SEPARATOR: &str = r#"},{"name":"#;
+/// How each call starts, its name first (the schema's order).
+const CALL_OPENING: &str = r#"{"name":""#;
+const ARGUMENTS_OPENING: &str = r#"","arguments":"#;
 
 impl Reader {
+    /// A reader of answers whose `response` is a JSON value following the request's
+    /// `response_format` (`json`), or a string of text.
+    pub fn new(json: bool) -> Self {
+        Reader { json, ..Reader::default() }
+    }
+
     /// Take the next piece of the answer; returns the text to hand on now.
     pub fn push(&mut self, piece: &str) -> String {
         let from = self.raw.len();
         self.raw.push_str(piece);
         let mut out = String::new();
+        let opening = if self.json { JSON_OPENING } else { RESPONSE_OPENING };
         match &mut self.state {
             State::Undecided => {
-                if self.raw.starts_with(RESPONSE_OPENING) {
+                if self.raw.starts_with(opening) {
+                    if self.json {
+                        self.state = State::Json(opening.len());
+                        return self.push("");
+                    }
                     let mut string = JsonString::default();
-                    string.feed(&self.raw[RESPONSE_OPENING.len()..], &mut out);
+                    string.feed(&self.raw[opening.len()..], &mut out);
                     self.state = State::Response(string);
                 } else if self.raw.starts_with(CALLS_OPENING) {
                     self.state = State::Calls;
-                } else if !RESPONSE_OPENING.starts_with(self.raw.as_str())
+                } else if !opening.starts_with(self.raw.as_str())
                     && !CALLS_OPENING.starts_with(self.raw.as_str())
                 {
                     out.push_str(&self.raw);
@@ -271,40 +446,77 @@ impl Reader {
                 }
             }
             State::Response(string) => string.feed(&self.raw[from..], &mut out),
+            State::Json(done) => {
+                // Held back: what may be the envelope's closing brace (and spaces).
+                let end = self.raw.trim_end_matches(|c: char| c == '}' || c.is_whitespace()).len();
+                if end > *done {
+                    out.push_str(&self.raw[*done..end]);
+                    *done = end;
+                }
+            }
             State::Calls => {}
             State::Plain => out.push_str(piece),
         }
         out
     }
 
-    /// The calls, once the answer is whole (none if it answered in text; if it was cut
-    /// short, the calls before the one cut off).
+    /// What was held back, once the answer has ended: a JSON response's closing braces
+    /// but the envelope's own (all of them, if the answer was cut short).
+    pub fn finish(&mut self) -> String {
+        let State::Json(done) = &mut self.state else { return String::new() };
+        let rest = &self.raw[*done..];
+        let whole = serde_json::from_str::<Value>(&self.raw).is_ok();
+        let rest = match rest.trim_end().strip_suffix('}') {
+            Some(inner) if whole => inner.trim_end(),
+            _ => rest,
+        };
+        *done = self.raw.len();
+        rest.to_string()
+    }
+
+    /// The calls, once the answer is whole (none if it answered in text). If it was cut
+    /// short (max_tokens), the whole calls before the cut and the call cut off, with
+    /// the text of its arguments so far (as OpenAI returns a call cut by the length
+    /// limit), if its name was written.
     pub fn calls(&self) -> Vec<Call> {
         if !matches!(self.state, State::Calls) {
             return Vec::new();
         }
-        // Whole, or cut short (max_tokens): then the calls before the one cut off, closed
-        // after the last whole one (the grammar writes them compactly, one after another).
-        let whole = serde_json::from_str::<Value>(&self.raw).ok().or_else(|| {
-            self.raw
-                .rmatch_indices(CALL_SEPARATOR)
-                .find_map(|(at, _)| serde_json::from_str(&format!("{}}}]}}", &self.raw[..at])).ok())
-        });
-        let calls = whole
-            .as_ref()
-            .and_then(|e| e.get("tool_calls"))
-            .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default();
-        calls
-            .into_iter()
-            .filter_map(|c| {
-                Some(Call {
-                    name: c.get("name")?.as_str()?.to_string(),
-                    arguments: c.get("arguments")?.to_string(),
+        let read = |envelope: &Value| {
+            let calls = envelope.get("tool_calls").and_then(Value::as_array);
+            calls
+                .into_iter()
+                .flatten()
+                .filter_map(|c| {
+                    Some(Call {
+                        name: c.get("name")?.as_str()?.to_string(),
+                        arguments: c.get("arguments")?.to_string(),
+                    })
                 })
-            })
-            .collect()
+                .collect::<Vec<_>>()
+        };
+        if let Ok(whole) = serde_json::from_str::<Value>(&self.raw) {
+            return read(&whole);
+        }
+        // Cut short: the grammar writes calls compactly, one after another, so the
+        // whole ones end before the last separator, and the cut one starts after it.
+        let (mut calls, cut) = match self.raw.rmatch_indices(CALL_SEPARATOR).next() {
+            Some((at, _)) => {
+                let before = serde_json::from_str(&format!("{}}}]}}", &self.raw[..at]));
+                (before.map(|b| read(&b)).unwrap_or_default(), &self.raw[at + "},".len()..])
+            }
+            None => (Vec::new(), &self.raw[CALLS_OPENING.len()..]),
+        };
+        let cut = cut.trim_start_matches('[');
+        if let Some(named) = cut.strip_prefix(CALL_OPENING) {
+            // Names are [A-Za-z0-9_-]: no escapes, so the name ends at its quote.
+            if let Some((name, rest)) = named.split_once('"') {
+                let arguments =
+                    format!("\"{rest}").strip_prefix(ARGUMENTS_OPENING).unwrap_or("").to_string();
+                calls.push(Call { name: name.to_string(), arguments });
+            }
+        }
+        calls
     }
 }
 
@@ -436,7 +648,7 @@ mod tests {
         ))
         .unwrap()
         .unwrap();
-        let s = t.schema();
+        let s = t.schema(None);
         assert_eq!(s["properties"]["tool_calls"]["maxItems"], 1);
         assert_eq!(
             s["properties"]["tool_calls"]["items"]["properties"]["name"]["const"],
@@ -451,7 +663,7 @@ mod tests {
         ))
         .unwrap()
         .unwrap()
-        .schema();
+        .schema(None);
         assert_eq!(auto["anyOf"][1]["properties"]["response"]["type"], "string");
         assert_eq!(
             auto["anyOf"][0]["properties"]["tool_calls"]["items"]["anyOf"]
@@ -462,7 +674,7 @@ mod tests {
         );
         assert_eq!(auto["anyOf"][0]["properties"]["tool_calls"]["maxItems"], MAX_PARALLEL_CALLS);
         let named = r#"{"tools":[WEATHER,{"type":"function","function":{"name":"time"}}],"tool_choice":{"type":"function","function":{"name":"time"}}}"#;
-        let named = tools(&named.replace("WEATHER", WEATHER)).unwrap().unwrap().schema();
+        let named = tools(&named.replace("WEATHER", WEATHER)).unwrap().unwrap().schema(None);
         assert_eq!(
             named["properties"]["tool_calls"]["items"]["properties"]["name"]["const"],
             "time"
@@ -496,18 +708,171 @@ mod tests {
                 Call { name: "time".into(), arguments: "{}".into() }
             ]
         );
-        // Cut short by max_tokens: no half calls, the whole ones before it.
+        // Cut short by max_tokens: the whole calls before the cut, and the one cut off
+        // with its arguments' text so far, once its name is written.
         let mut r = Reader::default();
-        r.push(r#"{"tool_calls":[{"name":"weather","argu"#);
+        r.push(r#"{"tool_calls":[{"name":"wea"#);
         assert!(r.calls().is_empty());
+        r.push(r#"ther","argu"#);
+        assert_eq!(r.calls(), [Call { name: "weather".into(), arguments: String::new() }]);
         r.push(r#"ments":{"city":"Lima"}},{"name":"time","arguments":{"city":"Li"#);
         assert_eq!(
             r.calls(),
-            [Call { name: "weather".into(), arguments: r#"{"city":"Lima"}"#.into() }]
+            [
+                Call { name: "weather".into(), arguments: r#"{"city":"Lima"}"#.into() },
+                Call { name: "time".into(), arguments: r#"{"city":"Li"#.into() }
+            ]
         );
+        let mut r = Reader::default();
+        r.push(r#"{"tool_calls":[{"name":"weather","arguments":{"city":"Li"#);
+        assert_eq!(
+            r.calls(),
+            [Call { name: "weather".into(), arguments: r#"{"city":"Li"#.into() }]
+        );
+        let mut r = Reader::default();
+        r.push(r#"{"tool_calls""#);
+        assert!(r.calls().is_empty(), "nothing named yet");
         // Not an envelope at all: handed on as it is.
         let mut r = Reader::default();
         assert_eq!(r.push("{\"x"), "{\"x");
         assert_eq!(r.push("y"), "y");
+    }
+
+    /// Every `$ref` in `schema`, and whether it resolves within it.
+    fn refs(schema: &Value) -> Vec<(String, bool)> {
+        let mut all = Vec::new();
+        visit_refs(schema, &mut |r| all.push(r.to_string()));
+        all.into_iter()
+            .map(|r| {
+                let ok = schema.pointer(&r[1..]).is_some();
+                (r, ok)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn nested_models_references_resolve_in_the_envelope() {
+        // What Pydantic writes for a model with a nested one, and a recursive one.
+        let order = r##"{"type":"function","function":{"name":"order","parameters":{"type":"object","properties":{"owner":{"$ref":"#/$defs/Person"},"items":{"type":"array","items":{"$ref":"#/$defs/Item"}}},"required":["owner"],"$defs":{"Person":{"type":"object","properties":{"name":{"type":"string"}}},"Item":{"type":"object","properties":{"sku":{"type":"string"},"parts":{"type":"array","items":{"$ref":"#/$defs/Item"}}}}}}}}"##;
+        let tree = r##"{"type":"function","function":{"name":"tree","parameters":{"type":"object","properties":{"child":{"$ref":"#"}}}}}"##;
+        for choice in
+            ["\"auto\"", "\"required\"", r#"{"type":"function","function":{"name":"order"}}"#]
+        {
+            let t =
+                tools(&format!(r#"{{"tools":[{WEATHER},{order},{tree}],"tool_choice":{choice}}}"#))
+                    .unwrap()
+                    .unwrap();
+            let schema = t.schema(Some(
+                &json!({"$ref": "#/$defs/Answer", "$defs": {"Answer": {"type": "integer"}}}),
+            ));
+            let refs = refs(&schema);
+            assert!(!refs.is_empty() && refs.iter().all(|(_, ok)| *ok), "{choice}: {refs:?}");
+            assert!(refs.iter().any(|(r, _)| r == "#/$defs/f1/$defs/Person"), "{refs:?}");
+        }
+        let t = tools(&format!(r#"{{"tools":[{WEATHER},{order},{tree}]}}"#)).unwrap().unwrap();
+        let schema = t.schema(None);
+        assert_eq!(schema["$defs"]["f2"]["properties"]["child"]["$ref"], "#/$defs/f2", "recursion");
+        assert!(schema["$defs"].get("f0").is_none(), "parameters without references stay in place");
+        // The tools as listed for the prompt keep their own references.
+        assert_eq!(
+            t.listed()[1]["function"]["parameters"]["properties"]["owner"]["$ref"],
+            "#/$defs/Person"
+        );
+        // References out of the function's parameters cannot resolve: refused by path.
+        for bad in [r##""https://example.com/s.json""##, r##""#Person""##, r##""other.json#/a""##] {
+            let json = format!(
+                r#"{{"tools":[{WEATHER},{{"type":"function","function":{{"name":"x","parameters":{{"type":"object","properties":{{"a":{{"$ref":{bad}}}}}}}}}}}]}}"#
+            );
+            let e = tools(&json).err().unwrap_or_else(|| panic!("{bad} was accepted"));
+            assert_eq!(e.param.as_deref(), Some("tools[1].function.parameters"), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn objects_that_do_not_say_are_closed() {
+        let f = r#"{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"a":{"type":"object","properties":{"b":{"type":"integer"}}},"open":{"type":"object","properties":{},"additionalProperties":true},"any":{"type":"object"},"both":{"allOf":[{"properties":{"x":{"type":"integer"}}},{"properties":{"y":{"type":"integer"}}}]},"e":{"enum":[{"properties":{}}]}}}}}"#;
+        let s = tools(&format!(r#"{{"tools":[{f}],"tool_choice":"required"}}"#))
+            .unwrap()
+            .unwrap()
+            .schema(None);
+        let args = &s["properties"]["tool_calls"]["items"]["properties"]["arguments"];
+        assert_eq!(args["additionalProperties"], false);
+        assert_eq!(args["properties"]["a"]["additionalProperties"], false, "nested objects too");
+        assert_eq!(
+            args["properties"]["open"]["additionalProperties"], true,
+            "what a schema says stays"
+        );
+        assert!(
+            args["properties"]["any"].get("additionalProperties").is_none(),
+            "no properties: any object"
+        );
+        assert!(
+            args["properties"]["both"]["allOf"][0].get("additionalProperties").is_none(),
+            "allOf branches add up"
+        );
+        assert_eq!(
+            args["properties"]["e"]["enum"][0],
+            json!({"properties": {}}),
+            "data is not a schema"
+        );
+    }
+
+    #[test]
+    fn a_named_or_required_choice_can_only_call() {
+        let two = format!(r#"{WEATHER},{{"type":"function","function":{{"name":"time"}}}}"#);
+        let format = json!({"type": "object", "properties": {"n": {"type": "integer"}}});
+        for (choice, names) in [
+            (r#"{"type":"function","function":{"name":"time"}}"#, vec!["time"]),
+            (r#""required""#, vec!["weather", "time"]),
+        ] {
+            let t =
+                tools(&format!(r#"{{"tools":[{two}],"tool_choice":{choice}}}"#)).unwrap().unwrap();
+            assert!(t.forced());
+            // Even with a response_format: no branch but the calls.
+            let s = t.schema(Some(&format));
+            assert_eq!(s["required"], json!(["tool_calls"]), "{choice}");
+            assert!(s.get("anyOf").is_none(), "{choice}");
+            let items = &s["properties"]["tool_calls"]["items"];
+            let consts: Vec<&str> = match items.get("anyOf") {
+                Some(any) => any
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|i| i["properties"]["name"]["const"].as_str().unwrap())
+                    .collect(),
+                None => vec![items["properties"]["name"]["const"].as_str().unwrap()],
+            };
+            assert_eq!(consts, names, "{choice}");
+        }
+        assert!(!tools(&format!(r#"{{"tools":[{two}]}}"#)).unwrap().unwrap().forced());
+    }
+
+    #[test]
+    fn with_a_response_format_a_direct_answer_is_json_following_it() {
+        let mut t = tools(&format!(r#"{{"tools":[{WEATHER}]}}"#)).unwrap().unwrap();
+        let format =
+            json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+        let s = t.schema(Some(&format));
+        assert_eq!(s["anyOf"][1]["properties"]["response"], format);
+        assert_eq!(s["anyOf"][0]["required"], json!(["tool_calls"]));
+        t.answer_in_json();
+        assert!(t.instruction().contains("as JSON"), "{}", t.instruction());
+        // The JSON's own text is handed on as it comes, but for the envelope's brace.
+        for answer in
+            [r#"{"response":{"n":{"m":[1,2]}}}"#, r#"{"response":"a } b"}"#, r#"{"response":12}"#]
+        {
+            let mut r = Reader::new(true);
+            let mut text: String = answer.chars().map(|c| r.push(&c.to_string())).collect();
+            text.push_str(&r.finish());
+            assert_eq!(text, answer[r#"{"response":"#.len()..answer.len() - 1], "{answer}");
+            assert!(r.calls().is_empty());
+        }
+        // Cut short: all of it, the JSON being unfinished anyway.
+        let mut r = Reader::new(true);
+        let text = r.push(r#"{"response":{"n":{"#) + &r.push("}") + &r.finish();
+        assert_eq!(text, r#"{"n":{}"#);
+        let mut r = Reader::new(true);
+        assert_eq!(r.push(r#"{"tool_calls":[{"name":"weather","arguments":{}}]}"#), "");
+        assert_eq!(r.calls().len(), 1);
     }
 }
