@@ -26,6 +26,10 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "parsed once per process: boxing `serve`'s flags buys nothing"
+)]
 enum Command {
     /// Run a plugin (a WASI 0.2 command component).
     Run {

@@ -699,18 +699,15 @@ impl Server {
         let (ended, run_ended) = tokio::sync::oneshot::channel();
         let replies = Replies { respond, ended };
         let place = ClientPlace(Arc::new(Mutex::new(client)));
-        let holds = Holds { _admitted: admitted, _tenant: tenant_place, client: place.clone() };
+        let holds = Holds {
+            _admitted: admitted,
+            _place: tenant_place,
+            tenant: tenant.clone(),
+            client: place.clone(),
+        };
         let run = tokio::spawn(
             self.clone()
-                .run_request(
-                    served.clone(),
-                    tenant.clone(),
-                    key,
-                    state.clone(),
-                    holds,
-                    request,
-                    replies,
-                )
+                .run_request(served.clone(), key, state.clone(), holds, request, replies)
                 .in_current_span(),
         );
         let response = match response.await {
@@ -782,13 +779,13 @@ impl Server {
     async fn run_request(
         self: Arc<Self>,
         served: Arc<Served>,
-        tenant: Arc<Tenant>,
         key: u64,
         state: Arc<RequestState>,
         holds: Holds,
         request: Request<PluginBody>,
         replies: Replies,
     ) -> RunEnd {
+        let tenant = holds.tenant.clone();
         let access = served.access(&tenant);
         let options = RunOptions {
             // The tenant first: prompts are reused, and shared tokens opened, only

@@ -26,7 +26,9 @@ impl Drop for Reading {
 pub(super) struct Holds {
     pub(super) _admitted: Admitted,
     /// Its place among its tenant's requests in progress.
-    pub(super) _tenant: tenants::InProgress,
+    pub(super) _place: tenants::InProgress,
+    /// Who it is for (its run's group, its token charge).
+    pub(super) tenant: Arc<tenants::Tenant>,
     pub(super) client: ClientPlace,
 }
 
