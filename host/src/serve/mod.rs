@@ -570,20 +570,12 @@ impl Server {
                         "requests",
                         retry_after,
                     ),
-                    OverQuota::Requests { per_minute, retry_after } => (
+                    OverQuota::PerMinute { what, per_minute, retry_after } => (
                         format!(
-                            "tenant {} is over its {per_minute} requests per minute",
+                            "tenant {} is over its {per_minute} {what} per minute",
                             tenant.name
                         ),
-                        "requests",
-                        retry_after.as_secs_f64().ceil() as u64,
-                    ),
-                    OverQuota::Tokens { per_minute, retry_after } => (
-                        format!(
-                            "tenant {} is over its {per_minute} tokens per minute",
-                            tenant.name
-                        ),
-                        "tokens",
+                        what,
                         retry_after.as_secs_f64().ceil() as u64,
                     ),
                 };

@@ -141,8 +141,13 @@ pub enum Unauthorized {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OverQuota {
     Concurrent(u32),
-    Requests { per_minute: u32, retry_after: Duration },
-    Tokens { per_minute: u64, retry_after: Duration },
+    /// A per-minute budget is spent: `what` is `requests` or `tokens` (OpenAI's 429
+    /// `type`).
+    PerMinute {
+        what: &'static str,
+        per_minute: u64,
+        retry_after: Duration,
+    },
 }
 
 /// A request's place among its tenant's requests in progress; given back when dropped.
@@ -285,7 +290,8 @@ impl Tenant {
     pub fn enter(&self) -> Result<InProgress, OverQuota> {
         if let Some(tokens) = &self.tokens {
             if let Err(retry_after) = tokens.ready() {
-                return Err(OverQuota::Tokens {
+                return Err(OverQuota::PerMinute {
+                    what: "tokens",
                     per_minute: tokens.per_minute as u64,
                     retry_after,
                 });
@@ -304,8 +310,9 @@ impl Tenant {
         };
         if let Some(requests) = &self.requests {
             if let Err(retry_after) = requests.take(1.0) {
-                return Err(OverQuota::Requests {
-                    per_minute: requests.per_minute as u32,
+                return Err(OverQuota::PerMinute {
+                    what: "requests",
+                    per_minute: requests.per_minute as u64,
                     retry_after,
                 });
             }
@@ -639,7 +646,7 @@ mod tests {
         let third = q.enter().unwrap();
         drop((second, third));
         match q.enter().unwrap_err() {
-            OverQuota::Requests { per_minute: 3, retry_after } => {
+            OverQuota::PerMinute { what: "requests", per_minute: 3, retry_after } => {
                 assert!(
                     retry_after > Duration::from_secs(19) && retry_after <= Duration::from_secs(20)
                 )
