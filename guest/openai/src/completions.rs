@@ -39,10 +39,11 @@ pub struct MediaPrompt {
 }
 
 /// A piece of a prompt with media: text tokens (prefilled by a generation of no
-/// tokens) or a media chunk (encoded and evaluated by the projector).
+/// tokens) or a chunk of the host's media tokenizer (text, or media it encodes), the
+/// chunks in a row evaluated in one call.
 pub enum MediaPart {
     Tokens(Vec<i32>),
-    Media(Chunk),
+    Chunk(Chunk),
 }
 
 impl MediaPrompt {
@@ -57,7 +58,7 @@ impl MediaPrompt {
     fn n_tokens(&self) -> u32 {
         let n = |p: &MediaPart| match p {
             MediaPart::Tokens(tokens) => tokens.len() as u32,
-            MediaPart::Media(chunk) => chunk.n_tokens(),
+            MediaPart::Chunk(chunk) => chunk.n_tokens(),
         };
         self.parts.iter().map(n).sum()
     }
@@ -176,7 +177,7 @@ impl Run {
                 let mut chunks: Vec<&Chunk> = Vec::new();
                 for part in m.split().0 {
                     match part {
-                        MediaPart::Media(chunk) => chunks.push(chunk),
+                        MediaPart::Chunk(chunk) => chunks.push(chunk),
                         MediaPart::Tokens(tokens) => {
                             if !chunks.is_empty() {
                                 m.media.eval_chunks(&self.ctx, &chunks, 0, &self.cancel)?;

@@ -350,16 +350,24 @@ const SPECIAL_OVERLAP: usize = 256;
 /// A 400 naming `param` if `text` spells a special token: it is tokenized with and
 /// without special parsing (window by window, [`windows`]), which differ exactly then.
 fn no_special_text(model: &Model, text: &str, param: &str) -> Result<(), ApiError> {
+    if spells_special(model, text, param)? {
+        return Err(ApiError::invalid(
+            format!("'{param}' contains a special token's text"),
+            Some(param),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `text` spells a special token ([`no_special_text`]).
+fn spells_special(model: &Model, text: &str, param: &str) -> Result<bool, ApiError> {
     for window in windows(text, SPECIAL_WINDOW, SPECIAL_OVERLAP) {
         let parsed = tokenize(model, window, false, true, param)?;
         if parsed != tokenize(model, window, false, false, param)? {
-            return Err(ApiError::invalid(
-                format!("'{param}' contains a special token's text"),
-                Some(param),
-            ));
+            return Ok(true);
         }
     }
-    Ok(())
+    Ok(false)
 }
 
 /// `text` in windows of at most `size` bytes (cut at character boundaries), each
@@ -466,12 +474,16 @@ fn too_long(e: HostError, param: &str) -> ApiError {
     }
 }
 
-/// A prompt with images: text tokens and images for the model's projector (named in
-/// `LLAMABOX_VISION`), in order. The text is tokenized here as [`chat_tokens`] does
-/// (the messages' texts never special-parsed: the host's media tokenizer parses every
-/// text it is given), and each image is tokenized alone, as its marker: the projector's
-/// own text around it (`<start_of_image>`, ...) is kept, the start-of-text tokens it
-/// writes at the start of each call are not.
+/// A prompt with images: text and images for the model's projector (named in
+/// `LLAMABOX_VISION`), in order. The host's media tokenizer parses special tokens in
+/// all the text it is given, so the whole prompt goes to it in one call (one
+/// all-or-nothing evaluation, every image encoded before any text is decoded) only if
+/// no message text in it spells a special token (nor the template's text the image
+/// marker). Else, so that those texts stay plain, the text is tokenized here as
+/// [`chat_tokens`] does and each image alone, as its marker (the projector's own text
+/// around it kept, the start-of-text tokens it writes at the start of each call not),
+/// the parts before the generation's own prompt prefilled in turn; so is a prompt over
+/// the host's cap on special-parsed text.
 fn media_prompt(
     name: &str,
     model: &Model,
@@ -479,6 +491,7 @@ fn media_prompt(
     spans: &[Span],
     images: Vec<Input>,
 ) -> Result<Prompt, ApiError> {
+    use vision::Segment;
     let Some(projector) = vision::projector_for(name) else {
         let message = format!(
             "The model '{name}' takes no images here (no projector for it in LLAMABOX_VISION)"
@@ -486,26 +499,49 @@ fn media_prompt(
         return Err(ApiError::invalid(message, Some("messages")));
     };
     let segments = vision::segments(prompt, spans);
-    let markers = segments.iter().filter(|s| matches!(s, vision::Segment::Media)).count();
+    let markers = segments.iter().filter(|s| matches!(s, Segment::Media)).count();
     if markers != images.len() {
         let message = format!("The chat template wrote {markers} of the messages' {} images: it rewrote a message with images in it", images.len());
         return Err(ApiError::invalid(message, Some("messages")));
     }
     let media = MediaContext::open(&projector, model)?;
     let marker = media.marker();
+    let mut whole = true;
+    for segment in &segments {
+        whole &= match segment {
+            Segment::Template(text) => !text.contains(vision::MARKER) && !text.contains(&marker),
+            Segment::Text(text) => !spells_special(model, text, "messages")?,
+            Segment::Media => true,
+        };
+    }
+    if whole {
+        let text: String = segments
+            .iter()
+            .map(|s| match s {
+                Segment::Template(text) | Segment::Text(text) => text,
+                Segment::Media => marker.as_str(),
+            })
+            .collect();
+        match media.tokenize(&text, &images) {
+            Ok(chunks) => {
+                let parts = chunks.into_iter().map(MediaPart::Chunk).collect();
+                return Ok(Prompt::Media(std::rc::Rc::new(MediaPrompt { parts, media })));
+            }
+            Err(HostError::LimitExceeded(m)) if m.contains("max-special-text-bytes") => {}
+            Err(e) => return Err(too_long(e, "messages")),
+        }
+    }
     let bos = tokenize(model, "", true, false, "messages")?;
     let (mut parts, mut tokens) = (Vec::new(), Vec::new());
     let mut images = images.into_iter();
     for segment in segments {
         let first = parts.is_empty() && tokens.is_empty();
         match segment {
-            vision::Segment::Template(text) => {
+            Segment::Template(text) => {
                 tokens.extend(tokenize(model, text, first, true, "messages")?)
             }
-            vision::Segment::Text(text) => {
-                tokens.extend(tokenize(model, text, first, false, "messages")?)
-            }
-            vision::Segment::Media => {
+            Segment::Text(text) => tokens.extend(tokenize(model, text, first, false, "messages")?),
+            Segment::Media => {
                 let image = images.next().expect("as many images as markers");
                 let chunks =
                     media.tokenize(&marker, &[image]).map_err(|e| too_long(e, "messages"))?;
@@ -514,7 +550,7 @@ fn media_prompt(
                         if !tokens.is_empty() {
                             parts.push(MediaPart::Tokens(std::mem::take(&mut tokens)));
                         }
-                        parts.push(MediaPart::Media(chunk));
+                        parts.push(MediaPart::Chunk(chunk));
                         continue;
                     }
                     let text = chunk.text_tokens();
