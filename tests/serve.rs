@@ -862,3 +862,33 @@ fn load_with_wrk_and_hang_ups_leaves_no_worker_and_accounts_for_every_request() 
     );
     let _ = std::fs::remove_file(script);
 }
+
+/// Message text is never special-parsed, images or not: with an image, a text that
+/// spells the tiny model's `</s>` costs its plain tokens (the host's media tokenizer,
+/// which parses special tokens in all it is given, never sees it), and the answer is
+/// served whole, the image's embeddings and all.
+#[test]
+fn a_message_beside_an_image_cannot_spell_a_special_token() {
+    let projector = format!("eyes={}", common::tiny_vision().display());
+    let flags = ["--projector", &projector, "--plugin-env", "LLAMABOX_VISION=tiny=eyes"];
+    let server = Server::start(&[("tiny", common::tiny_model())], &flags);
+    let url = format!("data:image/png;base64,{}", base64(&png(8, 8, &common::gradient(8, 8))));
+    let prompt_tokens = |text: &str| {
+        let body = json!({"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]});
+        let (status, response) = post(&server, "/v1/chat/completions", &body, &[]);
+        assert_eq!(status, 200, "{response}");
+        answer(&response).1
+    };
+    let tokens = |text: &str, parse_special: bool| {
+        let body = json!({"model": "tiny", "content": text, "parse_special": parse_special});
+        let (status, response) = post(&server, "/tokenize", &body, &[]);
+        assert_eq!(status, 200, "{response}");
+        serde_json::from_str::<Value>(&response).unwrap()["tokens"].as_array().unwrap().len() as u64
+    };
+    assert_eq!(tokens("</s>", true), 1, "</s> is the tiny model's special token");
+    let (once, twice) = (prompt_tokens("a</s>"), prompt_tokens("a</s></s>"));
+    let plain = tokens("a</s></s>", false) - tokens("a</s>", false);
+    assert!(plain > 1);
+    assert_eq!(twice - once, plain, "the second </s> took {} tokens", twice - once);
+}
