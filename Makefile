@@ -56,7 +56,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build build-bench guest demo test test-gpu bench-gpu lint validate-manifests scale-test bench bench-batch bench-grammar bench-server fuzz soak memcheck mutants clean-models
+.PHONY: deps build build-bench guest demo test test-gpu bench-gpu lint validate-manifests scale-test bench bench-batch bench-grammar bench-server bench-tenants fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -204,6 +204,14 @@ bench-server: build guest
 	python3 bench/server_bench.py --llamabox "$${LLAMABOX:-$(HOST)}" \
 	  --plugin "$${PLUGIN:-target/guest/wasm32-wasip2/release/llamabox_openai.wasm}" \
 	  --llama-server "$$llama_server" --model "$$model" --out bench/SERVER.md $(SERVER_BENCH_ARGS)
+
+# Tenants under load (bench/tenant_bench.py): weights 1 and 3 against each other, and what
+# one tenant's cached_tokens and timing say of another's prompt, at 1 thread and at all
+# cores; writes bench/TENANTS.md.
+bench-tenants: build guest
+	python3 bench/tenant_bench.py --llamabox $(HOST) \
+	  --plugin target/guest/wasm32-wasip2/release/llamabox_openai.wasm \
+	  --model "$${MODEL:-$$(scripts/fetch-model.sh)}" $(TENANT_BENCH_ARGS)
 
 # Random and adversarial calls, many more than `make test` makes: against the native
 # layer (tests/adversarial.rs, FUZZ_ITERS calls from FUZZ_SEED), then through a real

@@ -25,7 +25,7 @@
 //! the order the seat sent them; a seat's ops wait behind its own compute, never behind
 //! another seat's.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -512,6 +512,8 @@ struct Member {
     running: Option<Running>,
     /// Steps in a row its prompt had rows left and got none.
     passed_over: u32,
+    /// Steps in a row it had rows and was kept out because its group is quarantined.
+    quarantine_wait: u32,
 }
 
 /// A decode or generation in progress across steps.
@@ -582,6 +584,17 @@ struct StepPace {
 /// budget) goes before every other short prompt: shortest-first cannot starve it.
 const PASSED_OVER_STEPS: u32 = 8;
 
+/// Whoever rolls back shared steps pays for it. A group's cancels that roll back a
+/// step with another group's rows in it add 1 each to its score, which fades by this
+/// factor every step (half of it gone after ~69 steps). Above 1 (a second such
+/// rollback before the first has faded) the group is *quarantined*: its rows run only
+/// in steps no other group has rows in, so its next hang-up rolls back its own work
+/// alone. A single hang-up (a user closing a tab) costs its group nothing.
+const ROLLBACK_FADE: f64 = 0.99;
+/// A quarantined member waits at most this many steps for the others before it gets a
+/// step of its own (one step target at most): quarantine slows it, never starves it.
+const QUARANTINE_WAIT: u32 = 3;
+
 /// Fewest prompt rows a step offers (when it has room): below this a step's fixed cost
 /// (a graph, the weights read once more) outweighs its rows, and the estimate is noise.
 const MIN_CHUNK_ROWS: usize = 16;
@@ -625,6 +638,8 @@ struct Steps {
     long_waiting: bool,
     /// Seats that have left, counted (`Slot::released`).
     releases: u64,
+    /// Each group's score of shared steps it rolled back (see [`ROLLBACK_FADE`]).
+    rollbacks: HashMap<String, f64>,
     /// Where seats signal an arrival (`Batcher::arrived`), and the flag of this loop.
     arrived_slot: Arc<Mutex<CancelFlag>>,
     arrived: CancelFlag,
@@ -647,6 +662,7 @@ impl Steps {
             yield_debt: 0.0,
             long_waiting: false,
             releases: 0,
+            rollbacks: HashMap::new(),
             arrived_slot,
             arrived: CancelFlag::new(),
             #[cfg(test)]
@@ -722,6 +738,7 @@ impl Steps {
                     queue: VecDeque::new(),
                     running: None,
                     passed_over: 0,
+                    quarantine_wait: 0,
                 };
                 self.members.insert(id, member);
             }
@@ -1213,8 +1230,32 @@ impl Steps {
     /// each kind shortest first (ties: the seat that joined first), within the budget.
     fn plan(&mut self) -> Plan {
         let step_rows = self.policy.step_rows as usize;
+        // Quarantined groups' rows stay out of steps others have rows in; one that has
+        // waited long enough gets a step of its own.
+        let quarantined: HashSet<u64> = (self.members.iter())
+            .filter(|(_, m)| self.rollbacks.get(&m.group).is_some_and(|&score| score > 1.0))
+            .filter(|(_, m)| Self::wants_rows(m))
+            .map(|(&id, _)| id)
+            .collect();
+        let others =
+            self.members.iter().any(|(id, m)| !quarantined.contains(id) && Self::wants_rows(m));
+        let alone = (quarantined.iter())
+            .filter(|id| self.members[id].quarantine_wait >= QUARANTINE_WAIT)
+            .max_by_key(|id| self.members[id].quarantine_wait)
+            .copied();
+        let left_out = |id: &u64| match alone {
+            Some(only) => *id != only,
+            None => others && quarantined.contains(id),
+        };
+        for &id in &quarantined {
+            let m = self.member(id);
+            m.quarantine_wait = if left_out(&id) { m.quarantine_wait + 1 } else { 0 };
+        }
         let mut shares = Vec::new();
         for (&id, m) in &self.members {
+            if left_out(&id) {
+                continue;
+            }
             if let (Some(Running::Generate(g)), Some(slot)) = (&m.running, m.slot) {
                 if let (Some(token), true) =
                     (g.next, g.undelivered.is_empty() && g.finish.is_none())
@@ -1235,7 +1276,7 @@ impl Steps {
         let mut prompts: Vec<(bool, bool, usize, u64)> = self
             .members
             .iter()
-            .filter(|(_, m)| m.slot.is_some())
+            .filter(|(id, m)| m.slot.is_some() && !left_out(id))
             .filter_map(|(&id, m)| {
                 let left = match &m.running {
                     Some(Running::Decode(d)) => d.batch.len() - d.done,
@@ -1278,6 +1319,20 @@ impl Steps {
             self.yield_debt = 0.0;
         }
         Plan { yields: yields && !shares.is_empty(), shares }
+    }
+
+    /// Whether a member would have rows in the next step: a generation's next token
+    /// (delivered, not finished) or a prompt with rows left.
+    fn wants_rows(m: &Member) -> bool {
+        m.slot.is_some()
+            && match &m.running {
+                Some(Running::Decode(d)) => d.done < d.batch.len(),
+                Some(Running::Generate(g)) => match &g.tokens {
+                    None => g.prompt_done < g.request.prompt.len(),
+                    Some(_) => g.next.is_some() && g.undelivered.is_empty() && g.finish.is_none(),
+                },
+                None => false,
+            }
     }
 
     /// The next `n` rows of `id`'s prompt (a decode's batch or a generation's prompt),
@@ -1348,8 +1403,14 @@ impl Steps {
             let _turn = self.policy.cores.turn();
             let started = Instant::now();
             let result = self.ctx.decode(&batch, Some(Stop::Any(&stops)));
-            (result, started.elapsed(), stops[..members].iter().any(Stop::is_set))
+            (
+                result,
+                started.elapsed(),
+                stops[..members].iter().map(Stop::is_set).collect::<Vec<_>>(),
+            )
         };
+        self.charge_rollbacks(&shares, &cancelled, result == Err(Error::Cancelled));
+        let cancelled = cancelled.iter().any(|&c| c);
         for share in &shares {
             let m = &self.members[&share.id];
             m.alive.add_busy(elapsed.mul_f64(share.rows.len() as f64 / batch.len() as f64));
@@ -1396,6 +1457,28 @@ impl Steps {
                         self.undo(share.id, running, Err(e.clone()));
                     }
                 }
+            }
+        }
+    }
+
+    /// Fade every group's rollback score by a step, and charge the groups whose cancel
+    /// (`cancelled[i]`: share i's stop was set) rolled back a step that another group
+    /// had rows in. (A yield is the newcomer's, and `yield_debt` settles it.)
+    fn charge_rollbacks(&mut self, shares: &[Share], cancelled: &[bool], rolled_back: bool) {
+        self.rollbacks.retain(|_, score| {
+            *score *= ROLLBACK_FADE;
+            *score > 0.05
+        });
+        if !rolled_back {
+            return;
+        }
+        let group = |i: usize| self.members[&shares[i].id].group.clone();
+        let culprits: Vec<String> =
+            (0..shares.len()).filter(|&i| cancelled[i]).map(group).collect();
+        let shared = (0..shares.len()).any(|i| !culprits.contains(&group(i)));
+        if shared {
+            for culprit in culprits {
+                *self.rollbacks.entry(culprit).or_default() += 1.0;
             }
         }
     }
@@ -1716,6 +1799,45 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(seats[1].logits(None).await.unwrap().unwrap(), solo_logits(&prompts[1]));
+    }
+
+    /// A group whose cancels roll back steps it shares is quarantined after the second:
+    /// its rows then run only in steps of their own, so its next hang-up costs nobody
+    /// else anything. One hang-up costs nothing (the first round's next call shares).
+    #[tokio::test]
+    async fn a_group_that_keeps_rolling_back_shared_steps_runs_in_steps_of_its_own() {
+        let f = Fixture::new(512);
+        let victim = f.seat_in("victim", Arc::default()).await;
+        let attacker = f.seat_in("attacker", Arc::default()).await;
+        let mut pos = 0;
+        let round = |wire: CancelFlag, seed: i32, pos: i32| {
+            let gate = pause(&victim);
+            let v = victim.decode(Batch::sequence(&prompt(seed, 20), pos, 0), CancelFlag::new());
+            let a = attacker.decode(Batch::sequence(&prompt(seed + 50, 20), 0, 0), wire);
+            drop(gate);
+            (v, a)
+        };
+        for seed in 0..2 {
+            let wire = CancelFlag::new();
+            wire.trip_after(3);
+            let before = f.steps().len();
+            let (v, a) = round(wire, seed, pos);
+            assert_eq!(v.await.unwrap(), Ok(()));
+            assert_eq!(a.await.unwrap(), Err(Error::Cancelled));
+            let steps = f.steps();
+            assert!(
+                steps[before].seats == 2 && steps[before].rolled_back,
+                "round {seed}: the hang-up shared a step and rolled it back: {steps:?}"
+            );
+            pos += 20;
+        }
+        // Quarantined: its next call never shares a step with the victim's, and still
+        // runs (once the victim has nothing, here at once).
+        let before = f.steps().len();
+        let (v, a) = round(CancelFlag::new(), 9, pos);
+        assert_eq!((v.await.unwrap(), a.await.unwrap()), (Ok(()), Ok(())));
+        let steps = &f.steps()[before..];
+        assert!(steps.len() >= 2 && steps.iter().all(|s| s.seats == 1), "{steps:?}");
     }
 
     async fn futures_join<T>(calls: Vec<Call<native::Result<T>>>) -> Vec<native::Result<T>> {
