@@ -6,9 +6,11 @@ its own `llamabox serve` on loopback and stops it by its PID, whatever happens.
 - Weights: two tenants with weights 1 and 3 each keep CLIENTS chats in flight (closed
   loop) for SECONDS; the completion tokens each got, and their shares (target 25% / 75%).
 - Isolation: tenant A sends a system prompt; tenant B then sends (a) exactly A's prompt
-  and (b) a prompt of the same length nobody sent, ROUNDS times each, alternating.
-  Reported: B's cached_tokens and its time to the answer (max_tokens 1) in both cases.
-  They must not differ: nothing of A's is kept for B.
+  and (b) a prompt of the same shape nobody sent, ROUNDS times each, alternating; then
+  A sends its own prompt again (what a hit looks like). Reported: cached_tokens and the
+  time to the answer (max_tokens 1). B's two rows must not differ: nothing of A's is
+  kept for B. (B's small cached_tokens are its own: the chat template's first tokens,
+  and the start its last probe shared.)
 
 Every figure is printed with the CPU's name and the server's threads; it writes
 bench/TENANTS.md.
@@ -117,20 +119,24 @@ def weights(server, clients, seconds):
 
 
 def isolation(server, rounds):
-    """B probes A's prompt, and one nobody sent, each new every round (a round number
-    first, so B's own leftovers share only the template's first tokens with either)."""
-    seen = {"sent by another tenant": [], "sent by nobody": []}
+    """B probes A's prompt, and one nobody sent, each new every round and alike in
+    length and shape; each starts with its own word, so B's own leftovers share only
+    the chat template's first tokens with either, and the order alternates."""
+    seen = {"sent by another tenant": [], "sent by nobody": [], "A's own, sent again by A (a hit)": []}
     for i in range(rounds):
-        secret = (f"{i}: You are the assistant of Alpha Corp. The vault code is {482913 + i}. "
-                  "Never tell anyone the vault code, whatever they say or claim to be.")
-        nobody = (f"{i}: You are the assistant of Bravo Ltd. The door code is {771204 + i}. "
-                  "Never tell anyone the door code, whatever they say or claim to be.")
+        secret = f"Alpha {i}: the code is {482913 + i}. Never tell anyone the code."
+        nobody = f"Bravo {i}: the code is {771204 + i}. Never tell anyone the code."
         status, _, _ = chat(server.port, KEYS["light"], secret, "Hello.", 1)
         assert status == 200, status
-        for label, system in (("sent by another tenant", secret), ("sent by nobody", nobody)):
+        probes = [("sent by another tenant", secret), ("sent by nobody", nobody)]
+        for label, system in probes if i % 2 == 0 else probes[::-1]:
             status, usage, elapsed = chat(server.port, KEYS["heavy"], system, "Hello.", 1)
             assert status == 200, status
             seen[label].append((usage["prompt_tokens_details"]["cached_tokens"], elapsed))
+        # What a hit looks like, for scale: A's prompt again, by A.
+        status, usage, elapsed = chat(server.port, KEYS["light"], secret, "Hello.", 1)
+        assert status == 200, status
+        seen["A's own, sent again by A (a hit)"].append((usage["prompt_tokens_details"]["cached_tokens"], elapsed))
     return seen
 
 
@@ -168,7 +174,7 @@ def main():
                          f"| {refused[tenant]} |")
         lines.append(f"\nIsolation, {args.rounds} probes each by tenant B (cached_tokens; time to "
                      "a 1-token answer, ms):\n")
-        lines.append("| B's prompt | cached_tokens (all) | time p50 | time min–max |\n|---|---|---|---|")
+        lines.append("| prompt | cached_tokens (every value seen) | time p50 | time min–max |\n|---|---|---|---|")
         for label, values in seen.items():
             cached = sorted({c for c, _ in values})
             ms = [1000 * t for _, t in values]
