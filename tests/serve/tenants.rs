@@ -236,6 +236,18 @@ fn prompts_are_reused_only_within_their_tenant() {
     assert_eq!(send(KEY_B, "What do llamas eat?"), 0, "a's prompt reads to b as one nobody sent");
     assert!(send(KEY_A, "Where do alpacas live?") > 20, "a reuses its own system prompt");
     assert!(send(KEY_B, "Where do alpacas live?") > 20, "b reuses its own, and only its own");
+    // A cache_salt (vLLM's field) splits a tenant's cache further.
+    let salted = |salt: &str, question: &str| {
+        let mut body = ask(question);
+        body["cache_salt"] = json!(salt);
+        let (status, body) =
+            post(&server, "/v1/chat/completions", &body, &["-H", &format!("x-api-key: {KEY_A}")]);
+        assert_eq!(status, 200, "{body}");
+        cached_tokens(&body)
+    };
+    assert_eq!(salted("s1", "What do llamas eat?"), 0, "another salt: nothing of a's own");
+    assert!(salted("s1", "Where do alpacas live?") > 20, "the same salt reuses");
+    assert_eq!(salted("s2", "Where do alpacas live?"), 0);
     drop(server);
 
     let open = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);

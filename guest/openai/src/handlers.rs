@@ -755,7 +755,9 @@ const SAMPLING_FIELDS: &[&str] = &[
 /// - `prompt_cache_key` and `safety_identifier`: any string (a hint for routing to a
 ///   cache, and an end user's id for abuse reports, like `user`: neither changes an
 ///   answer; this server reuses cached prompt starts by itself);
-/// - `best_of` (text completions): equal to `n` (read in `completion`).
+/// - `best_of` (text completions): equal to `n` (read in `completion`);
+/// - `cache_salt` (vLLM's): a string; the server (not the plugin) reads it from the body
+///   and keeps the request's prompt cache apart from requests with another salt.
 /// Any field at all is accepted off (`null`, `false`, `[]`): `store: false`,
 /// `logprobs: false`, `echo: false`, `audio: null`, ...
 const AS_DEFAULT: &[api::AsDefault] = &[
@@ -784,6 +786,7 @@ const AS_DEFAULT: &[api::AsDefault] = &[
         values: "a string",
         accepts: serde_json::Value::is_string,
     },
+    api::AsDefault { name: "cache_salt", values: "a string", accepts: serde_json::Value::is_string },
 ];
 
 /// How output is constrained: a GBNF grammar or a JSON Schema (text), or neither.

@@ -634,6 +634,13 @@ impl Server {
             }
         };
         drop(reading);
+        // The tenant first: prompts are reused, and shared tokens opened, only within
+        // one tenant's group (across plugins only where their config names the same
+        // group), and within one `cache_salt` where the request gives one.
+        let mut group = format!("{}/{}", tenant.name, served.config.group());
+        if let Some(salt) = cache_salt(&parts.headers, &body) {
+            group += &format!("/salt-{salt}");
+        }
         let deadline = Duration::from_millis(served.config.deadline_ms);
         let ask = Ask {
             tenant: tenant.name.clone(),
@@ -695,6 +702,7 @@ impl Server {
             _admitted: admitted,
             _place: tenant_place,
             tenant: tenant.clone(),
+            group,
             client: place.clone(),
         };
         let run = tokio::spawn(
@@ -780,10 +788,7 @@ impl Server {
         let tenant = holds.tenant.clone();
         let access = served.access(&tenant);
         let options = RunOptions {
-            // The tenant first: prompts are reused, and shared tokens opened, only
-            // within one tenant's group (and across plugins only where their config
-            // names the same group).
-            group: format!("{}/{}", tenant.name, served.config.group()),
+            group: holds.group.clone(),
             deadline: Some(Duration::from_millis(served.config.deadline_ms)),
             limits: Some(served.limits.clone()),
             models: Some(access.models.clone()),
@@ -931,6 +936,27 @@ fn text(status: StatusCode, text: &'static str) -> Response<Body> {
     response
 }
 
+/// A JSON body's top-level `cache_salt` (vLLM's field), as a digest: requests with
+/// different salts never reuse each other's prompts, even within a tenant. Read here,
+/// not by the plugin, because the group is fixed before the plugin runs; the digest
+/// keeps the client's text out of groups and logs.
+fn cache_salt(headers: &http::HeaderMap, body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Salted {
+        cache_salt: Option<String>,
+    }
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("json"));
+    if !json {
+        return None;
+    }
+    let salt = serde_json::from_slice::<Salted>(body).ok()?.cache_salt?;
+    let digest = sha2::Sha256::digest(salt.as_bytes());
+    Some(digest[..8].iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Which API's error body a path gets: Anthropic's for its Messages API, OpenAI's
 /// everywhere else.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1064,6 +1090,23 @@ mod tests {
     async fn json_of(response: Response<Body>) -> serde_json::Value {
         let body = response.into_body().collect().await.unwrap().to_bytes();
         serde_json::from_slice(&body).unwrap()
+    }
+
+    #[test]
+    fn a_cache_salt_is_read_from_a_json_body_as_a_digest() {
+        let json: http::HeaderMap =
+            [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))]
+                .into_iter()
+                .collect();
+        let salt = |body: &str| cache_salt(&json, body.as_bytes());
+        let a = salt(r#"{"model":"m","cache_salt":"alice","messages":[]}"#).unwrap();
+        assert_eq!(a.len(), 16);
+        assert!(!a.contains("alice"));
+        assert_ne!(Some(a.clone()), salt(r#"{"cache_salt":"bob"}"#));
+        assert_eq!(Some(a), salt(r#"{"cache_salt":"alice"}"#));
+        assert_eq!(salt(r#"{"model":"m"}"#), None);
+        assert_eq!(salt("not json"), None);
+        assert_eq!(cache_salt(&http::HeaderMap::new(), br#"{"cache_salt":"alice"}"#), None);
     }
 
     #[tokio::test]

@@ -27,8 +27,10 @@ pub(super) struct Holds {
     pub(super) _admitted: Admitted,
     /// Its place among its tenant's requests in progress.
     pub(super) _place: tenants::InProgress,
-    /// Who it is for (its run's group, its token charge).
+    /// Who it is for (its token charge, its models).
     pub(super) tenant: Arc<tenants::Tenant>,
+    /// Its run's group: tenant, plugin group and cache salt.
+    pub(super) group: String,
     pub(super) client: ClientPlace,
 }
 
