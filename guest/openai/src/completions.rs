@@ -571,6 +571,35 @@ impl Choices {
         Ok(())
     }
 
+    /// The first run's text, piece by piece (`piece` with each non-empty one), for
+    /// `POST /v1/responses` (one choice): its whole text, OpenAI's finish reason, and
+    /// the usage.
+    pub(crate) fn run_one(
+        &mut self,
+        mut piece: impl FnMut(&str) -> Result<(), ApiError>,
+    ) -> Result<(String, &'static str, Usage), ApiError> {
+        let (mut text, mut reason) = (String::new(), "stop");
+        self.drive(|c, i, event| match event {
+            Event::Piece(add) if i == 0 && !add.text.is_empty() => {
+                piece(&add.text)?;
+                text.push_str(&add.text);
+                Ok(())
+            }
+            Event::Piece(_) => Ok(()),
+            Event::Ended => {
+                let run = &c.runs[i as usize];
+                if let Some(e) = run.unanswered() {
+                    return Err(e);
+                }
+                if i == 0 {
+                    reason = run.finish_reason();
+                }
+                Ok(())
+            }
+        })?;
+        Ok((text, reason, self.usage()))
+    }
+
     /// The whole answer now, or a stream to send.
     pub fn finish(mut self) -> Result<Reply, ApiError> {
         if self.stream {

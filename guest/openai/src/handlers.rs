@@ -48,6 +48,8 @@ const MAX_EMBED_TOTAL_TOKENS: usize = 8192;
 pub(crate) enum Reply {
     Json(String),
     Stream(Box<Stream>),
+    /// A `POST /v1/responses` answer streamed as the Responses API's events.
+    Responses(Box<crate::responses::Stream>),
     Page(&'static str),
 }
 
@@ -60,6 +62,7 @@ pub fn route(request: IncomingRequest, out: ResponseOutparam) {
     match handle(&request) {
         Ok(Reply::Json(json)) => http::send_json(out, 200, &json),
         Ok(Reply::Stream(stream)) => stream.send(Body::start(out, 200, "text/event-stream")),
+        Ok(Reply::Responses(stream)) => stream.send(Body::start(out, 200, "text/event-stream")),
         Ok(Reply::Page(html)) => {
             let _ = Body::start(out, 200, "text/html; charset=utf-8").finish_with(html.as_bytes());
         }
@@ -85,7 +88,9 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
         | "/embeddings"
         | "/tokenize"
         | "/detokenize"
-        | "/apply-template" => (Method::Post, true),
+        | "/apply-template"
+        | "/v1/responses"
+        | "/responses" => (Method::Post, true),
         _ => {
             return Err(ApiError::not_found(format!(
                 "Unknown request URL: {} {path}",
@@ -114,6 +119,7 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
         "/tokenize" => post_tokenize(&body).map(Reply::Json),
         "/detokenize" => post_detokenize(&body).map(Reply::Json),
         "/apply-template" => post_apply_template(&body).map(Reply::Json),
+        "/responses" => crate::responses::create(&body),
         _ => embed(&body).map(Reply::Json),
     }
 }
@@ -166,6 +172,14 @@ fn model_card(id: &str) -> Result<api::ModelCard, ApiError> {
 
 /// `POST /v1/chat/completions`.
 fn chat(body: &Object) -> Result<Reply, ApiError> {
+    let format =
+        Format { chat: true, id: new_id("chatcmpl"), created: now(), model: String::new() };
+    chat_choices(body, format)?.finish()
+}
+
+/// A chat body's runs, started (`format.model` is set to the request's model): what
+/// `POST /v1/chat/completions` and `POST /v1/responses` (mapped onto a chat body) share.
+pub(crate) fn chat_choices(body: &Object, mut format: Format) -> Result<Choices, ApiError> {
     let mut sampling = chat_sampling(body)?;
     let mut tools = Tools::read(body)?;
     if let Some(tools) = &mut tools {
@@ -199,8 +213,8 @@ fn chat(body: &Object) -> Result<Reply, ApiError> {
     } else {
         media_prompt(&name, &model, &rendered.text, &spans, images)?
     };
-    let format = Format { chat: true, id: new_id("chatcmpl"), created: now(), model: name };
-    Choices::start(model, &[prompt], &sampling, "messages", format)?.finish()
+    format.model = name;
+    Choices::start(model, &[prompt], &sampling, "messages", format)
 }
 
 /// A chat body's fields beside `messages`: the shared ones, and chat's log-probabilities
@@ -786,7 +800,11 @@ const AS_DEFAULT: &[api::AsDefault] = &[
         values: "a string",
         accepts: serde_json::Value::is_string,
     },
-    api::AsDefault { name: "cache_salt", values: "a string", accepts: serde_json::Value::is_string },
+    api::AsDefault {
+        name: "cache_salt",
+        values: "a string",
+        accepts: serde_json::Value::is_string,
+    },
 ];
 
 /// How output is constrained: a GBNF grammar or a JSON Schema (text), or neither.
@@ -1173,7 +1191,7 @@ pub(crate) fn new_id(prefix: &str) -> String {
 }
 
 /// Seconds since the Unix epoch.
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 

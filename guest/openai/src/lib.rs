@@ -13,6 +13,8 @@
 //! - Both take `n` choices per prompt (at most 4 in all, one context each, which the
 //!   host batches into shared steps) and `logprobs` (the host's, from the model's
 //!   distribution before sampling).
+//! - `POST /v1/responses`: OpenAI's Responses API, text in and out (`responses`), on
+//!   the chat path's core, streamed (its named events) or not.
 //! - `POST /v1/embeddings`: mean-pooled (or the model's own pooling), normalized vectors,
 //!   as `float` lists or `base64` (what the Python client asks for by default).
 //! - llama-server's `POST /tokenize` (`content`; `add_special` false, `parse_special`
@@ -53,6 +55,7 @@ mod api;
 mod completions;
 mod handlers;
 mod http;
+mod responses;
 mod template;
 mod tools;
 mod vision;

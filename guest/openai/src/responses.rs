@@ -1,0 +1,808 @@
+//! `POST /v1/responses` (OpenAI's Responses API), a first part: text in, text out.
+//!
+//! A Responses request is mapped onto a chat completion's body ([`chat_body`]) and runs
+//! on the same core as `POST /v1/chat/completions` (template, sampling, constraints,
+//! runs); only its answer is written out in the Responses shape, whole or as the
+//! Responses API's named server-sent events.
+//!
+//! Honoured: `model`, `input` (a string, or a list of messages whose `content` is a
+//! string or `input_text` / `output_text` parts), `instructions` (a system message
+//! first), `max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format`
+//! (`text`, `json_object`, `json_schema`: the chat path's `response_format`),
+//! `metadata` (echoed), `user`, `parallel_tool_calls`, `tool_choice` `"none"` or
+//! `"auto"`, and `store`: `false`, or `true`, which is accepted but stores nothing
+//! (there is no `GET /v1/responses/{id}` here, nor `previous_response_id`).
+//! `tools` of OpenAI's hosted kinds (`web_search`, `file_search`, `local_shell`, ...)
+//! are skipped: this server has none of them, and the model answers without. Function
+//! tools, `function_call` and `function_call_output` items, images and files are
+//! refused with a 400 naming the field by its path, as is any other field not off.
+
+use serde_json::{json, Map, Value};
+
+use crate::api::{ApiError, AsDefault, Object, Usage};
+use crate::completions::Choices;
+use crate::handlers::{self, Reply};
+use crate::http::{Body, Gone};
+
+/// The fields a Responses request may have (others are refused unless off).
+const FIELDS: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "store",
+    "text",
+    "metadata",
+    "user",
+    "parallel_tool_calls",
+    "tool_choice",
+    "tools",
+];
+
+/// Fields accepted with the values that ask for what this server does anyway.
+const AS_DEFAULT: &[AsDefault] = &[
+    AsDefault {
+        name: "service_tier",
+        values: "\"auto\" or \"default\"",
+        accepts: |v| matches!(v.as_str(), Some("auto" | "default")),
+    },
+    AsDefault { name: "truncation", values: "\"disabled\"", accepts: |v| v == "disabled" },
+    AsDefault { name: "prompt_cache_key", values: "a string", accepts: Value::is_string },
+    AsDefault { name: "safety_identifier", values: "a string", accepts: Value::is_string },
+];
+
+/// What a Responses request asks for beside the chat body: the settings its answer
+/// echoes.
+#[derive(Debug)]
+pub(crate) struct Echo {
+    pub model: String,
+    pub instructions: Option<String>,
+    pub max_output_tokens: Option<u32>,
+    pub temperature: f64,
+    pub top_p: f64,
+    pub metadata: Value,
+    pub user: Option<String>,
+    pub parallel_tool_calls: bool,
+    pub tool_choice: String,
+    pub store: bool,
+    /// `text.format` as given (`{"type":"text"}` when absent).
+    pub format: Value,
+}
+
+fn invalid(message: impl Into<String>, param: &str) -> ApiError {
+    ApiError::invalid(message, Some(param))
+}
+
+fn unsupported(path: &str, what: &str) -> ApiError {
+    invalid(format!("'{path}': {what} is not supported by this server"), path)
+        .with_code("unsupported_parameter")
+}
+
+/// `POST /v1/responses`.
+pub(crate) fn create(body: &Object) -> Result<Reply, ApiError> {
+    let (chat, echo) = chat_body(body)?;
+    let chat = Object::parse(&serde_json::to_vec(&chat).expect("a JSON map"))?;
+    let stream = chat.get::<bool>("stream")?.unwrap_or(false);
+    let format = crate::completions::Format {
+        chat: true,
+        id: handlers::new_id("chatcmpl"),
+        created: handlers::now(),
+        model: echo.model.clone(),
+    };
+    let choices = handlers::chat_choices(&chat, format)?;
+    let answer = Answer::new(echo);
+    if stream {
+        return Ok(Reply::Responses(Box::new(Stream { choices, answer })));
+    }
+    let mut choices = choices;
+    let (text, reason, usage) = choices.run_one(|_| Ok(()))?;
+    Ok(Reply::Json(answer.response(Some((&text, reason, usage))).to_string()))
+}
+
+/// The chat completion body a Responses request asks for, and what its answer echoes.
+pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), ApiError> {
+    body.refuse_unknown_but(FIELDS, AS_DEFAULT)?;
+    let model: String = body.require("model")?;
+    let mut messages = Vec::new();
+    let instructions: Option<String> = body.get("instructions")?;
+    if let Some(text) = &instructions {
+        messages.push(json!({"role": "system", "content": text}));
+    }
+    match body.get::<Value>("input")? {
+        None => return Err(invalid("Missing required parameter: 'input'", "input")),
+        Some(Value::String(text)) => messages.push(json!({"role": "user", "content": text})),
+        Some(Value::Array(items)) => {
+            for (i, item) in items.into_iter().enumerate() {
+                messages.push(input_message(item, &format!("input[{i}]"))?);
+            }
+        }
+        Some(_) => return Err(invalid("'input' must be a string or a list of items", "input")),
+    }
+    if messages.is_empty() {
+        return Err(invalid("'input' must contain at least one item", "input"));
+    }
+    let max_output_tokens: Option<u32> = body.get("max_output_tokens")?;
+    match max_output_tokens {
+        Some(0) => {
+            return Err(invalid("'max_output_tokens' must be at least 1", "max_output_tokens"))
+        }
+        Some(n) if n > handlers::MAX_GENERATE_TOKENS => {
+            let message =
+                format!("'max_output_tokens' must be at most {}", handlers::MAX_GENERATE_TOKENS);
+            return Err(invalid(message, "max_output_tokens"));
+        }
+        _ => {}
+    }
+    let store = body.get::<bool>("store")?.unwrap_or(true);
+    let metadata = body.get::<Map<String, Value>>("metadata")?.unwrap_or_default();
+    if let Some((key, _)) = metadata.iter().find(|(_, v)| !v.is_string()) {
+        let path = format!("metadata.{key}");
+        return Err(invalid(format!("'{path}' must be a string"), &path));
+    }
+    // Tools: OpenAI's hosted ones are skipped (none here); functions are not served yet.
+    let tools: Vec<Value> = body.get("tools")?.unwrap_or_default();
+    for (i, tool) in tools.iter().enumerate() {
+        let path = format!("tools[{i}]");
+        match tool.get("type").and_then(Value::as_str) {
+            None => {
+                return Err(invalid(format!("'{path}.type' is required"), &format!("{path}.type")))
+            }
+            Some("function" | "custom") => {
+                return Err(unsupported(
+                    &path,
+                    "a function tool (not yet served on /v1/responses; use /v1/chat/completions)",
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    let tool_choice = match body.get::<Value>("tool_choice")? {
+        None => "auto".to_string(),
+        Some(Value::String(s)) if s == "none" || s == "auto" => s,
+        Some(_) => {
+            return Err(invalid(
+                "'tool_choice' must be \"none\" or \"auto\": no function tools are served here",
+                "tool_choice",
+            ))
+        }
+    };
+    let parallel_tool_calls = body.get::<bool>("parallel_tool_calls")?.unwrap_or(true);
+    let temperature: Option<f64> = body.get("temperature")?;
+    let top_p: Option<f64> = body.get("top_p")?;
+    let user: Option<String> = body.get("user")?;
+    let stream: Option<bool> = body.get("stream")?;
+    let (format, response_format) = text_format(body)?;
+
+    let mut chat = Map::new();
+    chat.insert("model".into(), json!(model));
+    chat.insert("messages".into(), Value::Array(messages));
+    for (name, value) in [
+        ("max_tokens", max_output_tokens.map(Value::from)),
+        ("temperature", temperature.map(Value::from)),
+        ("top_p", top_p.map(Value::from)),
+        ("user", user.clone().map(Value::from)),
+        ("stream", stream.map(Value::from)),
+        ("response_format", response_format),
+    ] {
+        if let Some(value) = value {
+            chat.insert(name.into(), value);
+        }
+    }
+    let echo = Echo {
+        model,
+        instructions,
+        max_output_tokens,
+        temperature: temperature.unwrap_or(1.0),
+        top_p: top_p.unwrap_or(1.0),
+        metadata: Value::Object(metadata),
+        user,
+        parallel_tool_calls,
+        tool_choice,
+        store,
+        format,
+    };
+    Ok((chat, echo))
+}
+
+/// `text.format` as the answer echoes it, and the chat path's `response_format`.
+fn text_format(body: &Object) -> Result<(Value, Option<Value>), ApiError> {
+    let text = match body.get::<Value>("text")? {
+        None => return Ok((json!({"type": "text"}), None)),
+        Some(Value::Object(text)) => text,
+        Some(_) => return Err(invalid("'text' must be an object", "text")),
+    };
+    for (name, value) in &text {
+        if name != "format" && !value.is_null() {
+            return Err(unsupported(&format!("text.{name}"), "this field"));
+        }
+    }
+    let format = match text.get("format") {
+        None | Some(Value::Null) => return Ok((json!({"type": "text"}), None)),
+        Some(Value::Object(format)) => format,
+        Some(_) => return Err(invalid("'text.format' must be an object", "text.format")),
+    };
+    let kind = format.get("type").and_then(Value::as_str);
+    let allowed: &[&str] = match kind {
+        Some("text" | "json_object") => &["type"],
+        Some("json_schema") => &["type", "name", "schema", "strict", "description"],
+        _ => {
+            return Err(invalid(
+                "'text.format.type' must be \"text\", \"json_object\" or \"json_schema\"",
+                "text.format.type",
+            ))
+        }
+    };
+    if let Some(name) = format.keys().find(|k| !allowed.contains(&k.as_str())) {
+        let path = format!("text.format.{name}");
+        return Err(unsupported(&path, "this field"));
+    }
+    let response_format = match kind {
+        Some("json_schema") => {
+            let mut schema = format.clone();
+            schema.remove("type");
+            if !schema.get("name").is_some_and(Value::is_string) {
+                return Err(invalid("'text.format.name' is required", "text.format.name"));
+            }
+            json!({"type": "json_schema", "json_schema": schema})
+        }
+        _ => json!({"type": kind}),
+    };
+    Ok((Value::Object(format.clone()), Some(response_format)))
+}
+
+/// `input[i]`: a message (`type` "message", or no `type` and a `role`), as a chat message.
+fn input_message(item: Value, path: &str) -> Result<Value, ApiError> {
+    let Value::Object(item) = item else {
+        return Err(invalid(format!("'{path}' must be an object"), path));
+    };
+    match item.get("type").and_then(Value::as_str) {
+        Some("message") => {}
+        None if matches!(item.get("type"), None | Some(Value::Null))
+            && item.contains_key("role") => {}
+        Some(kind @ ("function_call" | "function_call_output")) => {
+            return Err(unsupported(
+                path,
+                &format!("a '{kind}' item (not yet served on /v1/responses)"),
+            ))
+        }
+        _ => {
+            let p = format!("{path}.type");
+            return Err(invalid(format!("'{p}' must be \"message\""), &p));
+        }
+    }
+    for name in item.keys() {
+        // `id` and `status`: what the SDK writes back of an earlier answer's output.
+        if !["type", "role", "content", "id", "status"].contains(&name.as_str()) {
+            let p = format!("{path}.{name}");
+            return Err(unsupported(&p, "this field"));
+        }
+    }
+    let role = match item.get("role").and_then(Value::as_str) {
+        Some(role @ ("user" | "system" | "developer" | "assistant")) => role,
+        _ => {
+            let p = format!("{path}.role");
+            return Err(invalid(
+                format!("'{p}' must be \"user\", \"system\", \"developer\" or \"assistant\""),
+                &p,
+            ));
+        }
+    };
+    let content = match item.get("content") {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let p = format!("{path}.content[{j}]");
+                let kind = part.get("type").and_then(Value::as_str);
+                let allowed: &[&str] = match kind {
+                    Some("input_text") => &["type", "text"],
+                    Some("output_text") => &["type", "text", "annotations", "logprobs"],
+                    Some(other @ ("input_image" | "input_file" | "input_audio" | "refusal")) => {
+                        return Err(unsupported(&format!("{p}.type"), &format!("'{other}'")))
+                    }
+                    _ => {
+                        let p = format!("{p}.type");
+                        return Err(invalid(
+                            format!("'{p}' must be \"input_text\" or \"output_text\""),
+                            &p,
+                        ));
+                    }
+                };
+                if let Some(name) = part
+                    .as_object()
+                    .and_then(|o| o.iter().find(|(k, v)| !allowed.contains(&k.as_str()) && !off(v)))
+                    .map(|(k, _)| k)
+                {
+                    return Err(unsupported(&format!("{p}.{name}"), "this field"));
+                }
+                match part.get("text") {
+                    Some(Value::String(t)) => text.push_str(t),
+                    _ => {
+                        let p = format!("{p}.text");
+                        return Err(invalid(format!("'{p}' must be a string"), &p));
+                    }
+                }
+            }
+            text
+        }
+        _ => {
+            let p = format!("{path}.content");
+            return Err(invalid(format!("'{p}' must be a string or a list of parts"), &p));
+        }
+    };
+    Ok(json!({"role": role, "content": content}))
+}
+
+/// The answer being written: its ids, what it echoes, and the events' sequence.
+pub(crate) struct Answer {
+    id: String,
+    item_id: String,
+    created_at: u64,
+    echo: Echo,
+    sequence: u64,
+}
+
+/// A fresh id such as `resp_1f0c...`.
+fn id(prefix: &str) -> String {
+    handlers::new_id(prefix).replacen('-', "_", 1)
+}
+
+impl Answer {
+    pub(crate) fn new(echo: Echo) -> Self {
+        Answer {
+            id: id("resp"),
+            item_id: id("msg"),
+            created_at: handlers::now(),
+            echo,
+            sequence: 0,
+        }
+    }
+
+    /// The message item, with `text` so far.
+    fn item(&self, text: Option<&str>, done: bool) -> Value {
+        let content = match text {
+            Some(text) => vec![part(text)],
+            None => vec![],
+        };
+        json!({
+            "type": "message",
+            "id": self.item_id,
+            "status": if done { "completed" } else { "in_progress" },
+            "role": "assistant",
+            "content": content,
+        })
+    }
+
+    /// The response object: in progress (`None`), or ended with its text, finish reason
+    /// and usage.
+    pub(crate) fn response(&self, ended: Option<(&str, &str, Usage)>) -> Value {
+        let e = &self.echo;
+        let (status, output, usage, incomplete) = match ended {
+            None => ("in_progress", vec![], Value::Null, Value::Null),
+            Some((text, reason, usage)) => {
+                let (status, incomplete) = if reason == "length" {
+                    ("incomplete", json!({"reason": "max_output_tokens"}))
+                } else {
+                    ("completed", Value::Null)
+                };
+                (status, vec![self.item(Some(text), true)], usage_json(usage), incomplete)
+            }
+        };
+        json!({
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": null,
+            "incomplete_details": incomplete,
+            "instructions": e.instructions,
+            "max_output_tokens": e.max_output_tokens,
+            "model": e.model,
+            "output": output,
+            "parallel_tool_calls": e.parallel_tool_calls,
+            "previous_response_id": null,
+            "reasoning": {"effort": null, "summary": null},
+            "store": e.store,
+            "temperature": e.temperature,
+            "text": {"format": e.format},
+            "tool_choice": e.tool_choice,
+            "tools": [],
+            "top_p": e.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": e.user,
+            "metadata": e.metadata,
+        })
+    }
+
+    /// One server-sent event: its `type` as the event's name, and its sequence number.
+    fn event(&mut self, kind: &str, fields: Value) -> String {
+        let mut data = Map::new();
+        data.insert("type".into(), json!(kind));
+        data.insert("sequence_number".into(), json!(self.sequence));
+        if let Value::Object(fields) = fields {
+            data.extend(fields);
+        }
+        self.sequence += 1;
+        format!("event: {kind}\ndata: {}\n\n", Value::Object(data))
+    }
+
+    /// The events before any text: created, in progress, the message and its part added.
+    fn opening(&mut self) -> String {
+        let response = self.response(None);
+        let item = self.item(None, false);
+        let item_id = self.item_id.clone();
+        [
+            self.event("response.created", json!({"response": response})),
+            self.event("response.in_progress", json!({"response": response})),
+            self.event("response.output_item.added", json!({"output_index": 0, "item": item})),
+            self.event(
+                "response.content_part.added",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part("")}),
+            ),
+        ]
+        .concat()
+    }
+
+    fn delta(&mut self, text: &str) -> String {
+        let item_id = self.item_id.clone();
+        self.event(
+            "response.output_text.delta",
+            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []}),
+        )
+    }
+
+    /// The events after the text: text, part and item done, and the response's end.
+    fn closing(&mut self, text: &str, reason: &str, usage: Usage) -> String {
+        let item_id = self.item_id.clone();
+        let item = self.item(Some(text), true);
+        let response = self.response(Some((text, reason, usage)));
+        let last = if response["status"] == "incomplete" {
+            "response.incomplete"
+        } else {
+            "response.completed"
+        };
+        [
+            self.event(
+                "response.output_text.done",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
+            ),
+            self.event(
+                "response.content_part.done",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part(text)}),
+            ),
+            self.event("response.output_item.done", json!({"output_index": 0, "item": item})),
+            self.event(last, json!({"response": response})),
+        ]
+        .concat()
+    }
+
+    /// An error after the stream started: the stream's last event.
+    fn error(&mut self, e: &ApiError) -> String {
+        self.event("error", json!({"code": e.code, "message": e.message, "param": e.param}))
+    }
+}
+
+/// Whether a value asks for nothing: `null`, `false` or `[]`.
+fn off(value: &Value) -> bool {
+    matches!(value, Value::Null | Value::Bool(false)) || value.as_array().is_some_and(Vec::is_empty)
+}
+
+fn part(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+fn usage_json(usage: Usage) -> Value {
+    json!({
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    })
+}
+
+/// A response streamed as the Responses API's events.
+pub(crate) struct Stream {
+    choices: Choices,
+    answer: Answer,
+}
+
+impl Stream {
+    /// The opening events go out before the prompt is evaluated; each piece as it
+    /// comes. A failed write means the client is gone: stop at once (dropping the
+    /// run cancels it).
+    pub(crate) fn send(mut self, body: Body) {
+        if let Ok(last) = self.events(&body) {
+            let _ = body.finish_with(last.as_bytes());
+        }
+    }
+
+    /// Every event but the last, which is returned.
+    fn events(&mut self, body: &Body) -> Result<String, Gone> {
+        body.write(self.answer.opening().as_bytes())?;
+        let gone = std::cell::Cell::new(None);
+        let answer = &mut self.answer;
+        let ran = self.choices.run_one(|text| {
+            body.write(answer.delta(text).as_bytes()).map_err(|g| {
+                gone.set(Some(g));
+                ApiError::invalid("the client is gone", None)
+            })
+        });
+        if let Some(g) = gone.take() {
+            return Err(g);
+        }
+        Ok(match ran {
+            Ok((text, reason, usage)) => self.answer.closing(&text, reason, usage),
+            Err(e) => self.answer.error(&e),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api;
+
+    fn body(json: &str) -> Object {
+        Object::parse(json.as_bytes()).unwrap()
+    }
+
+    fn mapped(json: &str) -> Result<(Map<String, Value>, Echo), ApiError> {
+        chat_body(&body(json))
+    }
+
+    fn param(json: &str) -> String {
+        let e = mapped(json).expect_err("refused");
+        assert_eq!(e.status, 400, "{}", e.to_json());
+        e.param.expect("a param").to_string()
+    }
+
+    #[test]
+    fn input_and_instructions_become_chat_messages() {
+        let (chat, echo) =
+            mapped(r#"{"model":"m","input":"Say hi","instructions":"Be brief","max_output_tokens":16,"store":false}"#)
+                .unwrap();
+        assert_eq!(
+            chat["messages"],
+            json!([{"role":"system","content":"Be brief"},{"role":"user","content":"Say hi"}])
+        );
+        assert_eq!(chat["max_tokens"], 16);
+        assert!(!chat.contains_key("stream"));
+        assert_eq!(echo.instructions.as_deref(), Some("Be brief"));
+        assert!(!echo.store);
+
+        let (chat, _) = mapped(
+            r#"{"model":"m","stream":true,"temperature":0,"top_p":0.5,"user":"u","input":[
+                {"type":"message","role":"developer","content":[{"type":"input_text","text":"a"},{"type":"input_text","text":"b"}]},
+                {"role":"assistant","content":[{"type":"output_text","text":"c","annotations":[]}],"id":"msg_1","status":"completed"},
+                {"role":"user","content":"d"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            chat["messages"],
+            json!([{"role":"developer","content":"ab"},{"role":"assistant","content":"c"},{"role":"user","content":"d"}])
+        );
+        assert_eq!(
+            (chat["stream"].clone(), chat["temperature"].clone()),
+            (json!(true), json!(0.0))
+        );
+        assert_eq!((chat["top_p"].clone(), chat["user"].clone()), (json!(0.5), json!("u")));
+    }
+
+    #[test]
+    fn text_format_maps_to_response_format() {
+        let (chat, echo) =
+            mapped(r#"{"model":"m","input":"x","text":{"format":{"type":"json_object"}}}"#)
+                .unwrap();
+        assert_eq!(chat["response_format"], json!({"type":"json_object"}));
+        assert_eq!(echo.format, json!({"type":"json_object"}));
+        let (chat, _) = mapped(
+            r#"{"model":"m","input":"x","text":{"format":{"type":"json_schema","name":"n","strict":true,"schema":{"type":"object"}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            chat["response_format"],
+            json!({"type":"json_schema","json_schema":{"name":"n","strict":true,"schema":{"type":"object"}}})
+        );
+        // The mapped body is one the chat path reads.
+        let chat = Object::parse(&serde_json::to_vec(&chat).unwrap()).unwrap();
+        assert!(chat.get::<api::ResponseFormat>("response_format").unwrap().is_some());
+        let (chat, echo) =
+            mapped(r#"{"model":"m","input":"x","text":{"format":{"type":"text"}}}"#).unwrap();
+        assert_eq!(chat["response_format"], json!({"type":"text"}));
+        assert_eq!(echo.format, json!({"type":"text"}));
+        assert_eq!(
+            param(r#"{"model":"m","input":"x","text":{"format":{"type":"grammar"}}}"#),
+            "text.format.type"
+        );
+        assert_eq!(
+            param(r#"{"model":"m","input":"x","text":{"format":{"type":"json_object","x":1}}}"#),
+            "text.format.x"
+        );
+        assert_eq!(
+            param(r#"{"model":"m","input":"x","text":{"verbosity":"low"}}"#),
+            "text.verbosity"
+        );
+        assert_eq!(
+            param(
+                r#"{"model":"m","input":"x","text":{"format":{"type":"json_schema","schema":{}}}}"#
+            ),
+            "text.format.name"
+        );
+    }
+
+    #[test]
+    fn fields_not_served_are_refused_by_path() {
+        assert_eq!(
+            param(r#"{"model":"m","input":"x","previous_response_id":"resp_1"}"#),
+            "previous_response_id"
+        );
+        assert_eq!(
+            param(r#"{"model":"m","input":"x","reasoning":{"effort":"high"}}"#),
+            "reasoning"
+        );
+        assert_eq!(param(r#"{"model":"m","input":"x","truncation":"auto"}"#), "truncation");
+        assert_eq!(param(r#"{"model":"m"}"#), "input");
+        assert_eq!(param(r#"{"model":"m","input":[]}"#), "input");
+        assert_eq!(
+            param(r#"{"model":"m","input":"x","max_output_tokens":0}"#),
+            "max_output_tokens"
+        );
+        assert_eq!(param(r#"{"model":"m","input":"x","metadata":{"k":1}}"#), "metadata.k");
+        assert_eq!(
+            param(
+                r#"{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":"o"}]}"#
+            ),
+            "input[0]"
+        );
+        assert_eq!(param(r#"{"model":"m","input":[{"type":"reasoning"}]}"#), "input[0].type");
+        assert_eq!(
+            param(r#"{"model":"m","input":[{"role":"tool","content":"x"}]}"#),
+            "input[0].role"
+        );
+        assert_eq!(
+            param(r#"{"model":"m","input":[{"role":"user","content":"x","name":"n"}]}"#),
+            "input[0].name"
+        );
+        assert_eq!(
+            param(
+                r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"a"},{"type":"input_image","image_url":"u"}]}]}"#
+            ),
+            "input[0].content[1].type"
+        );
+        assert_eq!(
+            param(
+                r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"a","extra":1}]}]}"#
+            ),
+            "input[0].content[0].extra"
+        );
+        assert_eq!(
+            param(
+                r#"{"model":"m","input":"x","tools":[{"type":"function","name":"f","parameters":{}}]}"#
+            ),
+            "tools[0]"
+        );
+        assert_eq!(param(r#"{"model":"m","input":"x","tool_choice":"required"}"#), "tool_choice");
+        // Off is accepted; hosted tools are skipped; `store: true` stores nothing.
+        let (chat, echo) = mapped(
+            r#"{"model":"m","input":"x","store":true,"reasoning":null,"include":[],"background":false,
+                "tools":[{"type":"web_search"},{"type":"local_shell"}],"tool_choice":"none",
+                "parallel_tool_calls":false,"metadata":{"k":"v"},"truncation":"disabled"}"#,
+        )
+        .unwrap();
+        assert!(!chat.contains_key("tools") && !chat.contains_key("tool_choice"));
+        assert!(echo.store && !echo.parallel_tool_calls);
+        assert_eq!((echo.tool_choice.as_str(), echo.metadata.clone()), ("none", json!({"k":"v"})));
+    }
+
+    fn answer() -> Answer {
+        let (_, echo) = mapped(r#"{"model":"m","input":"x","instructions":"i"}"#).unwrap();
+        Answer::new(echo)
+    }
+
+    fn usage() -> Usage {
+        Usage {
+            prompt_tokens: 5,
+            completion_tokens: 3,
+            total_tokens: 8,
+            prompt_tokens_details: api::PromptTokensDetails { cached_tokens: 2 },
+        }
+    }
+
+    #[test]
+    fn response_shapes() {
+        let a = answer();
+        let r = a.response(Some(("Hi", "stop", usage())));
+        assert!(r["id"].as_str().unwrap().starts_with("resp_"));
+        assert_eq!(
+            (r["object"].clone(), r["status"].clone()),
+            (json!("response"), json!("completed"))
+        );
+        assert_eq!(r["incomplete_details"], Value::Null);
+        assert_eq!(r["instructions"], "i");
+        assert_eq!((r["model"].clone(), r["tools"].clone()), (json!("m"), json!([])));
+        assert_eq!(
+            (r["tool_choice"].clone(), r["parallel_tool_calls"].clone()),
+            (json!("auto"), json!(true))
+        );
+        let item = &r["output"][0];
+        assert!(item["id"].as_str().unwrap().starts_with("msg_"));
+        assert_eq!(item["type"], "message");
+        assert_eq!(
+            (item["role"].clone(), item["status"].clone()),
+            (json!("assistant"), json!("completed"))
+        );
+        assert_eq!(
+            item["content"],
+            json!([{"type":"output_text","text":"Hi","annotations":[],"logprobs":[]}])
+        );
+        assert_eq!(
+            r["usage"],
+            json!({"input_tokens":5,"input_tokens_details":{"cached_tokens":2},"output_tokens":3,
+                   "output_tokens_details":{"reasoning_tokens":0},"total_tokens":8})
+        );
+        let r = a.response(Some(("Hi", "length", usage())));
+        assert_eq!(r["status"], "incomplete");
+        assert_eq!(r["incomplete_details"], json!({"reason":"max_output_tokens"}));
+    }
+
+    /// The events of a stream, as (name, data).
+    fn parse(text: &str) -> Vec<(String, Value)> {
+        text.split_terminator("\n\n")
+            .map(|event| {
+                let (name, data) = event.split_once('\n').unwrap();
+                let name = name.strip_prefix("event: ").unwrap().to_string();
+                let data: Value =
+                    serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+                assert_eq!(data["type"], name.as_str());
+                (name, data)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn stream_events_come_in_openai_order() {
+        let mut a = answer();
+        let all =
+            [a.opening(), a.delta("H"), a.delta("i"), a.closing("Hi", "stop", usage())].concat();
+        let events = parse(&all);
+        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        for (i, (_, data)) in events.iter().enumerate() {
+            assert_eq!(data["sequence_number"], i as u64);
+        }
+        assert_eq!(events[0].1["response"]["status"], "in_progress");
+        assert_eq!(events[2].1["item"]["status"], "in_progress");
+        assert_eq!(events[4].1["delta"], "H");
+        assert_eq!(events[4].1["item_id"], events[2].1["item"]["id"]);
+        assert_eq!(events[6].1["text"], "Hi");
+        assert_eq!(events[9].1["response"]["output"][0]["content"][0]["text"], "Hi");
+        assert_eq!(events[9].1["response"]["id"], events[0].1["response"]["id"]);
+        let last = a.closing("Hi", "length", usage());
+        assert!(last.contains("event: response.incomplete\n"));
+        let e = a.error(&ApiError::invalid("bad", Some("x")));
+        let (name, data) = &parse(&e)[0];
+        assert_eq!(
+            (name.as_str(), data["message"].clone(), data["param"].clone()),
+            ("error", json!("bad"), json!("x"))
+        );
+    }
+}

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Checks `POST /v1/responses` of `llamabox serve` with the openai plugin through the
+official `openai` client (`client.responses.create`).
+
+Usage: python3 tests/serve/responses_client.py BASE_URL MODEL
+       (BASE_URL like http://127.0.0.1:PORT/v1; needs `pip install openai`)
+
+Prints `ok: NAME` for each check that passes and `FAIL: NAME: why` for each that
+does not; exits 1 if any failed (2 on bad usage or a missing `openai` package).
+"""
+
+import json
+import sys
+
+try:
+    import openai
+except ImportError as e:
+    print(f"FAIL: import: {e} (python3 -m pip install openai)", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_response(r, max_output):
+    assert r.object == "response", f"object is {r.object!r}"
+    assert r.id.startswith("resp_"), f"id is {r.id!r}"
+    assert r.status in ("completed", "incomplete"), f"status is {r.status!r}"
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens", r.incomplete_details
+    assert r.output and r.output[0].type == "message", f"output is {r.output!r}"
+    assert r.output[0].role == "assistant"
+    assert r.output_text, "empty output_text"
+    u = r.usage
+    assert u.input_tokens > 0 and 0 < u.output_tokens <= max_output, u
+    assert u.total_tokens == u.input_tokens + u.output_tokens, u
+
+
+def plain(client, model):
+    r = client.responses.create(model=model, input="Say hi", max_output_tokens=16)
+    check_response(r, 16)
+    return repr(r.output_text)
+
+
+def instructions(client, model):
+    r = client.responses.create(
+        model=model,
+        instructions="You are a pirate. Answer in one short sentence.",
+        input=[{"role": "user", "content": "Who are you?"}],
+        max_output_tokens=24,
+        temperature=0,
+        store=False,
+    )
+    check_response(r, 24)
+    assert r.instructions == "You are a pirate. Answer in one short sentence.", r.instructions
+    return repr(r.output_text)
+
+
+def streamed(client, model):
+    events = list(client.responses.create(model=model, input="Say hi", max_output_tokens=16, stream=True))
+    names = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert deltas, f"no deltas in {names}"
+    head = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert names[:4] == head, names[:4]
+    tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert names[-4:-1] == tail, names[-4:]
+    assert names[-1] in ("response.completed", "response.incomplete"), names[-1]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(deltas)
+    done = events[-1].response
+    check_response(done, 16)
+    assert done.output_text == text, f"{done.output_text!r} != {text!r}"
+    return f"{len(deltas)} deltas: {text!r}"
+
+
+def json_object(client, model):
+    r = client.responses.create(
+        model=model,
+        input="Give a JSON object with a key 'a' set to 1.",
+        text={"format": {"type": "json_schema", "name": "a", "strict": True,
+                         "schema": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}},
+                                    "required": ["a"], "additionalProperties": False}}},
+        max_output_tokens=32,
+        temperature=0,
+    )
+    check_response(r, 32)
+    value = json.loads(r.output_text)
+    assert isinstance(value.get("a"), int), value
+    return r.output_text
+
+
+def refused(client, model):
+    try:
+        client.responses.create(model=model, input="x", previous_response_id="resp_1")
+    except openai.BadRequestError as e:
+        assert e.body.get("param") == "previous_response_id", e.body
+        return e.body.get("message")
+    raise AssertionError("previous_response_id was accepted")
+
+
+def main():
+    if len(sys.argv) != 3:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    base_url, model = sys.argv[1], sys.argv[2]
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    failed = 0
+    for check in (plain, instructions, streamed, json_object, refused):
+        try:
+            print(f"ok: {check.__name__}: {check(client, model)}")
+        except Exception as e:  # noqa: BLE001 - every failure is reported
+            failed += 1
+            print(f"FAIL: {check.__name__}: {type(e).__name__}: {e}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
