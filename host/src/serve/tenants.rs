@@ -126,6 +126,8 @@ pub struct Tenants {
     trusted_proxies: Vec<IpNet>,
     /// An anonymous tenant's queue places.
     anonymous_queued: u32,
+    /// `metrics_key`'s digest: `/metrics` is the operator's, no tenant's.
+    metrics_key: Option<[u8; 32]>,
 }
 
 /// Why a request has no tenant.
@@ -169,6 +171,7 @@ impl Tenants {
         configs: &[TenantConfig],
         trusted_proxies: &[String],
         max_queue: u32,
+        metrics_key: Option<&str>,
     ) -> anyhow::Result<Self> {
         let default_queued = (max_queue / 4).max(1);
         let mut names = HashSet::new();
@@ -207,7 +210,12 @@ impl Tenants {
             .iter()
             .map(|s| parse_net(s).map_err(|e| anyhow::anyhow!("trusted_proxies: {s:?}: {e}")))
             .collect::<anyhow::Result<_>>()?;
-        Ok(Self { keyed, trusted_proxies, anonymous_queued: default_queued })
+        let metrics_key = metrics_key.map(|key| digest(key.trim()));
+        anyhow::ensure!(
+            metrics_key.is_none_or(|key| !digests.contains(&key)),
+            "metrics_key is a tenant's key"
+        );
+        Ok(Self { keyed, trusted_proxies, anonymous_queued: default_queued, metrics_key })
     }
 
     /// Whether keys are required (else the server is open).
@@ -226,18 +234,22 @@ impl Tenants {
         if self.keyed.is_empty() {
             return Ok(self.anonymous(self.client_address(headers, peer)));
         }
-        let key = presented_key(headers).ok_or(Unauthorized::NoKey)?;
-        let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+        let key = digest(presented_key(headers).ok_or(Unauthorized::NoKey)?);
         // Every tenant's digest is compared, each in constant time, whichever matches:
         // how long it takes says nothing about which key is close to which.
         let mut found = None;
         for tenant in &self.keyed {
-            let same = tenant.digest.as_ref().map_or(0, |d| d[..].ct_eq(&digest[..]).unwrap_u8());
-            if same == 1 {
+            if tenant.digest.is_some_and(|d| same(&d, &key)) {
                 found = Some(tenant.clone());
             }
         }
         found.ok_or(Unauthorized::WrongKey)
+    }
+
+    /// Whether `headers` present `metrics_key` (compared as tenants' keys are).
+    pub fn is_metrics_key(&self, headers: &HeaderMap) -> bool {
+        let given = digest(presented_key(headers).unwrap_or(""));
+        self.metrics_key.is_some_and(|key| same(&key, &given))
     }
 
     /// The client's address: the peer's, or, when the peer is a trusted proxy, the
@@ -416,9 +428,18 @@ impl Bucket {
     }
 }
 
+fn digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// Two digests compared in constant time.
+fn same(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a[..].ct_eq(&b[..]).into()
+}
+
 /// The key a request presents: `authorization: Bearer KEY` (OpenAI's clients), else
 /// `x-api-key: KEY` (Anthropic's).
-pub(super) fn presented_key(headers: &HeaderMap) -> Option<&str> {
+fn presented_key(headers: &HeaderMap) -> Option<&str> {
     let bearer =
         headers.get(http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
             let (scheme, token) = v.trim().split_once(' ')?;
@@ -447,7 +468,7 @@ fn key_digest(config: &TenantConfig) -> anyhow::Result<[u8; 32]> {
     };
     // Short keys can be guessed by trying them: a server key should be a random secret.
     anyhow::ensure!(key.len() >= 16, "tenant {name:?}: its key must be at least 16 characters");
-    Ok(Sha256::digest(key.as_bytes()).into())
+    Ok(digest(&key))
 }
 
 fn parse_sha256(hex: &str) -> Result<[u8; 32], &'static str> {
@@ -551,6 +572,7 @@ mod tests {
 
     const KEY_A: &str = "sk-tenant-a-0123456789";
     const KEY_B: &str = "sk-tenant-b-0123456789";
+    const METRICS: &str = "metrics-0123456789abcdef";
 
     fn tenant(name: &str, key: &str) -> TenantConfig {
         toml::from_str(&format!("name = {name:?}\nkey = {key:?}")).unwrap()
@@ -564,7 +586,9 @@ mod tests {
 
     #[test]
     fn a_key_names_its_tenant_by_bearer_or_x_api_key_and_nothing_else_does() {
-        let tenants = Tenants::new(&[tenant("a", KEY_A), tenant("b", KEY_B)], &[], 64).unwrap();
+        let tenants =
+            Tenants::new(&[tenant("a", KEY_A), tenant("b", KEY_B)], &[], 64, Some(METRICS))
+                .unwrap();
         assert!(tenants.keyed());
         let who = |h: &[(&str, &str)]| tenants.identify(&headers(h), PEER).map(|t| t.name.clone());
         assert_eq!(who(&[("authorization", &format!("Bearer {KEY_A}"))]).unwrap().as_ref(), "a");
@@ -575,6 +599,12 @@ mod tests {
         assert_eq!(who(&[("authorization", KEY_A)]), Err(Unauthorized::NoKey), "no scheme");
         assert_eq!(who(&[("x-api-key", &KEY_A[..KEY_A.len() - 1])]), Err(Unauthorized::WrongKey));
         assert_eq!(who(&[("x-api-key", "sk-tenant-a-0123456789x")]), Err(Unauthorized::WrongKey));
+        assert_eq!(who(&[("x-api-key", METRICS)]), Err(Unauthorized::WrongKey), "not a tenant's");
+        let metrics = |h: &[(&str, &str)]| tenants.is_metrics_key(&headers(h));
+        assert!(metrics(&[("authorization", &format!("Bearer {METRICS}"))]));
+        assert!(!metrics(&[("authorization", &format!("Bearer {KEY_A}"))]) && !metrics(&[]));
+        let error = Tenants::new(&[tenant("a", KEY_A)], &[], 64, Some(KEY_A)).unwrap_err();
+        assert!(error.to_string().contains("metrics_key is a tenant's key"), "{error}");
     }
 
     #[test]
@@ -587,7 +617,7 @@ mod tests {
             Sha256::digest(KEY_B.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
         let hashed: TenantConfig =
             toml::from_str(&format!("name = \"h\"\nkey_sha256 = {digest:?}")).unwrap();
-        let tenants = Tenants::new(&[from_file, hashed], &[], 64).unwrap();
+        let tenants = Tenants::new(&[from_file, hashed], &[], 64, None).unwrap();
         std::fs::remove_file(&dir).unwrap();
         let who = |key: &str| tenants.identify(&headers(&[("x-api-key", key)]), PEER).unwrap();
         assert_eq!(who(KEY_A).name.as_ref(), "f");
@@ -605,14 +635,15 @@ mod tests {
                 "a quota of 0",
             ),
         ] {
-            let error = Tenants::new(&configs, &[], 64).unwrap_err().to_string();
+            let error = Tenants::new(&configs, &[], 64, None).unwrap_err().to_string();
             assert!(error.contains(why), "{why:?} not in {error:?}");
         }
     }
 
     #[test]
     fn an_open_server_names_each_client_address_and_believes_only_trusted_proxies() {
-        let tenants = Tenants::new(&[], &["127.0.0.1".into(), "10.1.0.0/16".into()], 64).unwrap();
+        let tenants =
+            Tenants::new(&[], &["127.0.0.1".into(), "10.1.0.0/16".into()], 64, None).unwrap();
         assert!(!tenants.keyed());
         let who = |peer: &str, h: &[(&str, &str)]| {
             tenants.identify(&headers(h), peer.parse().unwrap()).unwrap().name.to_string()
@@ -628,7 +659,7 @@ mod tests {
         let anonymous = tenants.identify(&HeaderMap::new(), PEER).unwrap();
         assert_eq!((anonymous.weight, anonymous.label.as_ref()), (1, "anonymous"));
         assert_eq!(anonymous.max_queued, 16, "a quarter of the queue");
-        assert!(Tenants::new(&[], &["not-an-ip".into()], 64).is_err());
+        assert!(Tenants::new(&[], &["not-an-ip".into()], 64, None).is_err());
     }
 
     #[test]
@@ -637,7 +668,7 @@ mod tests {
             "name = \"q\"\nkey = {KEY_A:?}\nmax_concurrent = 2\nrequests_per_minute = 3\ntokens_per_minute = 600"
         ))
         .unwrap();
-        let tenants = Tenants::new(&[config], &[], 64).unwrap();
+        let tenants = Tenants::new(&[config], &[], 64, None).unwrap();
         let q = tenants.all()[0].clone();
         let first = q.enter().unwrap();
         let second = q.enter().unwrap();
