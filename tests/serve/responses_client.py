@@ -87,6 +87,32 @@ def json_object(client, model):
     return r.output_text
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city today",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def function_tools(client, model):
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.responses.create(model=model, input=question, tools=[WEATHER], tool_choice="required",
+                                max_output_tokens=64, temperature=0)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls, f"no call in {r.output!r}"
+    call = calls[0]
+    assert call.name == "get_weather" and call.call_id, call
+    assert isinstance(json.loads(call.arguments).get("city"), str), call.arguments
+    follow = question + [item.model_dump(exclude_none=True) for item in r.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
+    r2 = client.responses.create(model=model, input=follow, tools=[WEATHER], tool_choice="none",
+                                 max_output_tokens=24, temperature=0)
+    check_response(r2, 24)
+    events = list(client.responses.create(model=model, input=question, tools=[WEATHER], tool_choice="required",
+                                          max_output_tokens=64, temperature=0, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done and done[0].arguments == call.arguments, [e.type for e in events]
+    return f"{call.name}({call.arguments}) -> {r2.output_text!r}"
+
+
 def refused(client, model):
     try:
         client.responses.create(model=model, input="x", previous_response_id="resp_1")
@@ -103,7 +129,7 @@ def main():
     base_url, model = sys.argv[1], sys.argv[2]
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
     failed = 0
-    for check in (plain, instructions, streamed, json_object, refused):
+    for check in (plain, instructions, streamed, json_object, function_tools, refused):
         try:
             print(f"ok: {check.__name__}: {check(client, model)}")
         except Exception as e:  # noqa: BLE001 - every failure is reported

@@ -572,13 +572,13 @@ impl Choices {
     }
 
     /// The first run's text, piece by piece (`piece` with each non-empty one), for
-    /// `POST /v1/responses` (one choice): its whole text, OpenAI's finish reason, and
-    /// the usage.
+    /// `POST /v1/responses` (one choice): its whole text, OpenAI's finish reason, the
+    /// usage, and the calls it made.
     pub(crate) fn run_one(
         &mut self,
         mut piece: impl FnMut(&str) -> Result<(), ApiError>,
-    ) -> Result<(String, &'static str, Usage), ApiError> {
-        let (mut text, mut reason) = (String::new(), "stop");
+    ) -> Result<(String, &'static str, Usage, Vec<Call>), ApiError> {
+        let (mut text, mut reason, mut calls) = (String::new(), "stop", Vec::new());
         self.drive(|c, i, event| match event {
             Event::Piece(add) if i == 0 && !add.text.is_empty() => {
                 piece(&add.text)?;
@@ -593,11 +593,12 @@ impl Choices {
                 }
                 if i == 0 {
                     reason = run.finish_reason();
+                    calls = run.calls();
                 }
                 Ok(())
             }
         })?;
-        Ok((text, reason, self.usage()))
+        Ok((text, reason, self.usage(), calls))
     }
 
     /// The whole answer now, or a stream to send.

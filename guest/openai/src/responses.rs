@@ -9,13 +9,18 @@
 //! string or `input_text` / `output_text` parts), `instructions` (a system message
 //! first), `max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format`
 //! (`text`, `json_object`, `json_schema`: the chat path's `response_format`),
-//! `metadata` (echoed), `user`, `parallel_tool_calls`, `tool_choice` `"none"` or
-//! `"auto"`, and `store`: `false`, or `true`, which is accepted but stores nothing
-//! (there is no `GET /v1/responses/{id}` here, nor `previous_response_id`).
-//! `tools` of OpenAI's hosted kinds (`web_search`, `file_search`, `local_shell`, ...)
-//! are skipped: this server has none of them, and the model answers without. Function
-//! tools, `function_call` and `function_call_output` items, images and files are
-//! refused with a 400 naming the field by its path, as is any other field not off.
+//! `metadata` (echoed), `user`, `parallel_tool_calls`, `tool_choice` (`"none"`,
+//! `"auto"`, `"required"`, `{"type":"function","name"}`), and `store`: `false`, or
+//! `true`, which is accepted but stores nothing (there is no `GET /v1/responses/{id}`
+//! here, nor `previous_response_id`).
+//! Function `tools` map onto the chat path's tools, `function_call` input items onto
+//! an assistant message's tool calls and `function_call_output` items onto tool
+//! messages; the calls the model makes are `function_call` output items. `tools` of
+//! OpenAI's hosted kinds (`web_search`, `file_search`, `local_shell`, ...) are skipped:
+//! this server has none of them, and the model answers without. Custom tools, images
+//! and files are refused with a 400 naming the field by its path, as is any other
+//! field not off. Errors the chat path finds in the mapped body name its fields
+//! (`messages[i]`, `tools[i]` counting function tools only).
 
 use serde_json::{json, Map, Value};
 
@@ -23,6 +28,7 @@ use crate::api::{ApiError, AsDefault, Object, Usage};
 use crate::completions::Choices;
 use crate::handlers::{self, Reply};
 use crate::http::{Body, Gone};
+use crate::tools::Call;
 
 /// The fields a Responses request may have (others are refused unless off).
 const FIELDS: &[&str] = &[
@@ -66,7 +72,9 @@ pub(crate) struct Echo {
     pub metadata: Value,
     pub user: Option<String>,
     pub parallel_tool_calls: bool,
-    pub tool_choice: String,
+    pub tool_choice: Value,
+    /// The function tools, as given.
+    pub tools: Vec<Value>,
     pub store: bool,
     /// `text.format` as given (`{"type":"text"}` when absent).
     pub format: Value,
@@ -97,9 +105,10 @@ pub(crate) fn create(body: &Object) -> Result<Reply, ApiError> {
     if stream {
         return Ok(Reply::Responses(Box::new(Stream { choices, answer })));
     }
-    let mut choices = choices;
-    let (text, reason, usage) = choices.run_one(|_| Ok(()))?;
-    Ok(Reply::Json(answer.response(Some((&text, reason, usage))).to_string()))
+    let (mut choices, mut answer) = (choices, answer);
+    let (text, reason, usage, calls) = choices.run_one(|_| Ok(()))?;
+    let ended = Ended { text: &text, reason, usage, calls: &calls };
+    Ok(Reply::Json(answer.response(Some(&ended)).to_string()))
 }
 
 /// The chat completion body a Responses request asks for, and what its answer echoes.
@@ -116,7 +125,7 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
         Some(Value::String(text)) => messages.push(json!({"role": "user", "content": text})),
         Some(Value::Array(items)) => {
             for (i, item) in items.into_iter().enumerate() {
-                messages.push(input_message(item, &format!("input[{i}]"))?);
+                input_item(&mut messages, item, &format!("input[{i}]"))?;
             }
         }
         Some(_) => return Err(invalid("'input' must be a string or a list of items", "input")),
@@ -142,33 +151,60 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
         let path = format!("metadata.{key}");
         return Err(invalid(format!("'{path}' must be a string"), &path));
     }
-    // Tools: OpenAI's hosted ones are skipped (none here); functions are not served yet.
+    // Tools: OpenAI's hosted ones are skipped (none here); functions go to the chat path.
     let tools: Vec<Value> = body.get("tools")?.unwrap_or_default();
+    let (mut functions, mut chat_tools) = (Vec::new(), Vec::new());
     for (i, tool) in tools.iter().enumerate() {
         let path = format!("tools[{i}]");
         match tool.get("type").and_then(Value::as_str) {
             None => {
                 return Err(invalid(format!("'{path}.type' is required"), &format!("{path}.type")))
             }
-            Some("function" | "custom") => {
-                return Err(unsupported(
-                    &path,
-                    "a function tool (not yet served on /v1/responses; use /v1/chat/completions)",
-                ))
+            Some("function") => {
+                let fields = ["type", "name", "description", "parameters", "strict"];
+                if let Some((name, _)) = tool
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .find(|(k, v)| !fields.contains(&k.as_str()) && !off(v))
+                {
+                    return Err(unsupported(&format!("{path}.{name}"), "this field"));
+                }
+                let mut function = tool.as_object().cloned().unwrap_or_default();
+                function.remove("type");
+                function.retain(|_, v| !v.is_null());
+                chat_tools.push(json!({"type": "function", "function": function}));
+                functions.push(tool.clone());
             }
+            Some("custom") => return Err(unsupported(&path, "a custom tool")),
             Some(_) => {}
         }
     }
-    let tool_choice = match body.get::<Value>("tool_choice")? {
-        None => "auto".to_string(),
-        Some(Value::String(s)) if s == "none" || s == "auto" => s,
+    let (tool_choice, chat_choice) = match body.get::<Value>("tool_choice")? {
+        None => (json!("auto"), None),
+        Some(Value::String(s)) if s == "none" || s == "auto" || s == "required" => {
+            (json!(s), Some(json!(s)))
+        }
+        Some(Value::Object(choice))
+            if choice.get("type").and_then(Value::as_str) == Some("function")
+                && choice.get("name").is_some_and(Value::is_string) =>
+        {
+            let function = json!({"type": "function", "function": {"name": choice["name"]}});
+            (Value::Object(choice), Some(function))
+        }
         Some(_) => {
             return Err(invalid(
-                "'tool_choice' must be \"none\" or \"auto\": no function tools are served here",
+                "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\":\"function\",\"name\":...}",
                 "tool_choice",
             ))
         }
     };
+    // Without function tools, `tool_choice` "none" and "auto" ask for nothing.
+    let chat_choice = chat_choice.filter(|c| !chat_tools.is_empty() || c != "none" && c != "auto");
+    if chat_tools.is_empty() && chat_choice.is_some() {
+        let message = "'tool_choice' asks for a call: it needs function 'tools'";
+        return Err(invalid(message, "tool_choice"));
+    }
     let parallel_tool_calls = body.get::<bool>("parallel_tool_calls")?.unwrap_or(true);
     let temperature: Option<f64> = body.get("temperature")?;
     let top_p: Option<f64> = body.get("top_p")?;
@@ -186,6 +222,9 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
         ("user", user.clone().map(Value::from)),
         ("stream", stream.map(Value::from)),
         ("response_format", response_format),
+        ("tools", (!chat_tools.is_empty()).then_some(Value::Array(chat_tools))),
+        ("tool_choice", chat_choice),
+        ("parallel_tool_calls", body.get::<bool>("parallel_tool_calls")?.map(Value::from)),
     ] {
         if let Some(value) = value {
             chat.insert(name.into(), value);
@@ -201,6 +240,7 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
         user,
         parallel_tool_calls,
         tool_choice,
+        tools: functions,
         store,
         format,
     };
@@ -253,6 +293,52 @@ fn text_format(body: &Object) -> Result<(Value, Option<Value>), ApiError> {
     Ok((Value::Object(format.clone()), Some(response_format)))
 }
 
+/// `input[i]` added to the chat `messages`: a message, a function call (an assistant
+/// message's tool call: the one before it, when that is the assistant's) or a call's
+/// output (a tool message).
+fn input_item(messages: &mut Vec<Value>, item: Value, path: &str) -> Result<(), ApiError> {
+    let kind = item.get("type").and_then(Value::as_str).map(String::from);
+    let (fields, required): (&[&str], &[&str]) = match kind.as_deref() {
+        Some("function_call") => (
+            &["type", "call_id", "name", "arguments", "id", "status"],
+            &["call_id", "name", "arguments"],
+        ),
+        Some("function_call_output") => {
+            (&["type", "call_id", "output", "id", "status"], &["call_id", "output"])
+        }
+        _ => {
+            messages.push(input_message(item, path)?);
+            return Ok(());
+        }
+    };
+    let item = item.as_object().expect("an item with a type");
+    if let Some((name, _)) = item.iter().find(|(k, v)| !fields.contains(&k.as_str()) && !off(v)) {
+        return Err(unsupported(&format!("{path}.{name}"), "this field"));
+    }
+    for name in required {
+        if !item.get(*name).is_some_and(Value::is_string) {
+            let p = format!("{path}.{name}");
+            return Err(invalid(format!("'{p}' must be a string"), &p));
+        }
+    }
+    if kind.as_deref() == Some("function_call_output") {
+        messages.push(
+            json!({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}),
+        );
+        return Ok(());
+    }
+    let call = json!({"id": item["call_id"], "type": "function",
+                      "function": {"name": item["name"], "arguments": item["arguments"]}});
+    match messages.last_mut() {
+        Some(last) if last["role"] == "assistant" => {
+            let calls = last.as_object_mut().expect("a message").entry("tool_calls");
+            calls.or_insert_with(|| json!([])).as_array_mut().expect("a list").push(call);
+        }
+        _ => messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+    }
+    Ok(())
+}
+
 /// `input[i]`: a message (`type` "message", or no `type` and a `role`), as a chat message.
 fn input_message(item: Value, path: &str) -> Result<Value, ApiError> {
     let Value::Object(item) = item else {
@@ -262,12 +348,6 @@ fn input_message(item: Value, path: &str) -> Result<Value, ApiError> {
         Some("message") => {}
         None if matches!(item.get("type"), None | Some(Value::Null))
             && item.contains_key("role") => {}
-        Some(kind @ ("function_call" | "function_call_output")) => {
-            return Err(unsupported(
-                path,
-                &format!("a '{kind}' item (not yet served on /v1/responses)"),
-            ))
-        }
         _ => {
             let p = format!("{path}.type");
             return Err(invalid(format!("'{p}' must be \"message\""), &p));
@@ -343,6 +423,18 @@ pub(crate) struct Answer {
     created_at: u64,
     echo: Echo,
     sequence: u64,
+    /// Whether the stream has opened the message item (at its first text).
+    opened: bool,
+    /// Each call's item id and call id, fixed when the answer ends.
+    call_ids: Vec<(String, String)>,
+}
+
+/// How an answer ended: its text, OpenAI's finish reason, usage and calls.
+pub(crate) struct Ended<'a> {
+    pub text: &'a str,
+    pub reason: &'a str,
+    pub usage: Usage,
+    pub calls: &'a [Call],
 }
 
 /// A fresh id such as `resp_1f0c...`.
@@ -358,6 +450,8 @@ impl Answer {
             created_at: handlers::now(),
             echo,
             sequence: 0,
+            opened: false,
+            call_ids: Vec::new(),
         }
     }
 
@@ -376,21 +470,54 @@ impl Answer {
         })
     }
 
-    /// The response object: in progress (`None`), or ended with its text, finish reason
-    /// and usage.
-    pub(crate) fn response(&self, ended: Option<(&str, &str, Usage)>) -> Value {
-        let e = &self.echo;
+    /// Call `i`'s item, with its arguments so far.
+    fn call_item(&self, i: usize, call: &Call, arguments: &str, done: bool) -> Value {
+        let (id, call_id) = &self.call_ids[i];
+        json!({
+            "type": "function_call",
+            "id": id,
+            "call_id": call_id,
+            "name": call.name,
+            "arguments": arguments,
+            "status": if done { "completed" } else { "in_progress" },
+        })
+    }
+
+    /// Give the calls their ids.
+    fn fix_calls(&mut self, n: usize) {
+        while self.call_ids.len() < n {
+            self.call_ids.push((id("fc"), id("call")));
+        }
+    }
+
+    /// Whether the output has a message: it has text, or calls nothing (an answer
+    /// that calls tools has no message unless it wrote text).
+    fn has_message(ended: &Ended) -> bool {
+        !ended.text.is_empty() || ended.calls.is_empty()
+    }
+
+    /// The response object: in progress (`None`), or ended.
+    pub(crate) fn response(&mut self, ended: Option<&Ended>) -> Value {
         let (status, output, usage, incomplete) = match ended {
             None => ("in_progress", vec![], Value::Null, Value::Null),
-            Some((text, reason, usage)) => {
-                let (status, incomplete) = if reason == "length" {
+            Some(ended) => {
+                self.fix_calls(ended.calls.len());
+                let (status, incomplete) = if ended.reason == "length" {
                     ("incomplete", json!({"reason": "max_output_tokens"}))
                 } else {
                     ("completed", Value::Null)
                 };
-                (status, vec![self.item(Some(text), true)], usage_json(usage), incomplete)
+                let mut output = Vec::new();
+                if Self::has_message(ended) {
+                    output.push(self.item(Some(ended.text), true));
+                }
+                for (i, call) in ended.calls.iter().enumerate() {
+                    output.push(self.call_item(i, call, &call.arguments, true));
+                }
+                (status, output, usage_json(ended.usage), incomplete)
             }
         };
+        let e = &self.echo;
         json!({
             "id": self.id,
             "object": "response",
@@ -409,7 +536,7 @@ impl Answer {
             "temperature": e.temperature,
             "text": {"format": e.format},
             "tool_choice": e.tool_choice,
-            "tools": [],
+            "tools": e.tools,
             "top_p": e.top_p,
             "truncation": "disabled",
             "usage": usage,
@@ -430,14 +557,22 @@ impl Answer {
         format!("event: {kind}\ndata: {}\n\n", Value::Object(data))
     }
 
-    /// The events before any text: created, in progress, the message and its part added.
+    /// The events before anything is generated: created, in progress.
     fn opening(&mut self) -> String {
         let response = self.response(None);
-        let item = self.item(None, false);
-        let item_id = self.item_id.clone();
         [
             self.event("response.created", json!({"response": response})),
             self.event("response.in_progress", json!({"response": response})),
+        ]
+        .concat()
+    }
+
+    /// The message item and its text part added.
+    fn open_message(&mut self) -> String {
+        self.opened = true;
+        let item = self.item(None, false);
+        let item_id = self.item_id.clone();
+        [
             self.event("response.output_item.added", json!({"output_index": 0, "item": item})),
             self.event(
                 "response.content_part.added",
@@ -447,37 +582,66 @@ impl Answer {
         .concat()
     }
 
+    /// A piece of text (the message opened first, at the first).
     fn delta(&mut self, text: &str) -> String {
+        let opening = if self.opened { String::new() } else { self.open_message() };
         let item_id = self.item_id.clone();
-        self.event(
-            "response.output_text.delta",
-            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []}),
-        )
+        opening
+            + &self.event(
+                "response.output_text.delta",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []}),
+            )
     }
 
-    /// The events after the text: text, part and item done, and the response's end.
-    fn closing(&mut self, text: &str, reason: &str, usage: Usage) -> String {
-        let item_id = self.item_id.clone();
-        let item = self.item(Some(text), true);
-        let response = self.response(Some((text, reason, usage)));
+    /// The events after the text: text, part and message done, each call's item with
+    /// its arguments, and the response's end.
+    fn closing(&mut self, ended: &Ended) -> String {
+        let mut events = String::new();
+        let message = Self::has_message(ended);
+        if message && !self.opened {
+            events += &self.open_message();
+        }
+        if message {
+            let item_id = self.item_id.clone();
+            let item = self.item(Some(ended.text), true);
+            let text = ended.text;
+            events += &self.event(
+                "response.output_text.done",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
+            );
+            events += &self.event(
+                "response.content_part.done",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part(text)}),
+            );
+            events +=
+                &self.event("response.output_item.done", json!({"output_index": 0, "item": item}));
+        }
+        self.fix_calls(ended.calls.len());
+        for (i, call) in ended.calls.iter().enumerate() {
+            let index = i + usize::from(message);
+            let item_id = self.call_ids[i].0.clone();
+            let added = self.call_item(i, call, "", false);
+            let done = self.call_item(i, call, &call.arguments, true);
+            events += &self
+                .event("response.output_item.added", json!({"output_index": index, "item": added}));
+            events += &self.event(
+                "response.function_call_arguments.delta",
+                json!({"item_id": item_id, "output_index": index, "delta": call.arguments}),
+            );
+            events += &self.event(
+                "response.function_call_arguments.done",
+                json!({"item_id": item_id, "output_index": index, "name": call.name, "arguments": call.arguments}),
+            );
+            events += &self
+                .event("response.output_item.done", json!({"output_index": index, "item": done}));
+        }
+        let response = self.response(Some(ended));
         let last = if response["status"] == "incomplete" {
             "response.incomplete"
         } else {
             "response.completed"
         };
-        [
-            self.event(
-                "response.output_text.done",
-                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
-            ),
-            self.event(
-                "response.content_part.done",
-                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part(text)}),
-            ),
-            self.event("response.output_item.done", json!({"output_index": 0, "item": item})),
-            self.event(last, json!({"response": response})),
-        ]
-        .concat()
+        events + &self.event(last, json!({"response": response}))
     }
 
     /// An error after the stream started: the stream's last event.
@@ -536,7 +700,9 @@ impl Stream {
             return Err(g);
         }
         Ok(match ran {
-            Ok((text, reason, usage)) => self.answer.closing(&text, reason, usage),
+            Ok((text, reason, usage, calls)) => {
+                self.answer.closing(&Ended { text: &text, reason, usage, calls: &calls })
+            }
             Err(e) => self.answer.error(&e),
         })
     }
@@ -653,12 +819,6 @@ mod tests {
             "max_output_tokens"
         );
         assert_eq!(param(r#"{"model":"m","input":"x","metadata":{"k":1}}"#), "metadata.k");
-        assert_eq!(
-            param(
-                r#"{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":"o"}]}"#
-            ),
-            "input[0]"
-        );
         assert_eq!(param(r#"{"model":"m","input":[{"type":"reasoning"}]}"#), "input[0].type");
         assert_eq!(
             param(r#"{"model":"m","input":[{"role":"tool","content":"x"}]}"#),
@@ -680,12 +840,6 @@ mod tests {
             ),
             "input[0].content[0].extra"
         );
-        assert_eq!(
-            param(
-                r#"{"model":"m","input":"x","tools":[{"type":"function","name":"f","parameters":{}}]}"#
-            ),
-            "tools[0]"
-        );
         assert_eq!(param(r#"{"model":"m","input":"x","tool_choice":"required"}"#), "tool_choice");
         // Off is accepted; hosted tools are skipped; `store: true` stores nothing.
         let (chat, echo) = mapped(
@@ -696,7 +850,10 @@ mod tests {
         .unwrap();
         assert!(!chat.contains_key("tools") && !chat.contains_key("tool_choice"));
         assert!(echo.store && !echo.parallel_tool_calls);
-        assert_eq!((echo.tool_choice.as_str(), echo.metadata.clone()), ("none", json!({"k":"v"})));
+        assert_eq!(
+            (echo.tool_choice.clone(), echo.metadata.clone()),
+            (json!("none"), json!({"k":"v"}))
+        );
     }
 
     fn answer() -> Answer {
@@ -713,10 +870,113 @@ mod tests {
         }
     }
 
+    fn ended<'a>(text: &'a str, reason: &'a str, calls: &'a [Call]) -> Ended<'a> {
+        Ended { text, reason, usage: usage(), calls }
+    }
+
+    #[test]
+    fn function_tools_and_items_map_to_chat_tools_and_messages() {
+        let (chat, echo) = mapped(
+            r#"{"model":"m","tools":[{"type":"web_search"},{"type":"function","name":"f","description":"d",
+                "parameters":{"type":"object"},"strict":true}],"tool_choice":{"type":"function","name":"f"},
+                "input":[{"role":"user","content":"q"},
+                {"type":"function_call","call_id":"c1","name":"f","arguments":"{}","id":"fc_1","status":"completed"},
+                {"type":"function_call","call_id":"c2","name":"f","arguments":"{\"a\":1}"},
+                {"type":"function_call_output","call_id":"c1","output":"o1"},
+                {"type":"function_call_output","call_id":"c2","output":"o2"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            chat["tools"],
+            json!([{"type":"function","function":{"name":"f","description":"d","parameters":{"type":"object"},"strict":true}}])
+        );
+        assert_eq!(chat["tool_choice"], json!({"type":"function","function":{"name":"f"}}));
+        assert_eq!(
+            chat["messages"],
+            json!([{"role":"user","content":"q"},
+                   {"role":"assistant","content":null,"tool_calls":[
+                       {"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}},
+                       {"id":"c2","type":"function","function":{"name":"f","arguments":"{\"a\":1}"}}]},
+                   {"role":"tool","tool_call_id":"c1","content":"o1"},
+                   {"role":"tool","tool_call_id":"c2","content":"o2"}])
+        );
+        assert_eq!(echo.tools.len(), 1);
+        assert_eq!(echo.tool_choice, json!({"type":"function","name":"f"}));
+        // The chat path reads the mapped messages.
+        for (i, m) in chat["messages"].as_array().unwrap().iter().enumerate() {
+            api::Message::read(m.clone(), i).unwrap();
+        }
+        assert_eq!(
+            param(r#"{"model":"m","input":"x","tools":[{"type":"function","name":"f","x":1}]}"#),
+            "tools[0].x"
+        );
+        assert_eq!(
+            param(r#"{"model":"m","input":[{"type":"function_call","call_id":"c","name":"f"}]}"#),
+            "input[0].arguments"
+        );
+        assert_eq!(
+            param(
+                r#"{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":"o","x":1}]}"#
+            ),
+            "input[0].x"
+        );
+        assert_eq!(
+            param(r#"{"model":"m","input":"x","tools":[{"type":"custom","name":"c"}]}"#),
+            "tools[0]"
+        );
+    }
+
+    #[test]
+    fn calls_are_output_items() {
+        let calls = [Call { name: "f".into(), arguments: "{}".into() }];
+        let mut a = answer();
+        let r = a.response(Some(&ended("", "tool_calls", &calls)));
+        assert_eq!(r["output"].as_array().unwrap().len(), 1);
+        let call = &r["output"][0];
+        assert_eq!(
+            (call["type"].clone(), call["name"].clone()),
+            (json!("function_call"), json!("f"))
+        );
+        assert_eq!(
+            (call["arguments"].clone(), call["status"].clone()),
+            (json!("{}"), json!("completed"))
+        );
+        assert!(call["id"].as_str().unwrap().starts_with("fc_"));
+        assert!(call["call_id"].as_str().unwrap().starts_with("call_"));
+        // Streamed: no message without text; the call's events; its ids as in the end.
+        let all = [a.opening(), a.closing(&ended("", "tool_calls", &calls))].concat();
+        let events = parse(&all);
+        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        assert_eq!(events[2].1["item"]["id"], call["id"]);
+        assert_eq!(events[6].1["response"]["output"][0]["call_id"], call["call_id"]);
+        // Text and a call: the message first, the call at output_index 1.
+        let mut a = answer();
+        let all =
+            [a.opening(), a.delta("t"), a.closing(&ended("t", "tool_calls", &calls))].concat();
+        let events = parse(&all);
+        assert_eq!(events[2].1["item"]["type"], "message");
+        let call_added = events.iter().find(|(n, d)| {
+            n == "response.output_item.added" && d["item"]["type"] == "function_call"
+        });
+        assert_eq!(call_added.unwrap().1["output_index"], 1);
+    }
+
     #[test]
     fn response_shapes() {
-        let a = answer();
-        let r = a.response(Some(("Hi", "stop", usage())));
+        let mut a = answer();
+        let r = a.response(Some(&ended("Hi", "stop", &[])));
         assert!(r["id"].as_str().unwrap().starts_with("resp_"));
         assert_eq!(
             (r["object"].clone(), r["status"].clone()),
@@ -745,7 +1005,7 @@ mod tests {
             json!({"input_tokens":5,"input_tokens_details":{"cached_tokens":2},"output_tokens":3,
                    "output_tokens_details":{"reasoning_tokens":0},"total_tokens":8})
         );
-        let r = a.response(Some(("Hi", "length", usage())));
+        let r = a.response(Some(&ended("Hi", "length", &[])));
         assert_eq!(r["status"], "incomplete");
         assert_eq!(r["incomplete_details"], json!({"reason":"max_output_tokens"}));
     }
@@ -767,8 +1027,8 @@ mod tests {
     #[test]
     fn stream_events_come_in_openai_order() {
         let mut a = answer();
-        let all =
-            [a.opening(), a.delta("H"), a.delta("i"), a.closing("Hi", "stop", usage())].concat();
+        let all = [a.opening(), a.delta("H"), a.delta("i"), a.closing(&ended("Hi", "stop", &[]))]
+            .concat();
         let events = parse(&all);
         let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
@@ -796,7 +1056,7 @@ mod tests {
         assert_eq!(events[6].1["text"], "Hi");
         assert_eq!(events[9].1["response"]["output"][0]["content"][0]["text"], "Hi");
         assert_eq!(events[9].1["response"]["id"], events[0].1["response"]["id"]);
-        let last = a.closing("Hi", "length", usage());
+        let last = a.closing(&ended("Hi", "length", &[]));
         assert!(last.contains("event: response.incomplete\n"));
         let e = a.error(&ApiError::invalid("bad", Some("x")));
         let (name, data) = &parse(&e)[0];
