@@ -50,6 +50,18 @@ fn the_openai_client_and_curl_chat_stream_and_embed() {
     println!("{report}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "the openai client's checks failed:\n{report}");
     assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 22, "{report}");
+    // The Responses API (`client.responses.create`), streamed and not, with
+    // instructions, a JSON answer and a function tool's round trip.
+    let out = Command::new("python3")
+        .arg(common::repo_root().join("tests/serve/responses_client.py"))
+        .args([&server.url("/v1"), "smollm2"])
+        .env("PYTHONPATH", openai_python_path())
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    println!("{report}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the Responses checks failed:\n{report}");
+    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 6, "{report}");
 
     // curl: the streamed text is the whole text, and ends the stream properly. The
     // whole one runs twice first, so that the streamed one is computed as the second
