@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,7 +74,10 @@ def main():
     chromium = subprocess.Popen(
         [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--remote-debugging-port=0",
          f"--user-data-dir={profile}", "--window-size=900,760", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # A group of its own: the command may be a wrapper script whose browser, zygote
+        # and renderers outlive a kill of the script alone; the group is killed whole.
+        start_new_session=True)
     try:
         port_file = os.path.join(profile, "DevToolsActivePort")
         deadline = time.monotonic() + TIMEOUT_S
@@ -99,7 +103,10 @@ def main():
                 f.write(base64.b64decode(shot["data"]))
         print(json.dumps(report))
     finally:
-        chromium.kill()
+        try:
+            os.killpg(chromium.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         chromium.wait()
         shutil.rmtree(profile, ignore_errors=True)
 
