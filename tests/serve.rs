@@ -37,31 +37,28 @@ fn openai_python_path() -> String {
     format!("{}:{}", install("openai", "3.51.0"), install("jsonschema", "4.23.0"))
 }
 
+/// Run tests/serve/SCRIPT (an official-SDK client's checks) against `server`: it must
+/// exit 0 and print at least `at_least` `ok: ` lines.
+fn python_checks(server: &Server, script: &str, at_least: usize) {
+    let out = Command::new("python3")
+        .arg(common::repo_root().join("tests/serve").join(script))
+        .args([&server.url("/v1"), "smollm2"])
+        .env("PYTHONPATH", openai_python_path())
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    println!("{report}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{script}'s checks failed:\n{report}");
+    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= at_least, "{report}");
+}
+
 #[test]
 fn the_openai_client_and_curl_chat_stream_and_embed() {
     let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
-    let out = Command::new("python3")
-        .arg(common::repo_root().join("tests/serve/openai_client.py"))
-        .args([&server.url("/v1"), "smollm2"])
-        .env("PYTHONPATH", openai_python_path())
-        .output()
-        .unwrap();
-    let report = String::from_utf8_lossy(&out.stdout);
-    println!("{report}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "the openai client's checks failed:\n{report}");
-    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 22, "{report}");
+    python_checks(&server, "openai_client.py", 22);
     // The Responses API (`client.responses.create`), streamed and not, with
     // instructions, a JSON answer and a function tool's round trip.
-    let out = Command::new("python3")
-        .arg(common::repo_root().join("tests/serve/responses_client.py"))
-        .args([&server.url("/v1"), "smollm2"])
-        .env("PYTHONPATH", openai_python_path())
-        .output()
-        .unwrap();
-    let report = String::from_utf8_lossy(&out.stdout);
-    println!("{report}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "the Responses checks failed:\n{report}");
-    assert!(report.lines().filter(|l| l.starts_with("ok: ")).count() >= 6, "{report}");
+    python_checks(&server, "responses_client.py", 6);
 
     // curl: the streamed text is the whole text, and ends the stream properly. The
     // whole one runs twice first, so that the streamed one is computed as the second
