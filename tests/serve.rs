@@ -8,6 +8,10 @@
 //! compute; the run's own report (`decoded=`) then proves where native work stopped.
 
 mod common;
+#[path = "serve/anthropic.rs"]
+mod anthropic;
+#[path = "serve/codex.rs"]
+mod codex;
 #[path = "serve/tenants.rs"]
 mod tenants;
 

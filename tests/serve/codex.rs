@@ -1,0 +1,1 @@
+//! Codex CLI (npm `@openai/codex`) against `llamabox serve`'s `/v1/responses`.
