@@ -117,6 +117,32 @@ impl From<HostError> for ApiError {
     }
 }
 
+impl ApiError {
+    /// The error in Anthropic's shape (`/v1/messages`):
+    /// `{"type":"error","error":{"type","message"}}`, its type from the status. A field's
+    /// path, which Anthropic's errors have no place for, leads the message.
+    pub fn to_anthropic_json(&self) -> String {
+        let kind = match self.status {
+            400 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 | 405 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            _ => "api_error",
+        };
+        let message = match &self.param {
+            Some(param) if !self.message.contains(&format!("'{param}'")) => {
+                format!("{param}: {}", self.message)
+            }
+            _ => self.message.clone(),
+        };
+        serde_json::json!({"type": "error", "error": {"type": kind, "message": message}})
+            .to_string()
+    }
+}
+
 pub fn to_json<T: Serialize>(value: &T) -> String {
     serde_json::to_string(value).expect("response types serialize")
 }
@@ -467,14 +493,25 @@ pub struct PromptTokensDetails {
 pub struct ModelList {
     pub object: &'static str,
     pub data: Vec<ModelCard>,
+    /// Anthropic's paging fields: the whole list is one page.
+    pub has_more: bool,
+    pub first_id: Option<String>,
+    pub last_id: Option<String>,
 }
 
+/// A served model, in OpenAI's shape (`object`, `created`, `owned_by`) and Anthropic's
+/// (`type`, `display_name`, `created_at`) at once: each SDK reads its own fields.
 #[derive(Serialize)]
 pub struct ModelCard {
     pub id: String,
     pub object: &'static str,
     pub created: u64,
     pub owned_by: &'static str,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub display_name: String,
+    /// `created` as RFC 3339.
+    pub created_at: String,
 }
 
 /// A completion, or one chunk of a streamed one (`object` tells which); `C` is the

@@ -31,6 +31,16 @@ pub enum Prompt {
     Media(Rc<MediaPrompt>),
 }
 
+impl Prompt {
+    /// Its length in tokens (an image counts the tokens its embeddings take).
+    pub fn n_tokens(&self) -> u32 {
+        match self {
+            Prompt::Tokens(tokens) => tokens.len() as u32,
+            Prompt::Media(m) => m.n_tokens(),
+        }
+    }
+}
+
 pub struct MediaPrompt {
     /// In order; a last run of tokens is the generation's own prompt.
     // Chunks drop before their projector's context.
@@ -111,10 +121,7 @@ impl Run {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(DEFAULT_N_CTX);
         let limit = model.n_ctx_train().min(cap).max(1);
-        let n_prompt = match prompt {
-            Prompt::Tokens(tokens) => tokens.len() as u32,
-            Prompt::Media(m) => m.n_tokens(),
-        };
+        let n_prompt = prompt.n_tokens();
         if n_prompt == 0 {
             return Err(ApiError::invalid("The prompt is empty", Some(param)));
         }
@@ -537,6 +544,19 @@ impl Choices {
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             prompt_tokens_details,
+        }
+    }
+
+    /// The first run's prompt length, known before it runs.
+    pub(crate) fn prompt_tokens(&self) -> u32 {
+        self.runs.first().map_or(0, |run| run.n_prompt)
+    }
+
+    /// Which of the request's stop strings ended the first run, if one did.
+    pub(crate) fn stop_index(&self) -> Option<usize> {
+        match self.runs.first()?.generation.as_ref()?.finish_reason()? {
+            FinishReason::Stop(i) => Some(i as usize),
+            _ => None,
         }
     }
 

@@ -50,6 +50,8 @@ pub(crate) enum Reply {
     Stream(Box<Stream>),
     /// A `POST /v1/responses` answer streamed as the Responses API's events.
     Responses(Box<crate::responses::Stream>),
+    /// A `POST /v1/messages` answer streamed as Anthropic's events.
+    Messages(Box<crate::messages::Stream>),
     Page(&'static str),
 }
 
@@ -59,22 +61,27 @@ const CHAT_PAGE: &str = include_str!("chat.html");
 
 /// Answer one request.
 pub fn route(request: IncomingRequest, out: ResponseOutparam) {
-    match handle(&request) {
+    let full = request.path_with_query().unwrap_or_default();
+    let path = full.split('?').next().unwrap_or_default();
+    let path = if path.len() > 1 { path.trim_end_matches('/') } else { path };
+    match handle(&request, path) {
         Ok(Reply::Json(json)) => http::send_json(out, 200, &json),
         Ok(Reply::Stream(stream)) => stream.send(Body::start(out, 200, "text/event-stream")),
         Ok(Reply::Responses(stream)) => stream.send(Body::start(out, 200, "text/event-stream")),
+        Ok(Reply::Messages(stream)) => stream.send(Body::start(out, 200, "text/event-stream")),
         Ok(Reply::Page(html)) => {
             let _ = Body::start(out, 200, "text/html; charset=utf-8").finish_with(html.as_bytes());
+        }
+        // Anthropic's API answers errors in its own shape.
+        Err(e) if path.trim_start_matches("/v1").starts_with("/messages") => {
+            http::send_json(out, e.status, &e.to_anthropic_json())
         }
         Err(e) => http::send_json(out, e.status, &e.to_json()),
     }
 }
 
-fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
+fn handle(request: &IncomingRequest, path: &str) -> Result<Reply, ApiError> {
     let method = request.method();
-    let full = request.path_with_query().unwrap_or_default();
-    let path = full.split('?').next().unwrap_or_default();
-    let path = if path.len() > 1 { path.trim_end_matches('/') } else { path };
     // `GET /v1/models/{id}` (`client.models.retrieve`).
     let model_id = path.strip_prefix("/v1/models/").or_else(|| path.strip_prefix("/models/"));
     let (allowed, post) = match path {
@@ -90,7 +97,11 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
         | "/detokenize"
         | "/apply-template"
         | "/v1/responses"
-        | "/responses" => (Method::Post, true),
+        | "/responses"
+        | "/v1/messages"
+        | "/messages"
+        | "/v1/messages/count_tokens"
+        | "/messages/count_tokens" => (Method::Post, true),
         _ => {
             return Err(ApiError::not_found(format!(
                 "Unknown request URL: {} {path}",
@@ -120,6 +131,8 @@ fn handle(request: &IncomingRequest) -> Result<Reply, ApiError> {
         "/detokenize" => post_detokenize(&body).map(Reply::Json),
         "/apply-template" => post_apply_template(&body).map(Reply::Json),
         "/responses" => crate::responses::create(&body),
+        "/messages" => crate::messages::create(&body),
+        "/messages/count_tokens" => crate::messages::count_tokens(&body).map(Reply::Json),
         _ => embed(&body).map(Reply::Json),
     }
 }
@@ -150,8 +163,10 @@ fn open_model_or_only(body: &Object) -> Result<(String, Model), ApiError> {
 }
 
 fn models() -> String {
-    let data = model_names().into_iter().map(card).collect();
-    api::to_json(&api::ModelList { object: "list", data })
+    let data: Vec<api::ModelCard> = model_names().into_iter().map(card).collect();
+    let first_id = data.first().map(|card| card.id.clone());
+    let last_id = data.last().map(|card| card.id.clone());
+    api::to_json(&api::ModelList { object: "list", data, has_more: false, first_id, last_id })
 }
 
 /// One served model's card; `created` is when the server loaded its models
@@ -159,7 +174,16 @@ fn models() -> String {
 fn card(id: String) -> api::ModelCard {
     let created =
         std::env::var("LLAMABOX_MODELS_LOADED_AT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-    api::ModelCard { id, object: "model", created, owned_by: "llamabox" }
+    let created_at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(created);
+    api::ModelCard {
+        display_name: id.clone(),
+        id,
+        object: "model",
+        created,
+        owned_by: "llamabox",
+        kind: "model",
+        created_at: humantime::format_rfc3339_seconds(created_at).to_string(),
+    }
 }
 
 /// The card of model `id`, if this plugin serves it.
@@ -180,6 +204,19 @@ fn chat(body: &Object) -> Result<Reply, ApiError> {
 /// A chat body's runs, started (`format.model` is set to the request's model): what
 /// `POST /v1/chat/completions` and `POST /v1/responses` (mapped onto a chat body) share.
 pub(crate) fn chat_choices(body: &Object, mut format: Format) -> Result<Choices, ApiError> {
+    let (sampling, name, model, prompt) = chat_request(body)?;
+    format.model = name;
+    Choices::start(model, &[prompt], &sampling, "messages", format)
+}
+
+/// How many tokens a chat body's prompt has (tools and images included), computed as
+/// [`chat_choices`] would, without running it: `POST /v1/messages/count_tokens`.
+pub(crate) fn chat_prompt_tokens(body: &Object) -> Result<u32, ApiError> {
+    Ok(chat_request(body)?.3.n_tokens())
+}
+
+/// A chat body's sampling, model and prompt: everything before its runs start.
+fn chat_request(body: &Object) -> Result<(Sampling, String, Model, Prompt), ApiError> {
     let mut sampling = chat_sampling(body)?;
     let mut tools = Tools::read(body)?;
     if let Some(tools) = &mut tools {
@@ -213,8 +250,7 @@ pub(crate) fn chat_choices(body: &Object, mut format: Format) -> Result<Choices,
     } else {
         media_prompt(&name, &model, &rendered.text, &spans, images)?
     };
-    format.model = name;
-    Choices::start(model, &[prompt], &sampling, "messages", format)
+    Ok((sampling, name, model, prompt))
 }
 
 /// A chat body's fields beside `messages`: the shared ones, and chat's log-probabilities

@@ -15,6 +15,9 @@
 //!   distribution before sampling).
 //! - `POST /v1/responses`: OpenAI's Responses API, text in and out (`responses`), on
 //!   the chat path's core, streamed (its named events) or not.
+//! - `POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages
+//!   API (`messages`), on the same core, with Anthropic's events and error shape.
+//! - `GET /v1/models` answers in OpenAI's shape and Anthropic's at once.
 //! - `POST /v1/embeddings`: mean-pooled (or the model's own pooling), normalized vectors,
 //!   as `float` lists or `base64` (what the Python client asks for by default).
 //! - llama-server's `POST /tokenize` (`content`; `add_special` false, `parse_special`
@@ -55,6 +58,7 @@ mod api;
 mod completions;
 mod handlers;
 mod http;
+mod messages;
 mod responses;
 mod template;
 mod tools;
