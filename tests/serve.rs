@@ -7,11 +7,11 @@
 //! prefill) and only then closes its socket, with thousands of prompt tokens still to
 //! compute; the run's own report (`decoded=`) then proves where native work stopped.
 
-mod common;
 #[path = "serve/anthropic.rs"]
 mod anthropic;
 #[path = "serve/codex.rs"]
 mod codex;
+mod common;
 #[path = "serve/tenants.rs"]
 mod tenants;
 

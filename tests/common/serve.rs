@@ -48,8 +48,9 @@ impl Server {
         let mut child = command.spawn().expect("starting llamabox serve");
         let (stdout, stderr) =
             (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
-        collect(child.stdout.take().unwrap(), stdout.clone());
-        collect(child.stderr.take().unwrap(), stderr.clone());
+        // The readers end with the server's pipes; nothing waits for them.
+        drop(collect(child.stdout.take().unwrap(), stdout.clone()));
+        drop(collect(child.stderr.take().unwrap(), stderr.clone()));
         let mut server = Server {
             child,
             addr: "127.0.0.1:0".parse().unwrap(),
@@ -175,14 +176,17 @@ impl Drop for Server {
 }
 
 /// Copy a child's output into `into` as it comes.
-fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
+fn collect(
+    stream: impl Read + Send + 'static,
+    into: Arc<Mutex<String>>,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         for line in BufReader::new(stream).lines().map_while(Result::ok) {
             let mut text = into.lock().unwrap();
             text.push_str(&line);
             text.push('\n');
         }
-    });
+    })
 }
 
 /// curl with `args`; its status code and body.
@@ -342,4 +346,66 @@ pub fn read_until(socket: &mut TcpStream, until: Option<&str>, patience: Duratio
             Err(_) => return text,
         }
     }
+}
+
+/// Install npm package `name@version` (a client CLI) into the toolchain cache once
+/// (scripts/npm-tool.sh) and return its folder.
+pub fn npm_tool(name: &str, version: &str) -> PathBuf {
+    let out = Command::new(crate::common::repo_root().join("scripts/npm-tool.sh"))
+        .args([name, version])
+        .output()
+        .expect("running npm-tool.sh");
+    assert!(
+        out.status.success(),
+        "installing {name}@{version} from npm: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// What a bounded run of a client program gave: its status (`None` if it ran past its
+/// limit and was killed), stdout and stderr.
+pub struct Ran {
+    pub status: Option<ExitStatus>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Run `command` (a client such as Claude Code or Codex) in a process group of its own,
+/// for at most `limit`: past it, the whole group is killed, so nothing it started is
+/// left running even when the test then fails.
+pub fn run_bounded(command: &mut Command, limit: Duration) -> Ran {
+    use std::os::unix::process::CommandExt;
+    let mut child = command
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting a client");
+    let (stdout, stderr) =
+        (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
+    let readers = [
+        collect(child.stdout.take().unwrap(), stdout.clone()),
+        collect(child.stderr.take().unwrap(), stderr.clone()),
+    ];
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > limit {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // The group too (its leader's id is the group's): whatever the client started.
+    let group = format!("-{}", child.id());
+    let _ = Command::new("kill").args(["-KILL", "--", &group]).stderr(Stdio::null()).status();
+    let _ = child.wait();
+    for reader in readers {
+        let _ = reader.join();
+    }
+    let text = |s: &Arc<Mutex<String>>| s.lock().unwrap().clone();
+    Ran { status, stdout: text(&stdout), stderr: text(&stderr) }
 }
