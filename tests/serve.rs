@@ -138,6 +138,19 @@ fn the_chat_page_streams_and_its_stop_button_stops_the_native_work() {
     assert!(report["text"].as_str().unwrap().starts_with("Stopped."), "{report}");
     assert_eq!(server.metric("llamabox_cancels_total{cause=\"disconnect\"}"), 1.0);
     assert!(std::fs::metadata(&shot).unwrap().len() > 10_000, "no screenshot");
+    // Then, in the same page: a message over the context fails with the server's error,
+    // shown in the conversation, and the next message, sent with Enter, is answered
+    // without the failed one; the input is cleared and the conversation scrolled to its end.
+    let recovery = &report["recovery"];
+    assert!(
+        recovery["error"].as_str().unwrap().contains("maximum context length"),
+        "{recovery}"
+    );
+    assert_eq!(recovery["resentFailed"], false, "{recovery}");
+    assert!(recovery["status"].as_str().unwrap().starts_with("done:"), "{recovery}");
+    assert!(!recovery["answer"].as_str().unwrap_or("").trim().is_empty(), "{recovery}");
+    assert_eq!((&recovery["input"], &recovery["atEnd"]), (&json!(""), &json!(true)), "{recovery}");
+    assert_eq!(recovery["recovered"], true, "{recovery}");
 }
 
 /// llama-server's `/tokenize`, `/detokenize` and `/apply-template` on the real model:

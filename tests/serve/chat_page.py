@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
 """Drives the openai plugin's chat page in headless Chromium (Debian's
 chromium-headless-shell) over the DevTools protocol: sends a prompt, presses Stop
-after some tokens have arrived, and prints the page's report of what the server
-computed after Stop, as JSON.
+after some tokens have arrived, and reads the page's report of what the server
+computed after Stop. Then, in the same page, it checks that the page recovers from a
+failed request: a message over the model's context is answered with the server's
+error, shown in the conversation, and a short message typed and sent with Enter is
+answered in full (the failed one is not sent again with it), the input cleared and the
+conversation scrolled to its end. Prints the Stop report, with the recovery's findings
+under "recovery", as JSON; exits non-zero if the page did not recover.
 
 Usage: python3 tests/serve/chat_page.py URL [SCREENSHOT.png]
        (URL: the page, like http://127.0.0.1:PORT/; needs `pip install websocket-client`)
@@ -24,6 +29,12 @@ import websocket
 # Stop once this many tokens have reached the page.
 STOP_AFTER_TOKENS = 8
 TIMEOUT_S = 60
+# Far over the plugin's context (4096 tokens by default, at most the model's 8192).
+TOO_LONG = "llama " * 5000
+# A question the model answers briefly, in full, with no max_tokens.
+SHORT = "Say hello in one word."
+# Time for that whole answer on a busy CPU.
+ANSWER_TIMEOUT_S = 180
 
 
 def browser():
@@ -56,14 +67,64 @@ class Page:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def wait_for(self, expression, what):
-        deadline = time.monotonic() + TIMEOUT_S
+    def wait_for(self, expression, what, timeout_s=TIMEOUT_S):
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             value = self.eval(expression)
             if value:
                 return value
             time.sleep(0.02)
         raise TimeoutError(f"timed out waiting for {what}")
+
+    def press_enter(self):
+        """Enter, as a keyboard sends it to the focused element."""
+        for kind in ("keyDown", "keyUp"):
+            self.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter",
+                      windowsVirtualKeyCode=13, nativeVirtualKeyCode=13,
+                      **({"text": "\r"} if kind == "keyDown" else {}))
+
+
+def recover(page):
+    """After Stop: a failed request, then a message sent with Enter. Returns what was seen."""
+    turns = "document.querySelectorAll('#log .turn')"
+    # An over-long message, pasted and sent with Enter: the server refuses it.
+    page.eval("document.getElementById('prompt').focus()")
+    page.call("Input.insertText", text=TOO_LONG)
+    page.press_enter()
+    error = page.wait_for("document.querySelector('#log .error')?.textContent", "the error of the over-long message")
+    page.wait_for("document.getElementById('send').disabled === false", "the page to be ready again")
+    # A short message, typed and sent with Enter.
+    page.call("Input.insertText", text=SHORT)
+    typed = page.eval("document.getElementById('prompt').value")
+    page.press_enter()
+    # Sending clears the input at once and shows the question (the answer may be done already).
+    cleared = page.wait_for(f"document.getElementById('prompt').value === '' && [...{turns}].some("
+                            f"(t) => t.classList.contains('user') && t.textContent === {json.dumps(SHORT)})",
+                            "the message to be sent and the input cleared")
+    page.wait_for("document.getElementById('send').disabled === false", "the short answer", ANSWER_TIMEOUT_S)
+    seen = page.eval(f"""(() => {{
+        const log = document.getElementById('log');
+        const all = [...{turns}];
+        const last = all[all.length - 1];
+        return {{
+            status: document.getElementById('status').textContent,
+            errors: all.filter((t) => t.classList.contains('error')).length,
+            question: all.length >= 2 ? all[all.length - 2].textContent : null,
+            answer: last && last.classList.contains('assistant') ? last.textContent : null,
+            input: document.getElementById('prompt').value,
+            overflows: log.scrollHeight > log.clientHeight,
+            atEnd: log.scrollHeight - log.scrollTop - log.clientHeight <= 2,
+            sent: conversation.map((m) => m.role + ':' + m.content.length),
+            resentFailed: conversation.some((m) => m.content.startsWith('llama llama')),
+        }};
+    }})()""")
+    seen.update(error=error, typed=typed, cleared=bool(cleared))
+    seen["recovered"] = (
+        "context" in error and typed == SHORT and seen["errors"] == 1 and seen["question"] == SHORT
+        and seen["status"].startswith("done:") and bool(seen["answer"] and seen["answer"].strip())
+        and seen["input"] == "" and seen["overflows"] and seen["atEnd"] and not seen["resentFailed"]
+        and len(seen["sent"]) == 4)
+    return seen
 
 
 def main():
@@ -101,7 +162,10 @@ def main():
             shot = page.call("Page.captureScreenshot", format="png")
             with open(screenshot, "wb") as f:
                 f.write(base64.b64decode(shot["data"]))
+        report["recovery"] = recover(page)
         print(json.dumps(report))
+        if not report["recovery"]["recovered"]:
+            sys.exit(f"FAIL: the page did not recover from a failed request: {json.dumps(report['recovery'])}")
     finally:
         try:
             os.killpg(chromium.pid, signal.SIGKILL)
