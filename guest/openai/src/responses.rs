@@ -10,17 +10,28 @@
 //! first), `max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format`
 //! (`text`, `json_object`, `json_schema`: the chat path's `response_format`),
 //! `metadata` (echoed), `user`, `parallel_tool_calls`, `tool_choice` (`"none"`,
-//! `"auto"`, `"required"`, `{"type":"function","name"}`), and `store`: `false`, or
-//! `true`, which is accepted but stores nothing (there is no `GET /v1/responses/{id}`
-//! here, nor `previous_response_id`).
+//! `"auto"`, `"required"`, `{"type":"function","name"}`), and `store`: `false` (the
+//! client sends the whole history each time, as Codex does), or `true`, which is
+//! accepted but stores nothing (there is no `GET /v1/responses/{id}` here, nor
+//! `previous_response_id`).
 //! Function `tools` map onto the chat path's tools, `function_call` input items onto
 //! an assistant message's tool calls and `function_call_output` items onto tool
-//! messages; the calls the model makes are `function_call` output items. `tools` of
-//! OpenAI's hosted kinds (`web_search`, `file_search`, `local_shell`, ...) are skipped:
-//! this server has none of them, and the model answers without. Custom tools, images
-//! and files are refused with a 400 naming the field by its path, as is any other
-//! field not off. Errors the chat path finds in the mapped body name its fields
-//! (`messages[i]`, `tools[i]` counting function tools only).
+//! messages; the calls the model makes are `function_call` output items. Every tool
+//! that is not a function (OpenAI's hosted `web_search`, `file_search`, `local_shell`,
+//! ..., `custom` tools, Codex's `namespace` groups) is skipped: this server runs none of
+//! them and the model is not told of them, so it answers without; one such tool never
+//! fails the request.
+//! Accepted because they ask for what the server does anyway: `reasoning.effort` (any
+//! of the API's values: the model has no reasoning control, so it changes nothing),
+//! `reasoning.summary` `"auto"` or `"none"` (the model writes no reasoning, so there is
+//! none to summarize), `include: ["reasoning.encrypted_content"]` (there are no
+//! reasoning items to carry it), `prompt_cache_key`, `safety_identifier`,
+//! `client_metadata` (Codex's: an object of strings, read by nobody here),
+//! `service_tier` `"auto"`/`"default"` and `truncation: "disabled"`.
+//! Images and files, and any other field or value not off (`null`, `false`, `[]`), are
+//! refused with a 400 naming the field by its path (`reasoning.summary`, `include[1]`).
+//! Errors the chat path finds in the mapped body name its fields (`messages[i]`,
+//! `tools[i]` counting function tools only).
 
 use serde_json::{json, Map, Value};
 
@@ -46,6 +57,8 @@ const FIELDS: &[&str] = &[
     "parallel_tool_calls",
     "tool_choice",
     "tools",
+    "reasoning",
+    "include",
 ];
 
 /// Fields accepted with the values that ask for what this server does anyway.
@@ -58,7 +71,15 @@ const AS_DEFAULT: &[AsDefault] = &[
     AsDefault { name: "truncation", values: "\"disabled\"", accepts: |v| v == "disabled" },
     AsDefault { name: "prompt_cache_key", values: "a string", accepts: Value::is_string },
     AsDefault { name: "safety_identifier", values: "a string", accepts: Value::is_string },
+    AsDefault {
+        name: "client_metadata",
+        values: "an object of strings",
+        accepts: |v| v.as_object().is_some_and(|o| o.values().all(Value::is_string)),
+    },
 ];
+
+/// The `include` values accepted: what they ask for never appears in an answer here.
+const INCLUDE: &[&str] = &["reasoning.encrypted_content"];
 
 /// What a Responses request asks for beside the chat body: the settings its answer
 /// echoes.
@@ -78,6 +99,8 @@ pub(crate) struct Echo {
     pub store: bool,
     /// `text.format` as given (`{"type":"text"}` when absent).
     pub format: Value,
+    /// `reasoning` as given (`effort` and `summary`, `null` when absent).
+    pub reasoning: Value,
 }
 
 fn invalid(message: impl Into<String>, param: &str) -> ApiError {
@@ -151,7 +174,7 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
         let path = format!("metadata.{key}");
         return Err(invalid(format!("'{path}' must be a string"), &path));
     }
-    // Tools: OpenAI's hosted ones are skipped (none here); functions go to the chat path.
+    // Tools: functions go to the chat path; every other kind is skipped (none here).
     let tools: Vec<Value> = body.get("tools")?.unwrap_or_default();
     let (mut functions, mut chat_tools) = (Vec::new(), Vec::new());
     for (i, tool) in tools.iter().enumerate() {
@@ -176,7 +199,6 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
                 chat_tools.push(json!({"type": "function", "function": function}));
                 functions.push(tool.clone());
             }
-            Some("custom") => return Err(unsupported(&path, "a custom tool")),
             Some(_) => {}
         }
     }
@@ -211,6 +233,8 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
     let user: Option<String> = body.get("user")?;
     let stream: Option<bool> = body.get("stream")?;
     let (format, response_format) = text_format(body)?;
+    let reasoning = reasoning(body)?;
+    include(body)?;
 
     let mut chat = Map::new();
     chat.insert("model".into(), json!(model));
@@ -243,8 +267,64 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
         tools: functions,
         store,
         format,
+        reasoning,
     };
     Ok((chat, echo))
+}
+
+/// `reasoning` as the answer echoes it. The model has no reasoning control and writes
+/// no reasoning: `effort` (any of the API's values) changes nothing, and `summary` is
+/// accepted as `"auto"` (a summary when there is reasoning) or `"none"`; a summary
+/// asked for (`"concise"`, `"detailed"`) and any other field are refused by path.
+fn reasoning(body: &Object) -> Result<Value, ApiError> {
+    let reasoning = match body.get::<Value>("reasoning")? {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(reasoning)) => reasoning,
+        Some(_) => return Err(invalid("'reasoning' must be an object", "reasoning")),
+    };
+    for (name, value) in &reasoning {
+        let path = format!("reasoning.{name}");
+        match (name.as_str(), value.as_str()) {
+            (_, None) if value.is_null() => {}
+            ("effort", Some("none" | "minimal" | "low" | "medium" | "high" | "xhigh")) => {}
+            ("effort", _) => {
+                let message = format!(
+                    "'{path}' must be \"none\", \"minimal\", \"low\", \"medium\", \"high\" or \"xhigh\""
+                );
+                return Err(invalid(message, &path));
+            }
+            ("summary", Some("auto" | "none")) => {}
+            ("summary", Some(other)) => {
+                let what = format!("a reasoning summary ('{other}': the model writes no reasoning; \"auto\" or \"none\" are accepted)");
+                return Err(unsupported(&path, &what));
+            }
+            ("summary", None) => {
+                return Err(invalid(format!("'{path}' must be a string"), &path));
+            }
+            _ if off(value) => {}
+            _ => return Err(unsupported(&path, "this field")),
+        }
+    }
+    let field = |name: &str| reasoning.get(name).cloned().unwrap_or(Value::Null);
+    Ok(json!({"effort": field("effort"), "summary": field("summary")}))
+}
+
+/// `include`: only values that ask for what never appears here (`INCLUDE`).
+fn include(body: &Object) -> Result<(), ApiError> {
+    let items = match body.get::<Value>("include")? {
+        None | Some(Value::Null) => return Ok(()),
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(invalid("'include' must be a list", "include")),
+    };
+    for (i, item) in items.iter().enumerate() {
+        let path = format!("include[{i}]");
+        match item.as_str() {
+            Some(value) if INCLUDE.contains(&value) => {}
+            Some(value) => return Err(unsupported(&path, &format!("'{value}'"))),
+            None => return Err(invalid(format!("'{path}' must be a string"), &path)),
+        }
+    }
+    Ok(())
 }
 
 /// `text.format` as the answer echoes it, and the chat path's `response_format`.
@@ -531,7 +611,7 @@ impl Answer {
             "output": output,
             "parallel_tool_calls": e.parallel_tool_calls,
             "previous_response_id": null,
-            "reasoning": {"effort": null, "summary": null},
+            "reasoning": e.reasoning,
             "store": e.store,
             "temperature": e.temperature,
             "text": {"format": e.format},
@@ -808,8 +888,8 @@ mod tests {
             "previous_response_id"
         );
         assert_eq!(
-            param(r#"{"model":"m","input":"x","reasoning":{"effort":"high"}}"#),
-            "reasoning"
+            param(r#"{"model":"m","input":"x","reasoning":{"summary":"detailed"}}"#),
+            "reasoning.summary"
         );
         assert_eq!(param(r#"{"model":"m","input":"x","truncation":"auto"}"#), "truncation");
         assert_eq!(param(r#"{"model":"m"}"#), "input");
@@ -854,6 +934,95 @@ mod tests {
             (echo.tool_choice.clone(), echo.metadata.clone()),
             (json!("none"), json!({"k":"v"}))
         );
+    }
+
+    /// What Codex 0.171 sends (tests/serve/codex.rs runs it): hosted, namespace and
+    /// custom tools beside its functions, `reasoning` with a summary on `auto`, `include`,
+    /// `store: false`, `prompt_cache_key` and `client_metadata`.
+    #[test]
+    fn codex_requests_are_accepted() {
+        let (chat, echo) = mapped(
+            r#"{"model":"m","stream":true,"tool_choice":"auto","parallel_tool_calls":true,
+                "reasoning":{"summary":"auto"},"store":false,"include":["reasoning.encrypted_content"],
+                "prompt_cache_key":"k","client_metadata":{"thread_id":"t","turn_id":"u"},
+                "tools":[{"type":"function","name":"exec_command","description":"d","strict":false,
+                          "parameters":{"type":"object","properties":{"cmd":{"type":"string"}},"required":["cmd"],"additionalProperties":false}},
+                         {"type":"namespace","name":"multi_agent_v1","description":"d",
+                          "tools":[{"type":"function","name":"spawn_agent","parameters":{"type":"object"}}]},
+                         {"type":"web_search","external_web_access":false},{"type":"local_shell"},
+                         {"type":"custom","name":"apply_patch","format":{"type":"grammar","syntax":"lark","definition":"x"}}],
+                "input":[{"type":"message","id":"msg_1","role":"developer","content":[{"type":"input_text","text":"You are Codex."}]},
+                         {"type":"message","role":"user","content":[{"type":"input_text","text":"Say hi"}]}]}"#,
+        )
+        .unwrap();
+        // Only the function reaches the chat path: it is all the model is told of.
+        let tools = chat["tools"].as_array().unwrap();
+        assert_eq!(tools.len(), 1);
+        assert_eq!(tools[0]["function"]["name"], "exec_command");
+        assert_eq!(chat["tool_choice"], "auto");
+        assert_eq!(echo.tools.len(), 1);
+        assert!(!echo.store);
+        assert_eq!(echo.reasoning, json!({"effort": null, "summary": "auto"}));
+        assert_eq!(
+            chat["messages"],
+            json!([{"role":"developer","content":"You are Codex."},{"role":"user","content":"Say hi"}])
+        );
+        // The answer echoes the reasoning settings as given.
+        let (_, echo) =
+            mapped(r#"{"model":"m","input":"x","reasoning":{"effort":"high","summary":null}}"#)
+                .unwrap();
+        let r = Answer::new(echo).response(Some(&ended("Hi", "stop", &[])));
+        assert_eq!(r["reasoning"], json!({"effort": "high", "summary": null}));
+        // Only hosted or custom tools: the model answers without tools.
+        let (chat, _) = mapped(
+            r#"{"model":"m","input":"x","tool_choice":"auto","tools":[{"type":"custom","name":"c"},{"type":"namespace","name":"n","tools":[]}]}"#,
+        )
+        .unwrap();
+        assert!(!chat.contains_key("tools") && !chat.contains_key("tool_choice"));
+    }
+
+    #[test]
+    fn reasoning_and_include_are_refused_by_path_unless_default() {
+        for effort in ["none", "minimal", "low", "medium", "high", "xhigh"] {
+            let body =
+                format!(r#"{{"model":"m","input":"x","reasoning":{{"effort":"{effort}"}}}}"#);
+            assert_eq!(mapped(&body).unwrap().1.reasoning["effort"], effort);
+        }
+        for summary in ["auto", "none"] {
+            let body =
+                format!(r#"{{"model":"m","input":"x","reasoning":{{"summary":"{summary}"}}}}"#);
+            assert!(mapped(&body).is_ok());
+        }
+        mapped(r#"{"model":"m","input":"x","reasoning":{},"include":null}"#).unwrap();
+        for (body, path) in [
+            (r#"{"reasoning":{"effort":"max"}}"#, "reasoning.effort"),
+            (r#"{"reasoning":{"effort":3}}"#, "reasoning.effort"),
+            (r#"{"reasoning":{"summary":"concise"}}"#, "reasoning.summary"),
+            (r#"{"reasoning":{"summary":1}}"#, "reasoning.summary"),
+            (r#"{"reasoning":{"generate_summary":"auto"}}"#, "reasoning.generate_summary"),
+            (r#"{"reasoning":"high"}"#, "reasoning"),
+            (
+                r#"{"include":["reasoning.encrypted_content","message.output_text.logprobs"]}"#,
+                "include[1]",
+            ),
+            (r#"{"include":[1]}"#, "include[0]"),
+            (r#"{"include":"reasoning.encrypted_content"}"#, "include"),
+            (r#"{"client_metadata":{"k":1}}"#, "client_metadata"),
+            (
+                r#"{"tool_choice":{"type":"custom","name":"c"},"tools":[{"type":"custom","name":"c"}]}"#,
+                "tool_choice",
+            ),
+            (r#"{"tool_choice":"required","tools":[{"type":"web_search"}]}"#, "tool_choice"),
+            (r#"{"tools":[{"name":"f"}]}"#, "tools[0].type"),
+        ] {
+            let mut full: Map<String, Value> = serde_json::from_str(body).unwrap();
+            full.insert("model".into(), json!("m"));
+            full.insert("input".into(), json!("x"));
+            assert_eq!(param(&Value::Object(full).to_string()), path, "{body}");
+        }
+        let e = mapped(r#"{"model":"m","input":"x","reasoning":{"summary":"detailed"}}"#)
+            .expect_err("refused");
+        assert_eq!(e.code, Some("unsupported_parameter"));
     }
 
     fn answer() -> Answer {
@@ -919,10 +1088,6 @@ mod tests {
                 r#"{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":"o","x":1}]}"#
             ),
             "input[0].x"
-        );
-        assert_eq!(
-            param(r#"{"model":"m","input":"x","tools":[{"type":"custom","name":"c"}]}"#),
-            "tools[0]"
         );
     }
 
