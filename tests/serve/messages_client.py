@@ -118,8 +118,11 @@ def tool_round_trip(client, model, _vision, _png):
     assert after.stop_reason in ("end_turn", "max_tokens"), after
     assert text_of(after), after
     # Streamed: the call's input arrives as input_json_delta and the SDK assembles it.
+    # Streamed as it is decoded: the input comes in several pieces, not whole at the end.
     with client.messages.stream(**ask, tool_choice={"type": "any", "disable_parallel_tool_use": True}) as stream:
+        pieces = sum(1 for e in stream if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
         final = stream.get_final_message()
+    assert pieces > 2, f"the input came in {pieces} pieces"
     streamed = [b for b in final.content if b.type == "tool_use"]
     assert final.stop_reason == "tool_use" and streamed, final
     jsonschema.validate(streamed[0].input, WEATHER["input_schema"])

@@ -322,16 +322,19 @@ def main():
     def tool_calls_stream():
         ask = [{"role": "user", "content": "What is the weather like in Lima today?"}]
         stream = client.chat.completions.create(model=model, messages=ask, max_tokens=320, temperature=0, tools=TOOLS, tool_choice="required", stream=True)
-        calls, finish = {}, None
+        calls, finish, pieces = {}, None, 0
         for chunk in stream:
             for c in chunk.choices:
                 for d in c.delta.tool_calls or []:
+                    pieces += 1
                     call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
                     call["id"] = d.id or call["id"]
                     call["name"] = (d.function.name if d.function else None) or call["name"]
                     call["arguments"] += (d.function.arguments if d.function else "") or ""
                 finish = c.finish_reason or finish
         assert finish == "tool_calls" and calls, (finish, calls)
+        # Streamed as they are decoded: the arguments come in pieces, not whole at the end.
+        assert pieces > 2 * len(calls), f"{pieces} deltas for {len(calls)} calls"
         for call in calls.values():
             assert call["id"] and call["name"] == "get_weather", call
             jsonschema.validate(json.loads(call["arguments"]), TOOLS[0]["function"]["parameters"])

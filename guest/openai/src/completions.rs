@@ -7,7 +7,7 @@ use std::rc::Rc;
 use crate::api::{self, ApiError, ChatChoice, Choice, Completion, Delta, TextChoice, Usage};
 use crate::handlers::{Reply, Sampling, CONTEXT_STEP, DEFAULT_N_CTX, MAX_GENERATE_TOKENS};
 use crate::http::{self, Body, Gone};
-use crate::tools::{Call, Reader};
+use crate::tools::{Call, CallDelta, Reader};
 use llamabox_guest::cancel::CancelToken;
 use llamabox_guest::generate::{
     self, FinishReason, GenerateParams, Generation, Logprobs, Piece, Sampler,
@@ -265,6 +265,8 @@ pub struct Format {
 struct Addition {
     text: String,
     logprobs: Vec<Logprobs>,
+    /// What the answer's calls added (a tool envelope's, read as it is decoded).
+    calls: Vec<CallDelta>,
 }
 
 impl Format {
@@ -576,11 +578,10 @@ impl Choices {
             for i in live {
                 match self.runs[i].next()? {
                     Some(piece) => {
-                        event(
-                            self,
-                            i as u32,
-                            Event::Piece(Addition { text: piece.text, logprobs: piece.logprobs }),
-                        )?;
+                        let reader = self.runs[i].reader.as_mut();
+                        let calls = reader.map(Reader::call_deltas).unwrap_or_default();
+                        let (text, logprobs) = (piece.text, piece.logprobs);
+                        event(self, i as u32, Event::Piece(Addition { text, logprobs, calls }))?;
                         still.push(i);
                     }
                     None => event(self, i as u32, Event::Ended)?,
@@ -598,12 +599,26 @@ impl Choices {
         &mut self,
         mut piece: impl FnMut(&str) -> Result<(), ApiError>,
     ) -> Result<(String, &'static str, Usage, Vec<Call>), ApiError> {
+        self.run_one_with_calls(|progress| match progress {
+            Progress::Text(text) => piece(text),
+            Progress::Call(_) => Ok(()),
+        })
+    }
+
+    /// [`Choices::run_one`], telling `progress` of the calls' deltas too, as they are
+    /// decoded.
+    pub(crate) fn run_one_with_calls(
+        &mut self,
+        mut progress: impl FnMut(Progress) -> Result<(), ApiError>,
+    ) -> Result<(String, &'static str, Usage, Vec<Call>), ApiError> {
         let (mut text, mut reason, mut calls) = (String::new(), "stop", Vec::new());
         self.drive(|c, i, event| match event {
-            Event::Piece(add) if i == 0 && !add.text.is_empty() => {
-                piece(&add.text)?;
-                text.push_str(&add.text);
-                Ok(())
+            Event::Piece(add) if i == 0 => {
+                if !add.text.is_empty() {
+                    progress(Progress::Text(&add.text))?;
+                    text.push_str(&add.text);
+                }
+                add.calls.iter().try_for_each(|delta| progress(Progress::Call(delta)))
             }
             Event::Piece(_) => Ok(()),
             Event::Ended => {
@@ -667,6 +682,12 @@ enum Event {
     Ended,
 }
 
+/// What one run hands on as it is decoded: text, or what a call added.
+pub(crate) enum Progress<'a> {
+    Text(&'a str),
+    Call(&'a CallDelta),
+}
+
 /// Generations streamed as server-sent events.
 pub struct Stream {
     choices: Choices,
@@ -700,49 +721,42 @@ impl Stream {
         };
         let driven = choices.drive(|c, i, event| {
             let json = match event {
-                Event::Piece(add) if add.text.is_empty() && add.logprobs.is_empty() => {
-                    return Ok(())
-                }
                 Event::Piece(add) => {
-                    let logprobs = c.format.logprobs(&c.model, &add, &mut offsets[i as usize])?;
-                    c.format.json(
-                        vec![c.format.choice(i, Some(&add.text), logprobs, None, false)],
-                        None,
-                        false,
-                    )
+                    if !add.text.is_empty() || !add.logprobs.is_empty() {
+                        let logprobs =
+                            c.format.logprobs(&c.model, &add, &mut offsets[i as usize])?;
+                        let choice = c.format.choice(i, Some(&add.text), logprobs, None, false);
+                        send(&c.format.json(vec![choice], None, false))?;
+                    }
+                    // Each call as OpenAI streams it, as it is decoded: its index, id,
+                    // type and name first, then pieces of its arguments.
+                    for delta in add.calls {
+                        let named = delta.name.is_some();
+                        let call = api::ToolCallOut {
+                            index: Some(delta.index as u32),
+                            id: named.then(|| crate::handlers::new_id("call")),
+                            kind: named.then_some("function"),
+                            function: api::FunctionCallOut {
+                                name: delta.name,
+                                arguments: delta.arguments,
+                            },
+                        };
+                        let choice = c.format.choice_with_calls(
+                            i,
+                            None,
+                            Some(vec![call]),
+                            None,
+                            None,
+                            false,
+                        );
+                        send(&c.format.json(vec![choice], None, false))?;
+                    }
+                    return Ok(());
                 }
                 Event::Ended => {
                     let run = &c.runs[i as usize];
                     if let Some(e) = run.unanswered() {
                         return Err(e);
-                    }
-                    // Each call as OpenAI streams it: id, type and name first, then its arguments.
-                    for call in calls_out(run.calls(), true) {
-                        let arguments = call.function.arguments.clone();
-                        let opening = api::ToolCallOut {
-                            function: api::FunctionCallOut {
-                                arguments: String::new(),
-                                ..call.function.clone()
-                            },
-                            ..call.clone()
-                        };
-                        let rest = api::ToolCallOut {
-                            id: None,
-                            kind: None,
-                            function: api::FunctionCallOut { name: None, arguments },
-                            ..call
-                        };
-                        for part in [opening, rest] {
-                            let choice = c.format.choice_with_calls(
-                                i,
-                                None,
-                                Some(vec![part]),
-                                None,
-                                None,
-                                false,
-                            );
-                            send(&c.format.json(vec![choice], None, false))?;
-                        }
                     }
                     // Chat ends a choice with an empty delta, text with empty text.
                     let reason = Some(run.finish_reason());

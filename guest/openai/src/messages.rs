@@ -31,10 +31,10 @@
 use serde_json::{json, Map, Value};
 
 use crate::api::{ApiError, AsDefault, Object, Usage};
-use crate::completions::{Choices, Format};
+use crate::completions::{Choices, Format, Progress};
 use crate::handlers::{self, Reply};
 use crate::http::{Body, Gone};
-use crate::tools::Call;
+use crate::tools::{Call, CallDelta};
 
 /// The fields a Messages request may have (others are refused unless off).
 const FIELDS: &[&str] = &[
@@ -520,19 +520,59 @@ pub(crate) struct Ended<'a> {
     pub calls: &'a [Call],
 }
 
-/// The answer being written: its ids and the events' block indices.
+/// The answer being written: its ids and the stream's content blocks.
 pub(crate) struct Answer {
     id: String,
     model: String,
     stops: Vec<String>,
-    /// Whether the stream has opened the text block (at its first text).
-    opened: bool,
+    /// Content blocks started so far in the stream, and the kind of the last one if it
+    /// is still open.
+    blocks: usize,
+    open: Option<Block>,
     call_ids: Vec<String>,
+    /// Calls whose blocks the stream started as they were decoded.
+    streamed_calls: usize,
+}
+
+/// The kinds of content block a stream writes.
+#[derive(Clone, Copy, PartialEq)]
+enum Block {
+    Text,
+    Call,
 }
 
 impl Answer {
     fn new(model: String, stops: Vec<String>) -> Self {
-        Answer { id: id("msg"), model, stops, opened: false, call_ids: Vec::new() }
+        Answer {
+            id: id("msg"),
+            model,
+            stops,
+            blocks: 0,
+            open: None,
+            call_ids: Vec::new(),
+            streamed_calls: 0,
+        }
+    }
+
+    /// Start the next content block (ending the open one).
+    fn start_block(&mut self, kind: Block, block: Value) -> String {
+        let events = self.stop_block();
+        let index = self.blocks;
+        (self.blocks, self.open) = (index + 1, Some(kind));
+        events + &event("content_block_start", json!({"index": index, "content_block": block}))
+    }
+
+    /// End the open content block, if one is.
+    fn stop_block(&mut self) -> String {
+        match self.open.take() {
+            Some(_) => event("content_block_stop", json!({"index": self.blocks - 1})),
+            None => String::new(),
+        }
+    }
+
+    /// A delta of the open block.
+    fn block_delta(&self, delta: Value) -> String {
+        event("content_block_delta", json!({"index": self.blocks - 1, "delta": delta}))
     }
 
     fn fix_calls(&mut self, n: usize) {
@@ -597,35 +637,44 @@ impl Answer {
         event("message_start", json!({"message": message})) + &event("ping", json!({}))
     }
 
-    /// A piece of text (the text block opened first, at the first).
+    /// A piece of text (a text block started first, at the first).
     fn delta(&mut self, text: &str) -> String {
         let mut events = String::new();
-        if !self.opened {
-            self.opened = true;
-            let block = json!({"type": "text", "text": ""});
-            events += &event("content_block_start", json!({"index": 0, "content_block": block}));
+        if self.open != Some(Block::Text) {
+            events += &self.start_block(Block::Text, json!({"type": "text", "text": ""}));
         }
-        let delta = json!({"type": "text_delta", "text": text});
-        events + &event("content_block_delta", json!({"index": 0, "delta": delta}))
+        events + &self.block_delta(json!({"type": "text_delta", "text": text}))
     }
 
-    /// The events after the text: its block's end, each call's block with its input,
-    /// then the stop reason with the usage, and the message's end.
-    fn closing(&mut self, ended: &Ended) -> String {
+    /// What a call added as it was decoded: its block started when it is named, then
+    /// its input's JSON text, piece by piece.
+    fn call_delta(&mut self, delta: &CallDelta) -> String {
         let mut events = String::new();
-        let text = usize::from(self.opened);
-        if self.opened {
-            events += &event("content_block_stop", json!({"index": 0}));
+        if let Some(name) = &delta.name {
+            self.fix_calls(delta.index + 1);
+            let block = json!({"type": "tool_use", "id": self.call_ids[delta.index], "name": name, "input": {}});
+            events += &self.start_block(Block::Call, block);
+            self.streamed_calls = delta.index + 1;
         }
+        if !delta.arguments.is_empty() {
+            let partial = json!({"type": "input_json_delta", "partial_json": delta.arguments});
+            events += &self.block_delta(partial);
+        }
+        events
+    }
+
+    /// The events after the text and the calls streamed: the open block's end, the
+    /// block of each call not streamed yet, then the stop reason with the usage, and
+    /// the message's end.
+    fn closing(&mut self, ended: &Ended) -> String {
+        let mut events = self.stop_block();
         self.fix_calls(ended.calls.len());
-        for (i, call) in ended.calls.iter().enumerate() {
-            let index = i + text;
+        for (i, call) in ended.calls.iter().enumerate().skip(self.streamed_calls) {
             let block = self.call_block(i, call, false);
-            events +=
-                &event("content_block_start", json!({"index": index, "content_block": block}));
-            let delta = json!({"type": "input_json_delta", "partial_json": call.arguments});
-            events += &event("content_block_delta", json!({"index": index, "delta": delta}));
-            events += &event("content_block_stop", json!({"index": index}));
+            events += &self.start_block(Block::Call, block);
+            events += &self
+                .block_delta(json!({"type": "input_json_delta", "partial_json": call.arguments}));
+            events += &self.stop_block();
         }
         let (reason, sequence) = self.stop(ended);
         let delta = json!({"stop_reason": reason, "stop_sequence": sequence});
@@ -682,8 +731,12 @@ impl Stream {
         body.write(self.answer.opening(self.choices.prompt_tokens()).as_bytes())?;
         let gone = std::cell::Cell::new(None);
         let answer = &mut self.answer;
-        let ran = self.choices.run_one(|text| {
-            body.write(answer.delta(text).as_bytes()).map_err(|g| {
+        let ran = self.choices.run_one_with_calls(|progress| {
+            let events = match progress {
+                Progress::Text(text) => answer.delta(text),
+                Progress::Call(delta) => answer.call_delta(delta),
+            };
+            body.write(events.as_bytes()).map_err(|g| {
                 gone.set(Some(g));
                 ApiError::invalid("the client is gone", None)
             })
@@ -911,6 +964,66 @@ mod tests {
         );
         assert_eq!(events[9].1["delta"]["stop_reason"], "tool_use");
         assert_eq!(events[9].1["usage"]["output_tokens"], 3);
+    }
+
+    #[test]
+    fn calls_stream_as_they_are_decoded() {
+        let mut answer = Answer::new("m".into(), vec![]);
+        let delta = |index: usize, name: Option<&str>, arguments: &str| CallDelta {
+            index,
+            name: name.map(String::from),
+            arguments: arguments.into(),
+        };
+        let mut all = answer.opening(10);
+        for d in [
+            delta(0, Some("f"), ""),
+            delta(0, None, "{\"a\":"),
+            delta(0, None, "1}"),
+            delta(1, Some("g"), "{}"),
+        ] {
+            all += &answer.call_delta(&d);
+        }
+        let calls = [
+            Call { name: "f".into(), arguments: "{\"a\":1}".into() },
+            Call { name: "g".into(), arguments: "{}".into() },
+        ];
+        let ended =
+            Ended { text: "", reason: "tool_calls", stop: None, usage: usage(), calls: &calls };
+        all += &answer.closing(&ended);
+        let events: Vec<Value> = all
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| serde_json::from_str(e.split_once("\ndata: ").unwrap().1).unwrap())
+            .collect();
+        let shape: Vec<String> = events
+            .iter()
+            .map(|e| format!("{}{}", e["type"].as_str().unwrap(), e["index"]))
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                "message_startnull",
+                "pingnull",
+                "content_block_start0",
+                "content_block_delta0",
+                "content_block_delta0",
+                "content_block_stop0",
+                "content_block_start1",
+                "content_block_delta1",
+                "content_block_stop1",
+                "message_deltanull",
+                "message_stopnull"
+            ]
+        );
+        assert_eq!(events[2]["content_block"]["name"], "f");
+        let partial: String =
+            events[3..5].iter().map(|e| e["delta"]["partial_json"].as_str().unwrap()).collect();
+        assert_eq!(partial, calls[0].arguments);
+        // The ids are the ones the whole message gives.
+        assert_eq!(
+            events[6]["content_block"]["id"],
+            answer.message(Some(&ended))["content"][1]["id"]
+        );
     }
 
     #[test]

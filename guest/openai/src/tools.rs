@@ -379,15 +379,28 @@ pub struct Call {
     pub arguments: String,
 }
 
+/// What a call adds to the answer as it is decoded: its name first (`name` is set on
+/// its first delta), then pieces of its arguments' JSON text, which add up to
+/// [`Call::arguments`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallDelta {
+    /// Which call of the answer (0, 1, ...).
+    pub index: usize,
+    pub name: Option<String>,
+    pub arguments: String,
+}
+
 /// Reads one answer's envelope as its text arrives: the `response` text is handed on
-/// as it is decoded (or, for a `response_format` answer, the JSON value's own text);
-/// calls are read once the answer is whole.
+/// as it is decoded (or, for a `response_format` answer, the JSON value's own text),
+/// and so are calls ([`Reader::call_deltas`]).
 #[derive(Default)]
 pub struct Reader {
     raw: String,
     state: State,
     /// `response` is a JSON value (a `response_format`), not a string of text.
     json: bool,
+    /// How many bytes of each call's arguments were handed on as deltas.
+    sent: Vec<usize>,
 }
 
 #[derive(Default)]
@@ -407,8 +420,6 @@ enum State {
 const RESPONSE_OPENING: &str = r#"{"response":""#;
 const JSON_OPENING: &str = r#"{"response":"#;
 const CALLS_OPENING: &str = r#"{"tool_calls":"#;
-/// Between two calls of the envelope.
-const CALL_SEPARATOR: &str = r#"},{"name":"#;
 /// How each call starts, its name first (the schema's order).
 const CALL_OPENING: &str = r#"{"name":""#;
 const ARGUMENTS_OPENING: &str = r#"","arguments":"#;
@@ -474,7 +485,31 @@ impl Reader {
         rest.to_string()
     }
 
-    /// The calls, once the answer is whole (none if it answered in text). If it was cut
+    /// What the calls added since the last time: a call newly named, the arguments'
+    /// text that came after what was handed on.
+    pub fn call_deltas(&mut self) -> Vec<CallDelta> {
+        if !matches!(self.state, State::Calls) {
+            return Vec::new();
+        }
+        let mut deltas = Vec::new();
+        for (index, (name, arguments)) in scan_calls(&self.raw).into_iter().enumerate() {
+            let name = match self.sent.get(index) {
+                Some(&sent) if sent == arguments.len() => continue,
+                Some(_) => None,
+                None => {
+                    self.sent.push(0);
+                    Some(name.to_string())
+                }
+            };
+            let arguments = arguments[self.sent[index]..].to_string();
+            self.sent[index] += arguments.len();
+            deltas.push(CallDelta { index, name, arguments });
+        }
+        deltas
+    }
+
+    /// The calls, once the answer is whole (none if it answered in text), with their
+    /// arguments' text as the model wrote it (what the deltas add up to). If it was cut
     /// short (max_tokens), the whole calls before the cut and the call cut off, with
     /// the text of its arguments so far (as OpenAI returns a call cut by the length
     /// limit), if its name was written.
@@ -482,42 +517,68 @@ impl Reader {
         if !matches!(self.state, State::Calls) {
             return Vec::new();
         }
-        let read = |envelope: &Value| {
-            let calls = envelope.get("tool_calls").and_then(Value::as_array);
-            calls
-                .into_iter()
-                .flatten()
-                .filter_map(|c| {
-                    Some(Call {
-                        name: c.get("name")?.as_str()?.to_string(),
-                        arguments: c.get("arguments")?.to_string(),
-                    })
-                })
-                .collect::<Vec<_>>()
-        };
-        if let Ok(whole) = serde_json::from_str::<Value>(&self.raw) {
-            return read(&whole);
-        }
-        // Cut short: the grammar writes calls compactly, one after another, so the
-        // whole ones end before the last separator, and the cut one starts after it.
-        let (mut calls, cut) = match self.raw.rmatch_indices(CALL_SEPARATOR).next() {
-            Some((at, _)) => {
-                let before = serde_json::from_str(&format!("{}}}]}}", &self.raw[..at]));
-                (before.map(|b| read(&b)).unwrap_or_default(), &self.raw[at + "},".len()..])
-            }
-            None => (Vec::new(), &self.raw[CALLS_OPENING.len()..]),
-        };
-        let cut = cut.trim_start_matches('[');
-        if let Some(named) = cut.strip_prefix(CALL_OPENING) {
-            // Names are [A-Za-z0-9_-]: no escapes, so the name ends at its quote.
-            if let Some((name, rest)) = named.split_once('"') {
-                let arguments =
-                    format!("\"{rest}").strip_prefix(ARGUMENTS_OPENING).unwrap_or("").to_string();
-                calls.push(Call { name: name.to_string(), arguments });
-            }
-        }
-        calls
+        scan_calls(&self.raw)
+            .into_iter()
+            .map(|(name, arguments)| Call {
+                name: name.to_string(),
+                arguments: arguments.to_string(),
+            })
+            .collect()
     }
+}
+
+/// The calls in an envelope's text so far (the grammar writes it compactly:
+/// `{"tool_calls":[{"name":"N","arguments":{…}},…]}`): each one's name, once written
+/// whole, and the text of its arguments so far.
+fn scan_calls(raw: &str) -> Vec<(&str, &str)> {
+    let mut calls = Vec::new();
+    let Some(mut rest) = raw.strip_prefix(CALLS_OPENING).and_then(|r| r.strip_prefix('[')) else {
+        return calls;
+    };
+    loop {
+        let Some(named) = rest.strip_prefix(CALL_OPENING) else { return calls };
+        // Names are [A-Za-z0-9_-]: no escapes, so the name ends at its quote.
+        let Some(quote) = named.find('"') else { return calls };
+        let name = &named[..quote];
+        let Some(arguments) = named[quote..].strip_prefix(ARGUMENTS_OPENING) else {
+            calls.push((name, ""));
+            return calls;
+        };
+        match json_value_end(arguments) {
+            Some(end) => {
+                calls.push((name, &arguments[..end]));
+                match arguments[end..].strip_prefix("},") {
+                    Some(next) => rest = next,
+                    None => return calls,
+                }
+            }
+            None => {
+                calls.push((name, arguments));
+                return calls;
+            }
+        }
+    }
+}
+
+/// Where the JSON object or array at the start of `text` ends, if it does.
+fn json_value_end(text: &str) -> Option<usize> {
+    let (mut depth, mut in_string, mut escaped) = (0u32, false, false);
+    for (i, c) in text.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_string => escaped = true,
+            '"' => in_string = !in_string,
+            '{' | '[' if !in_string => depth += 1,
+            '}' | ']' if !in_string => {
+                depth = depth.checked_sub(1)?;
+                if depth == 0 {
+                    return Some(i + 1);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
 }
 
 /// A JSON string's contents decoded as they arrive, up to its closing quote; an escape
@@ -732,6 +793,33 @@ mod tests {
         let mut r = Reader::default();
         r.push(r#"{"tool_calls""#);
         assert!(r.calls().is_empty(), "nothing named yet");
+
+        // Calls are handed on as they are decoded: each one's name once it is written
+        // whole, then its arguments' text piece by piece (strings holding braces and
+        // escaped quotes included), adding up to the calls read at the end.
+        let answer = r#"{"tool_calls":[{"name":"note","arguments":{"text":"a } \"b\" {","n":[1,{"m":2}]}},{"name":"time","arguments":{}}]}"#;
+        let mut r = Reader::default();
+        let mut deltas = Vec::new();
+        for c in answer.chars() {
+            assert_eq!(r.push(&c.to_string()), "");
+            deltas.extend(r.call_deltas());
+        }
+        let named: Vec<(usize, String)> =
+            deltas.iter().filter_map(|d| Some((d.index, d.name.clone()?))).collect();
+        assert_eq!(named, [(0, "note".to_string()), (1, "time".to_string())]);
+        let calls = r.calls();
+        for (i, call) in calls.iter().enumerate() {
+            let streamed: String =
+                deltas.iter().filter(|d| d.index == i).map(|d| d.arguments.as_str()).collect();
+            assert_eq!(streamed, call.arguments);
+        }
+        assert_eq!(calls[0].arguments, r#"{"text":"a } \"b\" {","n":[1,{"m":2}]}"#);
+        assert!(deltas.iter().filter(|d| d.index == 0).count() > 10, "piece by piece");
+        assert!(r.call_deltas().is_empty(), "nothing new");
+        // A response is no call.
+        let mut r = Reader::default();
+        r.push(r#"{"response":"hi"}"#);
+        assert!(r.call_deltas().is_empty());
         // Not an envelope at all: handed on as it is.
         let mut r = Reader::default();
         assert_eq!(r.push("{\"x"), "{\"x");
