@@ -114,7 +114,7 @@ lint: deps
 	cd guest && $(CARGO) fmt --all --check
 	$(CARGO) clippy $(PROFILE) -p llamabox $(FEATURES) --all-targets -- -D warnings
 	$(CARGO) clippy $(PROFILE) -p llamabox --no-default-features --lib --example embedder -- -D warnings
-	@! $(CARGO) tree -p llamabox --no-default-features -e normal --prefix none | grep -E '^(clap|prometheus-client|hyper-util|tracing-subscriber) ' \
+	@! $(CARGO) tree -p llamabox --no-default-features -e normal --prefix none | grep -E '^(clap|prometheus-client|hyper-util|tracing-subscriber|oci-client|reqwest) ' \
 	  || { echo "the embedder's build (no default features) pulls in the CLI's or the server's crates"; exit 1; }
 
 # Offline checks of deploy/ (part of `make test`; no cluster, no build): every Kubernetes

@@ -23,6 +23,7 @@ pub mod native;
 mod plugin;
 #[cfg(feature = "serve")]
 pub mod serve;
+pub mod source;
 mod worker;
 
 // What an embedder uses, deliberately: the host and its runs, the registries and

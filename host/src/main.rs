@@ -33,7 +33,8 @@ struct Cli {
 enum Command {
     /// Run a plugin (a WASI 0.2 command component).
     Run {
-        /// The plugin component (.wasm).
+        /// The plugin component: a .wasm file, or oci://REGISTRY/REPO@sha256:DIGEST (or
+        /// :TAG) pulled from a registry, verified by digest and cached.
         plugin: PathBuf,
         /// Register a model the plugin may open by NAME (repeatable).
         #[arg(long = "model", value_name = "NAME=PATH", value_parser = parse_named)]
@@ -43,6 +44,8 @@ enum Command {
         projectors: Vec<(String, PathBuf)>,
         #[command(flatten)]
         limits: LimitFlags,
+        #[command(flatten)]
+        registry: RegistryFlags,
         #[command(flatten)]
         offload: OffloadFlags,
         /// Stop the plugin, native work included, after this many milliseconds.
@@ -72,7 +75,7 @@ enum Command {
         #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
         listen: std::net::SocketAddr,
         /// Serve a plugin as NAME (repeatable; the only one is mounted at `/`, several
-        /// at `/NAME`).
+        /// at `/NAME`): a .wasm file or oci://REGISTRY/REPO@sha256:DIGEST (or :TAG).
         #[arg(long = "plugin", value_name = "NAME=PLUGIN.wasm", value_parser = parse_named)]
         plugins: Vec<(String, PathBuf)>,
         /// Load a model once, at start, as NAME (repeatable).
@@ -164,6 +167,8 @@ enum Command {
         #[arg(long, value_name = "SHARE")]
         batch_long_prompt_share: Option<f64>,
         #[command(flatten)]
+        registry: RegistryFlags,
+        #[command(flatten)]
         offload: OffloadFlags,
         #[command(flatten)]
         cache: CacheFlags,
@@ -249,6 +254,32 @@ impl LimitFlags {
             ..LimitOverrides::default()
         };
         *limits = overrides.apply(limits);
+    }
+}
+
+/// Plugins pulled from OCI registries (`oci://...`; see `llamabox::source`).
+#[derive(clap::Args)]
+struct RegistryFlags {
+    /// Largest plugin pulled from a registry, in MiB (default 64).
+    #[arg(long, value_name = "MIB")]
+    max_plugin_mib: Option<u64>,
+    /// Pull from this registry (HOST or HOST:PORT) over plain HTTP (repeatable). Loopback
+    /// registries always are; others only over HTTPS.
+    #[arg(long = "insecure-registry", value_name = "HOST")]
+    insecure_registries: Vec<String>,
+    /// Where pulled plugins are kept by digest (default: oci-plugins beside the compile
+    /// cache). Must be writable by this user only.
+    #[arg(long, value_name = "DIR")]
+    plugin_cache: Option<PathBuf>,
+}
+
+impl RegistryFlags {
+    fn apply(&self, options: &mut llamabox::source::RegistryOptions) {
+        options.max_plugin_mib = self.max_plugin_mib.unwrap_or(options.max_plugin_mib);
+        options.insecure.extend(self.insecure_registries.iter().cloned());
+        if self.plugin_cache.is_some() {
+            options.cache = self.plugin_cache.clone();
+        }
     }
 }
 
@@ -385,6 +416,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             batch_step_ms,
             batch_long_prompt_rows,
             batch_long_prompt_share,
+            registry,
             offload,
             cache,
         } => {
@@ -425,6 +457,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if config.compile_cache.is_none() {
                 config.compile_cache = cache.options().compile_cache;
             }
+            registry.apply(&mut config.registry);
             config.check()?;
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(Server::run(config, shutdown_signal()))?;
@@ -483,6 +516,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             models,
             projectors,
             limits: limit_flags,
+            registry: registry_flags,
             offload,
             deadline_ms,
             cache,
@@ -507,14 +541,23 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             let mut limits = Limits::default();
             limit_flags.apply(&mut limits);
-            let host = PluginHost::with_options(registry, limits, cache.options())?;
-            let argv0 =
-                plugin.file_name().map_or("plugin".into(), |n| n.to_string_lossy().into_owned());
+            let options = cache.options();
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            // An oci:// plugin is pulled (or found in the cache) and verified before the
+            // host compiles anything.
+            let mut sources = llamabox::source::RegistryOptions::default();
+            registry_flags.apply(&mut sources);
+            let argv0 = llamabox::source::display_name(&plugin);
+            let plugin = runtime.block_on(llamabox::source::resolve(
+                &plugin,
+                &sources,
+                options.compile_cache.as_deref(),
+            ))?;
+            let host = PluginHost::with_options(registry, limits, options)?;
             let plugin = host.load(&plugin)?;
             let mut wasi = WasiCtxBuilder::new();
             wasi.inherit_stdout().inherit_stderr();
             wasi.args(&std::iter::once(argv0).chain(args).collect::<Vec<_>>());
-            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let options = RunOptions {
                 deadline: deadline_ms.map(Duration::from_millis),
                 ..RunOptions::default()

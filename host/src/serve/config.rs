@@ -77,6 +77,10 @@ pub struct ServeConfig {
     /// Compiled plugins are kept here between starts (see `HostOptions::compile_cache`).
     #[serde(default)]
     pub compile_cache: Option<PathBuf>,
+    /// How `oci://` plugins are pulled: size limit, plain-HTTP registries, their cache
+    /// (`[registry]`, see `llamabox::source`).
+    #[serde(default)]
+    pub registry: crate::source::RegistryOptions,
     /// Contexts each model keeps idle between requests, for later requests of the same
     /// group asking for the same context size: they skip creating one and recompute
     /// only the part of their prompt that differs from the last one's (see
@@ -134,7 +138,8 @@ pub struct ServeConfig {
 #[serde(deny_unknown_fields)]
 pub struct PluginConfig {
     pub name: String,
-    /// The component (`http-plugin` world).
+    /// The component (`http-plugin` world): a file, or `oci://REGISTRY/REPO@sha256:DIGEST`
+    /// (or `:TAG`), pulled and verified before it is compiled (`llamabox::source`).
     pub path: PathBuf,
     /// The path prefix it serves, stripped before the plugin sees the request (default:
     /// `/` for the only plugin, else `/NAME`).
@@ -264,6 +269,7 @@ impl ServeConfig {
             metrics_listen: None,
             shutdown_grace_ms: default_shutdown_grace_ms(),
             compile_cache: None,
+            registry: Default::default(),
             idle_contexts: None,
             batch: yes(),
             batch_seats: default_batch_seats(),

@@ -227,6 +227,21 @@ impl Server {
 
     /// Load (and warm up) every model once and compile every plugin.
     async fn load(&self) -> anyhow::Result<Vec<Arc<Served>>> {
+        // Plugins from registries first: a registry that is down, a digest that does not
+        // match or an artifact that is not a component stops the start before the models
+        // take their time.
+        let mut paths = Vec::new();
+        for config in &self.config.plugins {
+            let path = crate::source::resolve(
+                &config.path,
+                &self.config.registry,
+                self.config.compile_cache.as_deref(),
+            )
+            .await
+            .with_context(|| format!("plugin {:?}", config.name))?;
+            paths.push(path);
+        }
+        let mut paths = paths.into_iter();
         let registry = self.host.models();
         for (name, path) in &self.config.models {
             status_line(&format!("loading model {name} from {}", path.display()));
@@ -251,9 +266,10 @@ impl Server {
         let mut plugins = Vec::new();
         for config in &self.config.plugins {
             let started = Instant::now();
+            let path = paths.next().unwrap_or_else(|| config.path.clone());
             let plugin = self
                 .host
-                .load_async(&config.path)
+                .load_async(&path)
                 .await
                 .with_context(|| format!("plugin {:?}", config.name))?;
             anyhow::ensure!(
