@@ -5,7 +5,7 @@
 # the Python plugin's toolchain, node and npm for the JavaScript plugin's (the
 # scripts/build-*-plugin.sh install those toolchains from PyPI and npm), curl and wrk
 # for the server's tests, headless Chromium for the chat page's, lld and wasi-libc for
-# the C plugin's.
+# the C plugin's, and docker-registry with skopeo for the plugins-from-a-registry tests.
 set -euo pipefail
 
 need=()
@@ -22,6 +22,10 @@ command -v curl >/dev/null || need+=(curl)
 command -v wrk >/dev/null || need+=(wrk)
 # The chat page's test drives a real browser: Debian's headless Chromium.
 command -v chromium-headless-shell >/dev/null || need+=(chromium-headless-shell)
+# Plugins pulled from an OCI registry (tests/cli/oci.rs): Debian's distribution registry,
+# run on loopback by the test, and skopeo, the real client that pushes to it.
+command -v docker-registry >/dev/null || need+=(docker-registry)
+command -v skopeo >/dev/null || need+=(skopeo)
 # The C plugin (scripts/build-c-plugin.sh): Debian's clang for wasm32-wasi, its linker,
 # compiler runtime and libc.
 ls /usr/lib/llvm-*/bin/wasm-ld >/dev/null 2>&1 || need+=(lld)

@@ -1,6 +1,8 @@
 //! The `llamabox` command line: clear errors for bad invocations, and a real run.
 
 mod common;
+#[path = "cli/oci.rs"]
+mod oci;
 
 use std::process::{Command, Output};
 
