@@ -327,3 +327,32 @@ fn serve_refuses_a_plugin_whose_registry_is_down_before_it_serves() {
     assert!(log.contains(&format!("registry 127.0.0.1:{port} is unreachable")), "{log}");
     assert!(log.contains("plugin \"chat\""), "{log}");
 }
+
+#[test]
+fn serve_pulls_its_plugin_from_the_registry_and_answers_with_it() {
+    let scratch = Scratch::new("serve-pull");
+    let registry = Registry::start(&scratch.0);
+    let layout = scratch.0.join("layout");
+    let wasm = std::fs::read(common::serve::openai_plugin()).unwrap();
+    let config = br#"{"architecture":"wasm","os":"wasip2"}"#;
+    let digest = write_layout(&layout, "v1", (WASM_CONFIG, config), (WASM_LAYER, &wasm));
+    assert_eq!(registry.push(&layout, "v1", "plugins/openai"), digest);
+    let args: Vec<String> = [
+        "--listen",
+        "127.0.0.1:0",
+        "--plugin",
+        &format!("openai=oci://{}/plugins/openai@{digest}", registry.host()),
+        "--model",
+        &format!("tiny={}", common::tiny_model().display()),
+        "--plugin-cache",
+        scratch.0.join("plugins").to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut server = common::serve::Server::spawn(&args);
+    let (status, body) = common::serve::curl(&[&server.url("/v1/models")]);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"tiny\""), "{body}");
+    assert!(server.terminate().success());
+}
