@@ -296,6 +296,25 @@ def main():
         without = client.chat.completions.create(model=model, messages=history[:-len(calls)], max_tokens=1, temperature=0, tools=TOOLS, tool_choice="none")
         assert final.usage.prompt_tokens > without.usage.prompt_tokens, (final.usage, without.usage)
 
+    def no_call_json_when_no_tool_may_be_called():
+        # Three earlier calls in the history, shown to the model as the envelope's JSON
+        # (SmolLM2's template shows no calls): before, with no tool to call now
+        # (tool_choice none, or no tools), the model wrote that JSON as its answer (16
+        # of 16 sampled answers). The answer is now held to the envelope's text.
+        history = []
+        for i, city in enumerate(["Lima", "Quito", "Bogota"]):
+            call = {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}
+            history += [{"role": "user", "content": f"What is the weather in {city}?"},
+                        {"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": f"c{i}", "content": "18 degrees"}]
+        history.append({"role": "user", "content": "What is the weather in Cusco?"})
+        for extra in ({"tools": TOOLS, "tool_choice": "none"}, {}):
+            for seed in (1, 2):
+                sampled = client.chat.completions.create(model=model, messages=history, max_tokens=24, n=4, seed=seed, **extra)
+                for c in sampled.choices:
+                    text = c.message.content or ""
+                    assert c.message.tool_calls is None and "tool_calls" not in text and not text.lstrip().startswith("{"), (extra, c.message)
+
     def tool_choice_named_and_parallel():
         ask = [{"role": "user", "content": "What time is it in Tokyo, and what is the weather there?"}]
         named = {"type": "function", "function": {"name": "get_time"}}
@@ -393,6 +412,7 @@ def main():
     check("n-choices", n_choices)
     check("several-prompts", several_prompts)
     check("tool-round-trip", tool_round_trip)
+    check("no-call-json-when-no-tool-may-be-called", no_call_json_when_no_tool_may_be_called)
     check("tool-choice-named-and-parallel", tool_choice_named_and_parallel)
     check("tool-calls-stream", tool_calls_stream)
     check("unsupported-fields", unsupported_fields)

@@ -4,7 +4,7 @@ use crate::api::{self, ApiError, Message, Object, OneOrMany};
 use crate::completions::{Choices, Format, MediaPart, MediaPrompt, Prompt, Stream, MAX_CHOICES};
 use crate::http::{self, Body};
 use crate::template::{self, Span, ToolCall, Turn};
-use crate::tools::Tools;
+use crate::tools::{self, Tools};
 use crate::vision;
 use crate::wasi::http::types::{IncomingRequest, Method, ResponseOutparam};
 use llamabox_guest::cancel::CancelToken;
@@ -244,6 +244,16 @@ fn chat_request(body: &Object) -> Result<(Sampling, String, Model, Prompt), ApiE
     let (turns, images) = chat_messages(body)?;
     let (name, model) = open_model(body)?;
     let rendered = chat_prompt(&model, &turns, tools.as_ref())?;
+    if tools.is_none() && rendered.calls_as_json && matches!(sampling.constraint, Constraint::None)
+    {
+        // The prompt shows earlier calls as the envelope's JSON, and no tool may be
+        // called now (none offered, or `tool_choice` "none"): the answer is held to the
+        // envelope's text, `{"response":"…"}`, which the reader unwraps, so that it is
+        // text and never a call's JSON the model learnt from the history.
+        sampling.constraint = Constraint::JsonSchema(tools::RESPONSE_ONLY.to_string());
+        sampling.constraint_param = "messages";
+        sampling.tool_calls = true;
+    }
     let spans = prompt_spans(&model, &rendered)?;
     let prompt = if images.is_empty() {
         Prompt::Tokens(chat_tokens(&model, &rendered.text, &spans)?)

@@ -136,6 +136,9 @@ pub struct Rendered {
     pub spans: Option<Vec<Span>>,
     /// Each (polyfilled) turn's text, with the message it comes from.
     pub texts: Vec<(Option<usize>, String)>,
+    /// Earlier calls are in the text as the tool envelope's JSON (the template shows
+    /// no calls of its own): the model has seen answers written that way.
+    pub calls_as_json: bool,
 }
 
 /// Bytes `start..end` of a rendered prompt: a turn's text (`message`) or the template's.
@@ -239,6 +242,7 @@ pub fn chat_prompt(
         )
     });
     let caps = template.as_ref().map_or(Caps::default(), |t| t.caps);
+    let calls_as_json = !caps.tool_calls && turns.iter().any(|t| !t.tool_calls.is_empty());
     let turns = polyfill(turns, caps, tools.filter(|_| !caps.tools), instruction);
     let texts: Vec<(Option<usize>, String)> =
         turns.iter().map(|t| (t.source, t.content.clone())).collect();
@@ -246,7 +250,7 @@ pub fn chat_prompt(
     let masked = masked(&turns);
     let rendered = |text: String, masked: Option<String>| {
         let spans = masked.and_then(|m| split(&text, &m, &plain));
-        Rendered { text, spans, texts: texts.clone() }
+        Rendered { text, spans, texts: texts.clone(), calls_as_json }
     };
     if let Some(template) = &template {
         let tools = tools.filter(|_| caps.tools);

@@ -16,6 +16,9 @@ use crate::api::{ApiError, Object};
 /// Most functions one request may offer: each adds its schema to the grammar, which
 /// the host caps anyway (max-grammar-bytes); this names the problem first.
 pub const MAX_TOOLS: usize = 64;
+/// The envelope's text branch alone: what an answer is held to when its prompt shows
+/// earlier calls as the envelope's JSON but no tool may be called now.
+pub const RESPONSE_ONLY: &str = r#"{"type":"object","properties":{"response":{"type":"string"}},"required":["response"],"additionalProperties":false}"#;
 /// Most calls one answer may make when `parallel_tool_calls` allows several.
 pub const MAX_PARALLEL_CALLS: u32 = 8;
 
