@@ -371,6 +371,44 @@ fn later_requests_reuse_prompt_starts(batch: bool) {
     }
 }
 
+/// A hang-up on each API's stream stops its own native work in flight: each run is
+/// stopped after the few tokens in flight, not the 400 asked for.
+#[test]
+fn a_hang_up_on_each_api_stops_its_native_work() {
+    let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
+    let ask = "Tell me a long story about a llama.";
+    let cases = [
+        ("/v1/chat/completions", chat(ask, 400, true), "\"content\":\""),
+        (
+            "/v1/completions",
+            json!({"model": "smollm2", "prompt": ask, "max_tokens": 400, "temperature": 0, "stream": true}),
+            "\"text\":\"",
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "smollm2", "input": ask, "max_output_tokens": 400, "temperature": 0, "stream": true}),
+            "output_text.delta",
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "smollm2", "max_tokens": 400, "temperature": 0, "stream": true,
+                   "messages": [{"role": "user", "content": ask}]}),
+            "text_delta",
+        ),
+    ];
+    for (i, (path, body, marker)) in cases.iter().enumerate() {
+        let id = format!("hang-up-{i}");
+        hang_up_after(&server, path, &id, body, marker);
+        let report = server.run_report(&id);
+        assert_eq!(log_field(&report, "outcome"), "Stopped", "{path}: {report}");
+        let generated: u32 = log_field(&report, "generated").parse().unwrap();
+        assert!(generated < 400, "{path} went on to {generated} tokens: {report}");
+        server.wait_metric("llamabox_in_flight", 0.0);
+    }
+    let stopped = server.metric("llamabox_cancels_total{cause=\"disconnect\"}");
+    assert_eq!(stopped, cases.len() as f64);
+}
+
 #[test]
 fn a_hang_up_stops_its_own_native_work_and_nobody_elses() {
     hang_ups_stop_only_their_own_work(false);

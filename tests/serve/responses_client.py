@@ -110,6 +110,10 @@ def function_tools(client, model):
                                           max_output_tokens=64, temperature=0, stream=True))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert done and done[0].arguments == call.arguments, [e.type for e in events]
+    # Streamed as they are decoded: the arguments come in pieces that add up to them.
+    pieces = [e.delta for e in events
+              if e.type == "response.function_call_arguments.delta" and e.item_id == done[0].item_id]
+    assert len(pieces) > 2 and "".join(pieces) == call.arguments, pieces
     return f"{call.name}({call.arguments}) -> {r2.output_text!r}"
 
 

@@ -592,22 +592,10 @@ impl Choices {
         Ok(())
     }
 
-    /// The first run's text, piece by piece (`piece` with each non-empty one), for
-    /// `POST /v1/responses` (one choice): its whole text, OpenAI's finish reason, the
-    /// usage, and the calls it made.
+    /// The first run, as it is decoded (`progress` with each non-empty piece of text
+    /// and each call's delta), for `POST /v1/responses` and `POST /v1/messages` (one
+    /// choice): its whole text, OpenAI's finish reason, the usage, and the calls it made.
     pub(crate) fn run_one(
-        &mut self,
-        mut piece: impl FnMut(&str) -> Result<(), ApiError>,
-    ) -> Result<(String, &'static str, Usage, Vec<Call>), ApiError> {
-        self.run_one_with_calls(|progress| match progress {
-            Progress::Text(text) => piece(text),
-            Progress::Call(_) => Ok(()),
-        })
-    }
-
-    /// [`Choices::run_one`], telling `progress` of the calls' deltas too, as they are
-    /// decoded.
-    pub(crate) fn run_one_with_calls(
         &mut self,
         mut progress: impl FnMut(Progress) -> Result<(), ApiError>,
     ) -> Result<(String, &'static str, Usage, Vec<Call>), ApiError> {

@@ -731,7 +731,7 @@ impl Stream {
         body.write(self.answer.opening(self.choices.prompt_tokens()).as_bytes())?;
         let gone = std::cell::Cell::new(None);
         let answer = &mut self.answer;
-        let ran = self.choices.run_one_with_calls(|progress| {
+        let ran = self.choices.run_one(|progress| {
             let events = match progress {
                 Progress::Text(text) => answer.delta(text),
                 Progress::Call(delta) => answer.call_delta(delta),

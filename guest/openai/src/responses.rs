@@ -36,10 +36,10 @@
 use serde_json::{json, Map, Value};
 
 use crate::api::{ApiError, AsDefault, Object, Usage};
-use crate::completions::Choices;
+use crate::completions::{Choices, Progress};
 use crate::handlers::{self, Reply};
 use crate::http::{Body, Gone};
-use crate::tools::Call;
+use crate::tools::{Call, CallDelta};
 
 /// The fields a Responses request may have (others are refused unless off).
 const FIELDS: &[&str] = &[
@@ -505,8 +505,10 @@ pub(crate) struct Answer {
     sequence: u64,
     /// Whether the stream has opened the message item (at its first text).
     opened: bool,
-    /// Each call's item id and call id, fixed when the answer ends.
+    /// Each call's item id and call id, fixed when the call is named.
     call_ids: Vec<(String, String)>,
+    /// Calls whose items the stream added as they were decoded.
+    streamed_calls: usize,
 }
 
 /// How an answer ended: its text, OpenAI's finish reason, usage and calls.
@@ -532,6 +534,7 @@ impl Answer {
             sequence: 0,
             opened: false,
             call_ids: Vec::new(),
+            streamed_calls: 0,
         }
     }
 
@@ -673,8 +676,32 @@ impl Answer {
             )
     }
 
+    /// What a call added as it was decoded: its item added when it is named, then
+    /// pieces of its arguments. Its index follows the message's, if one was opened.
+    fn call_delta(&mut self, delta: &CallDelta) -> String {
+        let mut events = String::new();
+        let index = delta.index + usize::from(self.opened);
+        if let Some(name) = &delta.name {
+            self.fix_calls(delta.index + 1);
+            let call = Call { name: name.clone(), arguments: String::new() };
+            let added = self.call_item(delta.index, &call, "", false);
+            events += &self
+                .event("response.output_item.added", json!({"output_index": index, "item": added}));
+            self.streamed_calls = delta.index + 1;
+        }
+        if !delta.arguments.is_empty() {
+            let item_id = self.call_ids[delta.index].0.clone();
+            events += &self.event(
+                "response.function_call_arguments.delta",
+                json!({"item_id": item_id, "output_index": index, "delta": delta.arguments}),
+            );
+        }
+        events
+    }
+
     /// The events after the text: text, part and message done, each call's item with
-    /// its arguments, and the response's end.
+    /// its arguments (added first, if the stream did not add it as it was decoded),
+    /// and the response's end.
     fn closing(&mut self, ended: &Ended) -> String {
         let mut events = String::new();
         let message = Self::has_message(ended);
@@ -702,12 +729,16 @@ impl Answer {
             let item_id = self.call_ids[i].0.clone();
             let added = self.call_item(i, call, "", false);
             let done = self.call_item(i, call, &call.arguments, true);
-            events += &self
-                .event("response.output_item.added", json!({"output_index": index, "item": added}));
-            events += &self.event(
-                "response.function_call_arguments.delta",
-                json!({"item_id": item_id, "output_index": index, "delta": call.arguments}),
-            );
+            if i >= self.streamed_calls {
+                events += &self.event(
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": added}),
+                );
+                events += &self.event(
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": item_id, "output_index": index, "delta": call.arguments}),
+                );
+            }
             events += &self.event(
                 "response.function_call_arguments.done",
                 json!({"item_id": item_id, "output_index": index, "name": call.name, "arguments": call.arguments}),
@@ -770,8 +801,12 @@ impl Stream {
         body.write(self.answer.opening().as_bytes())?;
         let gone = std::cell::Cell::new(None);
         let answer = &mut self.answer;
-        let ran = self.choices.run_one(|text| {
-            body.write(answer.delta(text).as_bytes()).map_err(|g| {
+        let ran = self.choices.run_one(|progress| {
+            let events = match progress {
+                Progress::Text(text) => answer.delta(text),
+                Progress::Call(delta) => answer.call_delta(delta),
+            };
+            body.write(events.as_bytes()).map_err(|g| {
                 gone.set(Some(g));
                 ApiError::invalid("the client is gone", None)
             })
@@ -1223,6 +1258,44 @@ mod tests {
         assert_eq!(events[9].1["response"]["id"], events[0].1["response"]["id"]);
         let last = a.closing(&ended("Hi", "length", &[]));
         assert!(last.contains("event: response.incomplete\n"));
+
+        // A call streamed as it is decoded: its item added when named, its arguments
+        // in pieces, then done with the whole text, under the same ids as the answer's.
+        let mut a = answer();
+        let delta = |name: Option<&str>, arguments: &str| CallDelta {
+            index: 0,
+            name: name.map(String::from),
+            arguments: arguments.into(),
+        };
+        let calls = [Call { name: "f".into(), arguments: r#"{"a":1}"#.into() }];
+        let all = [
+            a.opening(),
+            a.call_delta(&delta(Some("f"), "")),
+            a.call_delta(&delta(None, r#"{"a":"#)),
+            a.call_delta(&delta(None, "1}")),
+            a.closing(&ended("", "tool_calls", &calls)),
+        ]
+        .concat();
+        let events = parse(&all);
+        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        assert_eq!(events[2].1["item"]["name"], "f");
+        assert_eq!(events[3].1["item_id"], events[2].1["item"]["id"]);
+        assert_eq!(events[5].1["arguments"], calls[0].arguments);
+        let output = &events[7].1["response"]["output"][0];
+        assert_eq!(output["call_id"], events[2].1["item"]["call_id"]);
         let e = a.error(&ApiError::invalid("bad", Some("x")));
         let (name, data) = &parse(&e)[0];
         assert_eq!(
