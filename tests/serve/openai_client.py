@@ -315,6 +315,26 @@ def main():
                     text = c.message.content or ""
                     assert c.message.tool_calls is None and "tool_calls" not in text and not text.lstrip().startswith("{"), (extra, c.message)
 
+    def nested_pydantic_tool():
+        # The SDK's own tool from nested Pydantic models: its parameters use $defs/$ref.
+        from pydantic import BaseModel
+
+        class Address(BaseModel):
+            city: str
+            country: str
+
+        class Booking(BaseModel):
+            name: str
+            address: Address
+
+        tool = openai.pydantic_function_tool(Booking)
+        assert "$defs" in json.dumps(tool), tool
+        ask = [{"role": "user", "content": "Book a table for Ana in Lima, Peru."}]
+        r = client.chat.completions.parse(model=model, messages=ask, max_tokens=160, temperature=0, tools=[tool], tool_choice="required", parallel_tool_calls=False)
+        call = r.choices[0].message.tool_calls[0]
+        assert isinstance(call.function.parsed_arguments, Booking), call
+        assert isinstance(call.function.parsed_arguments.address, Address), call
+
     def tool_choice_named_and_parallel():
         ask = [{"role": "user", "content": "What time is it in Tokyo, and what is the weather there?"}]
         named = {"type": "function", "function": {"name": "get_time"}}
@@ -413,6 +433,7 @@ def main():
     check("several-prompts", several_prompts)
     check("tool-round-trip", tool_round_trip)
     check("no-call-json-when-no-tool-may-be-called", no_call_json_when_no_tool_may_be_called)
+    check("nested-pydantic-tool", nested_pydantic_tool)
     check("tool-choice-named-and-parallel", tool_choice_named_and_parallel)
     check("tool-calls-stream", tool_calls_stream)
     check("unsupported-fields", unsupported_fields)

@@ -143,6 +143,40 @@ impl ApiError {
     }
 }
 
+/// Where each of a mapped chat body's messages and tools came from in the request the
+/// client sent (`input[2]`, `system`, `messages[1].content[0]`): an API mapped onto the
+/// chat path (Responses, Messages) names its own fields in errors the chat path finds.
+#[derive(Debug, Default)]
+pub struct Origins {
+    pub messages: Vec<String>,
+    pub tools: Vec<String>,
+    /// What the chat path's `messages` as a whole is called (`input`, `messages`).
+    pub all_messages: &'static str,
+}
+
+impl Origins {
+    /// `e` with a chat path (`messages[3].content`, `tools[0].function.parameters`, or
+    /// `messages` itself) rewritten to the client's, in its message too.
+    pub fn name(&self, mut e: ApiError) -> ApiError {
+        let Some(param) = e.param.clone() else { return e };
+        let rebased = |list: &str, origins: &[String]| -> Option<(String, String)> {
+            let rest = param.strip_prefix(list)?.strip_prefix('[')?;
+            let index = rest.split_once(']')?.0;
+            let origin = origins.get(index.parse::<usize>().ok()?)?;
+            Some((format!("{list}[{index}]"), origin.clone()))
+        };
+        let (from, to) =
+            match rebased("messages", &self.messages).or_else(|| rebased("tools", &self.tools)) {
+                Some((from, to)) => (from, to),
+                None if param == "messages" => (param.clone(), self.all_messages.to_string()),
+                None => return e,
+            };
+        e.message = e.message.replace(&format!("'{from}"), &format!("'{to}"));
+        e.param = Some(param.replacen(&from, &to, 1));
+        e
+    }
+}
+
 pub fn to_json<T: Serialize>(value: &T) -> String {
     serde_json::to_string(value).expect("response types serialize")
 }

@@ -30,7 +30,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::api::{ApiError, AsDefault, Object, Usage};
+use crate::api::{ApiError, AsDefault, Object, Origins, Usage};
 use crate::completions::{Choices, Format, Progress};
 use crate::handlers::{self, Reply};
 use crate::http::{Body, Gone};
@@ -109,12 +109,12 @@ fn string<'a>(block: &'a Map<String, Value>, name: &str, path: &str) -> Result<&
 
 /// `POST /v1/messages`.
 pub(crate) fn create(body: &Object) -> Result<Reply, ApiError> {
-    let (chat, stops) = chat_body(body, true)?;
+    let (chat, stops, origins) = chat_body(body, true)?;
     let chat = Object::parse(&serde_json::to_vec(&chat).expect("a JSON map"))?;
     let model: String = chat.require("model")?;
     let format =
         Format { chat: true, id: handlers::new_id("msg"), created: handlers::now(), model };
-    let mut choices = handlers::chat_choices(&chat, format)?;
+    let mut choices = handlers::chat_choices(&chat, format).map_err(|e| origins.name(e))?;
     let mut answer = Answer::new(chat.require("model")?, stops);
     if chat.get::<bool>("stream")?.unwrap_or(false) {
         return Ok(Reply::Messages(Box::new(Stream { choices, answer })));
@@ -126,18 +126,20 @@ pub(crate) fn create(body: &Object) -> Result<Reply, ApiError> {
 
 /// `POST /v1/messages/count_tokens`: the prompt's length as `create` would run it.
 pub(crate) fn count_tokens(body: &Object) -> Result<String, ApiError> {
-    let (chat, _) = chat_body(body, false)?;
+    let (chat, _, origins) = chat_body(body, false)?;
     let chat = Object::parse(&serde_json::to_vec(&chat).expect("a JSON map"))?;
-    Ok(json!({"input_tokens": handlers::chat_prompt_tokens(&chat)?}).to_string())
+    let tokens = handlers::chat_prompt_tokens(&chat).map_err(|e| origins.name(e))?;
+    Ok(json!({"input_tokens": tokens}).to_string())
 }
 
-/// The chat completion body a Messages request asks for, and its stop sequences.
+/// The chat completion body a Messages request asks for, its stop sequences, and where
+/// the chat body's messages and tools came from.
 /// `generating` is false for `count_tokens`, which takes no `max_tokens` and no
 /// sampling.
 pub(crate) fn chat_body(
     body: &Object,
     generating: bool,
-) -> Result<(Map<String, Value>, Vec<String>), ApiError> {
+) -> Result<(Map<String, Value>, Vec<String>, Origins), ApiError> {
     let counting: &[&str] = &[
         "model",
         "system",
@@ -176,14 +178,19 @@ pub(crate) fn chat_body(
     if given.is_empty() {
         return Err(invalid("'messages' must contain at least one message", "messages"));
     }
+    let mut origins = Origins { all_messages: "messages", ..Origins::default() };
+    origins.messages.resize(messages.len(), "system".into());
     for (i, message) in given.iter().enumerate() {
-        chat_message(&mut messages, message, &format!("messages[{i}]"))?;
+        let path = format!("messages[{i}]");
+        chat_message(&mut messages, message, &path)?;
+        origins.messages.resize(messages.len(), path);
     }
 
     let mut chat = Map::new();
     chat.insert("model".into(), json!(model));
     chat.insert("messages".into(), Value::Array(messages));
-    let (tools, tool_choice, parallel) = tools(body)?;
+    let (tools, tool_choice, parallel, tool_origins) = tools(body)?;
+    origins.tools = tool_origins;
     let response_format = output_config(body)?;
     context_management(body)?;
     for (name, value) in [
@@ -197,7 +204,7 @@ pub(crate) fn chat_body(
         }
     }
     if !generating {
-        return Ok((chat, Vec::new()));
+        return Ok((chat, Vec::new(), origins));
     }
     // `max_tokens` is a ceiling Anthropic's clients set high (Claude Code asks for
     // 32000): one above the host's cap lets the answer fill what the context has left.
@@ -230,7 +237,7 @@ pub(crate) fn chat_body(
             chat.insert(name.into(), value);
         }
     }
-    Ok((chat, stops))
+    Ok((chat, stops, origins))
 }
 
 /// `output_config`: `format` (a JSON Schema the answer follows) as the chat path's
@@ -434,12 +441,16 @@ fn tool_result(block: &Map<String, Value>, path: &str) -> Result<Value, ApiError
     )
 }
 
+/// The chat path's `tools`, `tool_choice` and `parallel_tool_calls`, and each chat
+/// tool's path among the request's `tools`.
+type ChatTools = (Option<Value>, Option<Value>, Option<Value>, Vec<String>);
+
 /// `tools`, `tool_choice` and `disable_parallel_tool_use` as the chat path's fields.
 /// Custom tools (no `type`, or `"custom"`) are functions; Anthropic's server tools are
 /// skipped.
-fn tools(body: &Object) -> Result<(Option<Value>, Option<Value>, Option<Value>), ApiError> {
+fn tools(body: &Object) -> Result<ChatTools, ApiError> {
     let given: Vec<Value> = body.get("tools")?.unwrap_or_default();
-    let mut functions = Vec::new();
+    let (mut functions, mut paths) = (Vec::new(), Vec::new());
     for (i, tool) in given.iter().enumerate() {
         let path = format!("tools[{i}]");
         let Some(tool) = tool.as_object() else {
@@ -467,6 +478,7 @@ fn tools(body: &Object) -> Result<(Option<Value>, Option<Value>, Option<Value>),
             }
         }
         functions.push(json!({"type": "function", "function": function}));
+        paths.push(path);
     }
     let choice = match body.get::<Map<String, Value>>("tool_choice")? {
         None => None,
@@ -493,7 +505,7 @@ fn tools(body: &Object) -> Result<(Option<Value>, Option<Value>, Option<Value>),
                 "'tool_choice' asks for a tool call: it needs custom 'tools'",
                 "tool_choice",
             )),
-            _ => Ok((None, None, None)),
+            _ => Ok((None, None, None, Vec::new())),
         };
     }
     let parallel = choice
@@ -507,7 +519,7 @@ fn tools(body: &Object) -> Result<(Option<Value>, Option<Value>, Option<Value>),
         Some(kind) => json!(kind),
         None => unreachable!("checked above"),
     });
-    Ok((Some(Value::Array(functions)), chat_choice, parallel))
+    Ok((Some(Value::Array(functions)), chat_choice, parallel, paths))
 }
 
 /// How an answer ended: its text, OpenAI's finish reason, the stop string that ended
@@ -1024,6 +1036,34 @@ mod tests {
             events[6]["content_block"]["id"],
             answer.message(Some(&ended))["content"][1]["id"]
         );
+    }
+
+    #[test]
+    fn chat_path_errors_name_the_requests_own_fields() {
+        let (_, _, origins) = chat_body(
+            &body(
+                r#"{"model":"m","max_tokens":8,"system":"s",
+                    "tools":[{"type":"web_search_20250305","name":"w"},{"name":"f","input_schema":{"type":"object"}}],
+                    "messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"},
+                      {"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"r"},{"type":"text","text":"c"}]}]}"#,
+            ),
+            true,
+        )
+        .unwrap();
+        let named = |param: &str| {
+            let e = ApiError::invalid(format!("'{param}' is wrong"), Some(param));
+            let e = origins.name(e);
+            (e.param.unwrap(), e.message)
+        };
+        assert_eq!(named("messages[0].content").0, "system.content");
+        assert_eq!(
+            named("messages[4].content"),
+            ("messages[2].content".into(), "'messages[2].content' is wrong".into())
+        );
+        assert_eq!(named("messages[3].content").0, "messages[2].content");
+        assert_eq!(named("tools[0].function.parameters").0, "tools[1].function.parameters");
+        assert_eq!(named("messages").0, "messages");
+        assert_eq!(named("max_tokens").0, "max_tokens");
     }
 
     #[test]

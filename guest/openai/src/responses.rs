@@ -1,4 +1,5 @@
-//! `POST /v1/responses` (OpenAI's Responses API), a first part: text in, text out.
+//! `POST /v1/responses` (OpenAI's Responses API): text and images in, text and function
+//! calls out, with no state kept between requests.
 //!
 //! A Responses request is mapped onto a chat completion's body ([`chat_body`]) and runs
 //! on the same core as `POST /v1/chat/completions` (template, sampling, constraints,
@@ -6,7 +7,8 @@
 //! Responses API's named server-sent events.
 //!
 //! Honoured: `model`, `input` (a string, or a list of messages whose `content` is a
-//! string or `input_text` / `output_text` parts), `instructions` (a system message
+//! string or `input_text` / `output_text` / `input_image` parts: an image's URL, a
+//! data URL on a model with a projector, `detail` `"auto"`), `instructions` (a system message
 //! first), `max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format`
 //! (`text`, `json_object`, `json_schema`: the chat path's `response_format`),
 //! `metadata` (echoed), `user`, `parallel_tool_calls`, `tool_choice` (`"none"`,
@@ -28,14 +30,14 @@
 //! reasoning items to carry it), `prompt_cache_key`, `safety_identifier`,
 //! `client_metadata` (Codex's: an object of strings, read by nobody here),
 //! `service_tier` `"auto"`/`"default"` and `truncation: "disabled"`.
-//! Images and files, and any other field or value not off (`null`, `false`, `[]`), are
+//! Files and audio, and any other field or value not off (`null`, `false`, `[]`), are
 //! refused with a 400 naming the field by its path (`reasoning.summary`, `include[1]`).
-//! Errors the chat path finds in the mapped body name its fields (`messages[i]`,
-//! `tools[i]` counting function tools only).
+//! Errors the chat path finds in the mapped body name the request's own fields
+//! (`input[3].content`, `tools[2]`, `instructions`: `Origins`).
 
 use serde_json::{json, Map, Value};
 
-use crate::api::{ApiError, AsDefault, Object, Usage};
+use crate::api::{ApiError, AsDefault, Object, Origins, Usage};
 use crate::completions::{Choices, Progress};
 use crate::handlers::{self, Reply};
 use crate::http::{Body, Gone};
@@ -85,6 +87,8 @@ const INCLUDE: &[&str] = &["reasoning.encrypted_content"];
 /// echoes.
 #[derive(Debug)]
 pub(crate) struct Echo {
+    /// Where the chat body's messages and tools came from, for errors.
+    pub origins: Origins,
     pub model: String,
     pub instructions: Option<String>,
     pub max_output_tokens: Option<u32>,
@@ -123,7 +127,7 @@ pub(crate) fn create(body: &Object) -> Result<Reply, ApiError> {
         created: handlers::now(),
         model: echo.model.clone(),
     };
-    let choices = handlers::chat_choices(&chat, format)?;
+    let choices = handlers::chat_choices(&chat, format).map_err(|e| echo.origins.name(e))?;
     let answer = Answer::new(echo);
     if stream {
         return Ok(Reply::Responses(Box::new(Stream { choices, answer })));
@@ -139,16 +143,23 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
     body.refuse_unknown_but(FIELDS, AS_DEFAULT)?;
     let model: String = body.require("model")?;
     let mut messages = Vec::new();
+    let mut origins = Origins { all_messages: "input", ..Origins::default() };
     let instructions: Option<String> = body.get("instructions")?;
     if let Some(text) = &instructions {
         messages.push(json!({"role": "system", "content": text}));
+        origins.messages.push("instructions".into());
     }
     match body.get::<Value>("input")? {
         None => return Err(invalid("Missing required parameter: 'input'", "input")),
-        Some(Value::String(text)) => messages.push(json!({"role": "user", "content": text})),
+        Some(Value::String(text)) => {
+            messages.push(json!({"role": "user", "content": text}));
+            origins.messages.push("input".into());
+        }
         Some(Value::Array(items)) => {
             for (i, item) in items.into_iter().enumerate() {
-                input_item(&mut messages, item, &format!("input[{i}]"))?;
+                let path = format!("input[{i}]");
+                input_item(&mut messages, item, &path)?;
+                origins.messages.resize(messages.len(), path);
             }
         }
         Some(_) => return Err(invalid("'input' must be a string or a list of items", "input")),
@@ -198,6 +209,7 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
                 function.retain(|_, v| !v.is_null());
                 chat_tools.push(json!({"type": "function", "function": function}));
                 functions.push(tool.clone());
+                origins.tools.push(path);
             }
             Some(_) => {}
         }
@@ -255,6 +267,7 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
         }
     }
     let echo = Echo {
+        origins,
         model,
         instructions,
         max_output_tokens,
@@ -451,22 +464,26 @@ fn input_message(item: Value, path: &str) -> Result<Value, ApiError> {
         }
     };
     let content = match item.get("content") {
-        Some(Value::String(text)) => text.clone(),
+        Some(Value::String(text)) => json!(text),
         Some(Value::Array(parts)) => {
-            let mut text = String::new();
+            // Texts run together; an image (a chat image part) starts a new text part.
+            let (mut chat_parts, mut text) = (Vec::new(), String::new());
             for (j, part) in parts.iter().enumerate() {
                 let p = format!("{path}.content[{j}]");
                 let kind = part.get("type").and_then(Value::as_str);
                 let allowed: &[&str] = match kind {
                     Some("input_text") => &["type", "text"],
                     Some("output_text") => &["type", "text", "annotations", "logprobs"],
-                    Some(other @ ("input_image" | "input_file" | "input_audio" | "refusal")) => {
+                    Some("input_image") => &["type", "image_url", "detail"],
+                    Some(other @ ("input_file" | "input_audio" | "refusal")) => {
                         return Err(unsupported(&format!("{p}.type"), &format!("'{other}'")))
                     }
                     _ => {
                         let p = format!("{p}.type");
                         return Err(invalid(
-                            format!("'{p}' must be \"input_text\" or \"output_text\""),
+                            format!(
+                                "'{p}' must be \"input_text\", \"output_text\" or \"input_image\""
+                            ),
                             &p,
                         ));
                     }
@@ -478,6 +495,21 @@ fn input_message(item: Value, path: &str) -> Result<Value, ApiError> {
                 {
                     return Err(unsupported(&format!("{p}.{name}"), "this field"));
                 }
+                if kind == Some("input_image") {
+                    // `detail` asks for a resolution: the projector has one of its own.
+                    if part.get("detail").is_some_and(|d| !d.is_null() && d != "auto") {
+                        return Err(unsupported(&format!("{p}.detail"), "a detail but \"auto\""));
+                    }
+                    let Some(url) = part.get("image_url").and_then(Value::as_str) else {
+                        let p = format!("{p}.image_url");
+                        return Err(invalid(format!("'{p}' must be a URL (a data: URL)"), &p));
+                    };
+                    if !text.is_empty() {
+                        chat_parts.push(json!({"type": "text", "text": std::mem::take(&mut text)}));
+                    }
+                    chat_parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
+                    continue;
+                }
                 match part.get("text") {
                     Some(Value::String(t)) => text.push_str(t),
                     _ => {
@@ -486,7 +518,14 @@ fn input_message(item: Value, path: &str) -> Result<Value, ApiError> {
                     }
                 }
             }
-            text
+            if chat_parts.is_empty() {
+                json!(text)
+            } else {
+                if !text.is_empty() {
+                    chat_parts.push(json!({"type": "text", "text": text}));
+                }
+                Value::Array(chat_parts)
+            }
         }
         _ => {
             let p = format!("{path}.content");
@@ -945,9 +984,23 @@ mod tests {
         );
         assert_eq!(
             param(
-                r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"a"},{"type":"input_image","image_url":"u"}]}]}"#
+                r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"a"},{"type":"input_image","file_id":"f"}]}]}"#
             ),
-            "input[0].content[1].type"
+            "input[0].content[1].file_id"
+        );
+        assert_eq!(
+            param(
+                r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_image","image_url":"data:image/png;base64,AA","detail":"high"}]}]}"#
+            ),
+            "input[0].content[0].detail"
+        );
+        let (chat, _) = mapped(
+            r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"What is"},{"type":"input_text","text":" this?"},{"type":"input_image","image_url":"data:image/png;base64,AA","detail":"auto"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            chat["messages"][0]["content"],
+            json!([{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}])
         );
         assert_eq!(
             param(
