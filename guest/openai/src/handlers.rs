@@ -74,9 +74,9 @@ pub fn route(request: IncomingRequest, out: ResponseOutparam) {
         }
         // Anthropic's API answers errors in its own shape.
         Err(e) if path.trim_start_matches("/v1").starts_with("/messages") => {
-            http::send_json(out, e.status, &e.to_anthropic_json())
+            http::send_error(out, &e, &e.to_anthropic_json())
         }
-        Err(e) => http::send_json(out, e.status, &e.to_json()),
+        Err(e) => http::send_error(out, &e, &e.to_json()),
     }
 }
 

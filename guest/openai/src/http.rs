@@ -71,7 +71,18 @@ pub struct Body {
 impl Body {
     /// Send the status and headers now; the body follows.
     pub fn start(out: ResponseOutparam, status: u16, content_type: &str) -> Body {
+        Body::start_with(out, status, content_type, Vec::new())
+    }
+
+    /// [`Body::start`], with `more` headers.
+    fn start_with(
+        out: ResponseOutparam,
+        status: u16,
+        content_type: &str,
+        more: Vec<(String, Vec<u8>)>,
+    ) -> Body {
         let mut headers = vec![("content-type".to_string(), content_type.as_bytes().to_vec())];
+        headers.extend(more);
         if content_type == "text/event-stream" {
             headers.push(("cache-control".to_string(), b"no-cache".to_vec()));
         }
@@ -129,4 +140,27 @@ pub fn event(data: &str) -> String {
 /// A whole JSON response.
 pub fn send_json(out: ResponseOutparam, status: u16, json: &str) {
     let _ = Body::start(out, status, "application/json").finish_with(json.as_bytes());
+}
+
+/// The header that tells the server why a request was refused, for its log (the
+/// server removes it before the client sees the response).
+const REASON_HEADER: &str = "llamabox-reason";
+/// The longest reason sent.
+const MAX_REASON: usize = 300;
+
+/// A whole JSON error response, with its reason for the server's log: the field's path
+/// and the message, printable ASCII only.
+pub fn send_error(out: ResponseOutparam, e: &ApiError, json: &str) {
+    let reason = match &e.param {
+        Some(param) => format!("{param}: {}", e.message),
+        None => e.message.clone(),
+    };
+    let reason: Vec<u8> = reason
+        .chars()
+        .map(|c| if c.is_ascii_graphic() || c == ' ' { c as u8 } else { b'?' })
+        .take(MAX_REASON)
+        .collect();
+    let headers = vec![(REASON_HEADER.to_string(), reason)];
+    let body = Body::start_with(out, e.status, "application/json", headers);
+    let _ = body.finish_with(json.as_bytes());
 }

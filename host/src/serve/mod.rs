@@ -760,6 +760,7 @@ impl Server {
         };
         hang_up.answered = true;
         let (mut parts, body) = response.into_parts();
+        log_reason(&mut parts);
         add_limits(&mut parts.headers);
         let progress = Arc::new(Progress::new());
         watch_for_stall(progress.clone(), state, peer.close, self.config.write_stall_timeout());
@@ -775,6 +776,8 @@ impl Server {
     }
 
     /// Count the response's status and tag it with the request id.
+    ///
+    /// (A plugin's own reason for an error goes to the log first: [`log_reason`].)
     fn answer(&self, plugin: &str, id: &str, mut response: Response<Body>) -> Response<Body> {
         self.metrics.answered(plugin, response.status().as_u16());
         tracing::info!(status = response.status().as_u16(), "answered");
@@ -1059,6 +1062,24 @@ fn status_line(line: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
+}
+
+/// The header in which a plugin says why it answered with an error (its field's path
+/// and message); see guest/openai's `http::send_error`.
+const REASON_HEADER: &str = "llamabox-reason";
+/// The most of a plugin's reason that is logged.
+const MAX_REASON_CHARS: usize = 300;
+
+/// Log a plugin's reason for an error answer in the request's span, beside its status,
+/// and keep it from the client: it is for the operator. Written with `Debug` escapes
+/// and cut short, so that a plugin cannot forge or flood log lines through it.
+fn log_reason(parts: &mut http::response::Parts) {
+    let Some(reason) = parts.headers.remove(REASON_HEADER) else { return };
+    if parts.status.is_client_error() || parts.status.is_server_error() {
+        let reason: String =
+            String::from_utf8_lossy(reason.as_bytes()).chars().take(MAX_REASON_CHARS).collect();
+        tracing::info!(status = parts.status.as_u16(), reason = ?reason, "refused by the plugin");
+    }
 }
 
 #[cfg(test)]
