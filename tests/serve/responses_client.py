@@ -118,12 +118,21 @@ def function_tools(client, model):
 
 
 def refused(client, model):
+    # No state is kept: asking for it is refused by name, and nothing can be retrieved.
+    for field, kwargs in (("previous_response_id", {"previous_response_id": "resp_1"}), ("store", {"store": True})):
+        try:
+            client.responses.create(model=model, input="x", **kwargs)
+            raise AssertionError(f"{field} was accepted")
+        except openai.BadRequestError as e:
+            assert e.body.get("param") == field, e.body
+    r = client.responses.create(model=model, input="Say hi", max_output_tokens=4)
+    assert r.store is False, r.store
     try:
-        client.responses.create(model=model, input="x", previous_response_id="resp_1")
-    except openai.BadRequestError as e:
-        assert e.body.get("param") == "previous_response_id", e.body
+        client.responses.retrieve(r.id)
+        raise AssertionError("a response was retrieved")
+    except openai.NotFoundError as e:
+        assert "stores no responses" in e.body.get("message", ""), e.body
         return e.body.get("message")
-    raise AssertionError("previous_response_id was accepted")
 
 
 def main():

@@ -84,6 +84,12 @@ fn handle(request: &IncomingRequest, path: &str) -> Result<Reply, ApiError> {
     let method = request.method();
     // `GET /v1/models/{id}` (`client.models.retrieve`).
     let model_id = path.strip_prefix("/v1/models/").or_else(|| path.strip_prefix("/models/"));
+    // A stored response (`client.responses.retrieve` / `.delete`): none is kept.
+    if let Some(id) = path.trim_start_matches("/v1").strip_prefix("/responses/") {
+        return Err(ApiError::not_found(format!(
+            "No response '{id}': this server stores no responses (store: false); send the whole history with each request"
+        )));
+    }
     let (allowed, post) = match path {
         "/" | "" | "/v1/models" | "/models" => (Method::Get, false),
         _ if model_id.is_some() => (Method::Get, false),

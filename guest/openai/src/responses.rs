@@ -12,10 +12,11 @@
 //! first), `max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format`
 //! (`text`, `json_object`, `json_schema`: the chat path's `response_format`),
 //! `metadata` (echoed), `user`, `parallel_tool_calls`, `tool_choice` (`"none"`,
-//! `"auto"`, `"required"`, `{"type":"function","name"}`), and `store`: `false` (the
-//! client sends the whole history each time, as Codex does), or `true`, which is
-//! accepted but stores nothing (there is no `GET /v1/responses/{id}` here, nor
-//! `previous_response_id`).
+//! `"auto"`, `"required"`, `{"type":"function","name"}`), and `store: false`: no
+//! response is kept, and the client sends the whole history each time, as Codex does.
+//! `store: true` and `previous_response_id` are refused by name, and
+//! `GET`/`DELETE /v1/responses/{id}` answer 404 saying that nothing is stored; the
+//! answer echoes `store: false` when the request leaves it out.
 //! Function `tools` map onto the chat path's tools, `function_call` input items onto
 //! an assistant message's tool calls and `function_call_output` items onto tool
 //! messages; the calls the model makes are `function_call` output items. Every tool
@@ -179,7 +180,12 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
         }
         _ => {}
     }
-    let store = body.get::<bool>("store")?.unwrap_or(true);
+    // Nothing is stored: asking for it is refused rather than pretended.
+    if body.get::<bool>("store")? == Some(true) {
+        let message = "'store': this server keeps no responses; send store: false (or leave it out) and the whole history with each request";
+        return Err(invalid(message, "store").with_code("unsupported_parameter"));
+    }
+    let store = false;
     let metadata = body.get::<Map<String, Value>>("metadata")?.unwrap_or_default();
     if let Some((key, _)) = metadata.iter().find(|(_, v)| !v.is_string()) {
         let path = format!("metadata.{key}");
@@ -1009,15 +1015,16 @@ mod tests {
             "input[0].content[0].extra"
         );
         assert_eq!(param(r#"{"model":"m","input":"x","tool_choice":"required"}"#), "tool_choice");
-        // Off is accepted; hosted tools are skipped; `store: true` stores nothing.
+        // Off is accepted; hosted tools are skipped; nothing is stored.
+        assert_eq!(param(r#"{"model":"m","input":"x","store":true}"#), "store");
         let (chat, echo) = mapped(
-            r#"{"model":"m","input":"x","store":true,"reasoning":null,"include":[],"background":false,
+            r#"{"model":"m","input":"x","reasoning":null,"include":[],"background":false,
                 "tools":[{"type":"web_search"},{"type":"local_shell"}],"tool_choice":"none",
                 "parallel_tool_calls":false,"metadata":{"k":"v"},"truncation":"disabled"}"#,
         )
         .unwrap();
         assert!(!chat.contains_key("tools") && !chat.contains_key("tool_choice"));
-        assert!(echo.store && !echo.parallel_tool_calls);
+        assert!(!echo.store && !echo.parallel_tool_calls);
         assert_eq!(
             (echo.tool_choice.clone(), echo.metadata.clone()),
             (json!("none"), json!({"k":"v"}))
