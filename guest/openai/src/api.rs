@@ -177,6 +177,18 @@ impl Origins {
     }
 }
 
+/// A fresh id such as `chatcmpl-1f0c...`: 64 bits from the host's random source (via std's hasher keys).
+pub fn new_id(prefix: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    format!("{prefix}-{random:016x}")
+}
+
+/// Seconds since the Unix epoch.
+pub fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
 pub fn to_json<T: Serialize>(value: &T) -> String {
     serde_json::to_string(value).expect("response types serialize")
 }

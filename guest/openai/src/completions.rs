@@ -5,8 +5,8 @@
 use std::rc::Rc;
 
 use crate::api::{self, ApiError, ChatChoice, Choice, Completion, Delta, TextChoice, Usage};
-use crate::handlers::{Reply, Sampling, CONTEXT_STEP, DEFAULT_N_CTX, MAX_GENERATE_TOKENS};
-use crate::http::{self, Body, Gone};
+use crate::http::{self, Body, Gone, Reply, Streamed};
+use crate::sampling::{Sampling, CONTEXT_STEP, DEFAULT_N_CTX, MAX_CHOICES, MAX_GENERATE_TOKENS};
 use crate::tools::{Call, CallDelta, Reader};
 use llamabox_guest::cancel::CancelToken;
 use llamabox_guest::generate::{
@@ -15,10 +15,6 @@ use llamabox_guest::generate::{
 use llamabox_guest::llm::{Context, ContextParams, Model};
 use llamabox_guest::media::{Chunk, MediaContext};
 use llamabox_guest::types::Error as HostError;
-
-/// Most choices one request may ask for (`n` × prompts): each needs a context, and
-/// the host's default `max-contexts` per run is 4.
-pub const MAX_CHOICES: usize = 4;
 
 /// OpenAI's floor for a log-probability: a token the model gives no chance at all
 /// (JSON has no -inf).
@@ -475,7 +471,7 @@ fn calls_out(calls: Vec<Call>, streamed: bool) -> Vec<api::ToolCallOut> {
         .enumerate()
         .map(|(i, c)| api::ToolCallOut {
             index: streamed.then_some(i as u32),
-            id: Some(crate::handlers::new_id("call")),
+            id: Some(api::new_id("call")),
             kind: Some("function"),
             function: api::FunctionCallOut { name: Some(c.name), arguments: c.arguments },
         })
@@ -681,15 +677,17 @@ pub struct Stream {
     choices: Choices,
 }
 
-impl Stream {
+impl Streamed for Stream {
     /// Write each piece as it comes. A failed write means the client is gone: stop
     /// at once (dropping the generations cancels them).
-    pub fn send(mut self, body: Body) {
+    fn send(mut self: Box<Self>, body: Body) {
         if let Ok(last) = self.events(&body) {
             let _ = body.finish_with(http::event(&last).as_bytes());
         }
     }
+}
 
+impl Stream {
     /// Every event but the last, which is returned: `[DONE]`, or an error.
     fn events(&mut self, body: &Body) -> Result<String, Gone> {
         let choices = &mut self.choices;
@@ -722,7 +720,7 @@ impl Stream {
                         let named = delta.name.is_some();
                         let call = api::ToolCallOut {
                             index: Some(delta.index as u32),
-                            id: named.then(|| crate::handlers::new_id("call")),
+                            id: named.then(|| api::new_id("call")),
                             kind: named.then_some("function"),
                             function: api::FunctionCallOut {
                                 name: delta.name,

@@ -132,6 +132,19 @@ impl Body {
     }
 }
 
+/// What a handler answers: a whole JSON body, a stream, or a page.
+pub enum Reply {
+    Json(String),
+    Stream(Box<dyn Streamed>),
+    Page(&'static str),
+}
+
+/// An answer written as server-sent events, as it is computed.
+pub trait Streamed {
+    /// Write the events to `body` (a failed write means the client is gone: stop).
+    fn send(self: Box<Self>, body: Body);
+}
+
 /// A server-sent event: `data: <data>` and a blank line.
 pub fn event(data: &str) -> String {
     format!("data: {data}\n\n")

@@ -51,8 +51,8 @@
 //!   last `data: {"error":...}` event.
 
 // What the plugin world has comes from the shared bindings (guest/sdk); the HTTP
-// side is generated here, and every request goes to `handlers::route`.
-llamabox_guest::http_plugin!(path: "../../wit", handler: handlers::route);
+// side is generated here, and every request goes to `routes::route`.
+llamabox_guest::http_plugin!(path: "../../wit", handler: routes::route);
 
 mod api;
 mod completions;
@@ -60,6 +60,8 @@ mod handlers;
 mod http;
 mod messages;
 mod responses;
+mod routes;
+mod sampling;
 mod template;
 mod tools;
 mod vision;

@@ -30,10 +30,11 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::api::{ApiError, AsDefault, Object, Origins, Usage};
+use crate::api::{self, ApiError, AsDefault, Object, Origins, Usage};
 use crate::completions::{Choices, Format, Progress};
-use crate::handlers::{self, Reply};
-use crate::http::{Body, Gone};
+use crate::handlers;
+use crate::http::{Body, Gone, Reply, Streamed};
+use crate::sampling::MAX_GENERATE_TOKENS;
 use crate::tools::{Call, CallDelta};
 
 /// The fields a Messages request may have (others are refused unless off).
@@ -112,12 +113,11 @@ pub(crate) fn create(body: &Object) -> Result<Reply, ApiError> {
     let (chat, stops, origins) = chat_body(body, true)?;
     let chat = Object::parse(&serde_json::to_vec(&chat).expect("a JSON map"))?;
     let model: String = chat.require("model")?;
-    let format =
-        Format { chat: true, id: handlers::new_id("msg"), created: handlers::now(), model };
+    let format = Format { chat: true, id: api::new_id("msg"), created: api::now(), model };
     let mut choices = handlers::chat_choices(&chat, format).map_err(|e| origins.name(e))?;
     let mut answer = Answer::new(chat.require("model")?, stops);
     if chat.get::<bool>("stream")?.unwrap_or(false) {
-        return Ok(Reply::Messages(Box::new(Stream { choices, answer })));
+        return Ok(Reply::Stream(Box::new(Stream { choices, answer })));
     }
     let (text, reason, usage, calls) = choices.run_one(|_| Ok(()))?;
     let ended = Ended { text: &text, reason, stop: choices.stop_index(), usage, calls: &calls };
@@ -212,7 +212,7 @@ pub(crate) fn chat_body(
     if max_tokens == 0 {
         return Err(invalid("'max_tokens' must be at least 1", "max_tokens"));
     }
-    if max_tokens <= handlers::MAX_GENERATE_TOKENS {
+    if max_tokens <= MAX_GENERATE_TOKENS {
         chat.insert("max_tokens".into(), json!(max_tokens));
     }
     let stops: Vec<String> = body.get("stop_sequences")?.unwrap_or_default();
@@ -708,7 +708,7 @@ fn event(kind: &str, fields: Value) -> String {
 
 /// A fresh id such as `msg_1f0c...`.
 fn id(prefix: &str) -> String {
-    handlers::new_id(prefix).replacen('-', "_", 1)
+    api::new_id(prefix).replacen('-', "_", 1)
 }
 
 /// Anthropic's usage: `input_tokens` are those computed, beside those read from memory.
@@ -728,16 +728,18 @@ pub(crate) struct Stream {
     answer: Answer,
 }
 
-impl Stream {
+impl Streamed for Stream {
     /// The opening events go out before the prompt is evaluated; each piece as it
     /// comes. A failed write means the client is gone: stop at once (dropping the run
     /// cancels it).
-    pub(crate) fn send(mut self, body: Body) {
+    fn send(mut self: Box<Self>, body: Body) {
         if let Ok(last) = self.events(&body) {
             let _ = body.finish_with(last.as_bytes());
         }
     }
+}
 
+impl Stream {
     /// Every event but the last ones, which are returned.
     fn events(&mut self, body: &Body) -> Result<String, Gone> {
         body.write(self.answer.opening(self.choices.prompt_tokens()).as_bytes())?;

@@ -38,10 +38,11 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::api::{ApiError, AsDefault, Object, Origins, Usage};
+use crate::api::{self, ApiError, AsDefault, Object, Origins, Usage};
 use crate::completions::{Choices, Progress};
-use crate::handlers::{self, Reply};
-use crate::http::{Body, Gone};
+use crate::handlers;
+use crate::http::{Body, Gone, Reply, Streamed};
+use crate::sampling::MAX_GENERATE_TOKENS;
 use crate::tools::{Call, CallDelta};
 
 /// The fields a Responses request may have (others are refused unless off).
@@ -124,14 +125,14 @@ pub(crate) fn create(body: &Object) -> Result<Reply, ApiError> {
     let stream = chat.get::<bool>("stream")?.unwrap_or(false);
     let format = crate::completions::Format {
         chat: true,
-        id: handlers::new_id("chatcmpl"),
-        created: handlers::now(),
+        id: api::new_id("chatcmpl"),
+        created: api::now(),
         model: echo.model.clone(),
     };
     let choices = handlers::chat_choices(&chat, format).map_err(|e| echo.origins.name(e))?;
     let answer = Answer::new(echo);
     if stream {
-        return Ok(Reply::Responses(Box::new(Stream { choices, answer })));
+        return Ok(Reply::Stream(Box::new(Stream { choices, answer })));
     }
     let (mut choices, mut answer) = (choices, answer);
     let (text, reason, usage, calls) = choices.run_one(|_| Ok(()))?;
@@ -173,9 +174,8 @@ pub(crate) fn chat_body(body: &Object) -> Result<(Map<String, Value>, Echo), Api
         Some(0) => {
             return Err(invalid("'max_output_tokens' must be at least 1", "max_output_tokens"))
         }
-        Some(n) if n > handlers::MAX_GENERATE_TOKENS => {
-            let message =
-                format!("'max_output_tokens' must be at most {}", handlers::MAX_GENERATE_TOKENS);
+        Some(n) if n > MAX_GENERATE_TOKENS => {
+            let message = format!("'max_output_tokens' must be at most {}", MAX_GENERATE_TOKENS);
             return Err(invalid(message, "max_output_tokens"));
         }
         _ => {}
@@ -566,7 +566,7 @@ pub(crate) struct Ended<'a> {
 
 /// A fresh id such as `resp_1f0c...`.
 fn id(prefix: &str) -> String {
-    handlers::new_id(prefix).replacen('-', "_", 1)
+    api::new_id(prefix).replacen('-', "_", 1)
 }
 
 impl Answer {
@@ -574,7 +574,7 @@ impl Answer {
         Answer {
             id: id("resp"),
             item_id: id("msg"),
-            created_at: handlers::now(),
+            created_at: api::now(),
             echo,
             sequence: 0,
             opened: false,
@@ -831,16 +831,18 @@ pub(crate) struct Stream {
     answer: Answer,
 }
 
-impl Stream {
+impl Streamed for Stream {
     /// The opening events go out before the prompt is evaluated; each piece as it
     /// comes. A failed write means the client is gone: stop at once (dropping the
     /// run cancels it).
-    pub(crate) fn send(mut self, body: Body) {
+    fn send(mut self: Box<Self>, body: Body) {
         if let Ok(last) = self.events(&body) {
             let _ = body.finish_with(last.as_bytes());
         }
     }
+}
 
+impl Stream {
     /// Every event but the last, which is returned.
     fn events(&mut self, body: &Body) -> Result<String, Gone> {
         body.write(self.answer.opening().as_bytes())?;
