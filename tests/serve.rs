@@ -823,6 +823,10 @@ fn a_hostile_plugin_gets_answers_for_its_misdeeds_and_the_server_keeps_serving()
             assert!(n > 0, "{path}: the server closed first");
             seen.extend_from_slice(&buf[..n]);
         }
+        // The line comes as the decode is queued: give a worker the moment it takes to
+        // start it (a decode of the slow model then runs for seconds), so the hang-up
+        // meets it in flight rather than still queued, which a busy machine allowed.
+        std::thread::sleep(Duration::from_millis(300));
         drop(socket);
         let report = server.run_report(id);
         assert_eq!(log_field(&report, "outcome"), "Stopped", "{report}");

@@ -51,10 +51,24 @@ fn the_anthropic_sdk_creates_streams_calls_tools_counts_tokens_and_sees_images()
 /// structured-output tool through the server's tool-call path (a forced call under the
 /// envelope grammar), whose input follows the schema. Its own long system prompt and
 /// tools do not fit the small model's context, so the test gives it a short one and
-/// no built-in tools. The model is tiny: this judges the protocol, not the answers.
+/// no built-in tools. The model is tiny: this judges the protocol, not the answers, and
+/// a recording proxy (tests/serve/codex.rs's) makes its turns deterministic.
 #[test]
 fn claude_code_answers_and_calls_its_structured_output_tool() {
     let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
+    // Claude Code sends no temperature, so whether the tiny model calls the tool or
+    // answers in text is chance: a recording proxy makes it greedy and, on the first
+    // first turn of a conversation, forces the structured-output tool when one is offered.
+    let (base_url, log) = crate::codex::start_proxy(server.addr, |_, fields| {
+        fields.insert("temperature".into(), json!(0));
+        let tools = fields.get("tools").and_then(Value::as_array);
+        let offered = tools.is_some_and(|t| t.iter().any(|t| t["name"] == "StructuredOutput"));
+        let turns = fields.get("messages").and_then(Value::as_array).map_or(0, Vec::len);
+        if offered && turns == 1 {
+            let choice = json!({"type": "tool", "name": "StructuredOutput"});
+            fields.insert("tool_choice".into(), choice);
+        }
+    });
     let tool = npm_tool(CLAUDE_CODE.0, CLAUDE_CODE.1);
     let claude = tool.join("node_modules/@anthropic-ai/claude-code-linux-x64/claude");
     // A fresh home: no settings, credentials or history of this machine's user.
@@ -68,7 +82,7 @@ fn claude_code_answers_and_calls_its_structured_output_tool() {
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .env("HOME", &home)
-            .env("ANTHROPIC_BASE_URL", server.url(""))
+            .env("ANTHROPIC_BASE_URL", &base_url)
             .env("ANTHROPIC_API_KEY", "unused-by-an-open-server")
             .env("DISABLE_TELEMETRY", "1")
             .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
@@ -86,7 +100,7 @@ fn claude_code_answers_and_calls_its_structured_output_tool() {
     assert!(!answer.trim().is_empty(), "no answer");
     assert!(!answer.contains("API Error"), "{answer}");
 
-    let schema = json!({"type": "object", "properties": {"city": {"type": "string"}},
+    let schema = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
                         "required": ["city"]});
     let out = run(&[
         "-p",
@@ -104,5 +118,11 @@ fn claude_code_answers_and_calls_its_structured_output_tool() {
     let _ = std::fs::remove_dir_all(&home);
     let requests = server.metric("llamabox_requests_total{plugin=\"openai\",status=\"200\"}");
     assert!(requests >= 2.0, "{requests} requests answered");
+    // The structured-output call came from the server's forced-call path, streamed.
+    let exchanges = log.lock().unwrap();
+    let forced = exchanges.iter().find(|e| e.forwarded["tool_choice"]["type"] == "tool");
+    let forced = forced.expect("a request offered the structured-output tool");
+    assert!(forced.response.contains("\"type\":\"tool_use\""), "{}", forced.response);
+    assert!(forced.response.contains("input_json_delta"), "{}", forced.response);
     assert_eq!(server.metric("llamabox_requests_total{plugin=\"openai\",status=\"400\"}"), 0.0);
 }

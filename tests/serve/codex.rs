@@ -7,7 +7,8 @@
 //! would do with its tools is chance; a recording proxy between Codex and the server
 //! makes the turns deterministic by setting two documented fields and nothing else:
 //! `temperature: 0`, and `tool_choice` — on the first request a named function
-//! (`view_image`, which only reads a file), on later ones `"none"`. So Codex must read
+//! (`view_image`, which only reads a file), on later ones `"none"` — and a `maxLength`
+//! on that call's `path`. So Codex must read
 //! the server's streamed `function_call`, run its own tool, send the call and its
 //! output back in the history, and print the server's final answer.
 
@@ -30,30 +31,43 @@ const CODEX_PATIENCE: Duration = Duration::from_secs(540);
 
 /// One request through the proxy: Codex's body as sent, the body forwarded, and the
 /// server's raw HTTP response.
-struct Exchange {
-    sent: Value,
-    forwarded: Value,
-    response: String,
+pub(crate) struct Exchange {
+    pub(crate) sent: Value,
+    pub(crate) forwarded: Value,
+    pub(crate) response: String,
 }
 
-/// A proxy on loopback in front of `upstream`: each request's `tool_choice` and
-/// `temperature` are set (see the module's text), and everything is recorded.
-fn start_proxy(upstream: std::net::SocketAddr) -> (String, Arc<Mutex<Vec<Exchange>>>) {
+/// How the proxy changes a request's JSON body before forwarding it; `first` is true
+/// for the client's first request.
+pub(crate) type Rewrite = fn(first: bool, fields: &mut serde_json::Map<String, Value>);
+
+/// A proxy on loopback in front of `upstream` (its base URL is returned): each JSON
+/// request is changed by `rewrite` (for determinism: see the module's text), and
+/// everything is recorded.
+pub(crate) fn start_proxy(
+    upstream: std::net::SocketAddr,
+    rewrite: Rewrite,
+) -> (String, Arc<Mutex<Vec<Exchange>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let url = format!("http://{}", listener.local_addr().unwrap());
     let log = Arc::new(Mutex::new(Vec::new()));
     let shared = log.clone();
     std::thread::spawn(move || {
         for client in listener.incoming().map_while(Result::ok) {
             let log = shared.clone();
-            std::thread::spawn(move || relay(client, upstream, &log));
+            std::thread::spawn(move || relay(client, upstream, rewrite, &log));
         }
     });
     (url, log)
 }
 
 /// One request from `client` to `upstream` (`connection: close` on both sides).
-fn relay(mut client: TcpStream, upstream: std::net::SocketAddr, log: &Mutex<Vec<Exchange>>) {
+fn relay(
+    mut client: TcpStream,
+    upstream: std::net::SocketAddr,
+    rewrite: Rewrite,
+    log: &Mutex<Vec<Exchange>>,
+) {
     let mut raw = Vec::new();
     let mut buf = [0u8; 65536];
     let head_end = loop {
@@ -86,10 +100,7 @@ fn relay(mut client: TcpStream, upstream: std::net::SocketAddr, log: &Mutex<Vec<
     let mut forwarded = sent.clone();
     if let Value::Object(fields) = &mut forwarded {
         let first = !log.lock().unwrap().iter().any(|e| e.sent["model"].is_string());
-        let choice =
-            if first { json!({"type": "function", "name": "view_image"}) } else { json!("none") };
-        fields.insert("tool_choice".into(), choice);
-        fields.insert("temperature".into(), json!(0));
+        rewrite(first, fields);
     }
     let method = request_line.split(' ').next().unwrap_or("GET");
     let body = if forwarded.is_null() { Vec::new() } else { forwarded.to_string().into_bytes() };
@@ -263,6 +274,23 @@ fn codex_exec(codex: &Path, base_url: &str, prompt: &str) -> (bool, String, Stri
     (status.success(), stdout, stderr)
 }
 
+/// Greedy, a forced `view_image` call first and `"none"` after; the call's `path` is
+/// held to 64 characters, so that a greedy string cannot run on to max_tokens (it did,
+/// to 3,569 characters, for one working directory's prompt).
+fn codex_rewrite(first: bool, fields: &mut serde_json::Map<String, Value>) {
+    let choice =
+        if first { json!({"type": "function", "name": "view_image"}) } else { json!("none") };
+    fields.insert("tool_choice".into(), choice);
+    fields.insert("temperature".into(), json!(0));
+    for tool in fields.get_mut("tools").and_then(Value::as_array_mut).into_iter().flatten() {
+        if tool["name"] == "view_image" {
+            if let Some(path) = tool.pointer_mut("/parameters/properties/path") {
+                path["maxLength"] = json!(64);
+            }
+        }
+    }
+}
+
 /// Codex installs from npm (once, into the toolchain cache), reaches the server through
 /// the recording proxy, makes the tool call the server streams to it, sends the whole
 /// history back (`store: false`), and prints the server's answer; every request it
@@ -280,7 +308,8 @@ fn codex_exec_runs_a_tool_and_answers_through_responses() {
         &[("smollm2", common::real_model())],
         &["--threads", "2", "--deadline-ms", "400000"],
     );
-    let (base_url, log) = start_proxy(server.addr);
+    let (base_url, log) = start_proxy(server.addr, codex_rewrite);
+    let base_url = format!("{base_url}/v1");
     let (ok, stdout, stderr) = codex_exec(&codex, &base_url, "Look at the picture, then say hi.");
     println!("codex's stdout:\n{stdout}\ncodex's stderr:\n{stderr}");
     let all = log.lock().unwrap();
