@@ -58,7 +58,7 @@ fn claude_code_answers_and_calls_its_structured_output_tool() {
     let server = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
     // Claude Code sends no temperature, so whether the tiny model calls the tool or
     // answers in text is chance: a recording proxy makes it greedy and, on the first
-    // first turn of a conversation, forces the structured-output tool when one is offered.
+    // turn of a conversation, forces the structured-output tool when one is offered.
     let (base_url, log) = crate::codex::start_proxy(server.addr, |_, fields| {
         fields.insert("temperature".into(), json!(0));
         let tools = fields.get("tools").and_then(Value::as_array);
