@@ -81,6 +81,31 @@ fn an_offload_this_machine_cannot_do_is_refused_by_name_before_anything_runs() {
     }
 }
 
+/// `llamabox inspect` names a plugin's digest (its bytes' SHA-256), its size, and the
+/// interfaces it imports and exports; a file that is not a component is refused.
+#[test]
+fn inspect_prints_a_plugins_digest_size_imports_and_exports() {
+    use sha2::{Digest as _, Sha256};
+    let plugin = common::demo_plugin();
+    let bytes = std::fs::read(plugin).unwrap();
+    let out = llamabox(&["inspect", plugin.to_str().unwrap()]);
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{printed}{}", stderr(&out));
+    let digest: String = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+    assert!(printed.contains(&format!("digest  sha256:{digest}\n")), "{printed}");
+    assert!(printed.contains(&format!("size    {} bytes\n", bytes.len())), "{printed}");
+    let lines = |kind: &str| -> Vec<String> {
+        printed.lines().filter_map(|l| l.strip_prefix(kind)).map(String::from).collect()
+    };
+    let imports = lines("import  ");
+    assert!(imports.iter().any(|i| i.starts_with("llamabox:inference/llm@")), "{imports:?}");
+    assert!(lines("export  ").iter().any(|e| e.starts_with("wasi:cli/run@")), "{printed}");
+    let bogus = common::repo_root().join("README.md");
+    let out = llamabox(&["inspect", bogus.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("is not a WebAssembly component"), "{}", stderr(&out));
+}
+
 #[test]
 fn missing_plugin_file_is_named() {
     let out = llamabox(&["run", "/nonexistent/plugin.wasm"]);

@@ -176,6 +176,18 @@ enum Command {
     /// Print what llama.cpp was built for (the CPU features of the linked ggml, the GPU
     /// backends built in) and the devices it finds.
     Info,
+    /// Print what a plugin is before running it: where it came from, its SHA-256 digest
+    /// and size, and the interfaces it imports (what it may ask the host for) and
+    /// exports. Signatures and grants are not checked yet (issue 36).
+    Inspect {
+        /// The plugin component: a .wasm file, or oci://REGISTRY/REPO@sha256:DIGEST (or
+        /// :TAG), pulled and verified as `run` does.
+        plugin: PathBuf,
+        #[command(flatten)]
+        registry: RegistryFlags,
+        #[command(flatten)]
+        cache: CacheFlags,
+    },
     /// Write a seeded synthetic llama model (random weights) for tests and offline demos.
     #[cfg(feature = "synthetic")]
     SynthModel {
@@ -509,6 +521,40 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             spec.write(&out)?;
             println!("wrote {}", out.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Inspect { plugin, registry: registry_flags, cache } => {
+            use sha2::{Digest as _, Sha256};
+            let options = cache.options();
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            let mut sources = llamabox::source::RegistryOptions::default();
+            registry_flags.apply(&mut sources);
+            let shown = llamabox::source::display_name(&plugin);
+            let path = runtime.block_on(llamabox::source::resolve(
+                &plugin,
+                &sources,
+                options.compile_cache.as_deref(),
+            ))?;
+            let bytes =
+                std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+            let digest: String =
+                Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+            let host = PluginHost::with_options(ModelRegistry::new(), Limits::default(), options)?;
+            let engine = host.engine();
+            let component = llamabox::wasmtime::component::Component::from_binary(engine, &bytes)
+                .map_err(|e| {
+                anyhow::anyhow!("{shown} is not a WebAssembly component: {e:#}")
+            })?;
+            let kind = component.component_type();
+            println!("plugin  {shown}");
+            println!("digest  sha256:{digest}");
+            println!("size    {} bytes", bytes.len());
+            for (name, _) in kind.imports(engine) {
+                println!("import  {name}");
+            }
+            for (name, _) in kind.exports(engine) {
+                println!("export  {name}");
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Run {
