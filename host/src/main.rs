@@ -293,6 +293,19 @@ impl RegistryFlags {
             options.cache = self.plugin_cache.clone();
         }
     }
+
+    /// Where `plugin` is on disk: the file itself, or an oci:// plugin pulled (or found
+    /// in the cache) and verified before the host compiles anything.
+    fn resolve(
+        &self,
+        runtime: &tokio::runtime::Runtime,
+        plugin: &std::path::Path,
+        compile_cache: Option<&std::path::Path>,
+    ) -> anyhow::Result<PathBuf> {
+        let mut sources = llamabox::source::RegistryOptions::default();
+        self.apply(&mut sources);
+        Ok(runtime.block_on(llamabox::source::resolve(plugin, &sources, compile_cache))?)
+    }
 }
 
 /// Where compiled plugins are kept between runs (a plugin is compiled once per change of
@@ -527,14 +540,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             use sha2::{Digest as _, Sha256};
             let options = cache.options();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            let mut sources = llamabox::source::RegistryOptions::default();
-            registry_flags.apply(&mut sources);
             let shown = llamabox::source::display_name(&plugin);
-            let path = runtime.block_on(llamabox::source::resolve(
-                &plugin,
-                &sources,
-                options.compile_cache.as_deref(),
-            ))?;
+            let path =
+                registry_flags.resolve(&runtime, &plugin, options.compile_cache.as_deref())?;
             let bytes =
                 std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
             let digest: String =
@@ -589,16 +597,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             limit_flags.apply(&mut limits);
             let options = cache.options();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            // An oci:// plugin is pulled (or found in the cache) and verified before the
-            // host compiles anything.
-            let mut sources = llamabox::source::RegistryOptions::default();
-            registry_flags.apply(&mut sources);
             let argv0 = llamabox::source::display_name(&plugin);
-            let plugin = runtime.block_on(llamabox::source::resolve(
-                &plugin,
-                &sources,
-                options.compile_cache.as_deref(),
-            ))?;
+            let plugin =
+                registry_flags.resolve(&runtime, &plugin, options.compile_cache.as_deref())?;
             let host = PluginHost::with_options(registry, limits, options)?;
             let plugin = host.load(&plugin)?;
             let mut wasi = WasiCtxBuilder::new();

@@ -551,7 +551,7 @@ impl Choices {
     }
 
     /// Which of the request's stop strings ended the first run, if one did.
-    pub(crate) fn stop_index(&self) -> Option<usize> {
+    fn stop_index(&self) -> Option<usize> {
         match self.runs.first()?.generation.as_ref()?.finish_reason()? {
             FinishReason::Stop(i) => Some(i as usize),
             _ => None,
@@ -594,7 +594,7 @@ impl Choices {
     pub(crate) fn run_one(
         &mut self,
         mut progress: impl FnMut(Progress) -> Result<(), ApiError>,
-    ) -> Result<(String, &'static str, Usage, Vec<Call>), ApiError> {
+    ) -> Result<Ended, ApiError> {
         let (mut text, mut reason, mut calls) = (String::new(), "stop", Vec::new());
         self.drive(|c, i, event| match event {
             Event::Piece(add) if i == 0 => {
@@ -617,7 +617,7 @@ impl Choices {
                 Ok(())
             }
         })?;
-        Ok((text, reason, self.usage(), calls))
+        Ok(Ended { text, reason, stop: self.stop_index(), usage: self.usage(), calls })
     }
 
     /// The whole answer now, or a stream to send.
@@ -664,6 +664,74 @@ impl Choices {
 enum Event {
     Piece(Addition),
     Ended,
+}
+
+/// How the first run ended (`Choices::run_one`): its whole text, OpenAI's finish
+/// reason, which of the request's stop strings ended it, the usage, and the calls it made.
+pub(crate) struct Ended {
+    pub text: String,
+    pub reason: &'static str,
+    pub stop: Option<usize>,
+    pub usage: Usage,
+    pub calls: Vec<Call>,
+}
+
+/// An API's answer written as server-sent events while its one run is decoded
+/// (`POST /v1/responses`, `POST /v1/messages`): each returns the events to send.
+pub(crate) trait Events {
+    /// Before anything is generated; the prompt is `prompt_tokens` long.
+    fn opening(&mut self, prompt_tokens: u32) -> String;
+    /// A piece of text.
+    fn text(&mut self, text: &str) -> String;
+    /// What a call added as it was decoded.
+    fn call(&mut self, delta: &CallDelta) -> String;
+    /// After the last piece: the answer's end.
+    fn closing(&mut self, ended: &Ended) -> String;
+    /// An error after the stream started: its last event.
+    fn error(&mut self, e: &ApiError) -> String;
+}
+
+/// A run streamed as an API's events.
+pub(crate) struct EventStream<E> {
+    pub choices: Choices,
+    pub events: E,
+}
+
+impl<E: Events> Streamed for EventStream<E> {
+    /// The opening events go out before the prompt is evaluated; each piece as it
+    /// comes. A failed write means the client is gone: stop at once (dropping the run
+    /// cancels it).
+    fn send(mut self: Box<Self>, body: Body) {
+        if let Ok(last) = self.write(&body) {
+            let _ = body.finish_with(last.as_bytes());
+        }
+    }
+}
+
+impl<E: Events> EventStream<E> {
+    /// Every event but the last ones, which are returned.
+    fn write(&mut self, body: &Body) -> Result<String, Gone> {
+        body.write(self.events.opening(self.choices.prompt_tokens()).as_bytes())?;
+        let gone = std::cell::Cell::new(None);
+        let events = &mut self.events;
+        let ran = self.choices.run_one(|progress| {
+            let written = match progress {
+                Progress::Text(text) => events.text(text),
+                Progress::Call(delta) => events.call(delta),
+            };
+            body.write(written.as_bytes()).map_err(|g| {
+                gone.set(Some(g));
+                ApiError::invalid("the client is gone", None)
+            })
+        });
+        if let Some(g) = gone.take() {
+            return Err(g);
+        }
+        Ok(match ran {
+            Ok(ended) => self.events.closing(&ended),
+            Err(e) => self.events.error(&e),
+        })
+    }
 }
 
 /// What one run hands on as it is decoded: text, or what a call added.

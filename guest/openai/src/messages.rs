@@ -31,9 +31,9 @@
 use serde_json::{json, Map, Value};
 
 use crate::api::{self, ApiError, AsDefault, Object, Origins, Usage};
-use crate::completions::{Choices, Format, Progress};
+use crate::completions::{Ended, EventStream, Events, Format};
 use crate::handlers;
-use crate::http::{Body, Gone, Reply, Streamed};
+use crate::http::Reply;
 use crate::sampling::MAX_GENERATE_TOKENS;
 use crate::tools::{Call, CallDelta};
 
@@ -117,10 +117,9 @@ pub(crate) fn create(body: &Object) -> Result<Reply, ApiError> {
     let mut choices = handlers::chat_choices(&chat, format).map_err(|e| origins.name(e))?;
     let mut answer = Answer::new(chat.require("model")?, stops);
     if chat.get::<bool>("stream")?.unwrap_or(false) {
-        return Ok(Reply::Stream(Box::new(Stream { choices, answer })));
+        return Ok(Reply::Stream(Box::new(EventStream { choices, events: answer })));
     }
-    let (text, reason, usage, calls) = choices.run_one(|_| Ok(()))?;
-    let ended = Ended { text: &text, reason, stop: choices.stop_index(), usage, calls: &calls };
+    let ended = choices.run_one(|_| Ok(()))?;
     Ok(Reply::Json(answer.message(Some(&ended)).to_string()))
 }
 
@@ -522,16 +521,6 @@ fn tools(body: &Object) -> Result<ChatTools, ApiError> {
     Ok((Some(Value::Array(functions)), chat_choice, parallel, paths))
 }
 
-/// How an answer ended: its text, OpenAI's finish reason, the stop string that ended
-/// it (an index), usage and calls.
-pub(crate) struct Ended<'a> {
-    pub text: &'a str,
-    pub reason: &'a str,
-    pub stop: Option<usize>,
-    pub usage: Usage,
-    pub calls: &'a [Call],
-}
-
 /// The answer being written: its ids and the stream's content blocks.
 pub(crate) struct Answer {
     id: String,
@@ -641,7 +630,35 @@ impl Answer {
             "usage": usage,
         })
     }
+}
 
+/// One server-sent event, its `type` both the event's name and the data's `type`.
+fn event(kind: &str, fields: Value) -> String {
+    let mut data = Map::new();
+    data.insert("type".into(), json!(kind));
+    if let Value::Object(fields) = fields {
+        data.extend(fields);
+    }
+    format!("event: {kind}\ndata: {}\n\n", Value::Object(data))
+}
+
+/// A fresh id such as `msg_1f0c...`.
+fn id(prefix: &str) -> String {
+    api::new_id(prefix).replacen('-', "_", 1)
+}
+
+/// Anthropic's usage: `input_tokens` are those computed, beside those read from memory.
+fn usage_json(usage: Usage) -> Value {
+    let cached = usage.prompt_tokens_details.cached_tokens;
+    json!({
+        "input_tokens": usage.prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": usage.completion_tokens,
+    })
+}
+
+impl Events for Answer {
     /// The events before anything is generated: the message, empty; a ping.
     fn opening(&mut self, input_tokens: u32) -> String {
         let mut message = self.message(None);
@@ -650,7 +667,7 @@ impl Answer {
     }
 
     /// A piece of text (a text block started first, at the first).
-    fn delta(&mut self, text: &str) -> String {
+    fn text(&mut self, text: &str) -> String {
         let mut events = String::new();
         if self.open != Some(Block::Text) {
             events += &self.start_block(Block::Text, json!({"type": "text", "text": ""}));
@@ -660,7 +677,7 @@ impl Answer {
 
     /// What a call added as it was decoded: its block started when it is named, then
     /// its input's JSON text, piece by piece.
-    fn call_delta(&mut self, delta: &CallDelta) -> String {
+    fn call(&mut self, delta: &CallDelta) -> String {
         let mut events = String::new();
         if let Some(name) = &delta.name {
             self.fix_calls(delta.index + 1);
@@ -694,77 +711,10 @@ impl Answer {
             &event("message_delta", json!({"delta": delta, "usage": usage_json(ended.usage)}));
         events + &event("message_stop", json!({}))
     }
-}
 
-/// One server-sent event, its `type` both the event's name and the data's `type`.
-fn event(kind: &str, fields: Value) -> String {
-    let mut data = Map::new();
-    data.insert("type".into(), json!(kind));
-    if let Value::Object(fields) = fields {
-        data.extend(fields);
-    }
-    format!("event: {kind}\ndata: {}\n\n", Value::Object(data))
-}
-
-/// A fresh id such as `msg_1f0c...`.
-fn id(prefix: &str) -> String {
-    api::new_id(prefix).replacen('-', "_", 1)
-}
-
-/// Anthropic's usage: `input_tokens` are those computed, beside those read from memory.
-fn usage_json(usage: Usage) -> Value {
-    let cached = usage.prompt_tokens_details.cached_tokens;
-    json!({
-        "input_tokens": usage.prompt_tokens - cached,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": cached,
-        "output_tokens": usage.completion_tokens,
-    })
-}
-
-/// A message streamed as Anthropic's events.
-pub(crate) struct Stream {
-    choices: Choices,
-    answer: Answer,
-}
-
-impl Streamed for Stream {
-    /// The opening events go out before the prompt is evaluated; each piece as it
-    /// comes. A failed write means the client is gone: stop at once (dropping the run
-    /// cancels it).
-    fn send(mut self: Box<Self>, body: Body) {
-        if let Ok(last) = self.events(&body) {
-            let _ = body.finish_with(last.as_bytes());
-        }
-    }
-}
-
-impl Stream {
-    /// Every event but the last ones, which are returned.
-    fn events(&mut self, body: &Body) -> Result<String, Gone> {
-        body.write(self.answer.opening(self.choices.prompt_tokens()).as_bytes())?;
-        let gone = std::cell::Cell::new(None);
-        let answer = &mut self.answer;
-        let ran = self.choices.run_one(|progress| {
-            let events = match progress {
-                Progress::Text(text) => answer.delta(text),
-                Progress::Call(delta) => answer.call_delta(delta),
-            };
-            body.write(events.as_bytes()).map_err(|g| {
-                gone.set(Some(g));
-                ApiError::invalid("the client is gone", None)
-            })
-        });
-        if let Some(g) = gone.take() {
-            return Err(g);
-        }
-        Ok(match ran {
-            Ok((text, reason, usage, calls)) => {
-                let stop = self.choices.stop_index();
-                self.answer.closing(&Ended { text: &text, reason, stop, usage, calls: &calls })
-            }
-            Err(e) => format!("event: error\ndata: {}\n\n", e.to_anthropic_json()),
-        })
+    /// An error after the stream started: the stream's last event.
+    fn error(&mut self, e: &ApiError) -> String {
+        format!("event: error\ndata: {}\n\n", e.to_anthropic_json())
     }
 }
 
@@ -908,8 +858,13 @@ mod tests {
     fn answers_in_anthropic_shape() {
         let mut answer = Answer::new("m".into(), vec!["STOP".into()]);
         let calls = [Call { name: "weather".into(), arguments: r#"{"city":"Lima"}"#.into() }];
-        let ended =
-            Ended { text: "", reason: "tool_calls", stop: None, usage: usage(), calls: &calls };
+        let ended = Ended {
+            text: "".into(),
+            reason: "tool_calls",
+            stop: None,
+            usage: usage(),
+            calls: calls.to_vec(),
+        };
         let message = answer.message(Some(&ended));
         assert_eq!(message["stop_reason"], "tool_use");
         assert_eq!(message["content"][0]["type"], "tool_use");
@@ -919,17 +874,29 @@ mod tests {
             message["usage"],
             json!({"input_tokens": 6, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4, "output_tokens": 3})
         );
-        let stopped =
-            Ended { text: "hi", reason: "stop", stop: Some(0), usage: usage(), calls: &[] };
+        let stopped = Ended {
+            text: "hi".into(),
+            reason: "stop",
+            stop: Some(0),
+            usage: usage(),
+            calls: vec![],
+        };
         let message = answer.message(Some(&stopped));
         assert_eq!(
             (message["stop_reason"].clone(), message["stop_sequence"].clone()),
             (json!("stop_sequence"), json!("STOP"))
         );
         assert_eq!(message["content"], json!([{"type": "text", "text": "hi"}]));
-        let long = Ended { text: "hi", reason: "length", stop: None, usage: usage(), calls: &[] };
+        let long = Ended {
+            text: "hi".into(),
+            reason: "length",
+            stop: None,
+            usage: usage(),
+            calls: vec![],
+        };
         assert_eq!(answer.message(Some(&long))["stop_reason"], "max_tokens");
-        let done = Ended { text: "hi", reason: "stop", stop: None, usage: usage(), calls: &[] };
+        let done =
+            Ended { text: "hi".into(), reason: "stop", stop: None, usage: usage(), calls: vec![] };
         assert_eq!(answer.message(Some(&done))["stop_reason"], "end_turn");
     }
 
@@ -937,10 +904,15 @@ mod tests {
     fn stream_events_come_in_anthropic_order() {
         let mut answer = Answer::new("m".into(), vec![]);
         let calls = [Call { name: "f".into(), arguments: r#"{"a":1}"#.into() }];
-        let ended =
-            Ended { text: "Hi", reason: "tool_calls", stop: None, usage: usage(), calls: &calls };
+        let ended = Ended {
+            text: "Hi".into(),
+            reason: "tool_calls",
+            stop: None,
+            usage: usage(),
+            calls: calls.to_vec(),
+        };
         let all =
-            answer.opening(10) + &answer.delta("H") + &answer.delta("i") + &answer.closing(&ended);
+            answer.opening(10) + &answer.text("H") + &answer.text("i") + &answer.closing(&ended);
         let events: Vec<(String, Value)> = all
             .split("\n\n")
             .filter(|e| !e.is_empty())
@@ -995,14 +967,19 @@ mod tests {
             delta(0, None, "1}"),
             delta(1, Some("g"), "{}"),
         ] {
-            all += &answer.call_delta(&d);
+            all += &answer.call(&d);
         }
         let calls = [
             Call { name: "f".into(), arguments: "{\"a\":1}".into() },
             Call { name: "g".into(), arguments: "{}".into() },
         ];
-        let ended =
-            Ended { text: "", reason: "tool_calls", stop: None, usage: usage(), calls: &calls };
+        let ended = Ended {
+            text: "".into(),
+            reason: "tool_calls",
+            stop: None,
+            usage: usage(),
+            calls: calls.to_vec(),
+        };
         all += &answer.closing(&ended);
         let events: Vec<Value> = all
             .split("\n\n")

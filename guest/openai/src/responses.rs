@@ -39,9 +39,9 @@
 use serde_json::{json, Map, Value};
 
 use crate::api::{self, ApiError, AsDefault, Object, Origins, Usage};
-use crate::completions::{Choices, Progress};
+use crate::completions::{Ended, EventStream, Events};
 use crate::handlers;
-use crate::http::{Body, Gone, Reply, Streamed};
+use crate::http::Reply;
 use crate::sampling::MAX_GENERATE_TOKENS;
 use crate::tools::{Call, CallDelta};
 
@@ -132,11 +132,10 @@ pub(crate) fn create(body: &Object) -> Result<Reply, ApiError> {
     let choices = handlers::chat_choices(&chat, format).map_err(|e| echo.origins.name(e))?;
     let answer = Answer::new(echo);
     if stream {
-        return Ok(Reply::Stream(Box::new(Stream { choices, answer })));
+        return Ok(Reply::Stream(Box::new(EventStream { choices, events: answer })));
     }
     let (mut choices, mut answer) = (choices, answer);
-    let (text, reason, usage, calls) = choices.run_one(|_| Ok(()))?;
-    let ended = Ended { text: &text, reason, usage, calls: &calls };
+    let ended = choices.run_one(|_| Ok(()))?;
     Ok(Reply::Json(answer.response(Some(&ended)).to_string()))
 }
 
@@ -556,14 +555,6 @@ pub(crate) struct Answer {
     streamed_calls: usize,
 }
 
-/// How an answer ended: its text, OpenAI's finish reason, usage and calls.
-pub(crate) struct Ended<'a> {
-    pub text: &'a str,
-    pub reason: &'a str,
-    pub usage: Usage,
-    pub calls: &'a [Call],
-}
-
 /// A fresh id such as `resp_1f0c...`.
 fn id(prefix: &str) -> String {
     api::new_id(prefix).replacen('-', "_", 1)
@@ -637,7 +628,7 @@ impl Answer {
                 };
                 let mut output = Vec::new();
                 if Self::has_message(ended) {
-                    output.push(self.item(Some(ended.text), true));
+                    output.push(self.item(Some(&ended.text), true));
                 }
                 for (i, call) in ended.calls.iter().enumerate() {
                     output.push(self.call_item(i, call, &call.arguments, true));
@@ -685,16 +676,6 @@ impl Answer {
         format!("event: {kind}\ndata: {}\n\n", Value::Object(data))
     }
 
-    /// The events before anything is generated: created, in progress.
-    fn opening(&mut self) -> String {
-        let response = self.response(None);
-        [
-            self.event("response.created", json!({"response": response})),
-            self.event("response.in_progress", json!({"response": response})),
-        ]
-        .concat()
-    }
-
     /// The message item and its text part added.
     fn open_message(&mut self) -> String {
         self.opened = true;
@@ -709,9 +690,40 @@ impl Answer {
         ]
         .concat()
     }
+}
+
+/// Whether a value asks for nothing: `null`, `false` or `[]`.
+fn off(value: &Value) -> bool {
+    matches!(value, Value::Null | Value::Bool(false)) || value.as_array().is_some_and(Vec::is_empty)
+}
+
+fn part(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+fn usage_json(usage: Usage) -> Value {
+    json!({
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    })
+}
+
+impl Events for Answer {
+    /// The events before anything is generated: created, in progress.
+    fn opening(&mut self, _prompt_tokens: u32) -> String {
+        let response = self.response(None);
+        [
+            self.event("response.created", json!({"response": response})),
+            self.event("response.in_progress", json!({"response": response})),
+        ]
+        .concat()
+    }
 
     /// A piece of text (the message opened first, at the first).
-    fn delta(&mut self, text: &str) -> String {
+    fn text(&mut self, text: &str) -> String {
         let opening = if self.opened { String::new() } else { self.open_message() };
         let item_id = self.item_id.clone();
         opening
@@ -723,7 +735,7 @@ impl Answer {
 
     /// What a call added as it was decoded: its item added when it is named, then
     /// pieces of its arguments. Its index follows the message's, if one was opened.
-    fn call_delta(&mut self, delta: &CallDelta) -> String {
+    fn call(&mut self, delta: &CallDelta) -> String {
         let mut events = String::new();
         let index = delta.index + usize::from(self.opened);
         if let Some(name) = &delta.name {
@@ -755,8 +767,8 @@ impl Answer {
         }
         if message {
             let item_id = self.item_id.clone();
-            let item = self.item(Some(ended.text), true);
-            let text = ended.text;
+            let item = self.item(Some(&ended.text), true);
+            let text = ended.text.as_str();
             events += &self.event(
                 "response.output_text.done",
                 json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
@@ -803,70 +815,6 @@ impl Answer {
     /// An error after the stream started: the stream's last event.
     fn error(&mut self, e: &ApiError) -> String {
         self.event("error", json!({"code": e.code, "message": e.message, "param": e.param}))
-    }
-}
-
-/// Whether a value asks for nothing: `null`, `false` or `[]`.
-fn off(value: &Value) -> bool {
-    matches!(value, Value::Null | Value::Bool(false)) || value.as_array().is_some_and(Vec::is_empty)
-}
-
-fn part(text: &str) -> Value {
-    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
-}
-
-fn usage_json(usage: Usage) -> Value {
-    json!({
-        "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage.total_tokens,
-    })
-}
-
-/// A response streamed as the Responses API's events.
-pub(crate) struct Stream {
-    choices: Choices,
-    answer: Answer,
-}
-
-impl Streamed for Stream {
-    /// The opening events go out before the prompt is evaluated; each piece as it
-    /// comes. A failed write means the client is gone: stop at once (dropping the
-    /// run cancels it).
-    fn send(mut self: Box<Self>, body: Body) {
-        if let Ok(last) = self.events(&body) {
-            let _ = body.finish_with(last.as_bytes());
-        }
-    }
-}
-
-impl Stream {
-    /// Every event but the last, which is returned.
-    fn events(&mut self, body: &Body) -> Result<String, Gone> {
-        body.write(self.answer.opening().as_bytes())?;
-        let gone = std::cell::Cell::new(None);
-        let answer = &mut self.answer;
-        let ran = self.choices.run_one(|progress| {
-            let events = match progress {
-                Progress::Text(text) => answer.delta(text),
-                Progress::Call(delta) => answer.call_delta(delta),
-            };
-            body.write(events.as_bytes()).map_err(|g| {
-                gone.set(Some(g));
-                ApiError::invalid("the client is gone", None)
-            })
-        });
-        if let Some(g) = gone.take() {
-            return Err(g);
-        }
-        Ok(match ran {
-            Ok((text, reason, usage, calls)) => {
-                self.answer.closing(&Ended { text: &text, reason, usage, calls: &calls })
-            }
-            Err(e) => self.answer.error(&e),
-        })
     }
 }
 
@@ -1136,8 +1084,8 @@ mod tests {
         }
     }
 
-    fn ended<'a>(text: &'a str, reason: &'a str, calls: &'a [Call]) -> Ended<'a> {
-        Ended { text, reason, usage: usage(), calls }
+    fn ended(text: &str, reason: &'static str, calls: &[Call]) -> Ended {
+        Ended { text: text.into(), reason, stop: None, usage: usage(), calls: calls.to_vec() }
     }
 
     #[test]
@@ -1206,7 +1154,7 @@ mod tests {
         assert!(call["id"].as_str().unwrap().starts_with("fc_"));
         assert!(call["call_id"].as_str().unwrap().starts_with("call_"));
         // Streamed: no message without text; the call's events; its ids as in the end.
-        let all = [a.opening(), a.closing(&ended("", "tool_calls", &calls))].concat();
+        let all = [a.opening(0), a.closing(&ended("", "tool_calls", &calls))].concat();
         let events = parse(&all);
         let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
@@ -1226,7 +1174,7 @@ mod tests {
         // Text and a call: the message first, the call at output_index 1.
         let mut a = answer();
         let all =
-            [a.opening(), a.delta("t"), a.closing(&ended("t", "tool_calls", &calls))].concat();
+            [a.opening(0), a.text("t"), a.closing(&ended("t", "tool_calls", &calls))].concat();
         let events = parse(&all);
         assert_eq!(events[2].1["item"]["type"], "message");
         let call_added = events.iter().find(|(n, d)| {
@@ -1289,8 +1237,8 @@ mod tests {
     #[test]
     fn stream_events_come_in_openai_order() {
         let mut a = answer();
-        let all = [a.opening(), a.delta("H"), a.delta("i"), a.closing(&ended("Hi", "stop", &[]))]
-            .concat();
+        let all =
+            [a.opening(0), a.text("H"), a.text("i"), a.closing(&ended("Hi", "stop", &[]))].concat();
         let events = parse(&all);
         let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
@@ -1331,10 +1279,10 @@ mod tests {
         };
         let calls = [Call { name: "f".into(), arguments: r#"{"a":1}"#.into() }];
         let all = [
-            a.opening(),
-            a.call_delta(&delta(Some("f"), "")),
-            a.call_delta(&delta(None, r#"{"a":"#)),
-            a.call_delta(&delta(None, "1}")),
+            a.opening(0),
+            a.call(&delta(Some("f"), "")),
+            a.call(&delta(None, r#"{"a":"#)),
+            a.call(&delta(None, "1}")),
             a.closing(&ended("", "tool_calls", &calls)),
         ]
         .concat();

@@ -241,7 +241,6 @@ impl Server {
             .with_context(|| format!("plugin {:?}", config.name))?;
             paths.push(path);
         }
-        let mut paths = paths.into_iter();
         let registry = self.host.models();
         for (name, path) in &self.config.models {
             status_line(&format!("loading model {name} from {}", path.display()));
@@ -264,9 +263,8 @@ impl Server {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let mut plugins = Vec::new();
-        for config in &self.config.plugins {
+        for (config, path) in self.config.plugins.iter().zip(paths) {
             let started = Instant::now();
-            let path = paths.next().unwrap_or_else(|| config.path.clone());
             let plugin = self
                 .host
                 .load_async(&path)
