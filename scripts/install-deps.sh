@@ -5,7 +5,8 @@
 # the Python plugin's toolchain, node and npm for the JavaScript plugin's (the
 # scripts/build-*-plugin.sh install those toolchains from PyPI and npm), curl and wrk
 # for the server's tests, headless Chromium for the chat page's, lld and wasi-libc for
-# the C plugin's, and docker-registry with skopeo for the plugins-from-a-registry tests.
+# the C plugin's, and docker-registry with skopeo and openssl for the
+# plugins-from-a-registry tests.
 set -euo pipefail
 
 need=()
@@ -26,6 +27,9 @@ command -v chromium-headless-shell >/dev/null || need+=(chromium-headless-shell)
 # run on loopback by the test, and skopeo, the real client that pushes to it.
 command -v docker-registry >/dev/null || need+=(docker-registry)
 command -v skopeo >/dev/null || need+=(skopeo)
+# The signing keys and cosign signatures those tests make (Debian packages no cosign,
+# and builds skopeo with sigstore signing disabled): OpenSSL's ECDSA P-256.
+command -v openssl >/dev/null || need+=(openssl)
 # The C plugin (scripts/build-c-plugin.sh): Debian's clang for wasm32-wasi, its linker,
 # compiler runtime and libc.
 ls /usr/lib/llvm-*/bin/wasm-ld >/dev/null 2>&1 || need+=(lld)

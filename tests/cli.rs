@@ -81,8 +81,9 @@ fn an_offload_this_machine_cannot_do_is_refused_by_name_before_anything_runs() {
     }
 }
 
-/// `llamabox inspect` names a plugin's digest (its bytes' SHA-256), its size, and the
-/// interfaces it imports and exports; a file that is not a component is refused.
+/// `llamabox inspect` names a plugin's digest (its bytes' SHA-256), its size, the
+/// interfaces it imports and exports, and whether its grant allows the imports; a file
+/// that is not a component is refused.
 #[test]
 fn inspect_prints_a_plugins_digest_size_imports_and_exports() {
     use sha2::{Digest as _, Sha256};
@@ -92,18 +93,35 @@ fn inspect_prints_a_plugins_digest_size_imports_and_exports() {
     let printed = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{printed}{}", stderr(&out));
     let digest: String = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
-    assert!(printed.contains(&format!("digest  sha256:{digest}\n")), "{printed}");
-    assert!(printed.contains(&format!("size    {} bytes\n", bytes.len())), "{printed}");
+    assert!(printed.contains(&format!("digest    sha256:{digest}\n")), "{printed}");
+    assert!(printed.contains(&format!("size      {} bytes\n", bytes.len())), "{printed}");
     let lines = |kind: &str| -> Vec<String> {
         printed.lines().filter_map(|l| l.strip_prefix(kind)).map(String::from).collect()
     };
-    let imports = lines("import  ");
+    let imports = lines("import    ");
     assert!(imports.iter().any(|i| i.starts_with("llamabox:inference/llm@")), "{imports:?}");
-    assert!(lines("export  ").iter().any(|e| e.starts_with("wasi:cli/run@")), "{printed}");
+    assert!(lines("export    ").iter().any(|e| e.starts_with("wasi:cli/run@")), "{printed}");
+    // A local file is granted every interface unless the operator says otherwise.
+    assert!(printed.contains("grant     llm,generate,embeddings,media,cancel,async-calls\n"));
+    assert!(printed.contains("verdict   its imports are granted\n"), "{printed}");
     let bogus = common::repo_root().join("README.md");
     let out = llamabox(&["inspect", bogus.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("is not a WebAssembly component"), "{}", stderr(&out));
+}
+
+/// A grant narrower than what a plugin imports refuses it at load, naming the import,
+/// before it runs at all.
+#[test]
+fn a_plugin_that_imports_what_it_is_not_granted_is_refused_at_load() {
+    let plugin = common::demo_plugin();
+    let out = llamabox(&["run", plugin.to_str().unwrap(), "--grant", "cancel,llm,generate"]);
+    assert!(!out.status.success() && out.stdout.is_empty());
+    let log = stderr(&out);
+    assert!(log.contains("plugin llamabox-demo.wasm: it imports llamabox:inference/media@0.1.0 but is not granted media (its grant: llm,generate,cancel)"), "{log}");
+    let out = llamabox(&["run", plugin.to_str().unwrap(), "--grant", "llm,network"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("\"network\" is no llamabox interface"), "{}", stderr(&out));
 }
 
 #[test]

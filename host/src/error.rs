@@ -25,6 +25,14 @@ pub enum Error {
         #[source]
         source: wasmtime::Error,
     },
+    /// The plugin imports a llamabox interface its grant withholds (`interface`; `None`
+    /// for a llamabox interface this host does not know).
+    #[error("it imports {import} but is not granted {} (its grant: {grant})", .interface.map_or("it", |i| i.name()))]
+    NotGranted {
+        import: String,
+        interface: Option<crate::plugin::Interface>,
+        grant: crate::plugin::Grant,
+    },
     /// The plugin exports none of `wasi:cli/run` (a WASI 0.2 command), `run`
     /// (`plugin-async`) and `wasi:http/incoming-handler` (`http-plugin`).
     #[error("the plugin exports none of wasi:cli/run (a WASI 0.2 command), `run` (plugin-async) and wasi:http/incoming-handler (http-plugin)")]

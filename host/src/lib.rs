@@ -37,8 +37,8 @@ pub use engine::{BatchPolicy, StepObserver, StepReport};
 pub use error::{Error, Result};
 pub use native::CancelFlag;
 pub use plugin::{
-    CompileCacheStats, HostOptions, HttpResponse, Plugin, PluginHost, PluginState, ResponseSender,
-    RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
+    CompileCacheStats, Grant, HostOptions, HttpResponse, Interface, Plugin, PluginHost,
+    PluginState, ResponseSender, RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
 };
 
 /// The wasmtime and wasmtime-wasi this API is built on (`WasiCtxBuilder`, traps, the

@@ -11,7 +11,7 @@ use llamabox::native;
 use llamabox::native::{ProjectorSpec, TextModelSpec};
 use llamabox::serve::{ServeConfig, Server};
 use llamabox::{
-    HostOptions, LimitOverrides, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome,
+    Grant, HostOptions, LimitOverrides, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome,
 };
 use wasmtime_wasi::WasiCtxBuilder;
 
@@ -46,6 +46,11 @@ enum Command {
         limits: LimitFlags,
         #[command(flatten)]
         registry: RegistryFlags,
+        /// The llamabox interfaces the plugin may import: NAME,NAME (llm, generate,
+        /// embeddings, media, cancel, async-calls), all or none (default: all for a
+        /// file, none for an oci:// plugin).
+        #[arg(long, value_name = "INTERFACES")]
+        grant: Option<Grant>,
         #[command(flatten)]
         offload: OffloadFlags,
         /// Stop the plugin, native work included, after this many milliseconds.
@@ -168,6 +173,10 @@ enum Command {
         batch_long_prompt_share: Option<f64>,
         #[command(flatten)]
         registry: RegistryFlags,
+        /// The llamabox interfaces every plugin may import (see `run --grant`), over
+        /// each plugin's `grant` in the config file.
+        #[arg(long, value_name = "INTERFACES")]
+        grant: Option<Grant>,
         #[command(flatten)]
         offload: OffloadFlags,
         #[command(flatten)]
@@ -177,14 +186,17 @@ enum Command {
     /// backends built in) and the devices it finds.
     Info,
     /// Print what a plugin is before running it: where it came from, its SHA-256 digest
-    /// and size, and the interfaces it imports (what it may ask the host for) and
-    /// exports. Signatures and grants are not checked yet (issue 36).
+    /// and size, its signer, the interfaces it imports (what it may ask the host for)
+    /// and exports, and whether the grant allows what it imports.
     Inspect {
         /// The plugin component: a .wasm file, or oci://REGISTRY/REPO@sha256:DIGEST (or
         /// :TAG), pulled and verified as `run` does.
         plugin: PathBuf,
         #[command(flatten)]
         registry: RegistryFlags,
+        /// The grant to check its imports against (see `run --grant`).
+        #[arg(long, value_name = "INTERFACES")]
+        grant: Option<Grant>,
         #[command(flatten)]
         cache: CacheFlags,
     },
@@ -283,6 +295,13 @@ struct RegistryFlags {
     /// cache). Must be writable by this user only.
     #[arg(long, value_name = "DIR")]
     plugin_cache: Option<PathBuf>,
+    /// A cosign public key (PEM, `cosign.pub`) trusted to sign pulled plugins
+    /// (repeatable). A pulled plugin runs only if one of them signed its digest.
+    #[arg(long = "trust-key", value_name = "PEM")]
+    trust_keys: Vec<PathBuf>,
+    /// Run pulled plugins that no trusted key signed (logged at start).
+    #[arg(long)]
+    allow_unsigned: bool,
 }
 
 impl RegistryFlags {
@@ -291,6 +310,10 @@ impl RegistryFlags {
         options.insecure.extend(self.insecure_registries.iter().cloned());
         if self.plugin_cache.is_some() {
             options.cache = self.plugin_cache.clone();
+        }
+        options.keys.extend(self.trust_keys.iter().cloned());
+        if self.allow_unsigned {
+            options.signatures = llamabox::source::SignaturePolicy::AllowUnsigned;
         }
     }
 
@@ -301,7 +324,7 @@ impl RegistryFlags {
         runtime: &tokio::runtime::Runtime,
         plugin: &std::path::Path,
         compile_cache: Option<&std::path::Path>,
-    ) -> anyhow::Result<PathBuf> {
+    ) -> anyhow::Result<llamabox::source::Resolved> {
         let mut sources = llamabox::source::RegistryOptions::default();
         self.apply(&mut sources);
         Ok(runtime.block_on(llamabox::source::resolve(plugin, &sources, compile_cache))?)
@@ -442,6 +465,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             batch_long_prompt_rows,
             batch_long_prompt_share,
             registry,
+            grant,
             offload,
             cache,
         } => {
@@ -476,6 +500,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 plugin.threads = request_threads.unwrap_or(plugin.threads);
                 plugin.deadline_ms = deadline_ms.unwrap_or(plugin.deadline_ms);
                 plugin.env.extend(plugin_env.iter().cloned());
+                plugin.grant = grant.or(plugin.grant);
             }
             config.gpu_layers = offload.gpu_layers.or(config.gpu_layers);
             config.device = offload.device.clone().or(config.device.take());
@@ -536,15 +561,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("wrote {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Inspect { plugin, registry: registry_flags, cache } => {
+        Command::Inspect { plugin, registry: registry_flags, grant, cache } => {
             use sha2::{Digest as _, Sha256};
             let options = cache.options();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let shown = llamabox::source::display_name(&plugin);
-            let path =
+            let grant = grant.unwrap_or_else(|| llamabox::source::default_grant(&plugin));
+            let resolved =
                 registry_flags.resolve(&runtime, &plugin, options.compile_cache.as_deref())?;
+            let path = &resolved.path;
             let bytes =
-                std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+                std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
             let digest: String =
                 Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
             let host = PluginHost::with_options(ModelRegistry::new(), Limits::default(), options)?;
@@ -554,14 +581,30 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 anyhow::anyhow!("{shown} is not a WebAssembly component: {e:#}")
             })?;
             let kind = component.component_type();
-            println!("plugin  {shown}");
-            println!("digest  sha256:{digest}");
-            println!("size    {} bytes", bytes.len());
-            for (name, _) in kind.imports(engine) {
-                println!("import  {name}");
+            println!("plugin    {shown}");
+            if let Some(pulled) = &resolved.pulled {
+                println!("manifest  {}", pulled.digest);
+                println!(
+                    "signer    {}",
+                    pulled.signer.as_deref().unwrap_or("none (allowed unsigned)")
+                );
+            }
+            println!("digest    sha256:{digest}");
+            println!("size      {} bytes", bytes.len());
+            let imports: Vec<String> =
+                kind.imports(engine).map(|(name, _)| name.to_string()).collect();
+            for name in &imports {
+                println!("import    {name}");
             }
             for (name, _) in kind.exports(engine) {
-                println!("export  {name}");
+                println!("export    {name}");
+            }
+            println!("grant     {grant}");
+            match grant.first_withheld(imports.iter().map(String::as_str)) {
+                None => println!("verdict   its imports are granted"),
+                Some((import, _)) => {
+                    println!("verdict   refused: it imports {import}, which the grant withholds")
+                }
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -571,6 +614,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             projectors,
             limits: limit_flags,
             registry: registry_flags,
+            grant,
             offload,
             deadline_ms,
             cache,
@@ -598,10 +642,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let options = cache.options();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let argv0 = llamabox::source::display_name(&plugin);
-            let plugin =
+            let grant = grant.unwrap_or_else(|| llamabox::source::default_grant(&plugin));
+            let resolved =
                 registry_flags.resolve(&runtime, &plugin, options.compile_cache.as_deref())?;
             let host = PluginHost::with_options(registry, limits, options)?;
-            let plugin = host.load(&plugin)?;
+            let plugin = host
+                .load_granted(&resolved.path, grant)
+                .with_context(|| format!("plugin {argv0}"))?;
             let mut wasi = WasiCtxBuilder::new();
             wasi.inherit_stdout().inherit_stderr();
             wasi.args(&std::iter::once(argv0).chain(args).collect::<Vec<_>>());

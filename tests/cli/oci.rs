@@ -2,6 +2,10 @@
 //! `docker-registry`, the CNCF distribution registry) that the test starts and stops by its
 //! own process id, artifacts pushed to it by a real client (skopeo, from an OCI image
 //! layout directory the test writes: index.json and blobs), and `llamabox run oci://...`.
+//!
+//! Signatures are cosign's key-pair signatures in cosign's registry layout (the
+//! `sha256-HEX.sig` tag), signed with OpenSSL's ECDSA P-256: Debian packages no cosign,
+//! and its skopeo is built with sigstore signing disabled.
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -131,6 +135,17 @@ fn sha256(bytes: &[u8]) -> String {
 /// An OCI image layout directory holding one image tagged `tag`: a config and one layer of
 /// the given media types. The manifest's digest.
 fn write_layout(dir: &Path, tag: &str, config: (&str, &[u8]), layer: (&str, &[u8])) -> String {
+    write_layout_annotated(dir, tag, config, layer, serde_json::Value::Null)
+}
+
+/// `write_layout` with `annotations` on the layer (none if null).
+fn write_layout_annotated(
+    dir: &Path,
+    tag: &str,
+    config: (&str, &[u8]),
+    layer: (&str, &[u8]),
+    annotations: serde_json::Value,
+) -> String {
     let blobs = dir.join("blobs/sha256");
     std::fs::create_dir_all(&blobs).unwrap();
     let blob = |bytes: &[u8]| {
@@ -143,12 +158,16 @@ fn write_layout(dir: &Path, tag: &str, config: (&str, &[u8]), layer: (&str, &[u8
         d["mediaType"] = media.into();
         d
     };
+    let mut layer_descriptor = descriptor(layer.0, layer.1);
+    if !annotations.is_null() {
+        layer_descriptor["annotations"] = annotations;
+    }
     let manifest = serde_json::json!({
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.manifest.v1+json",
         "artifactType": layer.0,
         "config": descriptor(config.0, config.1),
-        "layers": [descriptor(layer.0, layer.1)],
+        "layers": [layer_descriptor],
     });
     let manifest = serde_json::to_vec(&manifest).unwrap();
     let digest = sha256(&manifest);
@@ -158,6 +177,74 @@ fn write_layout(dir: &Path, tag: &str, config: (&str, &[u8]), layer: (&str, &[u8
     std::fs::write(dir.join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
     std::fs::write(dir.join("oci-layout"), r#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
     digest
+}
+
+/// An ECDSA P-256 key pair made by OpenSSL (cosign's key type): `NAME.key`, `NAME.pub`.
+struct Signer {
+    key: PathBuf,
+    public: PathBuf,
+}
+
+impl Signer {
+    fn new(dir: &Path, name: &str) -> Signer {
+        let (key, public) = (dir.join(format!("{name}.key")), dir.join(format!("{name}.pub")));
+        openssl(&["ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", p(&key)]);
+        openssl(&["ec", "-in", p(&key), "-pubout", "-out", p(&public)]);
+        Signer { key, public }
+    }
+
+    /// The key's id as llamabox shows it: the SHA-256 of the public key's DER.
+    fn key_id(&self) -> String {
+        let der = self.public.with_extension("der");
+        openssl(&["pkey", "-pubin", "-in", p(&self.public), "-outform", "DER", "-out", p(&der)]);
+        sha256(&std::fs::read(der).unwrap())
+    }
+
+    /// Sign the manifest `digest` of `repo` as cosign does, and push the signature to
+    /// `repo:sha256-HEX.sig` (for `signed_as`, another digest: a signature moved to an
+    /// artifact it was not made for).
+    fn sign(&self, registry: &Registry, repo: &str, digest: &str, signed_as: Option<&str>) {
+        let dir = self.key.with_file_name(format!("sig-{}", &digest[7..19]));
+        std::fs::create_dir_all(&dir).unwrap();
+        let payload = serde_json::json!({
+            "critical": {
+                "identity": { "docker-reference": format!("{}/{repo}", registry.host()) },
+                "image": { "docker-manifest-digest": digest },
+                "type": "cosign container image signature",
+            },
+            "optional": null,
+        });
+        let payload_file = dir.join("payload.json");
+        std::fs::write(&payload_file, serde_json::to_vec(&payload).unwrap()).unwrap();
+        let sig = dir.join("payload.sig");
+        openssl(&["dgst", "-sha256", "-sign", p(&self.key), "-out", p(&sig), p(&payload_file)]);
+        let b64 = dir.join("payload.sig.b64");
+        openssl(&["base64", "-A", "-in", p(&sig), "-out", p(&b64)]);
+        let signature = std::fs::read_to_string(b64).unwrap();
+        let layout = dir.join("layout");
+        let tag = format!("{}.sig", signed_as.unwrap_or(digest).replacen(':', "-", 1));
+        let config = br#"{"architecture":"","os":"","rootfs":{"type":"layers","diff_ids":[]}}"#;
+        write_layout_annotated(
+            &layout,
+            &tag,
+            ("application/vnd.oci.image.config.v1+json", config),
+            (
+                "application/vnd.dev.cosign.simplesigning.v1+json",
+                &std::fs::read(&payload_file).unwrap(),
+            ),
+            serde_json::json!({ "dev.cosignproject.cosign/signature": signature.trim() }),
+        );
+        registry.push(&layout, &tag, repo);
+    }
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+fn openssl(args: &[&str]) {
+    let out = bounded(Command::new("openssl").args(args), Duration::from_secs(30));
+    assert!(out.status.success(), "openssl {args:?}: {}", stderr(&out));
 }
 
 /// The demo plugin in the Wasm artifact layout (the config `wkg` writes, abridged).
@@ -191,16 +278,37 @@ fn a_plugin_pulled_by_digest_or_tag_runs_and_starts_again_from_the_cache_without
     let (digest, layer) = demo_layout(&layout);
     // skopeo keeps the Wasm artifact's manifest byte for byte.
     assert_eq!(registry.push(&layout, "v1", "plugins/demo"), digest);
+    let signer = Signer::new(&scratch.0, "cosign");
+    signer.sign(&registry, "plugins/demo", &digest, None);
     let host = registry.host();
     // The compile cache in use decides where pulled plugins go: `oci-plugins` beside it.
     let compiled = scratch.0.join("cache/compiled");
-    let cache_flags = ["--compile-cache", compiled.to_str().unwrap()];
+    let (compiled, key) = (p(&compiled), p(&signer.public));
+    let grant = "cancel,llm,media,generate";
+    let cache_flags = ["--compile-cache", compiled, "--trust-key", key, "--grant", grant];
     let by_digest = format!("oci://{host}/plugins/demo@{digest}");
 
     let (out, pulled) = run_demo(&by_digest, &cache_flags);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("generated-tokens: 16"));
-    assert!(stderr(&out).contains("pulled the plugin"), "{}", stderr(&out));
+    let log = stderr(&out);
+    assert!(log.contains("pulled the plugin") && log.contains(&signer.key_id()), "{log}");
+
+    // Grants, deny by default for a pulled plugin: refused at load, naming the import.
+    for (flags, refusal) in [
+        (
+            &["--compile-cache", compiled, "--trust-key", key][..],
+            "it imports llamabox:inference/cancel@0.1.0 but is not granted cancel (its grant: none)",
+        ),
+        (
+            &["--compile-cache", compiled, "--trust-key", key, "--grant", "cancel,llm,generate"],
+            "it imports llamabox:inference/media@0.1.0 but is not granted media",
+        ),
+    ] {
+        let (out, _) = run_demo(&by_digest, flags);
+        assert!(!out.status.success() && out.stdout.is_empty(), "{}", stderr(&out));
+        assert!(stderr(&out).contains(refusal), "{}", stderr(&out));
+    }
     let cached = scratch.0.join("cache/oci-plugins/blobs");
     let cached = cached.join(format!("{}.wasm", layer.trim_start_matches("sha256:")));
     assert_eq!(std::fs::read(&cached).unwrap(), std::fs::read(common::demo_plugin()).unwrap());
@@ -254,7 +362,14 @@ fn a_registry_artifact_that_is_not_the_plugin_asked_for_is_refused_before_anythi
     let image_digest = registry.push(&image, "v1", "images/base");
     let refused = |plugin: &str, flags: &[&str]| {
         let cache = scratch.0.join("plugins");
-        let cache_flags = ["--plugin-cache", cache.to_str().unwrap(), "--no-compile-cache"];
+        let cache_flags = [
+            "--plugin-cache",
+            p(&cache),
+            "--no-compile-cache",
+            "--allow-unsigned",
+            "--grant",
+            "all",
+        ];
         let (out, _) = run_demo(plugin, &[&cache_flags[..], flags].concat());
         assert!(!out.status.success(), "{plugin} ran");
         assert!(out.stdout.is_empty(), "{plugin}: nothing may run");
@@ -293,7 +408,7 @@ fn serve_refuses_a_plugin_whose_registry_is_down_before_it_serves() {
     let plugin = format!("openai=oci://127.0.0.1:{port}/plugins/openai@{digest}");
     let out = bounded(
         Command::new(env!("CARGO_BIN_EXE_llamabox"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--plugin", &plugin])
+            .args(["serve", "--listen", "127.0.0.1:0", "--plugin", &plugin, "--allow-unsigned"])
             .args(["--plugin-cache", scratch.0.join("plugins").to_str().unwrap()]),
         Duration::from_secs(60),
     );
@@ -309,7 +424,7 @@ fn serve_refuses_a_plugin_whose_registry_is_down_before_it_serves() {
         &config,
         format!(
             "listen = \"127.0.0.1:0\"\n[registry]\ncache = {cache:?}\nmax_plugin_mib = 8\n\
-             timeout_ms = 20000\n[[plugins]]\nname = \"chat\"\n\
+             timeout_ms = 20000\nsignatures = \"allow-unsigned\"\n[[plugins]]\nname = \"chat\"\n\
              path = \"oci://127.0.0.1:{port}/plugins/openai@{digest}\"\n"
         ),
     )
@@ -337,15 +452,48 @@ fn serve_pulls_its_plugin_from_the_registry_and_answers_with_it() {
     let config = br#"{"architecture":"wasm","os":"wasip2"}"#;
     let digest = write_layout(&layout, "v1", (WASM_CONFIG, config), (WASM_LAYER, &wasm));
     assert_eq!(registry.push(&layout, "v1", "plugins/openai"), digest);
+    let signer = Signer::new(&scratch.0, "cosign");
+    signer.sign(&registry, "plugins/openai", &digest, None);
+    let plugin = format!("oci://{}/plugins/openai@{digest}", registry.host());
+    let cache = scratch.0.join("plugins");
+
+    // serve.toml's grant for the plugin withholds what it imports: no start.
+    let config = scratch.0.join("serve.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:0\"\n[models]\ntiny = {:?}\n[registry]\ncache = {cache:?}\n\
+             keys = [{:?}]\n[[plugins]]\nname = \"chat\"\npath = \"{plugin}\"\ngrant = [\"llm\", \"generate\"]\n",
+            common::tiny_model(),
+            signer.public,
+        ),
+    )
+    .unwrap();
+    let out = bounded(
+        Command::new(env!("CARGO_BIN_EXE_llamabox")).args(["serve", "--config", p(&config)]),
+        Duration::from_secs(120),
+    );
+    assert!(!out.status.success());
+    let log = stderr(&out);
+    assert!(log.contains("plugin \"chat\""), "{log}");
+    assert!(
+        log.contains("imports llamabox:inference/cancel@0.1.0 but is not granted cancel"),
+        "{log}"
+    );
+
     let args: Vec<String> = [
         "--listen",
         "127.0.0.1:0",
         "--plugin",
-        &format!("openai=oci://{}/plugins/openai@{digest}", registry.host()),
+        &format!("openai={plugin}"),
         "--model",
         &format!("tiny={}", common::tiny_model().display()),
         "--plugin-cache",
-        scratch.0.join("plugins").to_str().unwrap(),
+        p(&cache),
+        "--trust-key",
+        p(&signer.public),
+        "--grant",
+        "cancel,llm,media,generate,embeddings",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -355,4 +503,86 @@ fn serve_pulls_its_plugin_from_the_registry_and_answers_with_it() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"tiny\""), "{body}");
     assert!(server.terminate().success());
+}
+
+#[test]
+fn only_a_plugin_signed_by_a_trusted_key_runs_unless_unsigned_ones_are_allowed() {
+    let scratch = Scratch::new("signatures");
+    let registry = Registry::start(&scratch.0);
+    let host = registry.host();
+    let trusted = Signer::new(&scratch.0, "trusted");
+    let stranger = Signer::new(&scratch.0, "stranger");
+    // The same component four times: signed by the trusted key, unsigned, signed by a key
+    // nobody trusts, and carrying a signature made for another artifact.
+    let (digest, _) = demo_layout(&scratch.0.join("demo"));
+    for repo in ["plugins/signed", "plugins/unsigned", "plugins/stranger"] {
+        assert_eq!(registry.push(&scratch.0.join("demo"), "v1", repo), digest);
+    }
+    trusted.sign(&registry, "plugins/signed", &digest, None);
+    stranger.sign(&registry, "plugins/stranger", &digest, None);
+    let wasm = std::fs::read(common::demo_plugin()).unwrap();
+    let other = write_layout(
+        &scratch.0.join("other"),
+        "v1",
+        (WASM_CONFIG, br#"{"architecture":"wasm","os":"wasip2","created":"2026-02-02T00:00:00Z"}"#),
+        (WASM_LAYER, &wasm),
+    );
+    assert_eq!(registry.push(&scratch.0.join("other"), "v1", "plugins/moved"), other);
+    trusted.sign(&registry, "plugins/moved", &digest, Some(&other));
+
+    let cache = scratch.0.join("plugins");
+    let compiled = scratch.0.join("compiled");
+    let run = |repo: &str, at: &str, flags: &[&str]| {
+        let base = ["--plugin-cache", p(&cache), "--compile-cache", p(&compiled), "--grant", "all"];
+        let (out, _) = run_demo(&format!("oci://{host}/{repo}@{at}"), &[&base[..], flags].concat());
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), stderr(&out))
+    };
+    let trust = ["--trust-key", p(&trusted.public)];
+
+    let (ran, stdout, log) = run("plugins/signed", &digest, &trust);
+    assert!(ran && stdout.contains("generated-tokens: 16"), "{log}");
+    assert!(log.contains(&trusted.key_id()), "{log}");
+
+    // The same bytes are in the cache by now, pulled from the signed repository: that
+    // signature does not vouch for a pull from a repository that has none.
+    for (repo, at, refusal) in [
+        ("plugins/unsigned", &digest, "it has no signature"),
+        ("plugins/stranger", &digest, "signed by no trusted key"),
+        ("plugins/moved", &other, &format!("a signature of {digest}, not of {other}")[..]),
+    ] {
+        let (ran, stdout, log) = run(repo, at, &trust);
+        assert!(!ran && stdout.is_empty(), "{repo} ran: {log}");
+        assert!(log.contains(&format!("{repo}@{at} is refused: ")), "{log}");
+        assert!(log.contains(refusal), "{repo}: {log}");
+    }
+    // No trusted key at all: refused before the registry is asked anything.
+    let (ran, _, log) = run("plugins/signed", &digest, &[]);
+    assert!(!ran && log.contains("signatures are required, but no key is trusted"), "{log}");
+    // Unsigned plugins run when the operator says so, and the start says it.
+    let (ran, stdout, log) = run("plugins/unsigned", &digest, &["--allow-unsigned"]);
+    assert!(ran && stdout.contains("generated-tokens: 16"), "{log}");
+    assert!(log.contains("running an unsigned plugin (signatures = allow-unsigned)"), "{log}");
+
+    // `inspect` names the signer and checks the grant against the imports.
+    let inspect = bounded(
+        Command::new(env!("CARGO_BIN_EXE_llamabox"))
+            .args(["inspect", &format!("oci://{host}/plugins/signed@{digest}")])
+            .args(["--plugin-cache", p(&cache), "--compile-cache", p(&compiled)])
+            .args(trust)
+            .args(["--grant", "llm,generate"]),
+        Duration::from_secs(60),
+    );
+    let printed = String::from_utf8_lossy(&inspect.stdout);
+    assert!(inspect.status.success(), "{}", stderr(&inspect));
+    assert!(printed.contains(&format!("signer    {}", trusted.key_id())), "{printed}");
+    assert!(printed.contains("grant     llm,generate"), "{printed}");
+    assert!(printed.contains("refused: it imports llamabox:inference/cancel@0.1.0"), "{printed}");
+
+    // The cache keeps the signatures and checks them again under the keys trusted now:
+    // with the registry gone, the trusted key still runs it, a stranger's does not.
+    drop(registry);
+    let (ran, _, log) = run("plugins/signed", &digest, &trust);
+    assert!(ran && log.contains("from the cache of pulled plugins"), "{log}");
+    let (ran, _, log) = run("plugins/signed", &digest, &["--trust-key", p(&stranger.public)]);
+    assert!(!ran && log.contains("is unreachable"), "{log}");
 }

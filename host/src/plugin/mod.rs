@@ -4,9 +4,11 @@
 //! - `state`: what a run's store holds (WASI, wasi-http, llamabox, limits).
 //! - `link`: naming every import a plugin needs that the linker lacks.
 //! - `epoch`: the ticker that lets deadlines interrupt running wasm.
+//! - `grant`: which llamabox interfaces a plugin may import, checked at load.
 //! - `run`: a compiled plugin and one run of it, start to end.
 
 mod epoch;
+mod grant;
 mod link;
 mod run;
 mod state;
@@ -36,6 +38,7 @@ use crate::native::Meter;
 use crate::worker::Tracker;
 
 use epoch::EpochTicker;
+pub use grant::{Grant, Interface};
 use link::unresolved_imports;
 use run::PreInstance;
 pub use run::{HttpResponse, Plugin, ResponseSender};
@@ -299,13 +302,20 @@ impl PluginHost {
         &self.tokens
     }
 
-    /// Compile a plugin and check it can link against this host.
+    /// Compile a plugin and check it can link against this host. It may import every
+    /// llamabox interface ([`Grant::all`]); [`PluginHost::load_granted`] grants fewer.
     pub fn load(&self, path: &Path) -> Result<Plugin> {
+        self.load_granted(path, Grant::all())
+    }
+
+    /// `load`, refusing a plugin that imports a llamabox interface `grant` withholds
+    /// ([`Error::NotGranted`]): at load, before it ever runs.
+    pub fn load_granted(&self, path: &Path, grant: Grant) -> Result<Plugin> {
         if !path.is_file() {
             return Err(Error::NotFound(path.to_path_buf()));
         }
         let component = Component::from_file(&self.engine, path).map_err(Error::NotAComponent)?;
-        self.load_component(component)
+        self.load_component_granted(component, grant)
     }
 
     pub fn load_bytes(&self, bytes: &[u8]) -> Result<Plugin> {
@@ -314,8 +324,13 @@ impl PluginHost {
 
     /// `load` off the async executor: compiling takes CPU-seconds for a large plugin.
     pub async fn load_async(self: &Arc<Self>, path: &Path) -> Result<Plugin> {
+        self.load_granted_async(path, Grant::all()).await
+    }
+
+    /// `load_granted` off the async executor.
+    pub async fn load_granted_async(self: &Arc<Self>, path: &Path, grant: Grant) -> Result<Plugin> {
         let (host, path) = (self.clone(), path.to_path_buf());
-        match tokio::task::spawn_blocking(move || host.load(&path)).await {
+        match tokio::task::spawn_blocking(move || host.load_granted(&path, grant)).await {
             Ok(loaded) => loaded,
             Err(join) => {
                 Err(Error::Host(wasmtime::Error::msg(format!("the compile thread failed: {join}"))))
@@ -326,6 +341,17 @@ impl PluginHost {
     /// A component the embedder compiled (or deserialized) itself with this host's
     /// [`PluginHost::engine`].
     pub fn load_component(&self, component: Component) -> Result<Plugin> {
+        self.load_component_granted(component, Grant::all())
+    }
+
+    /// `load_component`, refusing imports that `grant` withholds.
+    pub fn load_component_granted(&self, component: Component, grant: Grant) -> Result<Plugin> {
+        let ty = component.component_type();
+        let imports: Vec<String> = ty.imports(&self.engine).map(|(name, _)| name.into()).collect();
+        if let Some((import, interface)) = grant.first_withheld(imports.iter().map(String::as_str))
+        {
+            return Err(Error::NotGranted { import: import.into(), interface, grant });
+        }
         let pre = self.linker.instantiate_pre(&component).map_err(|source| Error::Link {
             missing: unresolved_imports(&self.linker, &component, &source),
             source,

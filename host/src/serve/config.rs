@@ -171,6 +171,21 @@ pub struct PluginConfig {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub limits: LimitOverrides,
+    /// The llamabox interfaces it may import (`["llm", "generate"]`, `"all"` or
+    /// `"none"`). Default: all for a file, none for an `oci://` plugin. A plugin that
+    /// imports one it is not granted is refused at start, naming the import.
+    #[serde(default)]
+    pub grant: Option<crate::Grant>,
+    /// Its signature policy, over `[registry] signatures` (`oci://` plugins only).
+    #[serde(default)]
+    pub signatures: Option<crate::source::SignaturePolicy>,
+}
+
+impl PluginConfig {
+    /// Its grant: the configured one, else the default for where it comes from.
+    pub fn grant(&self) -> crate::Grant {
+        self.grant.unwrap_or_else(|| crate::source::default_grant(&self.path))
+    }
 }
 
 fn all_cores() -> u32 {
@@ -294,6 +309,8 @@ impl ServeConfig {
                     models: None,
                     env: BTreeMap::new(),
                     limits: LimitOverrides::default(),
+                    grant: None,
+                    signatures: None,
                 })
                 .collect(),
         }

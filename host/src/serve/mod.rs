@@ -232,14 +232,16 @@ impl Server {
         // take their time.
         let mut paths = Vec::new();
         for config in &self.config.plugins {
-            let path = crate::source::resolve(
+            let mut registry = self.config.registry.clone();
+            registry.signatures = config.signatures.unwrap_or(registry.signatures);
+            let resolved = crate::source::resolve(
                 &config.path,
-                &self.config.registry,
+                &registry,
                 self.config.compile_cache.as_deref(),
             )
             .await
             .with_context(|| format!("plugin {:?}", config.name))?;
-            paths.push(path);
+            paths.push(resolved);
         }
         let registry = self.host.models();
         for (name, path) in &self.config.models {
@@ -263,11 +265,11 @@ impl Server {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let mut plugins = Vec::new();
-        for (config, path) in self.config.plugins.iter().zip(paths) {
+        for (config, resolved) in self.config.plugins.iter().zip(paths) {
             let started = Instant::now();
             let plugin = self
                 .host
-                .load_async(&path)
+                .load_granted_async(&resolved.path, config.grant())
                 .await
                 .with_context(|| format!("plugin {:?}", config.name))?;
             anyhow::ensure!(
@@ -294,10 +296,22 @@ impl Server {
                     Some((tenant.name.clone(), access(&both)))
                 })
                 .collect();
+            let origin = match &resolved.pulled {
+                None => String::new(),
+                Some(pulled) => format!(
+                    " ({}, {})",
+                    pulled.digest,
+                    pulled
+                        .signer
+                        .as_ref()
+                        .map_or("unsigned".into(), |key| format!("signed by {key}"))
+                ),
+            };
             status_line(&format!(
-                "compiled plugin {} in {:.2} s, serving {}",
+                "compiled plugin {}{origin} in {:.2} s, granted {}, serving {}",
                 config.name,
                 started.elapsed().as_secs_f64(),
+                config.grant(),
                 config.route()
             ));
             plugins.push(Arc::new(Served {
