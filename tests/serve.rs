@@ -12,6 +12,8 @@ mod anthropic;
 #[path = "serve/codex.rs"]
 mod codex;
 mod common;
+#[path = "serve/reload.rs"]
+mod reload;
 #[path = "serve/tenants.rs"]
 mod tenants;
 

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
@@ -71,117 +72,7 @@ enum Command {
     /// Serve plugins that are wasi:http handlers (the http-plugin world) over HTTP: one
     /// fresh instance per request; a client that hangs up stops its request's native
     /// work. Either a config file, or one plugin and its models from flags.
-    Serve {
-        /// A TOML config (many plugins, their models, limits and tenants); see
-        /// docs/ARCHITECTURE.md. Flags below are then not allowed.
-        #[arg(long, value_name = "FILE", conflicts_with_all = ["listen", "plugins", "models", "projectors"])]
-        config: Option<PathBuf>,
-        /// Address to listen on (port 0 picks a free port; the bound one is printed).
-        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
-        listen: std::net::SocketAddr,
-        /// Serve a plugin as NAME (repeatable; the only one is mounted at `/`, several
-        /// at `/NAME`): a .wasm file or oci://REGISTRY/REPO@sha256:DIGEST (or :TAG).
-        #[arg(long = "plugin", value_name = "NAME=PLUGIN.wasm", value_parser = parse_named)]
-        plugins: Vec<(String, PathBuf)>,
-        /// Load a model once, at start, as NAME (repeatable).
-        #[arg(long = "model", value_name = "NAME=PATH", value_parser = parse_named)]
-        models: Vec<(String, PathBuf)>,
-        /// Register a projector (mmproj) as NAME (repeatable).
-        #[arg(long = "projector", value_name = "NAME=PATH", value_parser = parse_named)]
-        projectors: Vec<(String, PathBuf)>,
-        /// Environment for the plugins (repeatable), e.g. the openai plugin's
-        /// `LLAMABOX_VISION=MODEL=PROJECTOR`.
-        #[arg(long = "plugin-env", value_name = "KEY=VALUE", value_parser = parse_pair)]
-        plugin_env: Vec<(String, String)>,
-        /// llama.cpp threads of all requests together (default: every core, or the
-        /// config's `threads`).
-        #[arg(long)]
-        threads: Option<u32>,
-        /// llama.cpp threads of each request (default 1): requests run at once up to
-        /// threads / this.
-        #[arg(long)]
-        request_threads: Option<u32>,
-        /// Stop each request after this many milliseconds (504).
-        #[arg(long, value_name = "MS")]
-        deadline_ms: Option<u64>,
-        /// Requests running at once, all plugins together.
-        #[arg(long)]
-        max_concurrent: Option<u32>,
-        /// Requests that may wait for a slot (then 503).
-        #[arg(long)]
-        max_queue: Option<u32>,
-        /// Largest request body in bytes (then 413).
-        #[arg(long, value_name = "BYTES")]
-        max_body_bytes: Option<u64>,
-        /// How long a request may wait for a slot (then 503).
-        #[arg(long, value_name = "MS")]
-        queue_timeout_ms: Option<u64>,
-        /// How long a client may take to send its whole request body (then 408).
-        #[arg(long, value_name = "MS")]
-        body_timeout_ms: Option<u64>,
-        /// How long a response may wait for its client to read on: then the client is
-        /// taken for gone (its request stopped, its connection closed).
-        #[arg(long, value_name = "MS")]
-        write_stall_timeout_ms: Option<u64>,
-        /// Requests one client (IP address) may have in progress at once, then 429
-        /// (default: half of what can run at once, at least 1; 0: no cap).
-        #[arg(long, value_name = "N")]
-        max_client_requests: Option<u32>,
-        /// Require this API key (`authorization: Bearer KEY` or `x-api-key: KEY`): one
-        /// tenant, named `default`. For several, use `[[tenants]]` in a config file.
-        #[arg(long, value_name = "KEY", env = "LLAMABOX_API_KEY", hide_env_values = true)]
-        api_key: Option<String>,
-        /// The same, read from a file (e.g. a mounted Kubernetes Secret).
-        #[arg(long, value_name = "FILE", conflicts_with = "api_key")]
-        api_key_file: Option<PathBuf>,
-        /// A proxy (address or network) whose Forwarded / X-Forwarded-For headers name
-        /// the client (repeatable).
-        #[arg(long = "trusted-proxy", value_name = "ADDR[/BITS]")]
-        trusted_proxies: Vec<String>,
-        /// Serve /metrics on this address instead of the main one.
-        #[arg(long, value_name = "ADDR")]
-        metrics_listen: Option<std::net::SocketAddr>,
-        /// On SIGTERM, how long requests in flight may take before they are stopped.
-        #[arg(long, value_name = "MS")]
-        shutdown_grace_ms: Option<u64>,
-        /// Contexts each model keeps idle for later requests of the same group, which
-        /// then skip creating one and reuse the start of the prompt they share with the
-        /// last (default: --threads; 0: none).
-        #[arg(long, value_name = "N")]
-        idle_contexts: Option<u32>,
-        /// Batch running requests into one decode per step on all --threads (default
-        /// true); false gives every request a context of its own (bit-for-bit answers).
-        #[arg(long, value_name = "BOOL")]
-        batch: Option<bool>,
-        /// Requests each model's batch decodes together (default 4).
-        #[arg(long, value_name = "N")]
-        batch_seats: Option<u32>,
-        /// Tokens each seat of a batch holds (default 4096); larger contexts get their own.
-        #[arg(long, value_name = "N")]
-        batch_n_ctx: Option<u32>,
-        /// Milliseconds other requests' prompts may add to a batch step, the most a
-        /// streaming client waits for its next token because of them (default 250).
-        #[arg(long, value_name = "MS")]
-        batch_step_ms: Option<u64>,
-        /// Prompts with more tokens than this left are long: they yield to streams and
-        /// shorter prompts (default 512).
-        #[arg(long, value_name = "N")]
-        batch_long_prompt_rows: Option<u32>,
-        /// The most of the time long prompts take while others have work, 0 to 1
-        /// (default 0.25).
-        #[arg(long, value_name = "SHARE")]
-        batch_long_prompt_share: Option<f64>,
-        #[command(flatten)]
-        registry: RegistryFlags,
-        /// The llamabox interfaces every plugin may import (see `run --grant`), over
-        /// each plugin's `grant` in the config file.
-        #[arg(long, value_name = "INTERFACES")]
-        grant: Option<Grant>,
-        #[command(flatten)]
-        offload: OffloadFlags,
-        #[command(flatten)]
-        cache: CacheFlags,
-    },
+    Serve(ServeArgs),
     /// Print what llama.cpp was built for (the CPU features of the linked ggml, the GPU
     /// backends built in) and the devices it finds.
     Info,
@@ -230,8 +121,128 @@ enum ProjectorSize {
     TinyAudio,
 }
 
+/// `llamabox serve`'s flags: a config file with flags over it, or a whole config from
+/// flags alone. Kept whole so that a reload (SIGHUP, `POST /admin/reload`) builds the
+/// config again the same way: the file read afresh, the same flags over it.
+#[derive(clap::Args, Clone)]
+struct ServeArgs {
+    /// A TOML config (many plugins, their models, limits and tenants); see
+    /// docs/ARCHITECTURE.md. Flags below are then not allowed.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["listen", "plugins", "models", "projectors"])]
+    config: Option<PathBuf>,
+    /// Address to listen on (port 0 picks a free port; the bound one is printed).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+    listen: std::net::SocketAddr,
+    /// Serve a plugin as NAME (repeatable; the only one is mounted at `/`, several
+    /// at `/NAME`): a .wasm file or oci://REGISTRY/REPO@sha256:DIGEST (or :TAG).
+    #[arg(long = "plugin", value_name = "NAME=PLUGIN.wasm", value_parser = parse_named)]
+    plugins: Vec<(String, PathBuf)>,
+    /// Load a model once, at start, as NAME (repeatable).
+    #[arg(long = "model", value_name = "NAME=PATH", value_parser = parse_named)]
+    models: Vec<(String, PathBuf)>,
+    /// Register a projector (mmproj) as NAME (repeatable).
+    #[arg(long = "projector", value_name = "NAME=PATH", value_parser = parse_named)]
+    projectors: Vec<(String, PathBuf)>,
+    /// Environment for the plugins (repeatable), e.g. the openai plugin's
+    /// `LLAMABOX_VISION=MODEL=PROJECTOR`.
+    #[arg(long = "plugin-env", value_name = "KEY=VALUE", value_parser = parse_pair)]
+    plugin_env: Vec<(String, String)>,
+    /// llama.cpp threads of all requests together (default: every core, or the
+    /// config's `threads`).
+    #[arg(long)]
+    threads: Option<u32>,
+    /// llama.cpp threads of each request (default 1): requests run at once up to
+    /// threads / this.
+    #[arg(long)]
+    request_threads: Option<u32>,
+    /// Stop each request after this many milliseconds (504).
+    #[arg(long, value_name = "MS")]
+    deadline_ms: Option<u64>,
+    /// Requests running at once, all plugins together.
+    #[arg(long)]
+    max_concurrent: Option<u32>,
+    /// Requests that may wait for a slot (then 503).
+    #[arg(long)]
+    max_queue: Option<u32>,
+    /// Largest request body in bytes (then 413).
+    #[arg(long, value_name = "BYTES")]
+    max_body_bytes: Option<u64>,
+    /// How long a request may wait for a slot (then 503).
+    #[arg(long, value_name = "MS")]
+    queue_timeout_ms: Option<u64>,
+    /// How long a client may take to send its whole request body (then 408).
+    #[arg(long, value_name = "MS")]
+    body_timeout_ms: Option<u64>,
+    /// How long a response may wait for its client to read on: then the client is
+    /// taken for gone (its request stopped, its connection closed).
+    #[arg(long, value_name = "MS")]
+    write_stall_timeout_ms: Option<u64>,
+    /// Requests one client (IP address) may have in progress at once, then 429
+    /// (default: half of what can run at once, at least 1; 0: no cap).
+    #[arg(long, value_name = "N")]
+    max_client_requests: Option<u32>,
+    /// Require this API key (`authorization: Bearer KEY` or `x-api-key: KEY`): one
+    /// tenant, named `default`. For several, use `[[tenants]]` in a config file.
+    #[arg(long, value_name = "KEY", env = "LLAMABOX_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The same, read from a file (e.g. a mounted Kubernetes Secret).
+    #[arg(long, value_name = "FILE", conflicts_with = "api_key")]
+    api_key_file: Option<PathBuf>,
+    /// The key for `POST /admin/reload` (`authorization: Bearer KEY`), over the config's
+    /// `admin_key`. Without one, only SIGHUP reloads.
+    #[arg(long, value_name = "KEY", env = "LLAMABOX_ADMIN_KEY", hide_env_values = true)]
+    admin_key: Option<String>,
+    /// A proxy (address or network) whose Forwarded / X-Forwarded-For headers name
+    /// the client (repeatable).
+    #[arg(long = "trusted-proxy", value_name = "ADDR[/BITS]")]
+    trusted_proxies: Vec<String>,
+    /// Serve /metrics on this address instead of the main one.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// On SIGTERM, how long requests in flight may take before they are stopped.
+    #[arg(long, value_name = "MS")]
+    shutdown_grace_ms: Option<u64>,
+    /// Contexts each model keeps idle for later requests of the same group, which
+    /// then skip creating one and reuse the start of the prompt they share with the
+    /// last (default: --threads; 0: none).
+    #[arg(long, value_name = "N")]
+    idle_contexts: Option<u32>,
+    /// Batch running requests into one decode per step on all --threads (default
+    /// true); false gives every request a context of its own (bit-for-bit answers).
+    #[arg(long, value_name = "BOOL")]
+    batch: Option<bool>,
+    /// Requests each model's batch decodes together (default 4).
+    #[arg(long, value_name = "N")]
+    batch_seats: Option<u32>,
+    /// Tokens each seat of a batch holds (default 4096); larger contexts get their own.
+    #[arg(long, value_name = "N")]
+    batch_n_ctx: Option<u32>,
+    /// Milliseconds other requests' prompts may add to a batch step, the most a
+    /// streaming client waits for its next token because of them (default 250).
+    #[arg(long, value_name = "MS")]
+    batch_step_ms: Option<u64>,
+    /// Prompts with more tokens than this left are long: they yield to streams and
+    /// shorter prompts (default 512).
+    #[arg(long, value_name = "N")]
+    batch_long_prompt_rows: Option<u32>,
+    /// The most of the time long prompts take while others have work, 0 to 1
+    /// (default 0.25).
+    #[arg(long, value_name = "SHARE")]
+    batch_long_prompt_share: Option<f64>,
+    #[command(flatten)]
+    registry: RegistryFlags,
+    /// The llamabox interfaces every plugin may import (see `run --grant`), over
+    /// each plugin's `grant` in the config file.
+    #[arg(long, value_name = "INTERFACES")]
+    grant: Option<Grant>,
+    #[command(flatten)]
+    offload: OffloadFlags,
+    #[command(flatten)]
+    cache: CacheFlags,
+}
+
 /// Where models put their layers: host policy (a plugin never chooses a device).
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 struct OffloadFlags {
     /// Model layers on the GPU (default: all of them when there is a GPU; 0: the CPU alone).
     #[arg(long, value_name = "N")]
@@ -282,7 +293,7 @@ impl LimitFlags {
 }
 
 /// Plugins pulled from OCI registries (`oci://...`; see `llamabox::source`).
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 struct RegistryFlags {
     /// Largest plugin pulled from a registry, in MiB (default 64).
     #[arg(long, value_name = "MIB")]
@@ -333,7 +344,7 @@ impl RegistryFlags {
 
 /// Where compiled plugins are kept between runs (a plugin is compiled once per change of
 /// its bytes, the host's wasmtime or its engine settings).
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 struct CacheFlags {
     /// The compile cache folder (default: $XDG_CACHE_HOME or ~/.cache, then
     /// llamabox/compiled). Must be writable by this user only: its entries are loaded as
@@ -433,9 +444,11 @@ macro_rules! flags_over_file {
     };
 }
 
-fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    match cli.command {
-        Command::Serve {
+impl ServeArgs {
+    /// The server's config: the file's (or the flags' plugins and models), with the
+    /// flags given over it.
+    fn config(&self) -> anyhow::Result<ServeConfig> {
+        let ServeArgs {
             config,
             listen,
             plugins,
@@ -454,6 +467,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             max_client_requests,
             api_key,
             api_key_file,
+            admin_key,
             trusted_proxies,
             metrics_listen,
             shutdown_grace_ms,
@@ -468,49 +482,61 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             grant,
             offload,
             cache,
-        } => {
-            let mut config = match config {
-                Some(path) => ServeConfig::from_file(&path)?,
-                None => {
-                    let mut config = ServeConfig::with_plugins(listen, plugins);
-                    config.models = models.into_iter().collect();
-                    config.projectors = projectors.into_iter().collect();
-                    config
-                }
-            };
-            // What the command line gives wins over serve.toml.
-            flags_over_file!(config: threads, max_concurrent, max_queue, max_body_bytes, queue_timeout_ms, body_timeout_ms);
-            flags_over_file!(config: write_stall_timeout_ms, shutdown_grace_ms, batch, batch_seats, batch_n_ctx);
-            flags_over_file!(config: batch_step_ms, batch_long_prompt_rows, batch_long_prompt_share);
-            flags_over_file!(config: optional max_client_requests, idle_contexts);
-            if api_key.is_some() || api_key_file.is_some() {
-                anyhow::ensure!(
-                    config.tenants.is_empty(),
-                    "--api-key and LLAMABOX_API_KEY name one tenant; the config file has [[tenants]]"
-                );
-                let mut tenant = llamabox::serve::TenantConfig::named("default");
-                (tenant.key, tenant.key_file) = (api_key, api_key_file);
-                config.tenants.push(tenant);
+        } = self.clone();
+        let mut config = match config {
+            Some(path) => ServeConfig::from_file(&path)?,
+            None => {
+                let mut config = ServeConfig::with_plugins(listen, plugins);
+                config.models = models.into_iter().collect();
+                config.projectors = projectors.into_iter().collect();
+                config
             }
-            config.trusted_proxies.extend(trusted_proxies);
-            if metrics_listen.is_some() {
-                config.metrics_listen = metrics_listen;
-            }
-            for plugin in &mut config.plugins {
-                plugin.threads = request_threads.unwrap_or(plugin.threads);
-                plugin.deadline_ms = deadline_ms.unwrap_or(plugin.deadline_ms);
-                plugin.env.extend(plugin_env.iter().cloned());
-                plugin.grant = grant.or(plugin.grant);
-            }
-            config.gpu_layers = offload.gpu_layers.or(config.gpu_layers);
-            config.device = offload.device.clone().or(config.device.take());
-            if config.compile_cache.is_none() {
-                config.compile_cache = cache.options().compile_cache;
-            }
-            registry.apply(&mut config.registry);
-            config.check()?;
+        };
+        // What the command line gives wins over serve.toml.
+        flags_over_file!(config: threads, max_concurrent, max_queue, max_body_bytes, queue_timeout_ms, body_timeout_ms);
+        flags_over_file!(config: write_stall_timeout_ms, shutdown_grace_ms, batch, batch_seats, batch_n_ctx);
+        flags_over_file!(config: batch_step_ms, batch_long_prompt_rows, batch_long_prompt_share);
+        flags_over_file!(config: optional max_client_requests, idle_contexts);
+        if api_key.is_some() || api_key_file.is_some() {
+            anyhow::ensure!(
+                config.tenants.is_empty(),
+                "--api-key and LLAMABOX_API_KEY name one tenant; the config file has [[tenants]]"
+            );
+            let mut tenant = llamabox::serve::TenantConfig::named("default");
+            (tenant.key, tenant.key_file) = (api_key, api_key_file);
+            config.tenants.push(tenant);
+        }
+        config.trusted_proxies.extend(trusted_proxies);
+        if admin_key.is_some() {
+            config.admin_key = admin_key;
+        }
+        if metrics_listen.is_some() {
+            config.metrics_listen = metrics_listen;
+        }
+        for plugin in &mut config.plugins {
+            plugin.threads = request_threads.unwrap_or(plugin.threads);
+            plugin.deadline_ms = deadline_ms.unwrap_or(plugin.deadline_ms);
+            plugin.env.extend(plugin_env.iter().cloned());
+            plugin.grant = grant.or(plugin.grant);
+        }
+        config.gpu_layers = offload.gpu_layers.or(config.gpu_layers);
+        config.device = offload.device.clone().or(config.device.take());
+        if config.compile_cache.is_none() {
+            config.compile_cache = cache.options().compile_cache;
+        }
+        registry.apply(&mut config.registry);
+        config.check()?;
+        Ok(config)
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Serve(args) => {
+            let config = args.config()?;
+            let reload: llamabox::serve::ConfigSource = Arc::new(move || args.config());
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(Server::run(config, shutdown_signal()))?;
+            runtime.block_on(Server::run_reloading(config, reload, shutdown_signal()))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Info => {

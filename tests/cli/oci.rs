@@ -503,6 +503,45 @@ fn serve_pulls_its_plugin_from_the_registry_and_answers_with_it() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"tiny\""), "{body}");
     assert!(server.terminate().success());
+
+    // Served by tag, the tag moved to a new digest: a reload pulls, verifies and serves
+    // it; one whose new digest nobody signed is refused and the old digest serves on.
+    let by_tag = format!("oci://{}/plugins/openai:v1", registry.host());
+    let mut tagged = args.clone();
+    tagged[3] = format!("openai={by_tag}");
+    tagged.extend(["--admin-key".into(), "oci-admin-key-0123456789".into()]);
+    let mut server = common::serve::Server::spawn(&tagged);
+    let reload = || {
+        common::serve::curl(&[
+            "-X",
+            "POST",
+            &server.url("/admin/reload"),
+            "-H",
+            "authorization: Bearer oci-admin-key-0123456789",
+        ])
+    };
+    let republish = |created: &str| {
+        let layout = scratch.0.join(format!("layout-{}", &created[..10]));
+        let config = format!(r#"{{"architecture":"wasm","os":"wasip2","created":"{created}"}}"#);
+        let digest =
+            write_layout(&layout, "v1", (WASM_CONFIG, config.as_bytes()), (WASM_LAYER, &wasm));
+        assert_eq!(registry.push(&layout, "v1", "plugins/openai"), digest);
+        digest
+    };
+    let unsigned = republish("2026-03-03T00:00:00Z");
+    let (status, body) = reload();
+    assert_eq!(status, 422, "{body}");
+    assert!(body.contains(&unsigned) && body.contains("it has no signature"), "{body}");
+    let signed = republish("2026-04-04T00:00:00Z");
+    signer.sign(&registry, "plugins/openai", &signed, None);
+    let (status, body) = reload();
+    assert_eq!(status, 200, "{body}");
+    let reloaded: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(reloaded["reloaded"][0]["digest"], signed.as_str(), "{body}");
+    assert_eq!(reloaded["reloaded"][0]["signer"], signer.key_id().as_str(), "{body}");
+    let (status, _) = common::serve::curl(&[&server.url("/v1/models")]);
+    assert_eq!(status, 200);
+    assert!(server.terminate().success());
 }
 
 #[test]

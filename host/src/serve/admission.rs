@@ -106,6 +106,14 @@ impl Admission {
         state.plugin_slots.len() - 1
     }
 
+    /// Change how many requests plugin `index` may run at once (a reload); requests
+    /// running over the new number finish, and no new one starts until it fits.
+    pub fn set_plugin_slots(&self, index: usize, max_concurrent: u32) {
+        if let Some(slots) = self.lock().plugin_slots.get_mut(index) {
+            *slots = max_concurrent;
+        }
+    }
+
     /// Requests waiting now.
     pub fn queued(&self) -> u32 {
         self.lock().queue.len() as u32

@@ -66,6 +66,10 @@ pub struct ServeConfig {
     /// with tenants.
     #[serde(default)]
     pub metrics_key: Option<String>,
+    /// The key `POST /admin/reload` asks for (`authorization: Bearer`). Without it, the
+    /// config is reloaded only on SIGHUP.
+    #[serde(default)]
+    pub admin_key: Option<String>,
     /// Serve `/metrics` (and the health checks) on this address instead, e.g. a
     /// cluster-internal port; the main address then answers 404 for it.
     #[serde(default)]
@@ -281,6 +285,7 @@ impl ServeConfig {
             tenants: Vec::new(),
             trusted_proxies: Vec::new(),
             metrics_key: None,
+            admin_key: None,
             metrics_listen: None,
             shutdown_grace_ms: default_shutdown_grace_ms(),
             compile_cache: None,
@@ -361,6 +366,12 @@ impl ServeConfig {
         if self.metrics_key.as_ref().is_some_and(|key| key.trim().len() < 16) {
             bail!("metrics_key must be at least 16 characters");
         }
+        if self.admin_key.as_ref().is_some_and(|key| key.trim().len() < 16) {
+            bail!("admin_key must be at least 16 characters");
+        }
+        if self.admin_key.is_some() && self.admin_key == self.metrics_key {
+            bail!("admin_key must not be metrics_key: reading metrics is not reloading");
+        }
         let only = self.plugins.len() == 1;
         let mut routes = std::collections::HashSet::new();
         for plugin in &mut self.plugins {
@@ -377,7 +388,7 @@ impl ServeConfig {
             if !route.starts_with('/') || (route.len() > 1 && route.ends_with('/')) {
                 bail!("plugin {name:?}: route {route:?} must start with '/' and not end with one");
             }
-            if ["/healthz", "/readyz", "/metrics"].iter().any(|ops| route == ops) {
+            if ["/healthz", "/readyz", "/metrics", "/admin"].iter().any(|ops| route == ops) {
                 bail!("plugin {name:?}: route {route:?} is the server's own");
             }
             if !routes.insert(route.clone()) {

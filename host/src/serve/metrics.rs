@@ -20,6 +20,14 @@ pub struct PluginLabels {
     pub plugin: String,
 }
 
+/// A served plugin and what it is: its digest and its signer's key id (empty if none).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PluginInfoLabels {
+    pub plugin: String,
+    pub digest: String,
+    pub signer: String,
+}
+
 /// A configured tenant's name, or `anonymous` for every client of an open server, so
 /// that the labels stay as few as the config's tenants.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -122,6 +130,9 @@ pub struct Metrics {
     pub disconnect_stop_seconds: Histogram,
     pub tenant_requests: Family<TenantLabels, Counter>,
     pub tenant_tokens: Family<TenantLabels, Counter>,
+    /// 1 for each plugin served now, labelled with its digest and signer; a reload
+    /// replaces the set.
+    pub plugin_info: Family<PluginInfoLabels, Gauge>,
     batch: BatchMetrics,
 }
 
@@ -231,6 +242,12 @@ impl Metrics {
             "Tokens charged to each tenant's per-minute budget (prompt plus completion)",
             Family::clone(&tenant_tokens),
         );
+        let plugin_info = Family::default();
+        registry.register(
+            "plugin_info",
+            "The plugins served now (1 each), by digest and signer's key id",
+            Family::clone(&plugin_info),
+        );
         let batch = BatchMetrics {
             rows: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
             seats: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
@@ -288,6 +305,7 @@ impl Metrics {
             disconnect_stop_seconds,
             tenant_requests,
             tenant_tokens,
+            plugin_info,
         }
     }
 

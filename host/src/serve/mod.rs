@@ -19,6 +19,10 @@
 //!   (429 with `Retry-After` and `x-ratelimit-*`), its own prompt cache (the run's
 //!   group), its name for the plugin (`x-llamabox-tenant`), never its key;
 //! - `/healthz`, `/readyz`, Prometheus `/metrics` ([`metrics`]), request ids in logs;
+//! - reloads (SIGHUP, `POST /admin/reload` behind `admin_key`): the plugins are
+//!   resolved, verified and compiled again from the config; requests in flight finish
+//!   on the old ones, new requests go to the new ones, and a reload that fails keeps
+//!   the old ones serving;
 //! - a drain on shutdown: stop accepting, let requests finish within the grace period,
 //!   then stop the rest in flight.
 
@@ -34,7 +38,7 @@ use std::future::Future as _;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -76,12 +80,26 @@ const SEND_BUFFER: u32 = 64 << 10;
 /// Connections the kernel may hold accepted-but-not-yet-taken (listen(2)'s backlog).
 const BACKLOG: u32 = 1024;
 
+/// Builds the server's config again for a reload: the CLI reads its file afresh and puts
+/// the same flags over it.
+pub type ConfigSource = Arc<dyn Fn() -> anyhow::Result<ServeConfig> + Send + Sync>;
+
 /// A running server. Cheap to share: connections hold an `Arc` of it.
 pub struct Server {
     config: ServeConfig,
     host: Arc<PluginHost>,
-    /// Set once every model is loaded and every plugin compiled (`/readyz`).
-    plugins: OnceLock<Vec<Arc<Served>>>,
+    /// Set once every model is loaded and every plugin compiled (`/readyz`); replaced
+    /// whole by a reload. A request holds the `Arc<Served>` it was routed to, so it
+    /// finishes on the plugin it started on.
+    plugins: RwLock<Option<Arc<[Arc<Served>]>>>,
+    /// Where a reload gets the config (`None`: a server that cannot reload).
+    source: Option<ConfigSource>,
+    /// One reload at a time.
+    reloading: tokio::sync::Mutex<()>,
+    /// When the models were loaded (Unix seconds), for the plugins' model cards.
+    loaded_at: OnceLock<u64>,
+    /// Each plugin name's index in `admission`, kept across reloads.
+    admission_slots: Mutex<HashMap<String, usize>>,
     admission: Arc<Admission>,
     tenants: Tenants,
     /// Requests in progress per client address.
@@ -97,6 +115,10 @@ pub struct Server {
 struct Served {
     config: PluginConfig,
     plugin: Plugin,
+    /// Its digest (the manifest's for a pulled plugin, the file's SHA-256 else) and its
+    /// signer's key id, if a key signed it.
+    digest: String,
+    signer: Option<String>,
     /// Its index in the server's [`Admission`].
     admission: usize,
     /// llama.cpp threads each request holds while it runs (0 when batched: every step
@@ -125,8 +147,26 @@ impl Served {
 impl Server {
     /// Serve `config` until `shutdown` resolves, then drain (see the module docs).
     /// Prints `listening on http://ADDR` once bound, progress while loading, then `ready`.
+    /// It cannot reload: [`Server::run_reloading`] can.
     pub async fn run(
         config: ServeConfig,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<()> {
+        Self::serve(config, None, shutdown).await
+    }
+
+    /// `run`, reloading its plugins from `source` on SIGHUP and on `POST /admin/reload`.
+    pub async fn run_reloading(
+        config: ServeConfig,
+        source: ConfigSource,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<()> {
+        Self::serve(config, Some(source), shutdown).await
+    }
+
+    async fn serve(
+        config: ServeConfig,
+        source: Option<ConfigSource>,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> anyhow::Result<()> {
         let listener =
@@ -160,6 +200,7 @@ impl Server {
             &config.trusted_proxies,
             config.max_queue,
             config.metrics_key.as_deref(),
+            config.admin_key.as_deref(),
         )?;
         if tenants.keyed() {
             status_line(&format!("{} tenants, each by its API key", tenants.all().len()));
@@ -188,12 +229,21 @@ impl Server {
             clients: Clients::new(config.max_client_requests()),
             config,
             host,
-            plugins: OnceLock::new(),
+            plugins: RwLock::new(None),
+            source,
+            reloading: tokio::sync::Mutex::new(()),
+            loaded_at: OnceLock::new(),
+            admission_slots: Mutex::new(HashMap::new()),
             metrics,
             draining: AtomicBool::new(false),
             in_flight: Mutex::new(HashMap::new()),
             next_request: AtomicU64::new(1),
         });
+        // SIGHUP's default action ends the process: its handler is in place before
+        // anything loads.
+        if server.source.is_some() {
+            server.clone().reload_on_hangup()?;
+        }
         let graceful = hyper_util::server::graceful::GracefulShutdown::new();
         tokio::pin!(shutdown);
         {
@@ -210,7 +260,7 @@ impl Server {
             tokio::select! {
                 loaded = server.load() => {
                     let plugins = loaded?;
-                    let _ = server.plugins.set(plugins);
+                    server.install(plugins);
                     status_line("ready");
                     tokio::select! {
                         () = &mut accepting => {}
@@ -230,19 +280,7 @@ impl Server {
         // Plugins from registries first: a registry that is down, a digest that does not
         // match or an artifact that is not a component stops the start before the models
         // take their time.
-        let mut paths = Vec::new();
-        for config in &self.config.plugins {
-            let mut registry = self.config.registry.clone();
-            registry.signatures = config.signatures.unwrap_or(registry.signatures);
-            let resolved = crate::source::resolve(
-                &config.path,
-                &registry,
-                self.config.compile_cache.as_deref(),
-            )
-            .await
-            .with_context(|| format!("plugin {:?}", config.name))?;
-            paths.push(resolved);
-        }
+        let resolved = self.resolve_plugins(&self.config).await?;
         let registry = self.host.models();
         for (name, path) in &self.config.models {
             status_line(&format!("loading model {name} from {}", path.display()));
@@ -264,8 +302,43 @@ impl Server {
         let loaded_at = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
+        let _ = self.loaded_at.set(loaded_at);
+        self.compile_plugins(&self.config, resolved).await
+    }
+
+    /// Where each of `config`'s plugins is on disk, pulled and verified if it comes from
+    /// a registry.
+    async fn resolve_plugins(
+        &self,
+        config: &ServeConfig,
+    ) -> anyhow::Result<Vec<crate::source::Resolved>> {
+        let mut resolved = Vec::new();
+        for plugin in &config.plugins {
+            let mut registry = config.registry.clone();
+            registry.signatures = plugin.signatures.unwrap_or(registry.signatures);
+            let found = crate::source::resolve(
+                &plugin.path,
+                &registry,
+                self.config.compile_cache.as_deref(),
+            )
+            .await
+            .with_context(|| format!("plugin {:?}", plugin.name))?;
+            resolved.push(found);
+        }
+        Ok(resolved)
+    }
+
+    /// Compile `config`'s plugins (found at `resolved`) under their grants, into what
+    /// the server routes to. The models are the server's own, loaded at start.
+    async fn compile_plugins(
+        &self,
+        config: &ServeConfig,
+        resolved: Vec<crate::source::Resolved>,
+    ) -> anyhow::Result<Vec<Arc<Served>>> {
+        let registry = self.host.models();
+        let loaded_at = self.loaded_at.get().copied().unwrap_or_default();
         let mut plugins = Vec::new();
-        for (config, resolved) in self.config.plugins.iter().zip(paths) {
+        for (config, resolved) in config.plugins.iter().zip(resolved) {
             let started = Instant::now();
             let plugin = self
                 .host
@@ -296,16 +369,13 @@ impl Server {
                     Some((tenant.name.clone(), access(&both)))
                 })
                 .collect();
-            let origin = match &resolved.pulled {
-                None => String::new(),
-                Some(pulled) => format!(
-                    " ({}, {})",
-                    pulled.digest,
-                    pulled
-                        .signer
-                        .as_ref()
-                        .map_or("unsigned".into(), |key| format!("signed by {key}"))
-                ),
+            let (digest, signer) = match resolved.pulled {
+                Some(pulled) => (pulled.digest, pulled.signer),
+                None => (file_digest(&resolved.path).await?, None),
+            };
+            let origin = match &signer {
+                Some(key) => format!(" ({digest}, signed by {key})"),
+                None => format!(" ({digest})"),
             };
             status_line(&format!(
                 "compiled plugin {}{origin} in {:.2} s, granted {}, serving {}",
@@ -314,21 +384,20 @@ impl Server {
                 config.grant(),
                 config.route()
             ));
+            let slots = config.max_concurrent.unwrap_or(self.config.max_concurrent);
             plugins.push(Arc::new(Served {
-                admission: self
-                    .admission
-                    .add_plugin(config.max_concurrent.unwrap_or(self.config.max_concurrent)),
+                admission: self.admission_slot(&config.name, slots),
                 // Batched requests hold no threads of their own: every step runs on all.
                 threads: if self.config.batch { 0 } else { config.threads },
                 limits: config.limits(&Limits::default()),
                 access: access(&names),
                 tenant_access,
                 plugin,
+                digest,
+                signer,
                 config: config.clone(),
             }));
         }
-        // Longest route first, so `/a/b` wins over `/a` and `/`.
-        plugins.sort_by_key(|served| std::cmp::Reverse(served.config.route().len()));
         Ok(plugins)
     }
 
@@ -422,7 +491,7 @@ impl Server {
             match path {
                 "/healthz" => return text(StatusCode::OK, "ok\n"),
                 "/readyz" => {
-                    return match (self.plugins.get().is_some(), self.draining.load(Relaxed)) {
+                    return match (self.plugins().is_some(), self.draining.load(Relaxed)) {
                         (_, true) => text(StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
                         (false, _) => text(StatusCode::SERVICE_UNAVAILABLE, "loading\n"),
                         (true, false) => text(StatusCode::OK, "ready\n"),
@@ -432,10 +501,13 @@ impl Server {
                 _ => {}
             }
         }
+        if request.method() == Method::POST && path == "/admin/reload" {
+            return self.reload_page(request.headers(), shape).await;
+        }
         if peer.kind == Listener::Admin {
             return error(shape, StatusCode::NOT_FOUND, "this address serves /metrics only", None);
         }
-        let Some(plugins) = self.plugins.get() else {
+        let Some(plugins) = self.plugins() else {
             return error(
                 shape,
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -456,6 +528,141 @@ impl Server {
             }
             None => error(shape, StatusCode::NOT_FOUND, "no plugin serves this path", None),
         }
+    }
+
+    /// `POST /admin/reload`: the operator's (`admin_key`), on either address.
+    async fn reload_page(&self, headers: &http::HeaderMap, shape: Shape) -> Response<Body> {
+        if !self.tenants.has_admin_key() {
+            return error(
+                shape,
+                StatusCode::NOT_FOUND,
+                "reloading over HTTP needs admin_key (SIGHUP reloads without one)",
+                None,
+            );
+        }
+        if !self.tenants.is_admin_key(headers) {
+            return error(
+                shape,
+                StatusCode::UNAUTHORIZED,
+                "/admin/reload needs the admin key",
+                None,
+            );
+        }
+        match self.reload().await {
+            Ok(plugins) => {
+                let plugins: Vec<_> = plugins
+                    .iter()
+                    .map(|served| {
+                        serde_json::json!({
+                            "plugin": served.config.name,
+                            "route": served.config.route(),
+                            "digest": served.digest,
+                            "signer": served.signer,
+                            "grant": served.config.grant().to_string(),
+                        })
+                    })
+                    .collect();
+                let body = serde_json::json!({ "reloaded": plugins });
+                let mut response = Response::new(full(body.to_string()));
+                response
+                    .headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                response
+            }
+            Err(e) => error(
+                shape,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                &format!("reload refused, the old plugins keep serving: {e:#}"),
+                None,
+            ),
+        }
+    }
+
+    /// The plugins served now (`None` while the server loads).
+    fn plugins(&self) -> Option<Arc<[Arc<Served>]>> {
+        self.plugins.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Serve `plugins` from now on (longest route first, so `/a/b` wins over `/a` and
+    /// `/`), and show their digests in `/metrics`.
+    fn install(&self, mut plugins: Vec<Arc<Served>>) {
+        plugins.sort_by_key(|served| std::cmp::Reverse(served.config.route().len()));
+        self.metrics.plugin_info.clear();
+        for served in &plugins {
+            self.metrics
+                .plugin_info
+                .get_or_create(&metrics::PluginInfoLabels {
+                    plugin: served.config.name.clone(),
+                    digest: served.digest.clone(),
+                    signer: served.signer.clone().unwrap_or_default(),
+                })
+                .set(1);
+        }
+        *self.plugins.write().unwrap_or_else(|p| p.into_inner()) = Some(plugins.into());
+    }
+
+    /// The admission index of the plugin `name`: the one it had before a reload, with
+    /// its slots set to `slots`, or a new one.
+    fn admission_slot(&self, name: &str, slots: u32) -> usize {
+        let mut known = self.admission_slots.lock().unwrap_or_else(|p| p.into_inner());
+        match known.get(name) {
+            Some(&index) => {
+                self.admission.set_plugin_slots(index, slots);
+                index
+            }
+            None => {
+                let index = self.admission.add_plugin(slots);
+                known.insert(name.to_string(), index);
+                index
+            }
+        }
+    }
+
+    /// Build the config again from its source and serve its plugins: each resolved,
+    /// pulled, verified and compiled before any is swapped in. Only `[[plugins]]` and
+    /// `[registry]` take effect; the rest (models, tenants, limits of the server) is
+    /// what the server started with. On any error the old plugins keep serving.
+    async fn reload(&self) -> anyhow::Result<Arc<[Arc<Served>]>> {
+        let Some(source) = &self.source else {
+            anyhow::bail!("this server was started without a config to reload");
+        };
+        let _one = self.reloading.lock().await;
+        anyhow::ensure!(self.plugins().is_some(), "the server is still loading");
+        let source = source.clone();
+        let config = tokio::task::spawn_blocking(move || source()).await??;
+        for plugin in &config.plugins {
+            for model in plugin.models.iter().flatten() {
+                anyhow::ensure!(
+                    self.config.models.contains_key(model)
+                        || self.config.projectors.contains_key(model),
+                    "plugin {:?}: model {model:?} was not loaded at start (models change with a restart)",
+                    plugin.name
+                );
+            }
+        }
+        let resolved = self.resolve_plugins(&config).await?;
+        let plugins = self.compile_plugins(&config, resolved).await?;
+        self.install(plugins);
+        let served = self.plugins().unwrap_or_else(|| Arc::from(Vec::new()));
+        let names: Vec<String> =
+            served.iter().map(|s| format!("{} {}", s.config.name, s.digest)).collect();
+        status_line(&format!("reloaded: {}", names.join(", ")));
+        Ok(served)
+    }
+
+    /// Reload on each SIGHUP; a reload that fails is logged and changes nothing.
+    fn reload_on_hangup(self: Arc<Self>) -> anyhow::Result<()> {
+        let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("installing the SIGHUP handler")?;
+        tokio::spawn(async move {
+            while hangups.recv().await.is_some() {
+                status_line("SIGHUP: reloading the plugins");
+                if let Err(e) = self.reload().await {
+                    status_line(&format!("reload refused, the old plugins keep serving: {e:#}"));
+                }
+            }
+        });
+        Ok(())
     }
 
     /// `GET /metrics`: on its own address if it has one; else behind `metrics_key` if
@@ -1069,6 +1276,14 @@ fn typed_error(
 
 /// A line on stdout for whoever started the server (and the tests, which wait for
 /// `ready`).
+/// `sha256:HEX` of a plugin file, for `/metrics` and the logs.
+async fn file_digest(path: &std::path::Path) -> anyhow::Result<String> {
+    let bytes =
+        tokio::fs::read(path).await.with_context(|| format!("reading {}", path.display()))?;
+    let hash = sha2::Sha256::digest(&bytes);
+    Ok(format!("sha256:{}", hash.iter().map(|b| format!("{b:02x}")).collect::<String>()))
+}
+
 fn status_line(line: &str) {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();

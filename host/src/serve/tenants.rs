@@ -128,6 +128,8 @@ pub struct Tenants {
     anonymous_queued: u32,
     /// `metrics_key`'s digest: `/metrics` is the operator's, no tenant's.
     metrics_key: Option<[u8; 32]>,
+    /// `admin_key`'s digest: reloading is the operator's.
+    admin_key: Option<[u8; 32]>,
 }
 
 /// Why a request has no tenant.
@@ -172,6 +174,7 @@ impl Tenants {
         trusted_proxies: &[String],
         max_queue: u32,
         metrics_key: Option<&str>,
+        admin_key: Option<&str>,
     ) -> anyhow::Result<Self> {
         let default_queued = (max_queue / 4).max(1);
         let mut names = HashSet::new();
@@ -215,7 +218,18 @@ impl Tenants {
             metrics_key.is_none_or(|key| !digests.contains(&key)),
             "metrics_key is a tenant's key"
         );
-        Ok(Self { keyed, trusted_proxies, anonymous_queued: default_queued, metrics_key })
+        let admin_key = admin_key.map(|key| digest(key.trim()));
+        anyhow::ensure!(
+            admin_key.is_none_or(|key| !digests.contains(&key)),
+            "admin_key is a tenant's key"
+        );
+        Ok(Self {
+            keyed,
+            trusted_proxies,
+            anonymous_queued: default_queued,
+            metrics_key,
+            admin_key,
+        })
     }
 
     /// Whether keys are required (else the server is open).
@@ -250,6 +264,17 @@ impl Tenants {
     pub fn is_metrics_key(&self, headers: &HeaderMap) -> bool {
         let given = digest(presented_key(headers).unwrap_or(""));
         self.metrics_key.is_some_and(|key| same(&key, &given))
+    }
+
+    /// Whether `headers` present `admin_key` (compared as tenants' keys are).
+    pub fn is_admin_key(&self, headers: &HeaderMap) -> bool {
+        let given = digest(presented_key(headers).unwrap_or(""));
+        self.admin_key.is_some_and(|key| same(&key, &given))
+    }
+
+    /// Whether an admin key is set at all.
+    pub fn has_admin_key(&self) -> bool {
+        self.admin_key.is_some()
     }
 
     /// The client's address: the peer's, or, when the peer is a trusted proxy, the
@@ -587,7 +612,7 @@ mod tests {
     #[test]
     fn a_key_names_its_tenant_by_bearer_or_x_api_key_and_nothing_else_does() {
         let tenants =
-            Tenants::new(&[tenant("a", KEY_A), tenant("b", KEY_B)], &[], 64, Some(METRICS))
+            Tenants::new(&[tenant("a", KEY_A), tenant("b", KEY_B)], &[], 64, Some(METRICS), None)
                 .unwrap();
         assert!(tenants.keyed());
         let who = |h: &[(&str, &str)]| tenants.identify(&headers(h), PEER).map(|t| t.name.clone());
@@ -603,8 +628,10 @@ mod tests {
         let metrics = |h: &[(&str, &str)]| tenants.is_metrics_key(&headers(h));
         assert!(metrics(&[("authorization", &format!("Bearer {METRICS}"))]));
         assert!(!metrics(&[("authorization", &format!("Bearer {KEY_A}"))]) && !metrics(&[]));
-        let error = Tenants::new(&[tenant("a", KEY_A)], &[], 64, Some(KEY_A)).unwrap_err();
+        let error = Tenants::new(&[tenant("a", KEY_A)], &[], 64, Some(KEY_A), None).unwrap_err();
         assert!(error.to_string().contains("metrics_key is a tenant's key"), "{error}");
+        let error = Tenants::new(&[tenant("a", KEY_A)], &[], 64, None, Some(KEY_A)).unwrap_err();
+        assert!(error.to_string().contains("admin_key is a tenant's key"), "{error}");
     }
 
     #[test]
@@ -617,7 +644,7 @@ mod tests {
             Sha256::digest(KEY_B.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
         let hashed: TenantConfig =
             toml::from_str(&format!("name = \"h\"\nkey_sha256 = {digest:?}")).unwrap();
-        let tenants = Tenants::new(&[from_file, hashed], &[], 64, None).unwrap();
+        let tenants = Tenants::new(&[from_file, hashed], &[], 64, None, None).unwrap();
         std::fs::remove_file(&dir).unwrap();
         let who = |key: &str| tenants.identify(&headers(&[("x-api-key", key)]), PEER).unwrap();
         assert_eq!(who(KEY_A).name.as_ref(), "f");
@@ -635,7 +662,7 @@ mod tests {
                 "a quota of 0",
             ),
         ] {
-            let error = Tenants::new(&configs, &[], 64, None).unwrap_err().to_string();
+            let error = Tenants::new(&configs, &[], 64, None, None).unwrap_err().to_string();
             assert!(error.contains(why), "{why:?} not in {error:?}");
         }
     }
@@ -643,7 +670,7 @@ mod tests {
     #[test]
     fn an_open_server_names_each_client_address_and_believes_only_trusted_proxies() {
         let tenants =
-            Tenants::new(&[], &["127.0.0.1".into(), "10.1.0.0/16".into()], 64, None).unwrap();
+            Tenants::new(&[], &["127.0.0.1".into(), "10.1.0.0/16".into()], 64, None, None).unwrap();
         assert!(!tenants.keyed());
         let who = |peer: &str, h: &[(&str, &str)]| {
             tenants.identify(&headers(h), peer.parse().unwrap()).unwrap().name.to_string()
@@ -659,7 +686,7 @@ mod tests {
         let anonymous = tenants.identify(&HeaderMap::new(), PEER).unwrap();
         assert_eq!((anonymous.weight, anonymous.label.as_ref()), (1, "anonymous"));
         assert_eq!(anonymous.max_queued, 16, "a quarter of the queue");
-        assert!(Tenants::new(&[], &["not-an-ip".into()], 64, None).is_err());
+        assert!(Tenants::new(&[], &["not-an-ip".into()], 64, None, None).is_err());
     }
 
     #[test]
@@ -668,7 +695,7 @@ mod tests {
             "name = \"q\"\nkey = {KEY_A:?}\nmax_concurrent = 2\nrequests_per_minute = 3\ntokens_per_minute = 600"
         ))
         .unwrap();
-        let tenants = Tenants::new(&[config], &[], 64, None).unwrap();
+        let tenants = Tenants::new(&[config], &[], 64, None, None).unwrap();
         let q = tenants.all()[0].clone();
         let first = q.enter().unwrap();
         let second = q.enter().unwrap();
