@@ -552,8 +552,9 @@ fn only_a_plugin_signed_by_a_trusted_key_runs_unless_unsigned_ones_are_allowed()
     let trusted = Signer::new(&scratch.0, "trusted");
     let stranger = Signer::new(&scratch.0, "stranger");
     // The same component four times: signed by the trusted key, unsigned, signed by a key
-    // nobody trusts, and carrying a signature made for another artifact.
-    let (digest, _) = demo_layout(&scratch.0.join("demo"));
+    // nobody trusts, and carrying a signature made for another artifact; and at the end,
+    // changed in the registry after it was signed.
+    let (digest, layer) = demo_layout(&scratch.0.join("demo"));
     for repo in ["plugins/signed", "plugins/unsigned", "plugins/stranger"] {
         assert_eq!(registry.push(&scratch.0.join("demo"), "v1", repo), digest);
     }
@@ -617,6 +618,25 @@ fn only_a_plugin_signed_by_a_trusted_key_runs_unless_unsigned_ones_are_allowed()
     assert!(printed.contains("grant     llm,generate"), "{printed}");
     assert!(printed.contains("refused: it imports llamabox:inference/cancel@0.1.0"), "{printed}");
 
+    // The component changed in the registry after it was signed (same size, one byte):
+    // its signature still names the manifest, but the bytes no longer hash to the layer's
+    // digest. Pulled afresh (another cache), it is refused.
+    let blob = registry.blob_file(&layer);
+    let mut bytes = std::fs::read(&blob).unwrap();
+    bytes[100] ^= 1;
+    std::fs::write(&blob, &bytes).unwrap();
+    let fresh = scratch.0.join("fresh");
+    let (out, _) = run_demo(
+        &format!("oci://{host}/plugins/signed@{digest}"),
+        &["--plugin-cache", p(&fresh), "--grant", "all", "--trust-key", p(&trusted.public)],
+    );
+    assert!(!out.status.success() && out.stdout.is_empty());
+    assert!(
+        stderr(&out).contains(&format!("digest mismatch: expected {layer}")),
+        "{}",
+        stderr(&out)
+    );
+
     // The cache keeps the signatures and checks them again under the keys trusted now:
     // with the registry gone, the trusted key still runs it, a stranger's does not.
     drop(registry);
@@ -624,4 +644,164 @@ fn only_a_plugin_signed_by_a_trusted_key_runs_unless_unsigned_ones_are_allowed()
     assert!(ran && log.contains("from the cache of pulled plugins"), "{log}");
     let (ran, _, log) = run("plugins/signed", &digest, &["--trust-key", p(&stranger.public)]);
     assert!(!ran && log.contains("is unreachable"), "{log}");
+}
+
+/// A registry that lies, on its own threads until dropped: each repository serves a
+/// manifest of the Wasm layout whose layer declares `declared` bytes, no signatures, and
+/// then sends the layer its own way: `endless` bytes at full speed, or a byte every
+/// 100 ms (`drip`) for ever.
+struct HostileRegistry {
+    port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Repository → (manifest digest, manifest bytes).
+    manifests: std::collections::HashMap<String, (String, Vec<u8>)>,
+}
+
+impl HostileRegistry {
+    fn start(repos: &[(&str, u64)]) -> HostileRegistry {
+        use std::io::{BufRead as _, BufReader, Write as _};
+        use std::sync::atomic::Ordering::Relaxed;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut manifests = std::collections::HashMap::new();
+        for (repo, declared) in repos {
+            let manifest = serde_json::json!({
+                "schemaVersion": 2,
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": { "mediaType": WASM_CONFIG, "digest": sha256(b"{}"), "size": 2 },
+                "layers": [{ "mediaType": WASM_LAYER, "digest": sha256(repo.as_bytes()), "size": declared }],
+            });
+            let bytes = serde_json::to_vec(&manifest).unwrap();
+            manifests.insert(repo.to_string(), (sha256(&bytes), bytes));
+        }
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        listener.set_nonblocking(true).unwrap();
+        let (served, stopped) = (manifests.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stopped.load(Relaxed) {
+                let Ok((stream, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                let (served, stopped) = (served.clone(), stopped.clone());
+                std::thread::spawn(move || {
+                    stream.set_nonblocking(false).unwrap();
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    let mut line = String::new();
+                    reader.read_line(&mut line).unwrap_or_default();
+                    let path = line.split(' ').nth(1).unwrap_or("").to_string();
+                    while reader.read_line(&mut line).is_ok_and(|n| n > 2) {}
+                    let mut out = stream;
+                    let repo = path.trim_start_matches("/v2/").split('/').next().unwrap_or("");
+                    let answer = |out: &mut std::net::TcpStream,
+                                  status: &str,
+                                  kind: &str,
+                                  body: &[u8],
+                                  extra: &str| {
+                        let _ = write!(out, "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\ncontent-length: {}\r\n{extra}connection: close\r\n\r\n", body.len());
+                        let _ = out.write_all(body);
+                    };
+                    if path == "/v2/" {
+                        answer(&mut out, "200 OK", "application/json", b"{}", "");
+                    } else if path.contains("/manifests/sha256:") {
+                        let (digest, bytes) = &served[repo];
+                        let extra = format!("docker-content-digest: {digest}\r\n");
+                        answer(
+                            &mut out,
+                            "200 OK",
+                            "application/vnd.oci.image.manifest.v1+json",
+                            bytes,
+                            &extra,
+                        );
+                    } else if path.contains("/manifests/") {
+                        let none = br#"{"errors":[{"code":"MANIFEST_UNKNOWN","message":"no such manifest"}]}"#;
+                        answer(&mut out, "404 Not Found", "application/json", none, "");
+                    } else if path.contains("/blobs/") {
+                        // No length: the body runs until the registry stops.
+                        let _ = write!(out, "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\nconnection: close\r\n\r\n");
+                        let chunk = vec![0u8; 64 << 10];
+                        while !stopped.load(Relaxed) {
+                            let sent = if repo == "drip" {
+                                std::thread::sleep(Duration::from_millis(100));
+                                out.write_all(&chunk[..1])
+                            } else {
+                                out.write_all(&chunk)
+                            };
+                            if sent.is_err() {
+                                break;
+                            }
+                        }
+                    } else {
+                        answer(&mut out, "404 Not Found", "text/plain", b"", "");
+                    }
+                });
+            }
+        });
+        HostileRegistry { port, stop, manifests }
+    }
+
+    fn reference(&self, repo: &str) -> String {
+        format!("oci://127.0.0.1:{}/{repo}@{}", self.port, self.manifests[repo].0)
+    }
+}
+
+impl Drop for HostileRegistry {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A registry that declares a 10 GB component, one that sends gigabytes behind a small
+/// declared size, and one that drips a byte at a time: each is cut off by the size or
+/// time limit, its reload refused, and the server answers all along.
+#[test]
+fn a_hostile_registry_is_cut_off_by_the_limits_and_the_server_keeps_serving() {
+    let scratch = Scratch::new("hostile");
+    let hostile = HostileRegistry::start(&[("huge", 10 << 30), ("endless", 1000), ("drip", 1000)]);
+    let config = scratch.0.join("serve.toml");
+    let write = |plugin: &str| {
+        std::fs::write(
+            &config,
+            format!(
+                "listen = \"127.0.0.1:0\"\nadmin_key = \"hostile-admin-key-0123456789\"\n\
+                 [models]\ntiny = {:?}\n[registry]\ncache = {:?}\ntimeout_ms = 3000\n\
+                 signatures = \"allow-unsigned\"\n[[plugins]]\nname = \"chat\"\npath = \"{plugin}\"\n\
+                 grant = \"all\"\n",
+                common::tiny_model(),
+                scratch.0.join("plugins"),
+            ),
+        )
+        .unwrap()
+    };
+    write(common::serve::openai_plugin().to_str().unwrap());
+    let mut server =
+        common::serve::Server::spawn(&["--config".into(), config.display().to_string()]);
+    let url = server.url("/admin/reload");
+    let reload = move || {
+        common::serve::curl(&[
+            "-X",
+            "POST",
+            &url,
+            "-H",
+            "authorization: Bearer hostile-admin-key-0123456789",
+        ])
+    };
+    for (repo, refusal) in [
+        ("huge", "the plugin is 10737418240 bytes, over the limit of 67108864 bytes"),
+        ("endless", "the registry sent more than the 1000 bytes its manifest declares"),
+        ("drip", "the pull took longer than 3000 ms"),
+    ] {
+        write(&hostile.reference(repo));
+        let pending = std::thread::spawn(reload.clone());
+        // The server answers while the reload is cut off.
+        let (status, _) = common::serve::curl(&[&server.url("/v1/models")]);
+        assert_eq!(status, 200);
+        let (status, body) = pending.join().unwrap();
+        assert_eq!(status, 422, "{repo}: {body}");
+        assert!(body.contains(refusal), "{repo}: {body}");
+        let (status, _) = common::serve::curl(&[&server.url("/v1/models")]);
+        assert_eq!(status, 200, "{repo}: the old plugin serves on");
+    }
+    assert!(server.rss_kib() < 2 << 20, "no blob was taken in whole");
+    assert!(server.terminate().success());
 }

@@ -121,6 +121,31 @@ fn a_reload_serves_new_requests_from_the_new_plugin_while_one_in_flight_ends_on_
     assert!(rest.matches("\"content\":").count() > 1000, "a long answer, not a cut one");
     assert!(rest.contains("\"finish_reason\":\"length\""));
 
+    // A reload under load: requests go on through it, on the same route, and none fails.
+    write_config(&config, &v1, "/b");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let url = server.url("/b/v1/chat/completions");
+    let load: Vec<_> = (0..2)
+        .map(|_| {
+            let (stop, url) = (stop.clone(), url.clone());
+            std::thread::spawn(move || {
+                let mut statuses = Vec::new();
+                let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8});
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) || statuses.is_empty() {
+                    statuses.push(post_to(&url, &body, &[]).0);
+                }
+                statuses
+            })
+        })
+        .collect();
+    let (code, answer) = reload(&server, Some(ADMIN_KEY));
+    assert_eq!(code, 200, "{answer}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let statuses: Vec<u16> = load.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    assert_eq!(server.metric(&info(&sha256_file(&v1))), 1.0);
+    eprintln!("reload under load: {} requests, all 200", statuses.len());
+
     // A config that cannot be served is refused whole; the plugin served stays.
     write_config(&config, &dir.join("missing.wasm"), "/c");
     let (code, answer) = reload(&server, Some(ADMIN_KEY));

@@ -170,11 +170,17 @@ async fn pull(
     if declared > limit {
         return Err(SourceError::TooLarge { reference: shown.into(), size: declared, limit });
     }
-    let mut out = Capped { bytes: Vec::new(), limit, over: false };
+    // No more than the manifest declared is taken in: a registry that sends on past it
+    // (a blob of gigabytes behind a small size) is cut off at that byte.
+    let mut out = Capped { bytes: Vec::new(), limit: declared, over: false };
     let pulled = client.pull_blob(&reference, &layer, &mut out).await;
     if out.over {
-        let size = out.bytes.len() as u64 + 1;
-        return Err(SourceError::TooLarge { reference: shown.into(), size, limit });
+        return Err(SourceError::Registry {
+            reference: shown.into(),
+            reason: format!(
+                "the registry sent more than the {declared} bytes its manifest declares for the component"
+            ),
+        });
     }
     pulled.map_err(failed)?;
     check_digest(&out.bytes, &layer.digest, shown)?;
