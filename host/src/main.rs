@@ -11,8 +11,9 @@ use llamabox::native;
 #[cfg(feature = "synthetic")]
 use llamabox::native::{ProjectorSpec, TextModelSpec};
 use llamabox::serve::{ServeConfig, Server};
+use llamabox::source::GrantChoice;
 use llamabox::{
-    Grant, HostOptions, LimitOverrides, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome,
+    HostOptions, LimitOverrides, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome,
 };
 use wasmtime_wasi::WasiCtxBuilder;
 
@@ -48,10 +49,11 @@ enum Command {
         #[command(flatten)]
         registry: RegistryFlags,
         /// The llamabox interfaces the plugin may import: NAME,NAME (llm, generate,
-        /// embeddings, media, cancel, async-calls), all or none (default: all for a
-        /// file, none for an oci:// plugin).
+        /// embeddings, media, cancel, async-calls), all or none, or requested: what a
+        /// pulled plugin's artifact asks for (default: all for a file, none for an
+        /// oci:// plugin).
         #[arg(long, value_name = "INTERFACES")]
-        grant: Option<Grant>,
+        grant: Option<GrantChoice>,
         #[command(flatten)]
         offload: OffloadFlags,
         /// Stop the plugin, native work included, after this many milliseconds.
@@ -87,7 +89,7 @@ enum Command {
         registry: RegistryFlags,
         /// The grant to check its imports against (see `run --grant`).
         #[arg(long, value_name = "INTERFACES")]
-        grant: Option<Grant>,
+        grant: Option<GrantChoice>,
         #[command(flatten)]
         cache: CacheFlags,
     },
@@ -234,7 +236,7 @@ struct ServeArgs {
     /// The llamabox interfaces every plugin may import (see `run --grant`), over
     /// each plugin's `grant` in the config file.
     #[arg(long, value_name = "INTERFACES")]
-    grant: Option<Grant>,
+    grant: Option<GrantChoice>,
     #[command(flatten)]
     offload: OffloadFlags,
     #[command(flatten)]
@@ -592,9 +594,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let options = cache.options();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let shown = llamabox::source::display_name(&plugin);
-            let grant = grant.unwrap_or_else(|| llamabox::source::default_grant(&plugin));
             let resolved =
                 registry_flags.resolve(&runtime, &plugin, options.compile_cache.as_deref())?;
+            let grant = llamabox::source::grant_for(grant, &plugin, &resolved);
             let path = &resolved.path;
             let bytes =
                 std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
@@ -614,6 +616,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     "signer    {}",
                     pulled.signer.as_deref().unwrap_or("none (allowed unsigned)")
                 );
+                if let Some(requested) = &pulled.requested {
+                    println!("requests  {requested} (applied only with --grant requested)");
+                }
             }
             println!("digest    sha256:{digest}");
             println!("size      {} bytes", bytes.len());
@@ -625,11 +630,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             for (name, _) in kind.exports(engine) {
                 println!("export    {name}");
             }
-            println!("grant     {grant}");
-            match grant.first_withheld(imports.iter().map(String::as_str)) {
-                None => println!("verdict   its imports are granted"),
-                Some((import, _)) => {
-                    println!("verdict   refused: it imports {import}, which the grant withholds")
+            match grant {
+                Err(e) => println!("grant     none: {e}"),
+                Ok(grant) => {
+                    println!("grant     {grant}");
+                    match grant.first_withheld(imports.iter().map(String::as_str)) {
+                        None => println!("verdict   its imports are granted"),
+                        Some((import, _)) => println!(
+                            "verdict   refused: it imports {import}, which the grant withholds"
+                        ),
+                    }
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -668,9 +678,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let options = cache.options();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let argv0 = llamabox::source::display_name(&plugin);
-            let grant = grant.unwrap_or_else(|| llamabox::source::default_grant(&plugin));
             let resolved =
                 registry_flags.resolve(&runtime, &plugin, options.compile_cache.as_deref())?;
+            let grant = llamabox::source::grant_for(grant, &plugin, &resolved)
+                .map_err(|e| anyhow::anyhow!("plugin {argv0}: {e}"))?;
             let host = PluginHost::with_options(registry, limits, options)?;
             let plugin = host
                 .load_granted(&resolved.path, grant)

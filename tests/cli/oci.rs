@@ -146,6 +146,18 @@ fn write_layout_annotated(
     layer: (&str, &[u8]),
     annotations: serde_json::Value,
 ) -> String {
+    write_layout_full(dir, tag, config, layer, annotations, serde_json::Value::Null)
+}
+
+/// `write_layout_annotated`, with `manifest_annotations` on the manifest (none if null).
+fn write_layout_full(
+    dir: &Path,
+    tag: &str,
+    config: (&str, &[u8]),
+    layer: (&str, &[u8]),
+    annotations: serde_json::Value,
+    manifest_annotations: serde_json::Value,
+) -> String {
     let blobs = dir.join("blobs/sha256");
     std::fs::create_dir_all(&blobs).unwrap();
     let blob = |bytes: &[u8]| {
@@ -169,6 +181,10 @@ fn write_layout_annotated(
         "config": descriptor(config.0, config.1),
         "layers": [layer_descriptor],
     });
+    let mut manifest = manifest;
+    if !manifest_annotations.is_null() {
+        manifest["annotations"] = manifest_annotations;
+    }
     let manifest = serde_json::to_vec(&manifest).unwrap();
     let digest = sha256(&manifest);
     let mut entry = descriptor("application/vnd.oci.image.manifest.v1+json", &manifest);
@@ -804,4 +820,55 @@ fn a_hostile_registry_is_cut_off_by_the_limits_and_the_server_keeps_serving() {
     }
     assert!(server.rss_kib() < 2 << 20, "no blob was taken in whole");
     assert!(server.terminate().success());
+}
+
+/// A plugin may carry the grant it asks for (`dev.llamabox.grant` on its manifest):
+/// `inspect` shows it, and it applies only when the operator's grant is `requested`.
+#[test]
+fn a_grant_the_artifact_requests_applies_only_when_the_operator_says_so() {
+    let scratch = Scratch::new("requested");
+    let registry = Registry::start(&scratch.0);
+    let host = registry.host();
+    let wasm = std::fs::read(common::demo_plugin()).unwrap();
+    let layout = scratch.0.join("asking");
+    let asking = write_layout_full(
+        &layout,
+        "v1",
+        (WASM_CONFIG, br#"{"architecture":"wasm","os":"wasip2"}"#),
+        (WASM_LAYER, &wasm),
+        serde_json::Value::Null,
+        serde_json::json!({ "dev.llamabox.grant": "cancel,llm,media,generate" }),
+    );
+    assert_eq!(registry.push(&layout, "v1", "plugins/asking"), asking);
+    let (plain, _) = demo_layout(&scratch.0.join("plain"));
+    assert_eq!(registry.push(&scratch.0.join("plain"), "v1", "plugins/plain"), plain);
+    let cache = scratch.0.join("plugins");
+    let run = |repo: &str, digest: &str, grant: &[&str]| {
+        let flags = [&["--plugin-cache", p(&cache), "--allow-unsigned"][..], grant].concat();
+        run_demo(&format!("oci://{host}/{repo}@{digest}"), &flags).0
+    };
+
+    let out = run("plugins/asking", &asking, &[]);
+    assert!(!out.status.success(), "a request is not a grant");
+    assert!(stderr(&out).contains("is not granted cancel (its grant: none)"), "{}", stderr(&out));
+    let inspect = bounded(
+        Command::new(env!("CARGO_BIN_EXE_llamabox"))
+            .args(["inspect", &format!("oci://{host}/plugins/asking@{asking}")])
+            .args(["--plugin-cache", p(&cache), "--allow-unsigned"]),
+        Duration::from_secs(60),
+    );
+    let printed = String::from_utf8_lossy(&inspect.stdout);
+    assert!(
+        printed
+            .contains("requests  cancel,llm,media,generate (applied only with --grant requested)"),
+        "{printed}"
+    );
+    assert!(printed.contains("grant     none\n"), "{printed}");
+
+    let out = run("plugins/asking", &asking, &["--grant", "requested"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("generated-tokens: 16"));
+    let out = run("plugins/plain", &plain, &["--grant", "requested"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("the plugin requests none"), "{}", stderr(&out));
 }

@@ -176,19 +176,21 @@ pub struct PluginConfig {
     #[serde(default)]
     pub limits: LimitOverrides,
     /// The llamabox interfaces it may import (`["llm", "generate"]`, `"all"` or
-    /// `"none"`). Default: all for a file, none for an `oci://` plugin. A plugin that
-    /// imports one it is not granted is refused at start, naming the import.
+    /// `"none"`), or `"requested"`: what a pulled plugin's artifact asks for. Default:
+    /// all for a file, none for an `oci://` plugin. A plugin that imports one it is not
+    /// granted is refused at start, naming the import.
     #[serde(default)]
-    pub grant: Option<crate::Grant>,
+    pub grant: Option<crate::source::GrantChoice>,
     /// Its signature policy, over `[registry] signatures` (`oci://` plugins only).
     #[serde(default)]
     pub signatures: Option<crate::source::SignaturePolicy>,
 }
 
 impl PluginConfig {
-    /// Its grant: the configured one, else the default for where it comes from.
-    pub fn grant(&self) -> crate::Grant {
-        self.grant.unwrap_or_else(|| crate::source::default_grant(&self.path))
+    /// Its grant, now that it is found as `resolved` (see [`crate::source::grant_for`]).
+    pub fn grant(&self, resolved: &crate::source::Resolved) -> anyhow::Result<crate::Grant> {
+        crate::source::grant_for(self.grant, &self.path, resolved)
+            .map_err(|e| anyhow::anyhow!("plugin {:?}: {e}", self.name))
     }
 }
 

@@ -119,6 +119,8 @@ struct Served {
     /// signer's key id, if a key signed it.
     digest: String,
     signer: Option<String>,
+    /// The llamabox interfaces it was granted.
+    grant: crate::Grant,
     /// Its index in the server's [`Admission`].
     admission: usize,
     /// llama.cpp threads each request holds while it runs (0 when batched: every step
@@ -340,9 +342,10 @@ impl Server {
         let mut plugins = Vec::new();
         for (config, resolved) in config.plugins.iter().zip(resolved) {
             let started = Instant::now();
+            let grant = config.grant(&resolved)?;
             let plugin = self
                 .host
-                .load_granted_async(&resolved.path, config.grant())
+                .load_granted_async(&resolved.path, grant)
                 .await
                 .with_context(|| format!("plugin {:?}", config.name))?;
             anyhow::ensure!(
@@ -381,7 +384,7 @@ impl Server {
                 "compiled plugin {}{origin} in {:.2} s, granted {}, serving {}",
                 config.name,
                 started.elapsed().as_secs_f64(),
-                config.grant(),
+                grant,
                 config.route()
             ));
             let slots = config.max_concurrent.unwrap_or(self.config.max_concurrent);
@@ -395,6 +398,7 @@ impl Server {
                 plugin,
                 digest,
                 signer,
+                grant,
                 config: config.clone(),
             }));
         }
@@ -558,7 +562,7 @@ impl Server {
                             "route": served.config.route(),
                             "digest": served.digest,
                             "signer": served.signer,
-                            "grant": served.config.grant().to_string(),
+                            "grant": served.grant.to_string(),
                         })
                     })
                     .collect();

@@ -154,15 +154,76 @@ pub struct Pulled {
     /// The id of the trusted key whose signature verified (`sha256:` and the hex digest
     /// of its DER), or `None` for an unsigned plugin run under `allow-unsigned`.
     pub signer: Option<String>,
+    /// The grant the artifact asks for (its manifest's [`GRANT_ANNOTATION`]), as written.
+    /// Never applied unless the operator's grant is [`GrantChoice::Requested`].
+    pub requested: Option<String>,
 }
 
-/// The grant of a plugin whose operator named none: every llamabox interface for a
-/// file (what the README's commands run), none for a plugin pulled from a registry.
-pub fn default_grant(path: &Path) -> crate::Grant {
-    if is_oci(path) {
-        crate::Grant::none()
-    } else {
-        crate::Grant::all()
+/// The manifest annotation in which a plugin's publisher writes the grant it asks for:
+/// interface names, comma-separated (`cancel,llm,generate`).
+pub const GRANT_ANNOTATION: &str = "dev.llamabox.grant";
+
+/// The grant an operator gives a plugin: interfaces by name, or the one its artifact
+/// requests (applied only because the operator said so, as Wassette does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GrantChoice {
+    Given(crate::Grant),
+    /// What the pulled artifact's `dev.llamabox.grant` annotation asks for.
+    Requested,
+}
+
+impl std::str::FromStr for GrantChoice {
+    type Err = String;
+
+    /// `requested`, or what [`crate::Grant`] parses.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "requested" => Ok(GrantChoice::Requested),
+            other => other.parse().map(GrantChoice::Given),
+        }
+    }
+}
+
+/// In a config file: `"requested"`, or what a grant is written as.
+impl<'de> Deserialize<'de> for GrantChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written {
+            Word(String),
+            Grant(crate::Grant),
+        }
+        match Written::deserialize(deserializer)? {
+            Written::Word(word) => word.parse().map_err(serde::de::Error::custom),
+            Written::Grant(grant) => Ok(GrantChoice::Given(grant)),
+        }
+    }
+}
+
+/// The grant of the plugin `path` (found as `resolved`) under the operator's `choice`:
+/// the choice, the artifact's request if the operator chose that, else the default for
+/// where it comes from: every llamabox interface for a file (what the README's commands
+/// run), none for a plugin pulled from a registry.
+pub fn grant_for(
+    choice: Option<GrantChoice>,
+    path: &Path,
+    resolved: &Resolved,
+) -> Result<crate::Grant, String> {
+    match choice {
+        Some(GrantChoice::Given(grant)) => Ok(grant),
+        None if is_oci(path) => Ok(crate::Grant::none()),
+        None => Ok(crate::Grant::all()),
+        Some(GrantChoice::Requested) => {
+            let requested = resolved.pulled.as_ref().and_then(|p| p.requested.as_deref());
+            let text = requested.ok_or_else(|| {
+                format!("the grant is \"requested\", but the plugin requests none (no {GRANT_ANNOTATION} annotation)")
+            })?;
+            let grant = text
+                .parse()
+                .map_err(|e| format!("the grant it requests ({text:?}) does not parse: {e}"))?;
+            tracing::info!(plugin = %path.display(), %grant, "applying the grant the plugin requests, as the operator chose");
+            Ok(grant)
+        }
     }
 }
 

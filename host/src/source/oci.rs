@@ -184,6 +184,7 @@ async fn pull(
     }
     pulled.map_err(failed)?;
     check_digest(&out.bytes, &layer.digest, shown)?;
+    let requested = requested_grant(&manifest_bytes);
     let path = cache.store(
         &repository(&reference),
         &digest,
@@ -193,7 +194,7 @@ async fn pull(
         &signatures,
     )?;
     tracing::info!(reference = %shown, %digest, bytes = out.bytes.len(), signer = signer.as_deref().unwrap_or("none"), "pulled the plugin");
-    Ok(Resolved { path, pulled: Some(Pulled { digest, signer }) })
+    Ok(Resolved { path, pulled: Some(Pulled { digest, signer, requested }) })
 }
 
 /// The cosign signatures published for `reference`'s digest (the `sha256-HEX.sig` tag of
@@ -247,6 +248,13 @@ async fn signatures(
         found.push(Signature { payload: payload.bytes, signature: text.clone() });
     }
     Ok(found)
+}
+
+/// The grant the manifest's annotation asks for, if any (at most 256 characters).
+fn requested_grant(manifest: &[u8]) -> Option<String> {
+    let manifest: OciImageManifest = serde_json::from_slice(manifest).ok()?;
+    let text = manifest.annotations?.remove(super::GRANT_ANNOTATION)?;
+    (text.len() <= 256).then_some(text)
 }
 
 /// `REGISTRY/REPO`: where a plugin's signatures are looked up.
@@ -444,7 +452,10 @@ impl Cache {
             .unwrap_or_default();
         match trust.check(&signatures, digest, shown) {
             Ok(signer) => {
-                Some(Resolved { path, pulled: Some(Pulled { digest: digest.into(), signer }) })
+                let manifest = std::fs::read(self.manifest_path(digest)).unwrap_or_default();
+                let requested = requested_grant(&manifest);
+                let pulled = Pulled { digest: digest.into(), signer, requested };
+                Some(Resolved { path, pulled: Some(pulled) })
             }
             Err(e) => {
                 tracing::info!(reference = %shown, "the cached plugin's signatures do not do ({e}); asking the registry");
