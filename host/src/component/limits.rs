@@ -180,6 +180,9 @@ pub struct LimitOverrides {
     pub max_generate_tokens: Option<u32>,
     pub max_embed_inputs: Option<u32>,
     pub max_embed_tokens: Option<u64>,
+    /// Capabilities its cancel tokens may be shared under at once; 0 withholds sharing
+    /// tokens with other instances (`share` answers `limit-exceeded` naming it).
+    pub max_shares: Option<u32>,
 }
 
 impl LimitOverrides {
@@ -198,6 +201,7 @@ impl LimitOverrides {
         limits.max_generate_tokens = self.max_generate_tokens.unwrap_or(limits.max_generate_tokens);
         limits.max_embed_inputs = self.max_embed_inputs.unwrap_or(limits.max_embed_inputs);
         limits.max_embed_tokens = self.max_embed_tokens.unwrap_or(limits.max_embed_tokens);
+        limits.max_shares = self.max_shares.unwrap_or(limits.max_shares);
         limits
     }
 }
@@ -225,5 +229,9 @@ mod overrides_tests {
         let zero =
             LimitOverrides { max_threads: Some(0), ..LimitOverrides::default() }.apply(&base);
         assert_eq!((zero.max_threads, zero.default_threads), (1, 1), "at least one thread");
+        // Sharing tokens is withheld by a limit of 0, not clamped up.
+        let no_shares =
+            LimitOverrides { max_shares: Some(0), ..LimitOverrides::default() }.apply(&base);
+        assert_eq!((no_shares.max_shares, no_shares.max_contexts), (0, base.max_contexts));
     }
 }
