@@ -73,29 +73,18 @@ pub async fn run_tenants(
 
     // gamma: its own limits (it may not share its tokens with anyone), and a stop
     // handle the embedder keeps.
-    let gamma_limits = Limits { max_shares: 0, ..Limits::default() };
-    let gamma = |deadline, stop| RunOptions {
-        group: "gamma".into(),
-        limits: Some(gamma_limits.clone()),
-        deadline,
-        stop,
-        ..RunOptions::default()
+    let mut gamma_limits = Limits::default();
+    gamma_limits.max_shares = 0;
+    let gamma = |deadline, stop| {
+        let mut options = RunOptions::default().group("gamma").limits(gamma_limits.clone());
+        (options.deadline, options.stop) = (deadline, stop);
+        options
     };
     let gamma_stop = RunStop::new();
 
-    let alpha_run = run(
-        &demo,
-        "alpha",
-        RunOptions { group: "alpha".into(), ..RunOptions::default() },
-        &["--model", "m"],
-    );
+    let alpha_run = run(&demo, "alpha", RunOptions::default().group("alpha"), &["--model", "m"]);
     let beta_args = ["decode-until-stopped", "--model", "m", "--token", &capability];
-    let beta_run = run(
-        &misbehaving,
-        "beta",
-        RunOptions { group: "beta".into(), ..RunOptions::default() },
-        &beta_args,
-    );
+    let beta_run = run(&misbehaving, "beta", RunOptions::default().group("beta"), &beta_args);
     let beta_cancel = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
         beta_token.cancel();

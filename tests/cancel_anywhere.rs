@@ -36,7 +36,8 @@ async fn run(
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(out.clone()).stderr(out.clone());
     wasi.args(&std::iter::once("demo").chain(args.iter().copied()).collect::<Vec<_>>());
-    let options = RunOptions { group: group.into(), deadline, ..RunOptions::default() };
+    let mut options = RunOptions::default().group(group);
+    options.deadline = deadline;
     let outcome = plugin.run_with(&options, wasi).await.unwrap();
     let text = String::from_utf8(out.contents().to_vec()).unwrap();
     print!("{text}");
@@ -247,10 +248,8 @@ async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() 
     registry.register("tiny", common::tiny_model());
     registry.register_projector("eyes", common::tiny_vision());
     // Stop points at fixed work, not paced by measured speed: the same polls every run.
-    let limits = Limits {
-        encode_fixed_chunk_work: Some(llamabox::native::chunker::CHUNK_WORK),
-        ..Limits::default()
-    };
+    let mut limits = Limits::default();
+    limits.encode_fixed_chunk_work = Some(llamabox::native::chunker::CHUNK_WORK);
     let host = PluginHost::new(registry, limits).unwrap();
     let plugin = host.load(common::demo_plugin()).unwrap();
     let args = |cap: &str| {
@@ -300,8 +299,7 @@ async fn the_embedders_stop_handle_ends_a_run_now() {
     let (host, _) = host();
     let plugin = test_plugin(&host);
     let stop = RunStop::new();
-    let options =
-        RunOptions { group: "tenant".into(), stop: Some(stop.clone()), ..RunOptions::default() };
+    let options = RunOptions::default().group("tenant").stop(stop.clone());
     let out = MemoryOutputPipe::new(1 << 16);
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(out.clone()).args(&["test-plugin", "spin"]);
@@ -332,10 +330,9 @@ async fn the_embedders_stop_handle_ends_a_run_now() {
 async fn each_run_can_have_its_own_limits() {
     let (_host, plugin) = host();
     let args = ["--model", "slow", "--prompt", "per-run limits", "--generate", "2"];
-    let tight = RunOptions {
-        limits: Some(Limits { max_contexts: 0, ..Limits::default() }),
-        ..RunOptions::default()
-    };
+    let mut none = Limits::default();
+    none.max_contexts = 0;
+    let tight = RunOptions::default().limits(none);
     let out = MemoryOutputPipe::new(1 << 16);
     let mut wasi = WasiCtxBuilder::new();
     wasi.stdout(out.clone()).stderr(out.clone());

@@ -111,10 +111,9 @@ async fn growing_past_the_runs_memory_limit_is_a_limit_error() {
         RunOutcome::Success,
         "the default limit allows it"
     );
-    let tight = RunOptions {
-        limits: Some(Limits { max_wasm_memory: 1 << 20, ..Limits::default() }),
-        ..RunOptions::default()
-    };
+    let mut small = Limits::default();
+    small.max_wasm_memory = 1 << 20;
+    let tight = RunOptions::default().limits(small);
     match plugin.run_with(&tight, WasiCtxBuilder::new()).await {
         Err(Error::Limit { limit, .. }) => assert_eq!(limit, "max-wasm-memory"),
         other => panic!("expected the memory limit, got {other:?}"),
@@ -148,7 +147,7 @@ async fn the_products_own_host_function_reaches_its_run_state() {
     );
     let plugin = host.load_bytes(&bytes).unwrap();
     let calls = Arc::new(AtomicU32::new(0));
-    let options = RunOptions { embedder: Some(calls.clone()), ..RunOptions::default() };
+    let options = RunOptions::default().embedder(calls.clone());
     assert_eq!(
         plugin.run_with(&options, WasiCtxBuilder::new()).await.unwrap(),
         RunOutcome::Success
@@ -346,7 +345,7 @@ async fn llama_cpp_logs_from_a_runs_threads_carry_its_span() {
     registry.register("m", common::tiny_model());
     let host = PluginHost::new(registry, Limits::default()).unwrap();
     let plugin = host.load(&bench_plugin()).unwrap();
-    let options = RunOptions { group: "tenant-a".into(), ..RunOptions::default() };
+    let options = RunOptions::default().group("tenant-a");
     let (report, _) = run_reported(&plugin, &options, DECODE_16X3).await;
     assert_eq!(report.outcome, RunOutcome::Success);
     // Loading the model and creating the context log at llama.cpp's INFO level.
@@ -366,7 +365,7 @@ async fn a_running_context_keeps_its_model_when_the_name_is_replaced() {
     let decoder = host.load(common::test_plugin()).unwrap();
     let flag = llamabox::CancelFlag::new();
     let capability = host.tokens().share("t", &flag).unwrap();
-    let options = RunOptions { group: "t".into(), ..RunOptions::default() };
+    let options = RunOptions::default().group("t");
     let start = |args: &[&str]| {
         let output = MemoryOutputPipe::new(1 << 20);
         let mut wasi = WasiCtxBuilder::new();
@@ -450,7 +449,7 @@ async fn idle_contexts_serve_later_runs_of_their_group_only() {
         "--host-generate",
     ];
     let run = |group: &str| {
-        let options = RunOptions { group: group.into(), ..RunOptions::default() };
+        let options = RunOptions::default().group(group);
         let plugin = &plugin;
         async move {
             let (report, out) = run_reported(plugin, &options, &args).await;

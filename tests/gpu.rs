@@ -313,7 +313,7 @@ async fn a_plugins_decode_on_the_device_is_stopped_in_flight_by_the_embedders_to
     let mut wasi = wasmtime_wasi::WasiCtxBuilder::new();
     wasi.stdout(out.clone()).stderr(out.clone());
     wasi.args(&["demo", "--model", "slow", "--token", &capability]);
-    let options = RunOptions { group: "tenant".into(), ..RunOptions::default() };
+    let options = RunOptions::default().group("tenant");
     let outcome = plugin.run_with(&options, wasi).await.unwrap();
     let text = String::from_utf8(out.contents().to_vec()).unwrap();
     assert_eq!(outcome, RunOutcome::Success, "{text}");

@@ -50,7 +50,7 @@ async fn fuzz_run_with(
     ]);
     wasi.args(args);
     // Generous: a run that hangs is a finding too, and fails here instead of hanging.
-    let options = RunOptions { deadline: Some(Duration::from_secs(120)), ..RunOptions::default() };
+    let options = RunOptions::default().deadline(Duration::from_secs(120));
     let outcome = plugin
         .run_with(&options, wasi)
         .await
@@ -71,7 +71,8 @@ async fn random_wit_call_sequences_through_a_real_guest_never_crash_the_host() {
     // Each seed's run leaves contexts for the next one: their calls meet parked
     // contexts with leftover tokens (reused, cut or removed by whatever comes first).
     registry.keep_idle_contexts(4);
-    let limits = Limits { max_threads: 1, default_threads: 1, ..Limits::default() };
+    let mut limits = Limits::default();
+    (limits.max_threads, limits.default_threads) = (1, 1);
     let host = PluginHost::new(registry, limits).unwrap();
     let plugin = host.load(&common::guest_plugin("llamabox-fuzz.wasm")).unwrap();
     let first = env("LLAMABOX_FUZZ_SEED", 1);
@@ -100,7 +101,8 @@ async fn random_wit_call_sequences_through_a_real_guest_never_crash_the_host() {
 async fn hostile_grammars_through_a_real_guest_are_bounded() {
     let registry = ModelRegistry::new();
     registry.register("tiny", common::tiny_model()).register("tiny-again", common::tiny_model());
-    let limits = Limits { max_threads: 1, default_threads: 1, ..Limits::default() };
+    let mut limits = Limits::default();
+    (limits.max_threads, limits.default_threads) = (1, 1);
     let host = PluginHost::new(registry, limits).unwrap();
     let plugin = host.load(&common::guest_plugin("llamabox-fuzz.wasm")).unwrap();
     let first = env("LLAMABOX_FUZZ_SEED", 1);

@@ -74,8 +74,8 @@ async fn chunks_stay_with_their_media_context_and_every_budget_is_charged_as_all
     let args = ["bad-inputs", "--model", "tiny", "--media", "eyes"];
     // The test plugin's own context: n-ctx 1024 (padded as asked) x 2 layers. The padded
     // 16-sequence context needs 16 x 256 cells x 2 layers more: one cell too many.
-    let limits =
-        llamabox::Limits { max_kv_cells: 1024 * 2 + 4096 * 2 - 1, ..llamabox::Limits::default() };
+    let mut limits = llamabox::Limits::default();
+    limits.max_kv_cells = 1024 * 2 + 4096 * 2 - 1;
     let (outcome, out) =
         common::run_plugin_with_limits(common::test_plugin(), &models, &projectors, limits, &args)
             .await;
@@ -100,7 +100,8 @@ async fn chunks_stay_with_their_media_context_and_every_budget_is_charged_as_all
     );
 
     // A chunk budget smaller than one tokenized image: refused by name, nothing kept.
-    let limits = llamabox::Limits { max_chunk_bytes: 4096, ..llamabox::Limits::default() };
+    let mut limits = llamabox::Limits::default();
+    limits.max_chunk_bytes = 4096;
     let (outcome, out) =
         common::run_plugin_with_limits(common::test_plugin(), &models, &projectors, limits, &args)
             .await;
@@ -170,7 +171,7 @@ async fn a_compiled_plugin_is_reused_from_the_compile_cache() {
     use llamabox::{CompileCacheStats, HostOptions, Limits, ModelRegistry, PluginHost};
     let dir = std::env::temp_dir().join(format!("llamabox-compile-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let options = HostOptions { compile_cache: Some(dir.clone()) };
+    let options = HostOptions::with_compile_cache(&dir);
     let host =
         |registry| PluginHost::with_options(registry, Limits::default(), options.clone()).unwrap();
     let bytes = std::fs::read(common::demo_plugin()).unwrap();

@@ -63,9 +63,8 @@ fn cached_host(models: &[(&str, &Path)]) -> PluginHost {
     for (name, path) in models {
         registry.register(*name, *path);
     }
-    let options = HostOptions {
-        compile_cache: Some(common::repo_root().join("target/compile-cache-polyglot")),
-    };
+    let options =
+        HostOptions::with_compile_cache(common::repo_root().join("target/compile-cache-polyglot"));
     PluginHost::with_options(registry, Limits::default(), options).unwrap()
 }
 

@@ -104,7 +104,8 @@ impl Host {
         let registry = ModelRegistry::new();
         registry.register(model.name, &model.path);
         registry.batch(policy);
-        let limits = Limits { max_threads: threads, ..Limits::default() };
+        let mut limits = Limits::default();
+        limits.max_threads = threads;
         let host = PluginHost::new(registry, limits)?;
         let plugin = host
             .load(wasm)

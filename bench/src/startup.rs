@@ -66,11 +66,11 @@ pub fn measure(
     let cache = dir.join("compile-cache");
     let _ = std::fs::remove_dir_all(&cache);
     let host = |compile_cache| {
-        PluginHost::with_options(
-            ModelRegistry::new(),
-            Limits::default(),
-            HostOptions { compile_cache },
-        )
+        PluginHost::with_options(ModelRegistry::new(), Limits::default(), {
+            let mut options = HostOptions::default();
+            options.compile_cache = compile_cache;
+            options
+        })
     };
     let first = host(Some(cache.clone()))?.load_bytes(&bytes)?; // fills the cache
     let run = probe.then(|| probe_runs(&first, runs)).transpose()?;

@@ -282,14 +282,12 @@ struct LimitFlags {
 
 impl LimitFlags {
     fn apply(&self, limits: &mut Limits) {
-        let overrides = LimitOverrides {
-            max_threads: self.max_threads,
-            max_memory_mib: self.max_memory_mib,
-            max_contexts: self.max_contexts,
-            max_n_ctx: self.max_n_ctx,
-            max_kv_cells: self.max_kv_cells,
-            ..LimitOverrides::default()
-        };
+        let mut overrides = LimitOverrides::default();
+        overrides.max_threads = self.max_threads;
+        overrides.max_memory_mib = self.max_memory_mib;
+        overrides.max_contexts = self.max_contexts;
+        overrides.max_n_ctx = self.max_n_ctx;
+        overrides.max_kv_cells = self.max_kv_cells;
         *limits = overrides.apply(limits);
     }
 }
@@ -365,7 +363,9 @@ impl CacheFlags {
             (Some(dir), false) => Some(dir.clone()),
             (None, false) => HostOptions::default_compile_cache(),
         };
-        HostOptions { compile_cache }
+        let mut options = HostOptions::default();
+        options.compile_cache = compile_cache;
+        options
     }
 }
 
@@ -689,10 +689,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let mut wasi = WasiCtxBuilder::new();
             wasi.inherit_stdout().inherit_stderr();
             wasi.args(&std::iter::once(argv0).chain(args).collect::<Vec<_>>());
-            let options = RunOptions {
-                deadline: deadline_ms.map(Duration::from_millis),
-                ..RunOptions::default()
-            };
+            let mut options = RunOptions::default();
+            options.deadline = deadline_ms.map(Duration::from_millis);
             match runtime.block_on(plugin.run_with(&options, wasi))? {
                 RunOutcome::Success => Ok(ExitCode::SUCCESS),
                 RunOutcome::Failed(code) => Ok(ExitCode::from(code.clamp(1, 255) as u8)),

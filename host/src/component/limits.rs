@@ -2,7 +2,11 @@
 
 /// Limits a plugin runs under. `Default` gives values safe for an untrusted plugin on a
 /// small machine.
+///
+/// `#[non_exhaustive]`: start from [`Limits::default`] and set fields, so that a limit
+/// added later does not break an embedder's code.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct Limits {
     /// Largest `n-ctx` per context: KV memory grows linearly with it.
     pub max_n_ctx: u32,
@@ -169,16 +173,23 @@ impl Limits {
 /// serve.toml `[plugins.limits]` table set, read the same way by both.
 #[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct LimitOverrides {
     /// Most threads a context may use (at least 1); a context's default follows it down.
     pub max_threads: Option<u32>,
+    /// Largest n-ctx of one context ([`Limits::max_n_ctx`]).
     pub max_n_ctx: Option<u32>,
+    /// KV cells over all its contexts ([`Limits::max_kv_cells`]).
     pub max_kv_cells: Option<u64>,
     /// The plugin's linear memory, in MiB.
     pub max_memory_mib: Option<usize>,
+    /// Contexts alive at once ([`Limits::max_contexts`]).
     pub max_contexts: Option<u32>,
+    /// Tokens one generation may produce ([`Limits::max_generate_tokens`]).
     pub max_generate_tokens: Option<u32>,
+    /// Inputs of one embeddings call ([`Limits::max_embed_inputs`]).
     pub max_embed_inputs: Option<u32>,
+    /// Tokens of one embeddings call ([`Limits::max_embed_tokens`]).
     pub max_embed_tokens: Option<u64>,
     /// Capabilities its cancel tokens may be shared under at once; 0 withholds sharing
     /// tokens with other instances (`share` answers `limit-exceeded` naming it).

@@ -61,7 +61,10 @@ pub(crate) struct SeatSize {
 /// - a step of long prompts alone runs up to `step_rows` rows, and yields in flight when
 ///   another seat's call arrives: it is rolled back, and the next step takes the
 ///   newcomer first; what a yield threw away is made good before the next may yield.
+///
+/// `#[non_exhaustive]`: start from [`BatchPolicy::new`] and set fields.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct BatchPolicy {
     /// Seats (native sequences) per shared context: contexts beyond this get contexts
     /// of their own. Each seat's KV stream is allocated with the shared context.
@@ -84,7 +87,7 @@ pub struct BatchPolicy {
     /// Whose turn it is on the cores: shared by every batch made by this policy (and
     /// its clones), so that batches of different models take turns instead of
     /// oversubscribing the cores.
-    pub cores: Arc<Cores>,
+    pub(crate) cores: Arc<Cores>,
 }
 
 impl std::fmt::Debug for BatchPolicy {
@@ -147,14 +150,17 @@ impl BatchPolicy {
 
 /// What one step did, for metrics.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct StepReport {
     /// Seats with rows in the step.
     pub seats: usize,
+    /// Rows (tokens) the step decoded.
     pub rows: usize,
     /// Rows of long prompts among them.
     pub long_rows: usize,
     /// Seats holding a lease on the shared context now.
     pub active_seats: usize,
+    /// How long the step's decode took.
     pub elapsed: Duration,
     /// The step was stopped by a member's cancel and rolled back for all of them.
     pub rolled_back: bool,

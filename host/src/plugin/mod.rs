@@ -73,6 +73,7 @@ pub struct CompileCacheStats {
 /// [`Plugin::run`] instead).
 #[derive(Debug, PartialEq, Eq)]
 pub enum RunOutcome {
+    /// `run` returned `ok` (exit status 0), or an HTTP handler returned.
     Success,
     /// The plugin exited with this non-zero status (1 when `run` returned an error).
     Failed(i32),
@@ -86,6 +87,7 @@ pub enum RunOutcome {
 /// What one run used, counted on its native threads. Counts what ran, even if the run
 /// was then stopped or ended by a deadline.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RunUsage {
     /// Rows `llama_decode` computed: prompt and generated tokens, media embeddings, and
     /// tokens decoded for embeddings (a cancelled decode's rows are not counted).
@@ -107,8 +109,11 @@ pub struct RunUsage {
 
 /// How a run ended and what it used.
 #[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RunReport {
+    /// How the run ended.
     pub outcome: RunOutcome,
+    /// What it used, counted on its native threads.
     pub usage: RunUsage,
     /// The run's id in its `tracing` span (`llamabox_run`), unique in this process.
     pub run_id: u64,
@@ -128,14 +133,17 @@ impl Default for RunStop {
 }
 
 impl RunStop {
+    /// A handle that has not stopped anything yet.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Stop the run now (or at its start, if it has not started); idempotent.
     pub fn stop(&self) {
         self.0.send_replace(true);
     }
 
+    /// Whether `stop` was called.
     pub fn is_stopped(&self) -> bool {
         *self.0.borrow()
     }
@@ -149,7 +157,12 @@ impl RunStop {
 }
 
 /// How to run a plugin.
+///
+/// `#[non_exhaustive]`: build it from [`RunOptions::default`] with the setters
+/// (`RunOptions::default().group("tenant").deadline(d)`), so that an option added later
+/// does not break an embedder's code.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct RunOptions {
     /// Shared cancel tokens open only within their group (one per tenant, say).
     pub group: String,
@@ -180,8 +193,47 @@ impl Default for RunOptions {
     }
 }
 
+impl RunOptions {
+    /// The group for shared tokens and prompt reuse.
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.group = group.into();
+        self
+    }
+
+    /// Stop the whole run, native work included, after `deadline`.
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// This run's limits instead of the host's.
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = Some(limits);
+        self
+    }
+
+    /// The models this run may open instead of the host's.
+    pub fn models(mut self, models: Arc<ModelRegistry>) -> Self {
+        self.models = Some(models);
+        self
+    }
+
+    /// A handle that stops the run now.
+    pub fn stop(mut self, stop: RunStop) -> Self {
+        self.stop = Some(stop);
+        self
+    }
+
+    /// The embedder's state for this run ([`PluginState::embedder`]).
+    pub fn embedder(mut self, state: Arc<dyn Any + Send + Sync>) -> Self {
+        self.embedder = Some(state);
+        self
+    }
+}
+
 /// Settings of a host's engine.
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct HostOptions {
     /// A folder for compiled plugins (wasmtime's compile cache), or `None` to compile a
     /// plugin on every `load`. Entries are keyed by the component's bytes, the wasmtime
@@ -195,6 +247,11 @@ pub struct HostOptions {
 }
 
 impl HostOptions {
+    /// Keep compiled plugins in `dir` (see [`HostOptions::compile_cache`]).
+    pub fn with_compile_cache(dir: impl Into<PathBuf>) -> Self {
+        Self { compile_cache: Some(dir.into()) }
+    }
+
     /// The per-user default folder for compiled plugins: `$XDG_CACHE_HOME/llamabox/compiled`,
     /// else `$HOME/.cache/llamabox/compiled`; `None` where neither is set.
     pub fn default_compile_cache() -> Option<PathBuf> {
@@ -212,6 +269,7 @@ impl PluginHost {
         Self::with_options(registry, limits, HostOptions::default())
     }
 
+    /// A host with `options` (a compile cache, say).
     pub fn with_options(
         registry: ModelRegistry,
         limits: Limits,
@@ -264,6 +322,7 @@ impl PluginHost {
         self.workers.live()
     }
 
+    /// The wasmtime engine plugins are compiled with (for [`PluginHost::load_component`]).
     pub fn engine(&self) -> &Engine {
         &self.engine
     }
@@ -318,6 +377,7 @@ impl PluginHost {
         self.load_component_granted(component, grant)
     }
 
+    /// `load` from a component's bytes in memory.
     pub fn load_bytes(&self, bytes: &[u8]) -> Result<Plugin> {
         self.load_component(Component::new(&self.engine, bytes).map_err(Error::NotAComponent)?)
     }

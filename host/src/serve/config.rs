@@ -134,6 +134,7 @@ pub struct ServeConfig {
     /// Projectors (mmproj) by name.
     #[serde(default)]
     pub projectors: BTreeMap<String, PathBuf>,
+    /// The plugins served, each on its route (`[[plugins]]`).
     pub plugins: Vec<PluginConfig>,
 }
 
@@ -141,6 +142,7 @@ pub struct ServeConfig {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PluginConfig {
+    /// Its name: in logs and metrics, its default route and cache group.
     pub name: String,
     /// The component (`http-plugin` world): a file, or `oci://REGISTRY/REPO@sha256:DIGEST`
     /// (or `:TAG`), pulled and verified before it is compiled (`llamabox::source`).
@@ -173,6 +175,7 @@ pub struct PluginConfig {
     /// `LLAMABOX_MODELS_LOADED_AT`).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Its limits over the host's defaults (`[plugins.limits]`).
     #[serde(default)]
     pub limits: LimitOverrides,
     /// The llamabox interfaces it may import (`["llm", "generate"]`, `"all"` or
@@ -265,6 +268,7 @@ impl ServeConfig {
         Self::from_toml(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
     }
 
+    /// Parse and check a config's TOML text.
     pub fn from_toml(text: &str) -> anyhow::Result<Self> {
         let mut config: ServeConfig = toml::from_str(text)?;
         config.check()?;
@@ -459,18 +463,22 @@ impl ServeConfig {
         }
     }
 
+    /// `body_timeout_ms` as a duration.
     pub fn body_timeout(&self) -> Duration {
         Duration::from_millis(self.body_timeout_ms)
     }
 
+    /// `write_stall_timeout_ms` as a duration.
     pub fn write_stall_timeout(&self) -> Duration {
         Duration::from_millis(self.write_stall_timeout_ms)
     }
 
+    /// `queue_timeout_ms` as a duration.
     pub fn queue_timeout(&self) -> Duration {
         Duration::from_millis(self.queue_timeout_ms)
     }
 
+    /// `shutdown_grace_ms` as a duration.
     pub fn shutdown_grace(&self) -> Duration {
         Duration::from_millis(self.shutdown_grace_ms)
     }
