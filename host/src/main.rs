@@ -45,7 +45,7 @@ enum Command {
         #[arg(long = "projector", value_name = "NAME=PATH", value_parser = parse_named)]
         projectors: Vec<(String, PathBuf)>,
         #[command(flatten)]
-        limits: LimitFlags,
+        limits: LimitOverrides,
         #[command(flatten)]
         registry: RegistryFlags,
         /// The llamabox interfaces the plugin may import: NAME,NAME (llm, generate,
@@ -209,28 +209,8 @@ struct ServeArgs {
     /// last (default: --threads; 0: none).
     #[arg(long, value_name = "N")]
     idle_contexts: Option<u32>,
-    /// Batch running requests into one decode per step on all --threads (default
-    /// true); false gives every request a context of its own (bit-for-bit answers).
-    #[arg(long, value_name = "BOOL")]
-    batch: Option<bool>,
-    /// Requests each model's batch decodes together (default 4).
-    #[arg(long, value_name = "N")]
-    batch_seats: Option<u32>,
-    /// Tokens each seat of a batch holds (default 4096); larger contexts get their own.
-    #[arg(long, value_name = "N")]
-    batch_n_ctx: Option<u32>,
-    /// Milliseconds other requests' prompts may add to a batch step, the most a
-    /// streaming client waits for its next token because of them (default 250).
-    #[arg(long, value_name = "MS")]
-    batch_step_ms: Option<u64>,
-    /// Prompts with more tokens than this left are long: they yield to streams and
-    /// shorter prompts (default 512).
-    #[arg(long, value_name = "N")]
-    batch_long_prompt_rows: Option<u32>,
-    /// The most of the time long prompts take while others have work, 0 to 1
-    /// (default 0.25).
-    #[arg(long, value_name = "SHARE")]
-    batch_long_prompt_share: Option<f64>,
+    #[command(flatten)]
+    batch: llamabox::serve::BatchConfig,
     #[command(flatten)]
     registry: RegistryFlags,
     /// The llamabox interfaces every plugin may import (see `run --grant`), over
@@ -257,38 +237,6 @@ struct OffloadFlags {
 impl OffloadFlags {
     fn offload(&self) -> native::Offload {
         native::Offload { gpu_layers: self.gpu_layers, device: self.device.clone() }
-    }
-}
-
-/// Limits for the plugin (defaults: `llamabox::Limits::default()`, see SECURITY.md).
-#[derive(clap::Args)]
-struct LimitFlags {
-    /// Most threads a plugin's context may use (default: all cores).
-    #[arg(long)]
-    max_threads: Option<u32>,
-    /// Linear memory of the plugin, in MiB (default 256).
-    #[arg(long, value_name = "MIB")]
-    max_memory_mib: Option<usize>,
-    /// Contexts alive at once (default 4).
-    #[arg(long)]
-    max_contexts: Option<u32>,
-    /// Largest n-ctx of one context (default 8192).
-    #[arg(long)]
-    max_n_ctx: Option<u32>,
-    /// KV cells (n-ctx x layers) over all contexts (default 262144).
-    #[arg(long)]
-    max_kv_cells: Option<u64>,
-}
-
-impl LimitFlags {
-    fn apply(&self, limits: &mut Limits) {
-        let mut overrides = LimitOverrides::default();
-        overrides.max_threads = self.max_threads;
-        overrides.max_memory_mib = self.max_memory_mib;
-        overrides.max_contexts = self.max_contexts;
-        overrides.max_n_ctx = self.max_n_ctx;
-        overrides.max_kv_cells = self.max_kv_cells;
-        *limits = overrides.apply(limits);
     }
 }
 
@@ -475,11 +423,6 @@ impl ServeArgs {
             shutdown_grace_ms,
             idle_contexts,
             batch,
-            batch_seats,
-            batch_n_ctx,
-            batch_step_ms,
-            batch_long_prompt_rows,
-            batch_long_prompt_share,
             registry,
             grant,
             offload,
@@ -496,8 +439,8 @@ impl ServeArgs {
         };
         // What the command line gives wins over serve.toml.
         flags_over_file!(config: threads, max_concurrent, max_queue, max_body_bytes, queue_timeout_ms, body_timeout_ms);
-        flags_over_file!(config: write_stall_timeout_ms, shutdown_grace_ms, batch, batch_seats, batch_n_ctx);
-        flags_over_file!(config: batch_step_ms, batch_long_prompt_rows, batch_long_prompt_share);
+        flags_over_file!(config: write_stall_timeout_ms, shutdown_grace_ms);
+        config.batch = config.batch.overridden_by(&batch);
         flags_over_file!(config: optional max_client_requests, idle_contexts);
         if api_key.is_some() || api_key_file.is_some() {
             anyhow::ensure!(
@@ -673,8 +616,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 registry.register_projector(name, path);
             }
-            let mut limits = Limits::default();
-            limit_flags.apply(&mut limits);
+            let limits = limit_flags.apply(&Limits::default());
             let options = cache.options();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let argv0 = llamabox::source::display_name(&plugin);

@@ -169,30 +169,43 @@ impl Limits {
     }
 }
 
-/// Host policy that differs from a base [`Limits`]: what `llamabox run`'s flags and a
-/// serve.toml `[plugins.limits]` table set, read the same way by both.
+/// Host policy that differs from a base [`Limits`]: `llamabox run`'s flags and a
+/// serve.toml `[plugins.limits]` table, one definition for both (each field's doc is the
+/// flag's help).
 #[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct LimitOverrides {
-    /// Most threads a context may use (at least 1); a context's default follows it down.
+    /// Most threads a plugin's context may use (default: all cores; at least 1); a
+    /// context's default follows it down.
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N"))]
     pub max_threads: Option<u32>,
-    /// Largest n-ctx of one context ([`Limits::max_n_ctx`]).
+    /// Largest n-ctx of one context (default 8192).
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N"))]
     pub max_n_ctx: Option<u32>,
-    /// KV cells over all its contexts ([`Limits::max_kv_cells`]).
+    /// KV cells (n-ctx x layers) over all its contexts (default 262144).
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N"))]
     pub max_kv_cells: Option<u64>,
-    /// The plugin's linear memory, in MiB.
+    /// The plugin's linear memory, in MiB (default 256).
+    #[cfg_attr(feature = "cli", arg(long, value_name = "MIB"))]
     pub max_memory_mib: Option<usize>,
-    /// Contexts alive at once ([`Limits::max_contexts`]).
+    /// Contexts alive at once (default 4).
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N"))]
     pub max_contexts: Option<u32>,
-    /// Tokens one generation may produce ([`Limits::max_generate_tokens`]).
+    /// Tokens one generation may produce (default 4096).
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N"))]
     pub max_generate_tokens: Option<u32>,
-    /// Inputs of one embeddings call ([`Limits::max_embed_inputs`]).
+    /// Inputs of one embeddings call (default 256).
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N"))]
     pub max_embed_inputs: Option<u32>,
-    /// Tokens of one embeddings call ([`Limits::max_embed_tokens`]).
+    /// Tokens of one embeddings call, all inputs together (default 8192).
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N"))]
     pub max_embed_tokens: Option<u64>,
-    /// Capabilities its cancel tokens may be shared under at once; 0 withholds sharing
-    /// tokens with other instances (`share` answers `limit-exceeded` naming it).
+    /// Capabilities its cancel tokens may be shared under at once (default 256); 0
+    /// withholds sharing tokens with other instances (`share` answers `limit-exceeded`
+    /// naming `max-shares`).
+    #[cfg_attr(feature = "cli", arg(long, value_name = "N"))]
     pub max_shares: Option<u32>,
 }
 

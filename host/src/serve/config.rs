@@ -93,35 +93,22 @@ pub struct ServeConfig {
     /// every context after its request.
     #[serde(default)]
     pub idle_contexts: Option<u32>,
-    /// Batch requests: the one-sequence contexts of all running requests on a model are
-    /// sequences (seats) of one shared native context, decoded together one step at a
-    /// time on all `threads`, and a hang-up still stops only its own request's work in
-    /// flight (see docs/ARCHITECTURE.md). Requests then run `batch_seats` at a time and
-    /// hold no thread share of their own. Off: every context is a native context of its
-    /// own with its plugin's `threads` (answers bit for bit those of one request alone).
-    #[serde(default = "yes")]
-    pub batch: bool,
-    /// Seats of each model's batch: requests that decode together.
-    #[serde(default = "default_batch_seats")]
-    pub batch_seats: u32,
-    /// Cells (tokens) of each seat; a context asking for more gets one of its own. The
-    /// batch allocates `batch_seats × batch_n_ctx` KV cells when a model's first request
-    /// comes (docs/DEPLOY.md has the sizes). Default: 4096, the openai plugin's cap.
-    #[serde(default = "default_batch_n_ctx")]
-    pub batch_n_ctx: u32,
-    /// How long other requests' prompts may make a batch step: a streaming client waits
-    /// at most about this for its next token because of them (default 250).
-    #[serde(default = "default_batch_step_ms")]
-    pub batch_step_ms: u64,
-    /// Prompts with more tokens than this left are long (default 512): they yield to
-    /// streaming requests and shorter prompts, taking at most `batch_long_prompt_share`
-    /// of the time while those have work.
-    #[serde(default = "default_batch_long_prompt_rows")]
-    pub batch_long_prompt_rows: u32,
-    /// 0 to 1 (default 0.25): 0 makes long prompts wait until nothing else runs, 1 treats
-    /// them as any other prompt.
-    #[serde(default = "default_batch_long_prompt_share")]
-    pub batch_long_prompt_share: f64,
+    /// How running requests are batched (`[batch]`; `batch = false` of earlier
+    /// releases still turns it off).
+    #[serde(default, deserialize_with = "batch_table_or_bool")]
+    pub batch: BatchConfig,
+    /// Keys of earlier releases, now in `[batch]`: still read (with a warning at start),
+    /// where `[batch]` does not set the same knob.
+    #[serde(default, rename = "batch_seats")]
+    old_batch_seats: Option<u32>,
+    #[serde(default, rename = "batch_n_ctx")]
+    old_batch_n_ctx: Option<u32>,
+    #[serde(default, rename = "batch_step_ms")]
+    old_batch_step_ms: Option<u64>,
+    #[serde(default, rename = "batch_long_prompt_rows")]
+    old_batch_long_prompt_rows: Option<u32>,
+    #[serde(default, rename = "batch_long_prompt_share")]
+    old_batch_long_prompt_share: Option<f64>,
     /// Model layers on the GPU (default: all when there is one; 0: the CPU alone).
     #[serde(default)]
     pub gpu_layers: Option<u32>,
@@ -240,24 +227,126 @@ fn default_deadline_ms() -> u64 {
 fn one() -> u32 {
     1
 }
-fn yes() -> bool {
-    true
+/// `[batch]`, or the `batch = true|false` of earlier releases. A visitor, not an
+/// untagged enum, so that a bad key in the table is named in the error.
+fn batch_table_or_bool<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BatchConfig, D::Error> {
+    struct TableOrBool;
+    impl<'de> serde::de::Visitor<'de> for TableOrBool {
+        type Value = BatchConfig;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a [batch] table, or true or false")
+        }
+
+        fn visit_bool<E: serde::de::Error>(self, on: bool) -> Result<BatchConfig, E> {
+            Ok(BatchConfig { enabled: Some(on), ..BatchConfig::default() })
+        }
+
+        fn visit_map<M: serde::de::MapAccess<'de>>(self, map: M) -> Result<BatchConfig, M::Error> {
+            BatchConfig::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+        }
+    }
+    d.deserialize_any(TableOrBool)
 }
-/// 4, as llama-server's `-np` auto: KV for 16 384 cells at the default `batch_n_ctx`.
-fn default_batch_seats() -> u32 {
-    4
+
+/// `[batch]` in serve.toml and the `--batch*` flags: one definition per knob, its doc
+/// the flag's help and the key's docs, its default in its accessor. The flags given
+/// override the file's knobs one by one ([`BatchConfig::overridden_by`]).
+///
+/// Batching: the one-sequence contexts of all running requests on a model are sequences
+/// (seats) of one shared native context, decoded together one step at a time on all
+/// `threads`, and a hang-up still stops only its own request's work in flight (see
+/// docs/ARCHITECTURE.md). Requests then run `seats` at a time and hold no thread share
+/// of their own.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+#[serde(deny_unknown_fields)]
+pub struct BatchConfig {
+    /// Batch running requests into one decode per step on all threads (default true);
+    /// false gives every request a context of its own with its plugin's `threads`
+    /// (answers bit for bit those of one request alone).
+    #[cfg_attr(feature = "cli", arg(long = "batch", value_name = "BOOL"))]
+    pub enabled: Option<bool>,
+    /// Requests each model's batch decodes together (default 4, as llama-server's `-np`
+    /// auto: KV for 16 384 cells at the default n_ctx).
+    #[cfg_attr(feature = "cli", arg(long = "batch-seats", value_name = "N"))]
+    pub seats: Option<u32>,
+    /// Tokens each seat holds (default 4096, the openai plugin's cap); larger contexts
+    /// get their own. A batch allocates seats × n_ctx KV cells when a model's first
+    /// request comes (docs/DEPLOY.md has the sizes).
+    #[cfg_attr(feature = "cli", arg(long = "batch-n-ctx", value_name = "N"))]
+    pub n_ctx: Option<u32>,
+    /// Milliseconds other requests' prompts may add to a batch step, the most a
+    /// streaming client waits for its next token because of them (default 250).
+    #[cfg_attr(feature = "cli", arg(long = "batch-step-ms", value_name = "MS"))]
+    pub step_ms: Option<u64>,
+    /// Prompts with more tokens than this left are long: they yield to streams and
+    /// shorter prompts (default 512).
+    #[cfg_attr(feature = "cli", arg(long = "batch-long-prompt-rows", value_name = "N"))]
+    pub long_prompt_rows: Option<u32>,
+    /// The most of the time long prompts take while others have work, 0 to 1 (default
+    /// 0.25): 0 makes them wait until nothing else runs, 1 treats them as any other.
+    #[cfg_attr(feature = "cli", arg(long = "batch-long-prompt-share", value_name = "SHARE"))]
+    pub long_prompt_share: Option<f64>,
 }
-fn default_batch_n_ctx() -> u32 {
-    4096
-}
-fn default_batch_step_ms() -> u64 {
-    crate::BatchPolicy::new(1, 1, 1).step_target.as_millis() as u64
-}
-fn default_batch_long_prompt_rows() -> u32 {
-    crate::BatchPolicy::new(1, 1, 1).long_prompt_rows
-}
-fn default_batch_long_prompt_share() -> f64 {
-    crate::BatchPolicy::new(1, 1, 1).long_prompt_share
+
+impl BatchConfig {
+    /// Whether requests are batched (default: yes).
+    pub fn enabled(&self) -> bool {
+        self.enabled.unwrap_or(true)
+    }
+
+    /// Seats of each model's batch (default 4).
+    pub fn seats(&self) -> u32 {
+        self.seats.unwrap_or(4)
+    }
+
+    /// Cells of each seat (default 4096).
+    pub fn n_ctx(&self) -> u32 {
+        self.n_ctx.unwrap_or(4096)
+    }
+
+    /// `self` with every knob that `over` sets taken from it (flags over the file).
+    pub fn overridden_by(&self, over: &BatchConfig) -> BatchConfig {
+        BatchConfig {
+            enabled: over.enabled.or(self.enabled),
+            seats: over.seats.or(self.seats),
+            n_ctx: over.n_ctx.or(self.n_ctx),
+            step_ms: over.step_ms.or(self.step_ms),
+            long_prompt_rows: over.long_prompt_rows.or(self.long_prompt_rows),
+            long_prompt_share: over.long_prompt_share.or(self.long_prompt_share),
+        }
+    }
+
+    /// The engine's policy for `threads`: the knobs set, [`crate::BatchPolicy::new`]'s
+    /// defaults for the rest.
+    pub fn policy(&self, threads: u32) -> crate::BatchPolicy {
+        let mut policy = crate::BatchPolicy::new(self.seats(), self.n_ctx(), threads);
+        if let Some(ms) = self.step_ms {
+            policy.step_target = Duration::from_millis(ms);
+        }
+        policy.long_prompt_rows = self.long_prompt_rows.unwrap_or(policy.long_prompt_rows);
+        policy.long_prompt_share = self.long_prompt_share.unwrap_or(policy.long_prompt_share);
+        policy
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        if !(1..=crate::native::context::MAX_SEQ).contains(&self.seats()) {
+            anyhow::bail!(
+                "[batch] seats must be 1..={} (llama.cpp's most sequences per context)",
+                crate::native::context::MAX_SEQ
+            );
+        }
+        if self.n_ctx() < 16 {
+            anyhow::bail!("[batch] n_ctx must be at least 16");
+        }
+        if self.step_ms == Some(0)
+            || self.long_prompt_share.is_some_and(|s| !(0.0..=1.0).contains(&s))
+        {
+            anyhow::bail!("[batch] step_ms must be at least 1 and long_prompt_share in 0..=1");
+        }
+        Ok(())
+    }
 }
 
 impl ServeConfig {
@@ -297,12 +386,12 @@ impl ServeConfig {
             compile_cache: None,
             registry: Default::default(),
             idle_contexts: None,
-            batch: yes(),
-            batch_seats: default_batch_seats(),
-            batch_n_ctx: default_batch_n_ctx(),
-            batch_step_ms: default_batch_step_ms(),
-            batch_long_prompt_rows: default_batch_long_prompt_rows(),
-            batch_long_prompt_share: default_batch_long_prompt_share(),
+            batch: BatchConfig::default(),
+            old_batch_seats: None,
+            old_batch_n_ctx: None,
+            old_batch_step_ms: None,
+            old_batch_long_prompt_rows: None,
+            old_batch_long_prompt_share: None,
             gpu_layers: None,
             device: None,
             models: BTreeMap::new(),
@@ -342,18 +431,8 @@ impl ServeConfig {
         if self.body_timeout_ms == 0 || self.write_stall_timeout_ms == 0 {
             bail!("body_timeout_ms and write_stall_timeout_ms must be at least 1");
         }
-        if !(1..=crate::native::context::MAX_SEQ).contains(&self.batch_seats) {
-            bail!(
-                "batch_seats must be 1..={} (llama.cpp's most sequences per context)",
-                crate::native::context::MAX_SEQ
-            );
-        }
-        if self.batch_n_ctx < 16 {
-            bail!("batch_n_ctx must be at least 16");
-        }
-        if self.batch_step_ms == 0 || !(0.0..=1.0).contains(&self.batch_long_prompt_share) {
-            bail!("batch_step_ms must be at least 1 and batch_long_prompt_share in 0..=1");
-        }
+        self.adopt_old_batch_keys();
+        self.batch.check()?;
         for tenant in &self.tenants {
             for plugin in tenant.plugins.iter().flatten() {
                 if !self.plugins.iter().any(|p| &p.name == plugin) {
@@ -437,16 +516,35 @@ impl ServeConfig {
         }
     }
 
-    /// How the server batches, if it does: `batch_seats` seats of `batch_n_ctx` cells,
-    /// every step on all `threads`, prompts scheduled by the `batch_step_ms` and
-    /// long-prompt settings.
+    /// How the server batches, if it does: `[batch]`'s policy, every step on all
+    /// `threads`.
     pub fn batch_policy(&self) -> Option<crate::BatchPolicy> {
-        self.batch.then(|| crate::BatchPolicy {
-            step_target: std::time::Duration::from_millis(self.batch_step_ms),
-            long_prompt_rows: self.batch_long_prompt_rows,
-            long_prompt_share: self.batch_long_prompt_share,
-            ..crate::BatchPolicy::new(self.batch_seats, self.batch_n_ctx, self.threads)
-        })
+        self.batch.enabled().then(|| self.batch.policy(self.threads))
+    }
+
+    /// The top-level `batch_*` keys of earlier releases, moved into `[batch]` where it
+    /// does not set the same knob, each named in a warning with its new place.
+    fn adopt_old_batch_keys(&mut self) {
+        let old = BatchConfig {
+            enabled: None,
+            seats: self.old_batch_seats.take(),
+            n_ctx: self.old_batch_n_ctx.take(),
+            step_ms: self.old_batch_step_ms.take(),
+            long_prompt_rows: self.old_batch_long_prompt_rows.take(),
+            long_prompt_share: self.old_batch_long_prompt_share.take(),
+        };
+        for (given, key) in [
+            (old.seats.is_some(), "seats"),
+            (old.n_ctx.is_some(), "n_ctx"),
+            (old.step_ms.is_some(), "step_ms"),
+            (old.long_prompt_rows.is_some(), "long_prompt_rows"),
+            (old.long_prompt_share.is_some(), "long_prompt_share"),
+        ] {
+            if given {
+                tracing::warn!("batch_{key} is now {key} in [batch]; the old key is read for now");
+            }
+        }
+        self.batch = old.overridden_by(&self.batch);
     }
 
     /// Where the models' layers go.
@@ -456,8 +554,8 @@ impl ServeConfig {
 
     /// Requests that run at once: with batching, at most one per seat.
     pub fn max_running(&self) -> u32 {
-        if self.batch {
-            self.max_concurrent.min(self.batch_seats)
+        if self.batch.enabled() {
+            self.max_concurrent.min(self.batch.seats())
         } else {
             self.max_concurrent
         }
@@ -577,6 +675,39 @@ threads = 2
             (FULL.replace("max_n_ctx", "max_n_cxt"), "unknown field"),
             (FULL.replace("max_n_ctx = 4096", "max_threads = 1"), "the plugin's `threads`"),
             (FULL.replace("name = \"openai\"", "name = \"a/b\""), "use letters"),
+        ] {
+            let error = ServeConfig::from_toml(&broken).unwrap_err().to_string();
+            assert!(error.contains(why), "{why:?} not in {error:?}");
+        }
+    }
+
+    #[test]
+    fn batch_knobs_live_in_their_table_and_old_keys_are_still_read() {
+        let table = FULL.replace("[models]", "[batch]\nseats = 2\nstep_ms = 100\n[models]");
+        let config = ServeConfig::from_toml(&table).unwrap();
+        let policy = config.batch_policy().unwrap();
+        assert_eq!((policy.seats, policy.seat_n_ctx, policy.threads), (2, 4096, 2));
+        assert_eq!(policy.step_target, Duration::from_millis(100));
+        assert_eq!(config.max_running(), 2);
+        // Earlier releases' top-level keys, where the table does not set the knob.
+        let old = FULL.replace(
+            "threads = 2\n[models]",
+            "threads = 2\nbatch_seats = 3\nbatch_n_ctx = 512\n[models]",
+        );
+        let policy = ServeConfig::from_toml(&old).unwrap().batch_policy().unwrap();
+        assert_eq!((policy.seats, policy.seat_n_ctx), (3, 512));
+        let off = FULL.replace("threads = 2\n[models]", "threads = 2\nbatch = false\n[models]");
+        assert!(ServeConfig::from_toml(&off).unwrap().batch_policy().is_none());
+        // Flags over the file, knob by knob.
+        let flags = BatchConfig { n_ctx: Some(1024), ..BatchConfig::default() };
+        let merged = ServeConfig::from_toml(&table).unwrap().batch.overridden_by(&flags);
+        assert_eq!((merged.seats(), merged.n_ctx(), merged.step_ms), (2, 1024, Some(100)));
+        for (broken, why) in [
+            (
+                FULL.replace("[models]", "[batch]\nseats = 0\n[models]"),
+                "[batch] seats must be 1..=",
+            ),
+            (FULL.replace("[models]", "[batch]\nsets = 2\n[models]"), "unknown field `sets`"),
         ] {
             let error = ServeConfig::from_toml(&broken).unwrap_err().to_string();
             assert!(error.contains(why), "{why:?} not in {error:?}");

@@ -55,7 +55,7 @@ use crate::{
     HostOptions, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome, RunStop,
 };
 use admission::{Admission, Admitted, Ask, ClientPermit, Clients, Refused};
-pub use config::{PluginConfig, ServeConfig};
+pub use config::{BatchConfig, PluginConfig, ServeConfig};
 use metrics::{Cause, Metrics, PluginLabels, Refusal, TenantLabels};
 use request::*;
 pub use tenants::TenantConfig;
@@ -391,7 +391,7 @@ impl Server {
             plugins.push(Arc::new(Served {
                 admission: self.admission_slot(&config.name, slots),
                 // Batched requests hold no threads of their own: every step runs on all.
-                threads: if self.config.batch { 0 } else { config.threads },
+                threads: if self.config.batch.enabled() { 0 } else { config.threads },
                 limits: config.limits(&Limits::default()),
                 access: access(&names),
                 tenant_access,
