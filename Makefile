@@ -107,13 +107,16 @@ test-gpu: deps
 	  $(CARGO) test $(PROFILE) -p llamabox $(FEATURES) --test gpu -- --test-threads=1
 
 # rustfmt on both workspaces (rustfmt.toml), then clippy on the host package, warnings as
-# errors (not part of `make test`: a second, check-mode build of every dependency).
-# lib.rs denies undocumented unsafe blocks and unsafe fns without a `# Safety` section.
+# errors (not part of `make test`: a second, check-mode build of every dependency), then
+# rustdoc on the library, a broken or private intra-doc link an error.
+# lib.rs denies undocumented unsafe blocks and unsafe fns without a `# Safety` section,
+# and warns on public items without docs (so clippy fails on them).
 lint: deps
 	$(CARGO) fmt --all --check
 	cd guest && $(CARGO) fmt --all --check
 	$(CARGO) clippy $(PROFILE) -p llamabox $(FEATURES) --all-targets -- -D warnings
 	$(CARGO) clippy $(PROFILE) -p llamabox --no-default-features --lib --example embedder -- -D warnings
+	RUSTDOCFLAGS="-D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links" $(CARGO) doc $(PROFILE) -p llamabox $(FEATURES) --no-deps --lib
 	@! $(CARGO) tree -p llamabox --no-default-features -e normal --prefix none | grep -E '^(clap|prometheus-client|hyper-util|tracing-subscriber|oci-client|reqwest) ' \
 	  || { echo "the embedder's build (no default features) pulls in the CLI's or the server's crates"; exit 1; }
 

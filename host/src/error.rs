@@ -21,7 +21,9 @@ pub enum Error {
     /// other types), listed by their import names.
     #[error("the plugin imports what this host does not provide: {}", .missing.join(", "))]
     Link {
+        /// The import names this host has nothing for.
         missing: Vec<String>,
+        /// wasmtime's error from linking.
         #[source]
         source: wasmtime::Error,
     },
@@ -29,8 +31,11 @@ pub enum Error {
     /// for a llamabox interface this host does not know).
     #[error("it imports {import} but is not granted {} (its grant: {grant})", .interface.map_or("it", |i| i.name()))]
     NotGranted {
+        /// The import's name, as the plugin spells it.
         import: String,
+        /// The llamabox interface that import is, if this host knows it.
         interface: Option<crate::plugin::Interface>,
+        /// The grant the plugin was loaded with.
         grant: crate::plugin::Grant,
     },
     /// The plugin exports none of `wasi:cli/run` (a WASI 0.2 command), `run`
@@ -40,12 +45,19 @@ pub enum Error {
     /// The plugin is of another kind than the call wants: an HTTP handler is served
     /// ([`crate::Plugin::serve_http`]), a command is run ([`crate::Plugin::run`]).
     #[error("the plugin is {found}, not {wanted}")]
-    WrongKind { wanted: &'static str, found: &'static str },
+    WrongKind {
+        /// The kind the call needs (`"an HTTP handler"`, say).
+        wanted: &'static str,
+        /// The kind the plugin is.
+        found: &'static str,
+    },
     /// The plugin trapped: a wasm trap (`code` says which), or a host function ended it
     /// (a bad resource handle, say; then `code` is `None` and `source` says why).
     #[error("the plugin trapped{}", .code.map(|c| format!(": {c}")).unwrap_or_default())]
     Trap {
+        /// The wasm trap code; `None` when a host function ended the plugin.
         code: Option<wasmtime::Trap>,
+        /// wasmtime's error the run ended with.
         #[source]
         source: wasmtime::Error,
     },
@@ -55,7 +67,9 @@ pub enum Error {
     /// `limit-exceeded` answer and decides.
     #[error("the plugin went over {limit}")]
     Limit {
+        /// The limit's name, as in the config (`max-wasm-memory`, ...).
         limit: &'static str,
+        /// wasmtime's error the run ended with.
         #[source]
         source: wasmtime::Error,
     },

@@ -15,6 +15,7 @@
 // Every `unsafe` block and impl says why it is sound, every `unsafe fn` what its caller
 // must uphold (docs/ARCHITECTURE.md, native/).
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
+#![warn(missing_docs)]
 
 mod component;
 mod engine;

@@ -325,12 +325,15 @@ impl LlamaCtx {
 
 /// What the host functions work on: the store's llamabox state and its resource table.
 pub struct LlamaCtxView<'a> {
+    /// The store's llamabox state.
     pub ctx: &'a mut LlamaCtx,
+    /// The store's resource table, which the guest's resource handles index.
     pub table: &'a mut ResourceTable,
 }
 
 /// Implemented by a store's data type to give llamabox its state (like `WasiView`).
 pub trait LlamaView: Send {
+    /// The llamabox state and resource table of this store.
     fn llama(&mut self) -> LlamaCtxView<'_>;
 }
 

@@ -17,6 +17,8 @@ use crate::native::{CancelFlag, WeakCancelFlag};
 /// Entries one group may hold when the embedder does not choose.
 pub const DEFAULT_MAX_PER_GROUP: usize = 4096;
 
+/// The cancel tokens shared now, by capability, each within its group; one per host,
+/// so plugins in the same group (and the embedder) can cancel each other's calls.
 pub struct TokenRegistry {
     inner: Mutex<Inner>,
     max_per_group: usize,
@@ -36,6 +38,7 @@ struct Shared {
 /// Why a token could not be shared.
 #[derive(Debug, thiserror::Error)]
 pub enum ShareError {
+    /// The group already shares as many tokens as it may (the maximum).
     #[error("max-shared-per-group: this group already shares {0} tokens")]
     GroupFull(usize),
     /// The OS random source failed (its message): no capability can be made.
@@ -50,6 +53,7 @@ impl Default for TokenRegistry {
 }
 
 impl TokenRegistry {
+    /// A registry where each group shares at most 4096 tokens at once (the default).
     pub fn new() -> Self {
         Self::default()
     }

@@ -21,6 +21,8 @@ use super::batch::{BatchPolicy, BatchPool};
 use super::idle::IdleContexts;
 use crate::native::{Model, Offload};
 
+/// The models and projectors plugins may open, by name, each loaded once on first open
+/// and shared by every run; the embedder changes it while runs go on.
 #[derive(Default)]
 pub struct ModelRegistry {
     inner: RwLock<Inner>,
@@ -64,8 +66,10 @@ pub struct Opened {
 /// guest sees only the name.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
+    /// No model or projector is registered under this name.
     #[error("nothing registered as {0:?}")]
     NotFound(String),
+    /// The file registered under this name did not load (the log says why).
     #[error("{0:?} could not be loaded")]
     LoadFailed(String),
 }
@@ -81,6 +85,7 @@ impl std::fmt::Debug for ModelRegistry {
 }
 
 impl ModelRegistry {
+    /// An empty registry: no models, no idle contexts kept, no batching.
     pub fn new() -> Self {
         Self::default()
     }
@@ -170,6 +175,8 @@ impl ModelRegistry {
         self.write().projectors.remove(name).is_some()
     }
 
+    /// The file registered as the projector `name` (each media context loads its own
+    /// copy from it).
     pub fn projector_path(&self, name: &str) -> Result<PathBuf, OpenError> {
         self.read()
             .projectors

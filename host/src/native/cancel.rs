@@ -21,6 +21,7 @@ struct FlagState {
 }
 
 impl CancelFlag {
+    /// A latch not yet set.
     pub fn new() -> Self {
         Self::default()
     }
@@ -30,6 +31,7 @@ impl CancelFlag {
         self.0.cancelled.store(true, Relaxed);
     }
 
+    /// Whether the latch is set (a plain read: it does not count as a native poll).
     pub fn is_cancelled(&self) -> bool {
         self.0.cancelled.load(Relaxed)
     }
@@ -85,6 +87,7 @@ impl CancelFlag {
 pub struct WeakCancelFlag(std::sync::Weak<FlagState>);
 
 impl WeakCancelFlag {
+    /// The latch, if some strong handle still holds it.
     pub fn upgrade(&self) -> Option<CancelFlag> {
         self.0.upgrade().map(CancelFlag)
     }
@@ -95,8 +98,11 @@ impl WeakCancelFlag {
 /// for a step that computes several callers' rows at once, any of theirs.
 #[derive(Clone, Copy, Debug)]
 pub enum Stop<'a> {
+    /// One caller's call.
     Call {
+        /// The caller's cancel token.
         token: &'a CancelFlag,
+        /// The call's own flag, set when the call is abandoned; `None` when it has none.
         call: Option<&'a CancelFlag>,
     },
     /// Stop when any of these would (a batched step: one member's cancel stops it).

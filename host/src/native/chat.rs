@@ -26,9 +26,12 @@ pub fn messages_cost(messages: &[ChatMessage]) -> usize {
         .fold(0, usize::saturating_add)
 }
 
+/// One message of a chat, as the template formats it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChatMessage {
+    /// Who says it (`system`, `user`, `assistant`, ...), as the template spells it.
     pub role: String,
+    /// What it says, as plain text.
     pub content: String,
 }
 

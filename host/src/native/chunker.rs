@@ -55,10 +55,13 @@ pub struct Pace {
 }
 
 impl Pace {
+    /// A pace that aims at `target` between a cancel and the encode's return; until
+    /// the first encode is timed its budget is [`CHUNK_WORK`].
     pub fn new(target: Duration) -> Self {
         Self { target, units_per_sec: None }
     }
 
+    /// The latency target this pace sizes its budgets for.
     pub fn target(&self) -> Duration {
         self.target
     }
@@ -89,7 +92,10 @@ impl Pace {
 /// What a graph node costs and whether a boundary may follow it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NodeWork {
+    /// The node's work units (0 for views and no-ops).
     pub units: u64,
+    /// Whether the computation may stop right after this node without changing any
+    /// output (no backend fuses it with the ops after it).
     pub boundary_allowed: bool,
 }
 
@@ -135,6 +141,8 @@ pub struct Chunker {
 }
 
 impl Chunker {
+    /// A fresh encode's state, with a boundary due every `budget` units (see
+    /// [`Pace::budget`]).
     pub fn with_budget(budget: u64) -> Self {
         Self { budget, spent: 0, total: 0 }
     }
@@ -146,6 +154,7 @@ impl Chunker {
         (cancelled && node.units > 0) || (node.boundary_allowed && self.spent >= self.budget)
     }
 
+    /// Units of every node asked about so far (what [`Pace::observe`] learns from).
     pub fn total(&self) -> u64 {
         self.total
     }

@@ -23,26 +23,43 @@ pub use embed::Pooling;
 /// embeddings (`non_causal`: decoded in one ubatch with non-causal attention).
 #[derive(Clone, Debug, PartialEq)]
 pub enum PromptPiece {
+    /// Text tokens, decoded in batches of up to n-batch.
     Tokens(Vec<Token>),
-    Embeddings { embd: Vec<f32>, non_causal: bool },
+    /// A media chunk's embeddings.
+    Embeddings {
+        /// One row of the model's embedding width per position, row after row.
+        embd: Vec<f32>,
+        /// Whether the chunk's positions attend to each other both ways (decoded in one
+        /// ubatch).
+        non_causal: bool,
+    },
 }
 
 /// Settings of a new context, already resolved (no defaults left to pick).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ContextParams {
+    /// KV cells of the context's memory, over all its sequences (llama.cpp pads it).
     pub n_ctx: u32,
+    /// Most tokens one decode takes (a logical batch).
     pub n_batch: u32,
+    /// Most tokens computed in one graph (a physical batch); at most `n_batch`.
     pub n_ubatch: u32,
+    /// Sequences the context holds side by side (at most [`MAX_SEQ`]).
     pub n_seq_max: u32,
+    /// Threads each decode runs on (at most [`MAX_THREADS`]).
     pub n_threads: u32,
 }
 
 /// Rows to decode: four parallel columns, as in `llama_batch`, one sequence per row.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Batch {
+    /// Each row's token.
     pub tokens: Vec<Token>,
+    /// Each row's position in its sequence.
     pub positions: Vec<i32>,
+    /// Each row's sequence (below the context's n-seq-max).
     pub seq_ids: Vec<i32>,
+    /// Whether the decode keeps each row's logits.
     pub logits: Vec<bool>,
 }
 
@@ -59,6 +76,7 @@ impl Batch {
         }
     }
 
+    /// Rows in the batch.
     pub fn len(&self) -> usize {
         self.tokens.len()
     }
@@ -85,11 +103,15 @@ impl Batch {
         Ok(())
     }
 
+    /// Whether the batch has no rows.
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }
 }
 
+/// A llama.cpp context on one model: its memory (the KV cache) for up to n-seq-max
+/// sequences and its own thread team. A decode that fails or is cancelled leaves the
+/// memory as it was.
 pub struct Context {
     ptr: NonNull<sys::llama_context>,
     params: ContextParams,
@@ -206,6 +228,8 @@ fn fresh_history(params: ContextParams) -> Option<Vec<Token>> {
 }
 
 impl Context {
+    /// A context on `model` with `params` (checked first: see
+    /// [`ContextParams::allocated_n_ctx`]). Blocking: it allocates the memory.
     pub fn new(model: Arc<Model>, params: ContextParams) -> Result<Self> {
         backend::init();
         let ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads } = params;
@@ -304,10 +328,12 @@ impl Context {
         &self.leftover
     }
 
+    /// The settings llama.cpp chose (n-ctx padded, n-batch cut to n-ctx).
     pub fn params(&self) -> ContextParams {
         self.params
     }
 
+    /// The model this context runs; the context keeps it loaded.
     pub fn model(&self) -> &Arc<Model> {
         &self.model
     }

@@ -12,10 +12,15 @@ use super::{backend, Error, Result};
 /// What kind of device ggml says it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceKind {
+    /// The CPU backend.
     Cpu,
+    /// A discrete GPU.
     Gpu,
+    /// A GPU that shares the host's memory.
     IntegratedGpu,
+    /// An accelerator ggml uses beside the CPU (BLAS, say); layers are not offloaded to it.
     Accelerator,
+    /// A device type this llamabox does not know.
     Other,
 }
 
@@ -33,8 +38,11 @@ pub struct Device {
     pub name: String,
     /// The driver's description (`llvmpipe (LLVM 15.0.6, 256 bits)`, `NVIDIA H200`, …).
     pub description: String,
+    /// What kind of device it is.
     pub kind: DeviceKind,
+    /// Bytes of its memory free when it was listed, as the driver reports them.
     pub memory_free: u64,
+    /// Bytes of memory it has in all.
     pub memory_total: u64,
 }
 

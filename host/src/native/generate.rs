@@ -31,6 +31,7 @@ pub struct GenerateRequest {
     /// decode (a chunk list evaluated through the media path, say), which must have
     /// been the end of `seq`.
     pub prompt: Vec<Token>,
+    /// The context's sequence to generate into.
     pub seq: i32,
     /// Most tokens to generate (0: prefill only).
     pub max_tokens: u32,
@@ -49,26 +50,33 @@ pub struct GenerateRequest {
 /// piece (or the final one). Invalid UTF-8 from the model becomes U+FFFD.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Piece {
+    /// Text released with this piece (possibly empty, while a character or a possible
+    /// stop string is held back).
     pub text: String,
+    /// Tokens delivered with this piece, now in memory.
     pub tokens: Vec<Token>,
     /// One per token when the request asked for log-probabilities, else empty.
     pub logprobs: Vec<TokenLogprob>,
 }
 
+/// Why a generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     /// The text matched `stop[index]`.
     Stop {
+        /// Which of the request's stop strings matched.
         index: u32,
     },
     /// The model produced an end-of-generation token.
     EndOfGeneration,
+    /// `max_tokens` tokens were delivered.
     MaxTokens,
     /// The token (or the call's abandonment) stopped it: in the prefill (nothing was
     /// added to memory) or at the token in flight.
     Cancelled,
 }
 
+/// What one generation decoded and how long it took.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GenerationUsage {
     /// Prompt tokens decoded into memory (0 if the prefill did not complete).
@@ -78,13 +86,18 @@ pub struct GenerationUsage {
     pub cached_tokens: u32,
     /// Tokens delivered.
     pub generated_tokens: u32,
+    /// Wall time of the prefill.
     pub prefill: Duration,
+    /// Wall time from the end of the prefill to the end of generation.
     pub generation: Duration,
 }
 
+/// How a generation ended, and what it used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Outcome {
+    /// Why it ended.
     pub finish: FinishReason,
+    /// What it decoded and how long it took.
     pub usage: GenerationUsage,
 }
 
@@ -92,6 +105,7 @@ pub struct Outcome {
 /// is gone, or the call was stopped while waiting for room): generation then ends as
 /// cancelled and the piece's tokens are taken back out of memory.
 pub trait Sink {
+    /// Hand `piece` to the reader; false if it could not be delivered.
     fn deliver(&mut self, piece: Piece) -> bool;
 }
 
@@ -152,6 +166,7 @@ pub struct TokenLoop {
 pub enum Pick {
     /// Decode this token at [`TokenLoop::pos`].
     Decode(Token),
+    /// Generation ends, for this reason; nothing more is decoded.
     Finish(FinishReason),
 }
 
@@ -182,6 +197,7 @@ impl TokenLoop {
         }
     }
 
+    /// Where the next token goes in the sequence.
     pub fn pos(&self) -> i32 {
         self.pos
     }
@@ -213,6 +229,8 @@ impl TokenLoop {
         ))
     }
 
+    /// The piece of the last [`TokenLoop::decoded`] token was delivered: the token
+    /// counts, and the next one goes after it.
     pub fn delivered(&mut self) {
         self.in_flight = false;
         self.usage.generated_tokens += 1;

@@ -12,6 +12,7 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// A token's log-probability, and the most likely tokens at its position.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenLogprob {
+    /// The token this is about (the one generated).
     pub token: Token,
     /// Natural log of its probability; `-inf` for a token the model gave no chance
     /// (a banned logit of `-inf` never occurs in a model's own output, but NaN does in

@@ -3,8 +3,9 @@
 //!
 //! clip has no abort callback, so the stop goes through the scheduler's eval callback
 //! (see `chunker`). The callback is installed once per media context; a thread-local
-//! scope ([`in_eval_scope`]) ties it to one call's `Stop` for that call only, so a
-//! long-lived media context never holds a pointer to a finished call's state.
+//! scope (`eval_scope::in_eval_scope`) ties it to one call's `Stop` for that call
+//! only, so a long-lived media context never holds a pointer to a finished call's
+//! state.
 
 use std::ffi::{CStr, CString};
 use std::path::Path;
@@ -25,22 +26,38 @@ use super::{backend, Error, Result};
 #[derive(Clone, Debug, PartialEq)]
 pub enum MediaInput {
     /// Packed RGB, `width * height * 3` bytes.
-    Image { width: u32, height: u32, rgb: Vec<u8> },
+    Image {
+        /// Pixels per row.
+        width: u32,
+        /// Rows.
+        height: u32,
+        /// The pixels, row after row, three bytes (R, G, B) each.
+        rgb: Vec<u8>,
+    },
     /// Mono PCM at the projector's sample rate.
-    Audio { samples: Vec<f32> },
+    Audio {
+        /// The samples, finite, at least two.
+        samples: Vec<f32>,
+    },
 }
 
 /// Host caps on media inputs, checked before anything is allocated natively.
 #[derive(Clone, Copy, Debug)]
 pub struct MediaCaps {
+    /// Most pixels an image may have on either side.
     pub max_image_side: u32,
+    /// Most samples one audio input may have.
     pub max_audio_samples: usize,
 }
 
+/// What a [`Chunk`] holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChunkKind {
+    /// Text tokens.
     Text,
+    /// An image, preprocessed for the projector.
     Image,
+    /// Audio, preprocessed for the projector.
     Audio,
 }
 
@@ -64,6 +81,7 @@ unsafe impl Send for Chunk {}
 unsafe impl Sync for Chunk {}
 
 impl Chunk {
+    /// Whether the chunk is text, an image or audio.
     pub fn kind(&self) -> ChunkKind {
         // SAFETY: `self.ptr` is a chunk this `Chunk` owns, live until `Drop`; a read.
         match unsafe { sys::mtmd_input_chunk_get_type(self.ptr.as_ptr()) } {
@@ -211,10 +229,12 @@ impl MediaContext {
         self.meter = meter;
     }
 
+    /// This media context's id, which the chunks it makes carry.
     pub fn id(&self) -> MediaContextId {
         self.id
     }
 
+    /// The text model the projector is bound to; the media context keeps it loaded.
     pub fn model(&self) -> &Arc<Model> {
         &self.model
     }
@@ -245,11 +265,13 @@ impl MediaContext {
         self.fixed_chunk_work.unwrap_or_else(|| self.pace.budget())
     }
 
+    /// Whether the projector takes images.
     pub fn supports_vision(&self) -> bool {
         // SAFETY: `self.ptr` is live until `Drop`; reads a fixed property.
         unsafe { sys::mtmd_support_vision(self.ptr.as_ptr()) }
     }
 
+    /// Whether the projector takes audio.
     pub fn supports_audio(&self) -> bool {
         // SAFETY: as in `supports_vision`.
         unsafe { sys::mtmd_support_audio(self.ptr.as_ptr()) }

@@ -3,6 +3,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+/// Counts of one run's native work (rows decoded, tokens generated, cancels, reuse,
+/// peak KV cells), added to by its contexts from any thread.
 #[derive(Debug, Default)]
 pub struct Meter {
     decoded: AtomicU64,
@@ -13,6 +15,7 @@ pub struct Meter {
 }
 
 impl Meter {
+    /// A meter with every count at zero.
     pub fn new() -> Self {
         Self::default()
     }
@@ -42,22 +45,27 @@ impl Meter {
         self.peak_kv_cells.fetch_max(held, Relaxed);
     }
 
+    /// Rows decoded so far (see [`Meter::add_decoded`]).
     pub fn decoded(&self) -> u64 {
         self.decoded.load(Relaxed)
     }
 
+    /// Tokens generations delivered so far.
     pub fn generated(&self) -> u64 {
         self.generated.load(Relaxed)
     }
 
+    /// Native calls that ended cancelled so far.
     pub fn cancels(&self) -> u64 {
         self.cancels.load(Relaxed)
     }
 
+    /// Prompt tokens reused from parked contexts so far.
     pub fn reused(&self) -> u64 {
         self.reused.load(Relaxed)
     }
 
+    /// The most KV cells held at once so far.
     pub fn peak_kv_cells(&self) -> u64 {
         self.peak_kv_cells.load(Relaxed)
     }

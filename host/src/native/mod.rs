@@ -47,6 +47,8 @@ pub enum Error {
     /// The call was cancelled; it changed nothing.
     #[error("cancelled")]
     Cancelled,
+    /// An argument llama.cpp would refuse or assert on (the message says which); the
+    /// call changed nothing.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// No room in the context's memory for the batch.
@@ -55,8 +57,10 @@ pub enum Error {
     /// A budget the caller set would be exceeded; nothing is kept.
     #[error("limit exceeded: {0}")]
     LimitExceeded(String),
+    /// llama.cpp failed for a reason of its own (its message, or what was being done).
     #[error("{0}")]
     Backend(String),
 }
 
+/// `Result` with the native [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -12,8 +12,11 @@ use super::devices::Offload;
 use super::grammar::GrammarEnv;
 use super::{backend, Error, Result};
 
+/// A token id in a model's vocabulary, as llama.cpp numbers it (`llama_token`).
 pub type Token = i32;
 
+/// A loaded GGUF text model and its vocabulary, shared read-only by every context on it
+/// (freed when the last `Arc` goes).
 pub struct Model {
     ptr: NonNull<sys::llama_model>,
     vocab: NonNull<sys::llama_vocab>,
@@ -119,10 +122,12 @@ impl Model {
         self.vocab.as_ptr()
     }
 
+    /// Tokens in the vocabulary: valid ids are `0..n_vocab`.
     pub fn n_vocab(&self) -> u32 {
         self.n_vocab as u32
     }
 
+    /// Width of the model's embeddings (what an embedding output has).
     pub fn n_embd(&self) -> u32 {
         // SAFETY: `self.ptr` is live until `Drop` (which needs the last owner); reads a field.
         unsafe { sys::llama_model_n_embd(self.as_ptr()) }.max(0) as u32
@@ -134,33 +139,40 @@ impl Model {
         unsafe { sys::llama_model_n_embd_inp(self.as_ptr()) }.max(0) as u32
     }
 
+    /// The context length the model was trained with.
     pub fn n_ctx_train(&self) -> u32 {
         // SAFETY: as in `n_embd`: a live model, a read-only getter.
         unsafe { sys::llama_model_n_ctx_train(self.as_ptr()) }.max(0) as u32
     }
 
+    /// Layers in the model (without the output layer).
     pub fn n_layer(&self) -> u32 {
         // SAFETY: as in `n_embd`: a live model, a read-only getter.
         unsafe { sys::llama_model_n_layer(self.as_ptr()) }.max(0) as u32
     }
 
+    /// The beginning-of-sequence token, if the vocabulary has one.
     pub fn bos(&self) -> Option<Token> {
         // SAFETY: the vocabulary lives as long as the model, which `&self` keeps alive;
         // reads a field (the id may be -1, which `is_valid` filters).
         Some(unsafe { sys::llama_vocab_bos(self.vocab()) }).filter(|&t| self.is_valid(t))
     }
 
+    /// The end-of-sequence token, if the vocabulary has one.
     pub fn eos(&self) -> Option<Token> {
         // SAFETY: as in `bos`.
         Some(unsafe { sys::llama_vocab_eos(self.vocab()) }).filter(|&t| self.is_valid(t))
     }
 
+    /// Whether `token` ends a generation (end of sequence, end of turn, ...); false for
+    /// ids outside the vocabulary.
     pub fn is_eog(&self, token: Token) -> bool {
         // SAFETY: a live vocabulary (as in `bos`); llama.cpp looks any id up in a set, and
         // `&&` passes it only ids in [0, n_vocab) anyway.
         self.is_valid(token) && unsafe { sys::llama_vocab_is_eog(self.vocab(), token) }
     }
 
+    /// Whether `token` is in the vocabulary.
     pub fn is_valid(&self, token: Token) -> bool {
         (0..self.n_vocab).contains(&token)
     }
@@ -176,6 +188,8 @@ impl Model {
         }
     }
 
+    /// Text to tokens. `add_special` adds the BOS/EOS tokens the model wants around a
+    /// prompt; `parse_special` reads special tokens written as text (`<|im_start|>`).
     pub fn tokenize(
         &self,
         text: &str,

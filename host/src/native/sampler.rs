@@ -2,7 +2,7 @@
 //! parameters: everything llama.cpp would assert on, throw through its C API (an abort
 //! from Rust's side) or misbehave on is refused up front with `InvalidArgument`.
 //!
-//! A grammar is matched by llguidance ([`super::grammar`]), whose work per token is
+//! A grammar is matched by llguidance (`native::grammar`), whose work per token is
 //! bounded; it bans the tokens it does not allow before the chain runs (on the whole
 //! vocabulary, so the truncating samplers only ever see tokens the grammar allows,
 //! as in llama.cpp's own order). The chain is then, in llama.cpp's tools' order: logit
@@ -33,6 +33,7 @@ pub struct SamplerParams {
     pub min_p: Option<f32>,
     /// Locally typical sampling with mass `p`, in (0, 1].
     pub typical_p: Option<f32>,
+    /// Repetition penalties; `None`: none.
     pub penalties: Option<Penalties>,
     /// Seed of the draw (ignored when greedy). `None`: drawn from the OS.
     pub seed: Option<u32>,
@@ -57,9 +58,12 @@ pub struct Penalties {
     pub presence: f32,
 }
 
+/// A GBNF grammar for [`SamplerParams::grammar`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Grammar {
+    /// The grammar's rules, in GBNF.
     pub text: String,
+    /// The rule the output must match; `None`: `root`.
     pub root: Option<String>,
 }
 
@@ -79,6 +83,7 @@ pub struct SamplerCaps {
     /// Deepest nesting of `(` groups in a grammar (each level is parser recursion, here
     /// and in llguidance's reader).
     pub max_grammar_nesting: usize,
+    /// Most entries in `logit_bias`.
     pub max_logit_bias: usize,
     /// Largest `penalties.last-n` (the sampler allocates a ring of that many tokens).
     pub max_penalty_last_n: u32,
@@ -300,6 +305,7 @@ impl Sampler {
         Ok(sampler)
     }
 
+    /// The model whose vocabulary this sampler was made for.
     pub fn model(&self) -> &Arc<Model> {
         &self.model
     }

@@ -12,12 +12,19 @@ use super::{backend, Error, Result};
 /// Shape of a synthetic llama model. `write` makes the file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TextModelSpec {
+    /// Embedding width (a multiple of `n_head`).
     pub n_embd: u32,
+    /// Transformer blocks.
     pub n_layer: u32,
+    /// Attention heads (a multiple of `n_head_kv`).
     pub n_head: u32,
+    /// Key/value heads (`n_head` a multiple of it; fewer is grouped-query attention).
     pub n_head_kv: u32,
+    /// Width of the feed-forward layers.
     pub n_ff: u32,
+    /// Context length written as trained with.
     pub n_ctx_train: u32,
+    /// Seed of the random weights.
     pub seed: u64,
     /// Written as `tokenizer.chat_template` when set.
     pub chat_template: Option<String>,
@@ -129,24 +136,38 @@ impl TextModelSpec {
 /// weights. Both run real attention, so an encode has boundaries where it can stop.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProjectorSpec {
+    /// Vision or audio, with that encoder's input shape.
     pub kind: ProjectorKind,
     /// Encoder width.
     pub n_embd: u32,
+    /// Width of the encoder's feed-forward layers (not `n_embd`).
     pub n_ff: u32,
+    /// Attention heads (`n_embd` a multiple of it).
     pub n_head: u32,
+    /// Encoder blocks (at least 1).
     pub n_layer: u32,
     /// Width of the text model's input embeddings, which the projector must produce.
     pub n_embd_text: u32,
+    /// Seed of the random weights.
     pub seed: u64,
 }
 
+/// Which encoder a synthetic projector has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProjectorKind {
     /// Images are letterboxed to `image_size`² and cut into `patch_size`² patches:
     /// (image_size / patch_size)² embeddings per image. llava runs n_layer - 1 blocks.
-    Vision { image_size: u32, patch_size: u32 },
+    Vision {
+        /// Side of the square the encoder sees, in pixels.
+        image_size: u32,
+        /// Side of one patch, in pixels (`image_size` a multiple of it).
+        patch_size: u32,
+    },
     /// 16 kHz audio, `n_mel` mel bins; every clip becomes 750 embeddings per 30 s.
-    Audio { n_mel: u32 },
+    Audio {
+        /// Mel bins per frame.
+        n_mel: u32,
+    },
 }
 
 impl ProjectorSpec {
@@ -191,6 +212,7 @@ impl ProjectorSpec {
         }
     }
 
+    /// Write the projector to `path` (overwriting it).
     pub fn write(&self, path: &Path) -> Result<()> {
         backend::init();
         if self.n_head == 0
@@ -337,6 +359,7 @@ impl Vocab {
 pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
+    /// The next number of the sequence.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

@@ -35,6 +35,7 @@ pub fn set_idle_poll(level: u32) {
     IDLE_POLL.store(level.min(100), Relaxed);
 }
 
+/// The idle-poll level contexts created now get (see [`set_idle_poll`]).
 pub fn idle_poll() -> u32 {
     IDLE_POLL.load(Relaxed)
 }

@@ -90,10 +90,12 @@ impl Grant {
         Self(0)
     }
 
+    /// Exactly these interfaces.
     pub fn of(interfaces: impl IntoIterator<Item = Interface>) -> Self {
         Self(interfaces.into_iter().fold(0, |bits, i| bits | i.bit()))
     }
 
+    /// Whether a plugin with this grant may import `interface`.
     pub fn allows(self, interface: Interface) -> bool {
         self.0 & interface.bit() != 0
     }

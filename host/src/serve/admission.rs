@@ -22,7 +22,9 @@ use tokio::sync::oneshot;
 pub struct Ask {
     /// Its tenant's name: shares are counted per tenant.
     pub tenant: Arc<str>,
+    /// Its tenant's weight: a tenant's fair share of what runs grows with it.
     pub weight: u32,
+    /// Its tenant's priority class: a higher class goes before any lower one.
     pub priority: u8,
     /// Queue places its tenant may hold.
     pub max_queued: u32,
@@ -75,6 +77,7 @@ pub struct Admitted {
     ask: Ask,
 }
 
+/// Why a request was not admitted.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Refused {
     /// `max_queue` requests are waiting already.
@@ -86,6 +89,9 @@ pub enum Refused {
 }
 
 impl Admission {
+    /// A server that runs at most `max_concurrent` requests holding at most `threads`
+    /// llama.cpp threads together, with at most `max_queue` waiting, each for at most
+    /// `timeout`.
     pub fn new(max_concurrent: u32, threads: u32, max_queue: u32, timeout: Duration) -> Self {
         let state = State {
             free_slots: max_concurrent,

@@ -9,22 +9,30 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// An answered request's plugin and HTTP status.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
+    /// The plugin's name in the config.
     pub plugin: String,
+    /// The status code of the response.
     pub status: u16,
 }
 
+/// A served plugin, by its name in the config.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PluginLabels {
+    /// The plugin's name in the config.
     pub plugin: String,
 }
 
 /// A served plugin and what it is: its digest and its signer's key id (empty if none).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PluginInfoLabels {
+    /// The plugin's name in the config.
     pub plugin: String,
+    /// Its digest (`sha256:...`): the manifest's for a pulled plugin, the file's else.
     pub digest: String,
+    /// The key id of the signature it was verified with; empty if none.
     pub signer: String,
 }
 
@@ -32,6 +40,7 @@ pub struct PluginInfoLabels {
 /// that the labels stay as few as the config's tenants.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TenantLabels {
+    /// The tenant's name, or `anonymous`.
     pub tenant: String,
 }
 
@@ -51,16 +60,21 @@ pub enum Cause {
     Plugin,
 }
 
+/// Why runs were stopped, for the `cancels` counter.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CauseLabels {
+    /// What stopped them.
     pub cause: Cause,
 }
 
 /// Why a request was refused before a plugin saw it.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Refusal {
+    /// The server's queue was full (503).
     QueueFull,
+    /// No slot came free within the queue timeout (503).
     QueueTimeout,
+    /// The body was over `max_body_bytes` (413).
     BodyTooLarge,
     /// The body did not arrive within the body timeout (408).
     BodyTimeout,
@@ -73,12 +87,16 @@ pub enum Refusal {
     /// One of its tenant's own quotas (429): requests in progress, queue places,
     /// requests or tokens per minute.
     TenantQuota,
+    /// The server was shutting down (503).
     Draining,
 }
 
+/// A refused request's plugin and why it was refused.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RefusalLabels {
+    /// The plugin's name in the config.
     pub plugin: String,
+    /// Why the request was refused.
     pub reason: Refusal,
 }
 
@@ -112,23 +130,41 @@ impl EncodeLabelValue for Refusal {
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
+/// The server's metrics, registered under the `llamabox_` prefix; each field is a
+/// handle the server updates, named after its metric.
 pub struct Metrics {
     registry: Registry,
+    /// Requests answered, by plugin and HTTP status.
     pub requests: Family<RequestLabels, Counter>,
+    /// Requests refused before a plugin saw them, by plugin and reason.
     pub refused: Family<RefusalLabels, Counter>,
+    /// Runs a stop cut short, by cause.
     pub cancels: Family<CauseLabels, Counter>,
+    /// Requests waiting for a slot.
     pub queue_depth: Gauge,
+    /// Requests whose body is being read, before admission.
     pub reading_bodies: Gauge,
+    /// Requests whose plugin is running.
     pub in_flight: Gauge,
+    /// Native threads working for plugin runs.
     pub live_workers: Gauge,
+    /// Contexts kept idle for later requests of their group.
     pub idle_contexts: Gauge,
+    /// Time from admission to the run's end, per plugin (`request_duration_seconds`).
     pub request_seconds: HistogramFamily<PluginLabels>,
+    /// Tokens the host's generation delivered, per plugin.
     pub tokens_generated: Family<PluginLabels, Counter>,
+    /// Rows llama.cpp decoded, per plugin.
     pub tokens_decoded: Family<PluginLabels, Counter>,
+    /// Prompt tokens an idle context already held and did not decode again, per plugin.
     pub tokens_reused: Family<PluginLabels, Counter>,
+    /// Per request: generated tokens over the run's time, per plugin.
     pub generated_tokens_per_second: HistogramFamily<PluginLabels>,
+    /// From noticing a client hung up to its run's native work having stopped.
     pub disconnect_stop_seconds: Histogram,
+    /// Requests admitted to run, by tenant.
     pub tenant_requests: Family<TenantLabels, Counter>,
+    /// Tokens charged to each tenant's per-minute budget.
     pub tenant_tokens: Family<TenantLabels, Counter>,
     /// 1 for each plugin served now, labelled with its digest and signer; a reload
     /// replaces the set.
@@ -154,6 +190,7 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Every metric registered, at zero.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("llamabox");
         let requests = Family::default();
@@ -326,14 +363,17 @@ impl Metrics {
         })
     }
 
+    /// Count `count` stops by `cause`: runs, or for [`Cause::Plugin`] native calls.
     pub fn cancel(&self, cause: Cause, count: u64) {
         self.cancels.get_or_create(&CauseLabels { cause }).inc_by(count);
     }
 
+    /// Count one request to `plugin` refused for `reason`.
     pub fn refuse(&self, plugin: &str, reason: Refusal) {
         self.refused.get_or_create(&RefusalLabels { plugin: plugin.into(), reason }).inc();
     }
 
+    /// Count one request to `plugin` answered with `status`.
     pub fn answered(&self, plugin: &str, status: u16) {
         self.requests.get_or_create(&RequestLabels { plugin: plugin.into(), status }).inc();
     }

@@ -103,17 +103,25 @@ impl TenantConfig {
 /// A tenant as the server knows it while it runs.
 #[derive(Debug)]
 pub struct Tenant {
+    /// Its name in the config; for an anonymous tenant, its client's address.
     pub name: Arc<str>,
     /// Keyed tenants only: anonymous ones are per address.
     digest: Option<[u8; 32]>,
+    /// Its share of admission against other waiting tenants (at least 1).
     pub weight: u32,
+    /// Its class: a waiting request of a higher class goes first.
     pub priority: u8,
+    /// Plugins it may call, by name; `None`: all.
     pub plugins: Option<HashSet<String>>,
+    /// Models and projectors its requests may open; `None`: all its plugins may.
     pub models: Option<Vec<String>>,
+    /// Places it may hold in the server's queue.
     pub max_queued: u32,
     max_concurrent: Option<u32>,
     in_progress: Arc<AtomicU32>,
+    /// Its requests-per-minute budget, if it has one.
     pub requests: Option<Bucket>,
+    /// Its tokens-per-minute budget, if it has one.
     pub tokens: Option<Bucket>,
     /// The label its metrics carry: its name, or `anonymous` (labels stay few).
     pub label: Arc<str>,
@@ -144,12 +152,16 @@ pub enum Unauthorized {
 /// Why a tenant's request is refused by its own quota (429).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OverQuota {
+    /// It has its `max_concurrent` requests in progress already (the number).
     Concurrent(u32),
     /// A per-minute budget is spent: `what` is `requests` or `tokens` (OpenAI's 429
     /// `type`).
     PerMinute {
+        /// Which budget: `requests` or `tokens`.
         what: &'static str,
+        /// The budget's size per minute.
         per_minute: u64,
+        /// How long until the budget allows a request again.
         retry_after: Duration,
     },
 }
@@ -404,6 +416,7 @@ pub struct Bucket {
 }
 
 impl Bucket {
+    /// A full bucket that refills evenly at `per_minute` per minute.
     pub fn per_minute(per_minute: f64) -> Self {
         Self { per_minute, state: Mutex::new((per_minute, Instant::now())) }
     }
@@ -508,6 +521,8 @@ fn parse_sha256(hex: &str) -> Result<[u8; 32], &'static str> {
     Ok(digest)
 }
 
+/// `Ok` if `name` may name a tenant: 1 to 64 letters, digits, `-`, `_` and `.`, since
+/// it names the tenant in logs, metrics, the plugin's header and the cache's group.
 pub fn check_name(name: &str) -> anyhow::Result<()> {
     anyhow::ensure!(
         !name.is_empty()

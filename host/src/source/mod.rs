@@ -16,6 +16,7 @@ use serde::Deserialize;
 /// The CNCF TAG Runtime Wasm artifact layout (what `wkg oci push` and Spin publish): the
 /// config's media type, and the media type of the manifest's one layer, the component.
 pub const WASM_CONFIG_MEDIA_TYPE: &str = "application/vnd.wasm.config.v0+json";
+/// The media type of the one layer of a Wasm artifact: the component's bytes.
 pub const WASM_LAYER_MEDIA_TYPE: &str = "application/wasm";
 
 /// The largest plugin pulled by default, in MiB: the CPython plugin is ~18 MB.
@@ -107,34 +108,116 @@ impl RegistryOptions {
 /// the plugin is compiled, let alone run.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
+    /// The `oci://` reference does not parse, names no registry, or has a digest that
+    /// is not sha256.
     #[error("{reference}: not an OCI reference ({reason}); expected oci://REGISTRY/REPO@sha256:DIGEST or oci://REGISTRY/REPO:TAG")]
-    BadReference { reference: String, reason: String },
+    BadReference {
+        /// The plugin's reference (`oci://...`).
+        reference: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An `oci://` plugin, in a build without the `oci` feature (the reference).
     #[error("{0}: oci:// plugins need llamabox's `oci` feature")]
     NoOciSupport(String),
+    /// The registry could not be reached (connection refused, no such host, a timeout).
     #[error("{reference}: registry {registry} is unreachable: {reason}")]
-    Unreachable { reference: String, registry: String, reason: String },
+    Unreachable {
+        /// The plugin's reference (`oci://...`).
+        reference: String,
+        /// The registry (`HOST` or `HOST:PORT`).
+        registry: String,
+        /// The error, with its causes.
+        reason: String,
+    },
+    /// The manifest or the layer does not hash to the digest it was asked for by (in the
+    /// pull, or read back from the cache).
     #[error("{reference}: digest mismatch: expected {expected}, got {actual}")]
-    DigestMismatch { reference: String, expected: String, actual: String },
+    DigestMismatch {
+        /// The plugin's reference (`oci://...`).
+        reference: String,
+        /// The digest asked for (`sha256:HEX`).
+        expected: String,
+        /// The digest of the bytes received.
+        actual: String,
+    },
+    /// The artifact is not a Wasm component by the CNCF layout (its manifest, media
+    /// types or layers).
     #[error("not a Wasm component: {reference}: {reason}")]
-    NotWasm { reference: String, reason: String },
+    NotWasm {
+        /// The plugin's reference (`oci://...`).
+        reference: String,
+        /// What in it is not.
+        reason: String,
+    },
+    /// The component layer is over `max_plugin_mib` (as its manifest declares, or as
+    /// the cache holds it).
     #[error(
         "{reference}: the plugin is {size} bytes, over the limit of {limit} bytes (max_plugin_mib)"
     )]
-    TooLarge { reference: String, size: u64, limit: u64 },
+    TooLarge {
+        /// The plugin's reference (`oci://...`).
+        reference: String,
+        /// Its size in bytes.
+        size: u64,
+        /// The limit in bytes.
+        limit: u64,
+    },
+    /// The pull (manifest and layer) took longer than the registry's timeout.
     #[error("{reference}: the pull took longer than {timeout_ms} ms")]
-    Timeout { reference: String, timeout_ms: u64 },
+    Timeout {
+        /// The plugin's reference (`oci://...`).
+        reference: String,
+        /// The timeout, in milliseconds.
+        timeout_ms: u64,
+    },
+    /// The registry refused or answered wrongly (an error status, a tag resolved to no
+    /// sha256 digest, more bytes than declared, an unreadable signature manifest).
     #[error("{reference}: the registry answered: {reason}")]
-    Registry { reference: String, reason: String },
+    Registry {
+        /// The plugin's reference (`oci://...`).
+        reference: String,
+        /// What it answered.
+        reason: String,
+    },
+    /// No cache folder is set and there is no default one (no `HOME`).
     #[error("{reference}: no folder for pulled plugins: set --plugin-cache (or [registry] cache), or HOME")]
-    NoCache { reference: String },
+    NoCache {
+        /// The plugin's reference (`oci://...`).
+        reference: String,
+    },
+    /// The cache could not be read or written.
     #[error("the pulled plugins' cache {path}: {source}")]
-    Cache { path: PathBuf, source: std::io::Error },
+    Cache {
+        /// The file or folder in the cache.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Signatures are required but no key is trusted, so no pulled plugin could run.
     #[error("{reference}: signatures are required, but no key is trusted: name cosign public keys with --trust-key (or [registry] keys), or allow unsigned plugins explicitly (--allow-unsigned, signatures = \"allow-unsigned\")")]
-    NoTrustedKeys { reference: String },
+    NoTrustedKeys {
+        /// The plugin's reference (`oci://...`).
+        reference: String,
+    },
+    /// Signatures are required and no trusted key's signature verifies for the digest.
     #[error("{reference}{} is refused: {reason}", if reference.ends_with(digest.as_str()) { String::new() } else { format!(" ({digest})") })]
-    Unsigned { reference: String, digest: String, reason: String },
+    Unsigned {
+        /// The plugin's reference (`oci://...`).
+        reference: String,
+        /// The manifest's digest the signature must be for.
+        digest: String,
+        /// Why no signature verifies (none found, or which check failed).
+        reason: String,
+    },
+    /// A trusted key file could not be read or is not a cosign (P-256) public key.
     #[error("the trusted key {path}: {reason}")]
-    BadKey { path: PathBuf, reason: String },
+    BadKey {
+        /// The key's file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// A plugin ready to compile: its file, and for a pulled one what was verified.
@@ -167,6 +250,7 @@ pub const GRANT_ANNOTATION: &str = "dev.llamabox.grant";
 /// requests (applied only because the operator said so, as Wassette does).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GrantChoice {
+    /// This grant, whatever the artifact asks for.
     Given(crate::Grant),
     /// What the pulled artifact's `dev.llamabox.grant` annotation asks for.
     Requested,
