@@ -991,3 +991,48 @@ fn a_message_beside_an_image_cannot_spell_a_special_token() {
     assert!(plain > 1);
     assert_eq!(twice - once, plain, "the second </s> took {} tokens", twice - once);
 }
+
+/// A stream the deadline cuts ends with one error event in its API's form (which the
+/// official SDKs raise) and a clean end of the body, not a body that just stops: chat
+/// completions and Anthropic's Messages alike.
+#[test]
+fn a_deadline_ends_a_stream_with_an_error_event_in_its_apis_form() {
+    let server = Server::start(&[("slow", common::slow_chat_model())], &["--deadline-ms", "1500"]);
+    let long = |path: &str, body: Value| {
+        let out = Command::new("curl")
+            .args(["-sS", "-N", "--max-time", "60", "-H", "content-type: application/json"])
+            .args(["--data-binary", &body.to_string()])
+            .arg(server.url(path))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "curl: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let messages = [json!({"role": "user", "content": "count"})];
+    let chat = long(
+        "/v1/chat/completions",
+        json!({"model": "slow", "messages": messages, "max_tokens": 4000, "ignore_eos": true, "stream": true}),
+    );
+    let last = chat.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("data: {\"error\""), "{last}");
+    assert!(last.contains("\"code\":\"deadline_exceeded\""), "{last}");
+    assert!(last.contains("deadline of 1500 ms passed"), "{last}");
+    assert!(!chat.contains("[DONE]"), "a cut stream is not a finished one");
+    let anthropic = long(
+        "/v1/messages",
+        json!({"model": "slow", "messages": messages, "max_tokens": 4000, "stream": true}),
+    );
+    let last = anthropic.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("event: error\ndata: {\"type\":\"error\""), "{last}");
+    assert!(last.contains("\"type\":\"api_error\""), "{last}");
+    assert!(!anthropic.contains("message_stop"), "{anthropic}");
+    let responses = long(
+        "/v1/responses",
+        json!({"model": "slow", "input": "count", "max_output_tokens": 4000, "stream": true}),
+    );
+    let last = responses.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("event: error\ndata: {"), "{last}");
+    assert!(last.contains("\"code\":\"deadline_exceeded\""), "{last}");
+    assert!(!responses.contains("response.completed"), "{responses}");
+    server.wait_metric("llamabox_cancels_total{cause=\"deadline\"}", 3.0);
+}

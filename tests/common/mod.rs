@@ -65,6 +65,17 @@ pub fn slow_model() -> &'static Path {
     generated("slow", TextModelSpec::slow(), &CELL)
 }
 
+/// `slow_model` with a ChatML template: chat answers that take seconds, for a deadline
+/// to meet mid-stream.
+pub fn slow_chat_model() -> &'static Path {
+    static CELL: OnceLock<PathBuf> = OnceLock::new();
+    let spec = TextModelSpec {
+        chat_template: Some(llamabox::native::synthetic::CHATML_TEMPLATE.into()),
+        ..TextModelSpec::slow()
+    };
+    generated("slow-chat", spec, &CELL)
+}
+
 fn generated_projector(
     name: &str,
     spec: ProjectorSpec,

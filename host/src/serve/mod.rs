@@ -730,6 +730,7 @@ impl Server {
         shape: Shape,
     ) -> Response<Body> {
         let name = served.config.name.as_str();
+        let path = request.uri().path().to_string();
         let retry_after = self.config.queue_timeout().as_secs().max(1);
         let error = |status, message: &str, retry_after| error(shape, status, message, retry_after);
         if self.draining.load(Relaxed) {
@@ -992,6 +993,8 @@ impl Server {
             inner: body,
             inner_ended: false,
             run_ended,
+            stream: EventStream::of(&path, &parts.headers),
+            closed_with_error: false,
             progress: Watched(progress),
             client: place,
         };
@@ -1041,7 +1044,32 @@ impl Server {
         drop(holds);
         // Whether a body that ended was the plugin's whole body: only if its handler
         // returned by itself (a stopped run's body ends when its store is dropped).
-        let _ = replies.ended.send(matches!(&report, Ok(r) if matches!(r.outcome, RunOutcome::Success | RunOutcome::Failed(_))));
+        let _ = replies.ended.send(match &report {
+            Ok(r) if matches!(r.outcome, RunOutcome::Success | RunOutcome::Failed(_)) => {
+                BodyEnd::Whole
+            }
+            Ok(r) if r.outcome == RunOutcome::DeadlineExceeded => BodyEnd::Cut {
+                code: "deadline_exceeded",
+                message: format!(
+                    "the request's deadline of {} ms passed: the answer was cut short here",
+                    served.config.deadline_ms
+                ),
+            },
+            Ok(_) => match state.cause.get() {
+                Some(Cause::Shutdown) => BodyEnd::Cut {
+                    code: "server_shutdown",
+                    message: "the server shut down: the answer was cut short here".into(),
+                },
+                _ => BodyEnd::Cut {
+                    code: "stopped",
+                    message: "the request was stopped: the answer was cut short here".into(),
+                },
+            },
+            Err(_) => BodyEnd::Cut {
+                code: "plugin_failed",
+                message: "the plugin failed: the answer was cut short here".into(),
+            },
+        });
         let elapsed = started.elapsed();
         let labels = PluginLabels { plugin: served.config.name.clone() };
         let metrics = &self.metrics;

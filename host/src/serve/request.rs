@@ -57,7 +57,64 @@ impl ClientPlace {
 /// plugin's handler returned by itself (its body, if it ended, is whole).
 pub(super) struct Replies {
     pub(super) respond: crate::plugin::ResponseSender,
-    pub(super) ended: tokio::sync::oneshot::Sender<bool>,
+    pub(super) ended: tokio::sync::oneshot::Sender<BodyEnd>,
+}
+
+/// How the plugin's body ended, once its run has: whole (its handler returned by
+/// itself), or cut short by the server, with why.
+pub(super) enum BodyEnd {
+    Whole,
+    Cut { code: &'static str, message: String },
+}
+
+/// A response that is a stream of server-sent events, by its API. A stream the server
+/// cuts short (a deadline, a shutdown, a plugin that failed) ends with one error event
+/// in that API's form, which the official SDKs raise, and then ends cleanly: a client
+/// learns why, instead of reading a body that just stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum EventStream {
+    /// OpenAI's chat and text completions: `data: {"error": {...}}`.
+    Completions,
+    /// OpenAI's Responses: an `error` event.
+    Responses,
+    /// Anthropic's Messages: an `error` event of `{"type": "error", "error": {...}}`.
+    Messages,
+}
+
+impl EventStream {
+    /// The stream kind of a response to `path` with these headers, if it is a stream.
+    pub(super) fn of(path: &str, headers: &http::HeaderMap) -> Option<Self> {
+        let kind = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
+        if !kind.trim_start().starts_with("text/event-stream") {
+            return None;
+        }
+        Some(if path.contains("/v1/messages") {
+            EventStream::Messages
+        } else if path.contains("/v1/responses") {
+            EventStream::Responses
+        } else {
+            EventStream::Completions
+        })
+    }
+
+    /// The closing error event.
+    pub(super) fn error_event(self, code: &str, message: &str) -> Bytes {
+        let error = serde_json::json!({ "message": message, "type": "server_error", "param": null, "code": code });
+        let event = match self {
+            EventStream::Completions => {
+                format!("data: {}\n\n", serde_json::json!({ "error": error }))
+            }
+            EventStream::Responses => format!(
+                "event: error\ndata: {}\n\n",
+                serde_json::json!({ "type": "error", "code": code, "message": message, "param": null, "error": error })
+            ),
+            EventStream::Messages => format!(
+                "event: error\ndata: {}\n\n",
+                serde_json::json!({ "type": "error", "error": { "type": "api_error", "message": message } })
+            ),
+        };
+        Bytes::from(event)
+    }
 }
 
 /// How a request's run ended, for the status of a request that got no response.
@@ -150,8 +207,12 @@ pub(super) struct GuardedBody {
     pub(super) inner: HyperOutgoingBody,
     /// `inner` has ended: it is not polled again.
     pub(super) inner_ended: bool,
-    /// `true` once the plugin's handler returned by itself.
-    pub(super) run_ended: tokio::sync::oneshot::Receiver<bool>,
+    /// How the plugin's body ended, once its run has.
+    pub(super) run_ended: tokio::sync::oneshot::Receiver<BodyEnd>,
+    /// The API's event stream, if the response is one: a cut gets its closing event.
+    pub(super) stream: Option<EventStream>,
+    /// The closing error event went out: the body ends.
+    pub(super) closed_with_error: bool,
     /// Whether hyper is taking the body's pieces (see [`watch_for_stall`]).
     pub(super) progress: Watched,
     pub(super) client: ClientPlace,
@@ -177,15 +238,27 @@ impl http_body::Body for GuardedBody {
                 Poll::Pending => return Poll::Pending,
             }
         }
+        if self.closed_with_error {
+            return Poll::Ready(None);
+        }
         match Pin::new(&mut self.run_ended).poll(cx) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(Ok(true)) => {
+            Poll::Ready(Ok(BodyEnd::Whole)) => {
                 if let Some(mut hang_up) = self.hang_up.take() {
                     hang_up.completed = true;
                 }
                 Poll::Ready(None)
             }
-            Poll::Ready(Ok(false) | Err(_)) => {
+            Poll::Ready(Ok(BodyEnd::Cut { code, message })) if self.stream.is_some() => {
+                let event = self.stream.take().map(|s| s.error_event(code, &message));
+                self.closed_with_error = true;
+                if let Some(mut hang_up) = self.hang_up.take() {
+                    hang_up.completed = true;
+                }
+                self.progress.0.handed();
+                Poll::Ready(event.map(|event| Ok(Frame::data(event))))
+            }
+            Poll::Ready(Ok(BodyEnd::Cut { .. }) | Err(_)) => {
                 Poll::Ready(Some(Err("the request was stopped before its body ended".into())))
             }
         }
