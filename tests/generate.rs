@@ -513,6 +513,47 @@ fn chat_templates_from_the_model_or_by_name_and_named_errors() {
     }
 }
 
+/// Beside a batch (a context that shares the cores), a long input's rows are decoded in
+/// pieces, one turn on the cores each, so that the batch's steps can run between them;
+/// the rows are those of one decode, up to rounding. Alone, one decode, one turn.
+#[test]
+fn beside_a_batch_an_embedding_takes_the_cores_in_pieces() {
+    let model = load(common::tiny_model());
+    let big =
+        ContextParams { n_ctx: 1024, n_batch: 1024, n_ubatch: 512, n_seq_max: 1, n_threads: 1 };
+    let words = (0..200).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+    let tokens = model.tokenize(&words, true, false).unwrap();
+    assert!(tokens.len() > 600, "{} tokens", tokens.len());
+    let mut alone = Context::new(model.clone(), big).unwrap();
+    let whole = alone.embed_rows(&tokens, false, None).unwrap();
+
+    let cores = Arc::new(llamabox::native::Cores::default());
+    let mut beside = Context::new(model.clone(), big).unwrap();
+    beside.share_cores(Some(cores.clone()));
+    let short = &tokens[..20];
+    assert_eq!(
+        beside.embed_rows(short, false, None).unwrap(),
+        alone.embed_rows(short, false, None).unwrap()
+    );
+    assert_eq!(cores.served(), 1, "a short input: one decode, one turn");
+    let pieces = beside.embed_rows(&tokens, false, None).unwrap();
+    let turns = cores.served() - 1;
+    assert!(turns >= 2, "{} rows in {turns} turn(s)", tokens.len());
+    assert_eq!(pieces.len(), whole.len());
+    let scale = whole.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = whole
+        .iter()
+        .flatten()
+        .zip(pieces.iter().flatten())
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst <= 1e-3 * scale.max(1.0), "rows differ by {worst} (scale {scale})");
+    assert_eq!(beside.seq_pos_max(0).unwrap(), -1, "embedding leaves memory empty");
+    eprintln!(
+        "embedding beside a batch: {} rows in {turns} turns, worst difference {worst:e}",
+        tokens.len()
+    );
+}
+
 #[test]
 fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
     let model = load(common::tiny_model());

@@ -40,6 +40,11 @@ impl Cores {
         Turn { cores: self }
     }
 
+    /// Turns ended so far.
+    pub fn served(&self) -> u64 {
+        self.lock().serving
+    }
+
     /// Turns asked for and not yet ended (the one held included).
     pub fn waiting(&self) -> u64 {
         let tickets = self.lock();

@@ -109,6 +109,38 @@ impl Model {
         self.grammar_env.get_or_init(|| GrammarEnv::new(self)).as_ref().map_err(Clone::clone)
     }
 
+    /// A value of the model's GGUF metadata, as text (`None` if it has no such key, or
+    /// the key is not valid C text).
+    pub fn meta(&self, key: &str) -> Option<String> {
+        let key = std::ffi::CString::new(key).ok()?;
+        let mut buf = vec![0u8; 256];
+        loop {
+            // SAFETY: a live model (`&self`), a NUL-terminated key, and a buffer of the
+            // length passed, which llama.cpp writes at most that many bytes into (NUL
+            // included); it returns the value's whole length, or -1 for no such key.
+            let n = unsafe {
+                sys::llama_model_meta_val_str(
+                    self.as_ptr(),
+                    key.as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                )
+            };
+            let n = usize::try_from(n).ok()?;
+            if n < buf.len() {
+                return Some(String::from_utf8_lossy(&buf[..n]).into_owned());
+            }
+            buf.resize(n + 1, 0);
+        }
+    }
+
+    /// Whether the model's attention is causal (each row sees only the rows before it):
+    /// `ARCH.attention.causal` in its metadata, true where absent (decoder LLMs).
+    pub fn causal_attention(&self) -> bool {
+        let arch = self.meta("general.architecture").unwrap_or_default();
+        self.meta(&format!("{arch}.attention.causal")).is_none_or(|v| v != "false")
+    }
+
     pub(crate) fn as_ptr(&self) -> *mut sys::llama_model {
         self.ptr.as_ptr()
     }

@@ -169,39 +169,92 @@ impl Context {
             self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
-        self.clear_all(); // from nothing, leftover included: the same input, the same vector
-                          // SAFETY: a live context, `&mut self` (no decode in flight); a flag the next decode
-                          // reads, switched back below before returning.
+        // From nothing, leftover included: the same input, the same vector.
+        self.clear_all();
+        // SAFETY: a live context, `&mut self` (no decode in flight); a flag the next
+        // decode reads, switched back below before returning.
         unsafe { sys::llama_set_embeddings(ctx, true) };
-        let decoded = self.decode(batch, stop);
         // SAFETY: the model is live (`self.model` is an `Arc`); reads a number.
         let width = unsafe { sys::llama_model_n_embd_out(self.model.as_ptr()) }.max(0) as usize;
-        let rows = decoded.and_then(|()| {
-            let read = |i: usize| {
-                // SAFETY: a row of (or a sequence in) the successful decode; llama.cpp
-                // returns null (not an abort) for one it has no output for.
-                let ptr = unsafe {
-                    if pooled_seqs > 0 {
-                        sys::llama_get_embeddings_seq(ctx, i as i32)
-                    } else {
-                        sys::llama_get_embeddings_ith(ctx, i as i32)
-                    }
-                };
-                if ptr.is_null() {
-                    return Err(Error::Backend(format!("llama.cpp has no embedding for {i}")));
+        let read = |i: usize| {
+            // SAFETY: a row of (or a sequence in) the last successful decode; llama.cpp
+            // returns null (not an abort) for one it has no output for.
+            let ptr = unsafe {
+                if pooled_seqs > 0 {
+                    sys::llama_get_embeddings_seq(ctx, i as i32)
+                } else {
+                    sys::llama_get_embeddings_ith(ctx, i as i32)
                 }
-                // SAFETY: non-null, so llama.cpp's row (or pooled vector) of n-embd-out
-                // floats; valid until the next decode, and copied out here.
-                Ok(unsafe { std::slice::from_raw_parts(ptr, width) }.to_vec())
             };
-            (0..if pooled_seqs > 0 { pooled_seqs } else { batch.len() })
-                .map(read)
-                .collect::<Result<Vec<_>>>()
-        });
+            if ptr.is_null() {
+                return Err(Error::Backend(format!("llama.cpp has no embedding for {i}")));
+            }
+            // SAFETY: non-null, so llama.cpp's row (or pooled vector) of n-embd-out
+            // floats; valid until the next decode, and copied out here.
+            Ok(unsafe { std::slice::from_raw_parts(ptr, width) }.to_vec())
+        };
+        let in_turns = pooled_seqs == 0 && self.cores.is_some() && self.model.causal_attention();
+        let rows = if in_turns {
+            self.decode_rows_in_turns(batch, stop, read)
+        } else {
+            self.decode(batch, stop).and_then(|()| {
+                (0..if pooled_seqs > 0 { pooled_seqs } else { batch.len() })
+                    .map(read)
+                    .collect::<Result<Vec<_>>>()
+            })
+        };
         // SAFETY: as above; embedding output off again, as `new` made the context.
         unsafe { sys::llama_set_embeddings(ctx, false) };
         self.clear_all();
         rows
+    }
+}
+
+/// Rows of the first piece of an input decoded in turns; later pieces are sized from its
+/// pace.
+const FIRST_PIECE_ROWS: usize = 32;
+/// Fewest rows of a later piece: below this a decode's fixed cost dominates.
+const MIN_PIECE_ROWS: usize = 16;
+/// About how long one piece holds the cores: the batch's default step target, so that
+/// streams beside an embedding wait at most about one step for their next token.
+const PIECE_TARGET: std::time::Duration = std::time::Duration::from_millis(250);
+
+impl Context {
+    /// Beside a batch (a context that shares the cores), an input's rows are decoded in
+    /// pieces, each one turn on the cores of about [`PIECE_TARGET`], so that the batch's
+    /// steps run between them instead of waiting for the whole input (seconds for a few
+    /// thousand tokens on a CPU). A causal model's later rows see the earlier pieces
+    /// through the context's memory, so every row is what one decode would give (up to
+    /// rounding). `read(i)` copies row `i` of the last decode.
+    fn decode_rows_in_turns(
+        &mut self,
+        batch: &Batch,
+        stop: Option<Stop<'_>>,
+        read: impl Fn(usize) -> Result<Vec<f32>>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut rows = Vec::with_capacity(batch.len());
+        let (mut start, mut piece) = (0, FIRST_PIECE_ROWS);
+        let most = (self.params.n_ubatch as usize).max(MIN_PIECE_ROWS);
+        while start < batch.len() {
+            let end = (start + piece).min(batch.len());
+            let part = Batch {
+                tokens: batch.tokens[start..end].to_vec(),
+                positions: batch.positions[start..end].to_vec(),
+                seq_ids: batch.seq_ids[start..end].to_vec(),
+                logits: batch.logits[start..end].to_vec(),
+            };
+            let began = std::time::Instant::now();
+            self.decode(&part, stop)?;
+            let took = began.elapsed();
+            for i in 0..part.len() {
+                rows.push(read(i)?);
+            }
+            let per_row = took.as_secs_f64() / part.len() as f64;
+            let fits = (PIECE_TARGET.as_secs_f64() / per_row.max(1e-9)) as usize;
+            piece = fits.clamp(MIN_PIECE_ROWS, most);
+            start = end;
+        }
+        Ok(rows)
     }
 }
 
