@@ -697,7 +697,9 @@ impl Context {
         self.seq_pos_max(seq).map(|end| (end + 1, reused))
     }
 
-    /// `tokens` appended to `seq` in n-batch pieces; no rollback of its own.
+    /// `tokens` appended to `seq` in n-batch pieces (beside a batch: pieces of about a
+    /// step target, one turn on the shared cores each, see [`Pacer`]); no rollback of
+    /// its own.
     fn tokens_in(
         &mut self,
         tokens: &[Token],
@@ -706,15 +708,25 @@ impl Context {
         stop: Option<Stop<'_>>,
     ) -> Result<()> {
         let n_batch = self.params.n_batch as usize;
-        let n_pieces = tokens.len().div_ceil(n_batch);
-        tokens.chunks(n_batch).enumerate().try_for_each(|(p, piece)| {
+        let mut pacer = self.cores.is_some().then(|| Pacer::new(n_batch));
+        let mut start = 0;
+        while start < tokens.len() {
+            let rows = pacer.as_ref().map_or(n_batch, Pacer::rows);
+            let piece = &tokens[start..(start + rows).min(tokens.len())];
+            let last_piece = start + piece.len() == tokens.len();
             let mut batch = Batch::sequence(piece, self.seq_pos_max(seq)? + 1, seq);
             batch.logits = (0..piece.len())
-                .map(|r| logits_last && p + 1 == n_pieces && r + 1 == piece.len())
+                .map(|r| logits_last && last_piece && r + 1 == piece.len())
                 .collect();
             self.check_batch(&batch)?;
-            self.decode_checked(&batch, stop)
-        })
+            let began = std::time::Instant::now();
+            self.decode_checked(&batch, stop)?;
+            if let Some(pacer) = &mut pacer {
+                pacer.observe(piece.len(), began.elapsed());
+            }
+            start += piece.len();
+        }
+        Ok(())
     }
 
     /// Embeddings appended to `seq` (see [`Context::decode_embeddings`]); no rollback
@@ -943,5 +955,62 @@ impl Drop for Context {
         // SAFETY: `&mut self` proves no call is running on this context. Its thread team
         // (a field) is freed after this, once nothing can compute on it.
         unsafe { sys::llama_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// The pieces a long input is decoded in beside a batch (a context that shares the
+/// cores): each about one step target of work and one turn on the cores, so the batch's
+/// steps run between them instead of waiting for the whole input. The first piece is
+/// small; each later one is sized from the pace of the one before (attention grows with
+/// the position, so the pace is measured again each time).
+pub(crate) struct Pacer {
+    rows: usize,
+    most: usize,
+}
+
+impl Pacer {
+    /// Rows of the first piece.
+    const FIRST_ROWS: usize = 32;
+    /// Fewest rows of a later piece: below this a decode's fixed cost dominates.
+    const MIN_ROWS: usize = 16;
+    /// About how long one piece holds the cores: the batch's default step target, so
+    /// that streams beside it wait about one step for their next token.
+    const TARGET: std::time::Duration = std::time::Duration::from_millis(250);
+
+    /// Pieces of at most `most` rows (the context's n-batch or n-ubatch).
+    pub(crate) fn new(most: usize) -> Self {
+        let most = most.max(1);
+        Self { rows: Self::FIRST_ROWS.min(most), most }
+    }
+
+    /// Rows of the next piece.
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// `rows` were decoded in `took`: size the next piece to the target.
+    pub(crate) fn observe(&mut self, rows: usize, took: std::time::Duration) {
+        let per_row = took.as_secs_f64() / rows.max(1) as f64;
+        let fits = (Self::TARGET.as_secs_f64() / per_row.max(1e-9)) as usize;
+        self.rows = fits.clamp(Self::MIN_ROWS.min(self.most), self.most);
+    }
+}
+
+#[cfg(test)]
+mod pacer_tests {
+    use super::Pacer;
+    use std::time::Duration;
+
+    #[test]
+    fn pieces_start_small_then_fit_the_target_within_bounds() {
+        let mut pacer = Pacer::new(512);
+        assert_eq!(pacer.rows(), 32);
+        pacer.observe(32, Duration::from_millis(32)); // 1 ms a row: 250 rows fit
+        assert_eq!(pacer.rows(), 250);
+        pacer.observe(250, Duration::from_micros(250)); // fast: capped at n-batch
+        assert_eq!(pacer.rows(), 512);
+        pacer.observe(512, Duration::from_secs(10)); // slow: never below 16
+        assert_eq!(pacer.rows(), 16);
+        assert_eq!(Pacer::new(8).rows(), 8, "never past the context's own n-batch");
     }
 }

@@ -12,7 +12,7 @@
 
 use llama_cpp_sys_2 as sys;
 
-use super::{Batch, Context};
+use super::{Batch, Context, Pacer};
 use crate::native::cancel::Stop;
 use crate::native::model::Token;
 use crate::native::{Error, Result};
@@ -210,18 +210,9 @@ impl Context {
     }
 }
 
-/// Rows of the first piece of an input decoded in turns; later pieces are sized from its
-/// pace.
-const FIRST_PIECE_ROWS: usize = 32;
-/// Fewest rows of a later piece: below this a decode's fixed cost dominates.
-const MIN_PIECE_ROWS: usize = 16;
-/// About how long one piece holds the cores: the batch's default step target, so that
-/// streams beside an embedding wait at most about one step for their next token.
-const PIECE_TARGET: std::time::Duration = std::time::Duration::from_millis(250);
-
 impl Context {
     /// Beside a batch (a context that shares the cores), an input's rows are decoded in
-    /// pieces, each one turn on the cores of about [`PIECE_TARGET`], so that the batch's
+    /// pieces, each one turn on the cores of about a step target ([`Pacer`]), so that the batch's
     /// steps run between them instead of waiting for the whole input (seconds for a few
     /// thousand tokens on a CPU). A causal model's later rows see the earlier pieces
     /// through the context's memory, so every row is what one decode would give (up to
@@ -233,10 +224,10 @@ impl Context {
         read: impl Fn(usize) -> Result<Vec<f32>>,
     ) -> Result<Vec<Vec<f32>>> {
         let mut rows = Vec::with_capacity(batch.len());
-        let (mut start, mut piece) = (0, FIRST_PIECE_ROWS);
-        let most = (self.params.n_ubatch as usize).max(MIN_PIECE_ROWS);
+        let mut pacer = Pacer::new(self.params.n_ubatch as usize);
+        let mut start = 0;
         while start < batch.len() {
-            let end = (start + piece).min(batch.len());
+            let end = (start + pacer.rows()).min(batch.len());
             let part = Batch {
                 tokens: batch.tokens[start..end].to_vec(),
                 positions: batch.positions[start..end].to_vec(),
@@ -245,13 +236,10 @@ impl Context {
             };
             let began = std::time::Instant::now();
             self.decode(&part, stop)?;
-            let took = began.elapsed();
+            pacer.observe(part.len(), began.elapsed());
             for i in 0..part.len() {
                 rows.push(read(i)?);
             }
-            let per_row = took.as_secs_f64() / part.len() as f64;
-            let fits = (PIECE_TARGET.as_secs_f64() / per_row.max(1e-9)) as usize;
-            piece = fits.clamp(MIN_PIECE_ROWS, most);
             start = end;
         }
         Ok(rows)
