@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc as pieces;
 
+use crate::native::context::Pacer;
 use crate::native::{
     self, Batch, CancelFlag, Context, ContextParams, Cores, Error, FinishReason, GenerateRequest,
     Meter, Model, Outcome, Pick, Piece, PromptPiece, Sampler, Stop, Token, TokenLoop,
@@ -1100,7 +1101,84 @@ impl Steps {
         Ok(())
     }
 
-    /// A media prompt: `Context::eval` into the seat's sequence, alone.
+    /// `pieces` evaluated into `seq` part by part: while other members have calls
+    /// running, a token piece in parts of about a step target ([`Pacer`]), a media piece
+    /// whole, each alone on the cores; between parts, those calls go on one step (new
+    /// calls wait for the prompt's end). With nobody else running, the rest at once. So a long media prompt (a document with an image) no longer
+    /// holds every stream of the batch for its whole evaluation. The end position.
+    fn eval_in_parts(
+        &mut self,
+        id: u64,
+        pieces: &[PromptPiece],
+        seq: i32,
+        caller: &Caller<i32>,
+    ) -> native::Result<i32> {
+        let mut pacer = Pacer::new(self.policy.step_rows as usize);
+        let mut end = Err(Error::InvalidArgument("an empty media prompt".into()));
+        for (i, piece) in pieces.iter().enumerate() {
+            let tokens = match piece {
+                PromptPiece::Tokens(tokens) => Some(tokens.as_slice()),
+                PromptPiece::Embeddings { .. } => None,
+            };
+            let mut from = 0;
+            loop {
+                // Paced only while others have calls running: alone, the rest at once.
+                let others = self.members.iter().any(|(&m, x)| m != id && x.running.is_some());
+                let part = match tokens {
+                    Some(tokens) => {
+                        let rows = if others { pacer.rows() } else { tokens.len() - from };
+                        PromptPiece::Tokens(tokens[from..(from + rows).min(tokens.len())].to_vec())
+                    }
+                    None => piece.clone(),
+                };
+                let rows = match &part {
+                    PromptPiece::Tokens(t) => t.len(),
+                    PromptPiece::Embeddings { .. } => 0,
+                };
+                let (result, elapsed) = {
+                    let _turn = self.policy.cores.turn();
+                    let started = Instant::now();
+                    let result =
+                        self.ctx.eval(std::slice::from_ref(&part), seq, Some(caller.stop()));
+                    (result, started.elapsed())
+                };
+                self.members[&id].alive.add_busy(elapsed);
+                end = Ok(result?);
+                if rows > 0 {
+                    pacer.observe(rows, elapsed);
+                }
+                from += rows;
+                let piece_done = tokens.is_none_or(|t| from >= t.len());
+                let prompt_done = piece_done && i + 1 == pieces.len();
+                if !prompt_done {
+                    self.step_others(id);
+                }
+                if piece_done {
+                    break;
+                }
+            }
+        }
+        end
+    }
+
+    /// One step for the members other than `busy` whose calls are running (their
+    /// pieces delivered, their cancels seen first), without starting new calls.
+    fn step_others(&mut self, busy: u64) {
+        let ids: Vec<u64> = self.members.keys().copied().filter(|&m| m != busy).collect();
+        for id in ids {
+            let running = self.members.get_mut(&id).and_then(|m| m.running.take());
+            if let Some(running) = running {
+                if let Some(still) = self.check_running(id, running) {
+                    self.members.get_mut(&id).expect("member").running = Some(still);
+                }
+            }
+        }
+        if self.members.values().any(|m| m.running.is_some()) && self.has_rows() {
+            self.step();
+        }
+    }
+
+    /// A media prompt: `Context::eval` into the seat's sequence, in parts.
     fn eval(
         &mut self,
         id: u64,
@@ -1122,12 +1200,13 @@ impl Steps {
         let (bound_here, _) = self.bind(id, &[], 0);
         let slot = self.members[&id].slot.expect("bound");
         self.member(id).logits.clear();
-        let (result, elapsed) = {
-            let _turn = self.policy.cores.turn();
-            let started = Instant::now();
-            (self.ctx.eval(pieces, slot as i32, Some(caller.stop())), started.elapsed())
-        };
-        self.members[&id].alive.add_busy(elapsed);
+        let start = self.ctx.seq_pos_max(slot as i32).map_or(0, |end| end + 1);
+        let result = self.eval_in_parts(id, pieces, slot as i32, caller);
+        if result.is_err() {
+            // The parts evaluated before the one that failed (that one rolled itself
+            // back): the prompt is all or nothing.
+            let _ = self.ctx.seq_rm(slot as i32, start, -1);
+        }
         match result {
             Ok(end) => {
                 self.slots[slot].tokens = None; // embeddings: not a token prefix
