@@ -2084,6 +2084,56 @@ mod tests {
         );
     }
 
+    /// A media prompt on a seat is evaluated in parts while another seat generates, and
+    /// that generation steps between the parts: steps happen while the prompt's
+    /// evaluation is still unfinished (its seat's meter counts its rows only at the end).
+    /// Its result is the prompt's: the same end, logits near those of one evaluation.
+    #[tokio::test]
+    async fn a_media_prompt_on_a_seat_lets_the_others_step_between_its_parts() {
+        let prompt_meter = Arc::new(Meter::new());
+        let (steps_seen, evaluating) = (Arc::new(Mutex::new(0usize)), prompt_meter.clone());
+        let (seen, while_evaluating) = (steps_seen.clone(), Arc::new(Mutex::new(Vec::new())));
+        let during = while_evaluating.clone();
+        let mut f = Fixture::new(16);
+        f.policy.observer = Some(Arc::new(move |_: &StepReport| {
+            *seen.lock().unwrap() += 1;
+            during.lock().unwrap().push(evaluating.decoded() == 0);
+        }));
+        let generating = f.seat().await;
+        let prompting = f.seat_in("g", prompt_meter.clone()).await;
+        // Both calls reach the batch's thread together: the generation starts first (its
+        // seat came first), then the prompt is evaluated.
+        let gate = pause(&generating);
+        let before = *steps_seen.lock().unwrap();
+        let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+        let (tx, rx) = pieces::channel(64);
+        let generation =
+            generating.generate(sampler, request(prompt(9, 4), 24), CancelFlag::new(), tx);
+        let long = prompt(10, 120);
+        let eval = prompting.eval(vec![PromptPiece::Tokens(long.clone())], 0, CancelFlag::new());
+        drop(gate);
+        assert_eq!(eval.await.unwrap(), Ok(120));
+        assert_eq!(read_all(rx).await.len(), 24);
+        generation.await.unwrap().unwrap();
+        let interleaved = while_evaluating.lock().unwrap()[before..]
+            .iter()
+            .filter(|&&unfinished| unfinished)
+            .count();
+        assert!(
+            interleaved >= 2,
+            "{interleaved} steps of the generation ran between the prompt's parts"
+        );
+        assert_eq!(prompt_meter.decoded(), 120);
+        let parts = prompting.logits(None).await.unwrap().unwrap();
+        let whole = solo_logits(&long);
+        let scale = whole.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(
+            max_diff(&parts, &whole) < 1e-2 * scale,
+            "{} (logits up to {scale})",
+            max_diff(&parts, &whole)
+        );
+    }
+
     #[tokio::test]
     async fn a_prompt_chunked_over_steps_never_keeps_a_generation_waiting_more_than_one_step() {
         let f = Fixture::new(32);
