@@ -1018,9 +1018,12 @@ fn a_deadline_ends_a_stream_with_an_error_event_in_its_apis_form() {
     assert!(last.contains("\"code\":\"deadline_exceeded\""), "{last}");
     assert!(last.contains("deadline of 1500 ms passed"), "{last}");
     assert!(!chat.contains("[DONE]"), "a cut stream is not a finished one");
+    // Without `ignore_eos`, a prompt whose prefill alone outlasts the deadline (about 2,500
+    // tokens of the slow model): the stream has begun, and is cut in the prefill.
+    let document = "llama ".repeat(500);
     let anthropic = long(
         "/v1/messages",
-        json!({"model": "slow", "messages": messages, "max_tokens": 4000, "stream": true}),
+        json!({"model": "slow", "messages": [{"role": "user", "content": document}], "max_tokens": 1000, "stream": true}),
     );
     let last = anthropic.trim_end().rsplit("\n\n").next().unwrap();
     assert!(last.starts_with("event: error\ndata: {\"type\":\"error\""), "{last}");
@@ -1028,7 +1031,7 @@ fn a_deadline_ends_a_stream_with_an_error_event_in_its_apis_form() {
     assert!(!anthropic.contains("message_stop"), "{anthropic}");
     let responses = long(
         "/v1/responses",
-        json!({"model": "slow", "input": "count", "max_output_tokens": 4000, "stream": true}),
+        json!({"model": "slow", "input": document, "max_output_tokens": 1000, "stream": true}),
     );
     let last = responses.trim_end().rsplit("\n\n").next().unwrap();
     assert!(last.starts_with("event: error\ndata: {"), "{last}");
