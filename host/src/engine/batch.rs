@@ -1104,8 +1104,9 @@ impl Steps {
     /// `pieces` evaluated into `seq` part by part: while other members have calls
     /// running, a token piece in parts of about a step target ([`Pacer`]), a media piece
     /// whole, each alone on the cores; between parts, those calls go on one step (new
-    /// calls wait for the prompt's end). With nobody else running, the rest at once. So a long media prompt (a document with an image) no longer
-    /// holds every stream of the batch for its whole evaluation. The end position.
+    /// calls wait for the prompt's end). With nobody else running, the rest at once. So
+    /// a long media prompt (a document with an image) no longer holds every stream of
+    /// the batch for its whole evaluation. The end position.
     fn eval_in_parts(
         &mut self,
         id: u64,
@@ -1113,8 +1114,12 @@ impl Steps {
         seq: i32,
         caller: &Caller<i32>,
     ) -> native::Result<i32> {
+        if pieces.is_empty() {
+            // Nothing to evaluate: the sequence's end, as `Context::eval` answers it.
+            return self.ctx.eval(pieces, seq, Some(caller.stop()));
+        }
         let mut pacer = Pacer::new(self.policy.step_rows as usize);
-        let mut end = Err(Error::InvalidArgument("an empty media prompt".into()));
+        let mut end = Ok(0);
         for (i, piece) in pieces.iter().enumerate() {
             let tokens = match piece {
                 PromptPiece::Tokens(tokens) => Some(tokens.as_slice()),
@@ -1168,8 +1173,9 @@ impl Steps {
         for id in ids {
             let running = self.members.get_mut(&id).and_then(|m| m.running.take());
             if let Some(running) = running {
-                if let Some(still) = self.check_running(id, running) {
-                    self.members.get_mut(&id).expect("member").running = Some(still);
+                let still = self.check_running(id, running);
+                if let Some(member) = self.members.get_mut(&id) {
+                    member.running = still;
                 }
             }
         }
