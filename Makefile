@@ -217,9 +217,9 @@ bench-tenants: build guest
 	  --model "$${MODEL:-$$(scripts/fetch-model.sh)}" $(TENANT_BENCH_ARGS)
 
 # Random and adversarial calls, many more than `make test` makes: against the native
-# layer (tests/adversarial.rs, FUZZ_ITERS calls from FUZZ_SEED), then through a real
-# guest (tests/guest_fuzz.rs, the fuzz plugin: FUZZ_SEEDS runs of FUZZ_CALLS calls and
-# of FUZZ_GRAMMARS hostile grammars), then our GBNF reader against llama.cpp's on
+# layer (tests/native/adversarial.rs, FUZZ_ITERS calls from FUZZ_SEED), then through a
+# real guest (tests/guest/fuzz.rs, the fuzz plugin: FUZZ_SEEDS runs of FUZZ_CALLS calls
+# and of FUZZ_GRAMMARS hostile grammars), then our GBNF reader against llama.cpp's on
 # 5000 generated grammars (native/grammar.rs, differential).
 FUZZ_ITERS ?= 50000
 FUZZ_SEED ?= $(shell date +%s)
@@ -228,25 +228,29 @@ FUZZ_CALLS ?= 400
 FUZZ_GRAMMARS ?= 300
 fuzz: deps guest
 	LLAMABOX_FUZZ_ITERS=$(FUZZ_ITERS) LLAMABOX_FUZZ_SEED=$(FUZZ_SEED) \
-	  $(CARGO) test $(PROFILE) -p llamabox --test adversarial -- --nocapture
+	  $(CARGO) test $(PROFILE) -p llamabox --test native -- --nocapture adversarial::
 	LLAMABOX_FUZZ_SEEDS=$(FUZZ_SEEDS) LLAMABOX_FUZZ_CALLS=$(FUZZ_CALLS) LLAMABOX_FUZZ_SEED=$(FUZZ_SEED) \
-	  LLAMABOX_FUZZ_GRAMMARS=$(FUZZ_GRAMMARS) $(CARGO) test $(PROFILE) -p llamabox --test guest_fuzz -- --nocapture
+	  LLAMABOX_FUZZ_GRAMMARS=$(FUZZ_GRAMMARS) $(CARGO) test $(PROFILE) -p llamabox --test guest -- --nocapture fuzz::
 	LLAMABOX_GRAMMAR_CASES=5000 LLAMABOX_GRAMMAR_SEED=$(FUZZ_SEED) \
 	  $(CARGO) test $(PROFILE) -p llamabox --lib grammar -- --nocapture
 
-# Many plugin instances decoding with random cancels (tests/soak.rs), longer than in
+# Many plugin instances decoding with random cancels (tests/guest/soak.rs), longer than in
 # `make test`: prints the outcome counts and resident memory after warm-up and at the end.
 SOAK_INSTANCES ?= 8
 SOAK_ITERS ?= 300
 soak: deps
 	LLAMABOX_SOAK_INSTANCES=$(SOAK_INSTANCES) LLAMABOX_SOAK_ITERS=$(SOAK_ITERS) \
-	  $(CARGO) test $(PROFILE) -p llamabox --test soak -- --nocapture
+	  $(CARGO) test $(PROFILE) -p llamabox --test guest -- --nocapture soak::
 
 # The native layer's tests under valgrind memcheck (invalid reads/writes, use of freed
 # or uninitialised memory in llama.cpp, mtmd or our FFI). Exits non-zero on any error.
+# The library's unit tests, then the decode, media and adversarial modules of the native
+# test binary (name filters apply to every binary of a run, hence two runs).
+MEMCHECK := CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="valgrind --error-exitcode=99 -q"
 memcheck: deps
-	CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="valgrind --error-exitcode=99 -q" \
-	  $(CARGO) test $(PROFILE) -p llamabox --lib --test native_decode --test media_encode --test adversarial -- --test-threads=1
+	$(MEMCHECK) $(CARGO) test $(PROFILE) -p llamabox --lib -- --test-threads=1
+	$(MEMCHECK) $(CARGO) test $(PROFILE) -p llamabox --test native -- --test-threads=1 \
+	  decode:: media_encode:: adversarial::
 
 # Hand-picked mutants of the cancel code (scripts/mutants.py): each must make a test
 # fail. About a minute per mutant.

@@ -14,7 +14,7 @@
 //! Run it with `cargo run --release -p llamabox --example embedder -- [MODEL.gguf
 //! [DEMO.wasm TEST-PLUGIN.wasm]]` (without a model it writes a small generated one; the
 //! plugins default to the ones `make guest` builds). `make test` runs it
-//! (tests/embedder_example.rs).
+//! (tests/guest/embedder_example.rs).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

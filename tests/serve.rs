@@ -6,9 +6,14 @@
 //! for the first event of a streamed answer (the plugin sends it before it starts the
 //! prefill) and only then closes its socket, with thousands of prompt tokens still to
 //! compute; the run's own report (`decoded=`) then proves where native work stopped.
+//!
+//! Its modules: the Anthropic and Codex clients, reloads, tenants, and attacks from
+//! clients (`attacks`, issue 23).
 
 #[path = "serve/anthropic.rs"]
 mod anthropic;
+#[path = "serve/attacks.rs"]
+mod attacks;
 #[path = "serve/codex.rs"]
 mod codex;
 mod common;

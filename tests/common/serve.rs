@@ -1,5 +1,5 @@
-//! `llamabox serve` from the outside, shared by tests/serve.rs and
-//! tests/serve_attacks.rs: a server child process on loopback, curl, raw sockets.
+//! `llamabox serve` from the outside, shared by tests/serve.rs and its modules
+//! (tests/serve/): a server child process on loopback, curl, raw sockets.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};

@@ -16,7 +16,7 @@
 //!   more than one row (ggml-vulkan fuses one-row matmuls with the ADD after them, and
 //!   splitting that moves the next RMS_NORM onto another summation order). The CPU
 //!   backend fuses only RMS_NORM + MUL (`ggml_cpu_try_fuse_ops`), which none of these
-//!   splits. tests/media_encode.rs and tests/gpu.rs cut after every such op;
+//!   splits. tests/native/media_encode.rs and tests/gpu.rs cut after every such op;
 //! - at the next computed node once a cancel is seen: the output is thrown away then,
 //!   so no fusion matters, and a cancel never waits for the work budget to fill.
 

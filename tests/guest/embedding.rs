@@ -2,8 +2,6 @@
 //! run, and the product's own host functions next to llamabox's. The components made
 //! from WAT here are as small as a test of the host's side needs.
 
-mod common;
-
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 
@@ -14,6 +12,8 @@ use llamabox::{
     Error, Limits, ModelRegistry, OpenError, PluginHost, PluginState, RunOptions, RunOutcome,
     RunReport,
 };
+
+use crate::common;
 
 /// A WASI command whose `run` is `body` (core wasm returning 0 for success), with
 /// `imports` (component-level) and `core_imports` (how the core module gets them).

@@ -1,8 +1,6 @@
 //! The decode contract on the real model (SmolLM2-135M Q4_1, a BPE vocabulary and
 //! quantized weights), and the guest on it.
 
-mod common;
-
 use std::sync::Arc;
 
 use llamabox::native::{
@@ -10,6 +8,8 @@ use llamabox::native::{
     FinishReason, GenerateRequest, Model, Piece, Sampler, SamplerCaps, SamplerParams, Stop,
 };
 use llamabox::RunOutcome;
+
+use crate::common;
 
 const PROMPT: &str = "<|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n";
 

@@ -5,14 +5,14 @@
 //! `LLAMABOX_SOAK_INSTANCES` × `LLAMABOX_SOAK_ITERS` (defaults 4 × 40 here; `make soak`
 //! runs more).
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
 use llamabox::{Limits, ModelRegistry, Plugin, PluginHost, RunOutcome};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
+
+use crate::common;
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)

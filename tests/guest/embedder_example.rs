@@ -1,9 +1,9 @@
 //! Runs examples/embedder.rs (what it does, as a product would) and checks each
 //! tenant's run ended the way the example says.
 
-mod common;
+use crate::common;
 
-#[path = "../examples/embedder.rs"]
+#[path = "../../examples/embedder.rs"]
 #[allow(dead_code)]
 mod example;
 

@@ -3,13 +3,13 @@
 //! instead of computing it again: on the generated model, 1 thread, prompts longer
 //! than n-batch so that reuse ends inside a later piece.
 
-mod common;
-
 use std::sync::Arc;
 
 use llamabox::native::{
     Batch, CancelFlag, Context, ContextParams, Error, Meter, Model, PromptPiece, Stop,
 };
+
+use crate::common;
 
 fn params(n_seq_max: u32) -> ContextParams {
     ContextParams { n_ctx: 512, n_batch: 64, n_ubatch: 64, n_seq_max, n_threads: 1 }

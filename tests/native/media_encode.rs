@@ -2,14 +2,14 @@
 //! plain, deterministic cancels at boundary k, cancel on entry, chunk-list evaluation
 //! that leaves memory untouched when cancelled, and bad inputs refused.
 
-mod common;
-
 use std::sync::Arc;
 
 use llamabox::native::{
     Batch, CancelFlag, ChunkKind, Context, ContextParams, Error, MediaCaps, MediaContext,
     MediaInput, Model, Stop,
 };
+
+use crate::common;
 
 const CAPS: MediaCaps = MediaCaps { max_image_side: 1024, max_audio_samples: 16_000 * 30 };
 
@@ -203,7 +203,7 @@ fn media_chunks_are_charged_input_by_input() {
     );
 }
 
-use common::bitwise_eq;
+use crate::common::bitwise_eq;
 
 /// Regression (issue 10): a chunk tokenized by one media context and encoded by
 /// another with a different projector made clip assert ("Output buffer size

@@ -3,8 +3,6 @@
 //! a shared capability (groups keep tenants apart), and a deadline that tears the store
 //! down with no worker left running.
 
-mod common;
-
 use std::time::Duration;
 
 use llamabox::{
@@ -12,6 +10,8 @@ use llamabox::{
 };
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
+
+use crate::common;
 
 fn host() -> (PluginHost, Plugin) {
     let registry = ModelRegistry::new();

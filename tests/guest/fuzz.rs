@@ -7,13 +7,13 @@
 //! (`LLAMABOX_FUZZ_SEEDS`, `LLAMABOX_FUZZ_CALLS`, `LLAMABOX_FUZZ_SEED` for the first)
 //! and more hostile grammars (`LLAMABOX_FUZZ_GRAMMARS` per seed).
 
-mod common;
-
 use std::time::Duration;
 
 use llamabox::{Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
+
+use crate::common;
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)

@@ -8,14 +8,13 @@
 //! sees them as other clients than the normal one (127.0.0.1). Every loop is bounded
 //! in count, every wait in time.
 
-mod common;
-
 use std::io::Write;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use common::serve::*;
 use serde_json::{json, Value};
+
+use crate::common::{self, serve::*};
 
 /// How long the normal client's chat completion may take during an attack.
 const NORMAL_CHAT: Duration = Duration::from_secs(5);

@@ -3,14 +3,14 @@
 //! missing) and run under the host: each does what the Rust demo does, and its greedy
 //! output equals the Rust demo's for the same model and prompt.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Instant;
 
 use llamabox::{CompileCacheStats, HostOptions, Limits, ModelRegistry, PluginHost, RunOutcome};
+
+use crate::common;
 
 const PROMPT: &str = "The llama in the box";
 
@@ -129,7 +129,7 @@ async fn check_like_the_rust_demo(plugin: &Path) -> String {
         "greedy output differs from the Rust demo's"
     );
     // Cancelled at once from the plugin's event loop (a 0 ms timer against a 512-token
-    // decode, as in guest_plugin): `cancelled`, and memory untouched.
+    // decode, as in guest::plugin): `cancelled`, and memory untouched.
     assert_eq!(common::field(&out, "long-decode"), "cancelled");
     assert_eq!(common::field(&out, "memory-after"), "seq-pos-max=-1");
     assert_eq!(common::field(&out, "bad-model"), "model-not-found: no-such-model");

@@ -4,8 +4,6 @@
 //! prompt plus exactly the delivered tokens), and named errors for bad input. Then the
 //! same through the demo plugin.
 
-mod common;
-
 use std::sync::Arc;
 
 use llamabox::native::{
@@ -14,6 +12,8 @@ use llamabox::native::{
     Outcome, Piece, Pooling, Sampler, SamplerCaps, SamplerParams, Stop, Token,
 };
 use llamabox::RunOutcome;
+
+use crate::common;
 
 fn params() -> ContextParams {
     ContextParams { n_ctx: 512, n_batch: 64, n_ubatch: 64, n_seq_max: 4, n_threads: 1 }

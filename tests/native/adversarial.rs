@@ -5,8 +5,6 @@
 //! Seeded and bounded: `LLAMABOX_FUZZ_ITERS` calls (default 400 here; `make fuzz` runs
 //! many more) from seed `LLAMABOX_FUZZ_SEED`.
 
-mod common;
-
 use std::sync::Arc;
 
 use llamabox::native::synthetic::SplitMix64;
@@ -14,6 +12,8 @@ use llamabox::native::{
     Batch, CancelFlag, Context, ContextParams, Error, MediaCaps, MediaContext, MediaInput, Model,
     Stop,
 };
+
+use crate::common;
 
 /// Seeded, so a failing run can be replayed from its seed.
 struct Rng(SplitMix64);

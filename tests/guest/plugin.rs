@@ -1,9 +1,9 @@
 //! The demo plugin run under the host: generation, a decode cancelled from the guest's
 //! own event loop, the same logits as the native path, and bad inputs refused.
 
-mod common;
-
 use llamabox::RunOutcome;
+
+use crate::common;
 
 const PROMPT: &str = "The llama in the box";
 
@@ -14,7 +14,7 @@ async fn guest_generates_then_cancels_a_long_decode_in_flight() {
             .await;
     // The guest's event loop cancels at once (a 0 ms timer), so the decode is queued or
     // running, never finished, however fast this machine is. Where in the graph a
-    // cancel lands is pinned down by the trip-wire tests (native_decode).
+    // cancel lands is pinned down by the trip-wire tests (native::decode).
     let long = common::field(&out, "long-decode");
     assert!(long.starts_with("cancelled after"), "{long}");
     assert_eq!(
@@ -139,7 +139,7 @@ async fn guest_cancels_an_image_encode_in_flight_then_evaluates_the_image() {
     let out = media_run(common::slow_vision(), "0").await;
     assert_eq!(common::field(&out, "media"), "image, 2 chunks, 256 embeddings");
     // Cancelled at once from the guest's event loop (see the decode test above; the
-    // trip-wire tests in media_encode stop it at a chosen boundary).
+    // trip-wire tests in native::media_encode stop it at a chosen boundary).
     let encode = common::field(&out, "media-encode");
     assert!(encode.starts_with("cancelled after"), "{encode}");
     assert!(common::field(&out, "media-full-encode").starts_with(&format!("{} floats", 256 * 64)));

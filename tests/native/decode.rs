@@ -3,11 +3,11 @@
 //! restored to exactly its state before a cancelled call, and bitwise-identical logits
 //! afterwards.
 
-mod common;
-
 use std::sync::Arc;
 
 use llamabox::native::{Batch, CancelFlag, Context, ContextParams, Error, Model, Stop};
+
+use crate::common;
 
 fn params(n_ubatch: u32) -> ContextParams {
     ContextParams { n_ctx: 512, n_batch: 128, n_ubatch, n_seq_max: 2, n_threads: 1 }
