@@ -38,16 +38,45 @@ pub fn cancel_latency_png(path: &Path, series: &[Series]) -> anyhow::Result<bool
     Ok(text)
 }
 
+/// An 8-bit RGB PNG: the signature, then IHDR, one IDAT (the rows, each with filter
+/// byte 0, as one zlib stream) and IEND, each chunk with its CRC-32. Written here rather
+/// than by the `png` crate, whose dependencies turn on crc32fast's default features: in
+/// `make test`, which builds this crate beside the host, the object crate under wasmtime
+/// would then be another build than `make build`'s, and wasmtime with it.
 fn write_png(path: &Path, width: u32, height: u32, rgb: &[u8]) -> anyhow::Result<()> {
-    let file =
-        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let mut encoder = png::Encoder::new(std::io::BufWriter::new(file), width, height);
-    encoder.set_color(png::ColorType::Rgb);
-    encoder.set_depth(png::BitDepth::Eight);
-    let mut writer = encoder.write_header()?;
-    writer.write_image_data(rgb)?;
-    writer.finish()?;
-    Ok(())
+    let row = width as usize * 3;
+    let mut rows = Vec::with_capacity((row + 1) * height as usize);
+    for line in rgb.chunks(row) {
+        rows.push(0);
+        rows.extend_from_slice(line);
+    }
+    let mut header = [0u8; 13];
+    header[..4].copy_from_slice(&width.to_be_bytes());
+    header[4..8].copy_from_slice(&height.to_be_bytes());
+    header[8..10].copy_from_slice(&[8, 2]); // bit depth 8, colour type 2 (RGB)
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    let image = miniz_oxide::deflate::compress_to_vec_zlib(&rows, 9);
+    for (kind, data) in [(b"IHDR", &header[..]), (b"IDAT", &image[..]), (b"IEND", &[][..])] {
+        png.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        let start = png.len();
+        png.extend_from_slice(kind);
+        png.extend_from_slice(data);
+        let crc = crc32(&png[start..]);
+        png.extend_from_slice(&crc.to_be_bytes());
+    }
+    std::fs::write(path, png).with_context(|| format!("writing {}", path.display()))
+}
+
+/// CRC-32 (ISO-HDLC, as PNG's chunks use it), bit by bit: a figure is a few MB at most.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+        }
+    }
+    !crc
 }
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
@@ -168,4 +197,37 @@ fn register_font() -> bool {
         let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
         plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_png_is_its_chunks_with_their_crcs_around_the_rows() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926, "the CRC-32 check value");
+        let rgb: Vec<u8> = (0..18u8).map(|i| i * 13).collect(); // 3 × 2 pixels
+        let path = std::env::temp_dir().join(format!("llamabox-bench-{}.png", std::process::id()));
+        write_png(&path, 3, 2, &rgb).unwrap();
+        let png = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        let (mut at, mut kinds, mut image) = (8, Vec::new(), Vec::new());
+        while at < png.len() {
+            let len = u32::from_be_bytes(png[at..at + 4].try_into().unwrap()) as usize;
+            let (chunk, crc) = (&png[at + 4..at + 8 + len], &png[at + 8 + len..at + 12 + len]);
+            assert_eq!(crc32(chunk).to_be_bytes(), crc);
+            let (kind, data) = chunk.split_at(4);
+            match kind {
+                b"IHDR" => assert_eq!(data, [0, 0, 0, 3, 0, 0, 0, 2, 8, 2, 0, 0, 0]),
+                b"IDAT" => image.extend_from_slice(data),
+                _ => {}
+            }
+            kinds.push(String::from_utf8(kind.to_vec()).unwrap());
+            at += 12 + len;
+        }
+        assert_eq!(kinds, ["IHDR", "IDAT", "IEND"]);
+        let rows = miniz_oxide::inflate::decompress_to_vec_zlib(&image).unwrap();
+        assert_eq!(rows, [&[0][..], &rgb[..9], &[0], &rgb[9..]].concat(), "filter 0, then the row");
+    }
 }
