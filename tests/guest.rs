@@ -19,3 +19,5 @@ mod plugin;
 mod polyglot;
 #[path = "guest/soak.rs"]
 mod soak;
+#[path = "guest/wit_versions.rs"]
+mod wit_versions;

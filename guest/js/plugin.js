@@ -8,9 +8,9 @@
 // Arguments (after the host's `--`): --model NAME --prompt TEXT --generate N
 // --long-tokens N --cancel-after-ms MS --threads N. Output lines are `key: value`.
 
-import { Model, Context } from 'llamabox:inference/llm@0.1.0';
-import { CancelToken } from 'llamabox:inference/cancel@0.1.0';
-import { start } from 'llamabox:inference/generate@0.1.0';
+import { Model, Context } from 'llamabox:inference/llm@0.1.1';
+import { CancelToken } from 'llamabox:inference/cancel@0.1.1';
+import { start } from 'llamabox:inference/generate@0.1.1';
 import { poll } from 'wasi:io/poll@0.2.12';
 import { subscribeDuration } from 'wasi:clocks/monotonic-clock@0.2.12';
 import { getArguments } from 'wasi:cli/environment@0.2.12';

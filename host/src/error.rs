@@ -27,6 +27,17 @@ pub enum Error {
         #[source]
         source: wasmtime::Error,
     },
+    /// The plugin was built against a version of `llamabox:inference` this host does not
+    /// link (a later one, or one older than [`crate::OLDEST_WIT_VERSION`]), and needs
+    /// what that version has.
+    #[error("the plugin was built against {import}, and this host links llamabox:inference {} to {}: rebuild it against one of those", crate::OLDEST_WIT_VERSION, crate::WIT_VERSION)]
+    WitVersion {
+        /// The first import of another version, as the plugin spells it.
+        import: String,
+        /// wasmtime's error from linking.
+        #[source]
+        source: wasmtime::Error,
+    },
     /// The plugin imports a llamabox interface its grant withholds (`interface`; `None`
     /// for a llamabox interface this host does not know).
     #[error("it imports {import} but is not granted {} (its grant: {grant})", .interface.map_or("it", |i| i.name()))]

@@ -32,7 +32,7 @@ mod worker;
 // the view it needs. Everything else is the crate's own.
 pub use component::{
     add_to_linker, LimitOverrides, Limits, LlamaCtx, LlamaCtxView, LlamaView, ModelRegistry,
-    OpenError, ShareError, TokenRegistry,
+    OpenError, ShareError, TokenRegistry, OLDEST_WIT_VERSION, WIT_VERSION,
 };
 pub use engine::{BatchPolicy, StepObserver, StepReport};
 pub use error::{Error, Result};

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest as _, Sha256};
 
 use super::{common, stderr};
+use llamabox::WIT_VERSION as WIT;
 
 const WASM_CONFIG: &str = "application/vnd.wasm.config.v0+json";
 const WASM_LAYER: &str = "application/wasm";
@@ -314,16 +315,16 @@ fn a_plugin_pulled_by_digest_or_tag_runs_and_starts_again_from_the_cache_without
     for (flags, refusal) in [
         (
             &["--compile-cache", compiled, "--trust-key", key][..],
-            "it imports llamabox:inference/cancel@0.1.0 but is not granted cancel (its grant: none)",
+            format!("it imports llamabox:inference/cancel@{WIT} but is not granted cancel (its grant: none)"),
         ),
         (
             &["--compile-cache", compiled, "--trust-key", key, "--grant", "cancel,llm,generate"],
-            "it imports llamabox:inference/media@0.1.0 but is not granted media",
+            format!("it imports llamabox:inference/media@{WIT} but is not granted media"),
         ),
     ] {
         let (out, _) = run_demo(&by_digest, flags);
         assert!(!out.status.success() && out.stdout.is_empty(), "{}", stderr(&out));
-        assert!(stderr(&out).contains(refusal), "{}", stderr(&out));
+        assert!(stderr(&out).contains(&refusal), "{}", stderr(&out));
     }
     let cached = scratch.0.join("cache/oci-plugins/blobs");
     let cached = cached.join(format!("{}.wasm", layer.trim_start_matches("sha256:")));
@@ -493,7 +494,7 @@ fn serve_pulls_its_plugin_from_the_registry_and_answers_with_it() {
     let log = stderr(&out);
     assert!(log.contains("plugin \"chat\""), "{log}");
     assert!(
-        log.contains("imports llamabox:inference/cancel@0.1.0 but is not granted cancel"),
+        log.contains(&format!("imports llamabox:inference/cancel@{WIT} but is not granted cancel")),
         "{log}"
     );
 
@@ -632,7 +633,10 @@ fn only_a_plugin_signed_by_a_trusted_key_runs_unless_unsigned_ones_are_allowed()
     assert!(inspect.status.success(), "{}", stderr(&inspect));
     assert!(printed.contains(&format!("signer    {}", trusted.key_id())), "{printed}");
     assert!(printed.contains("grant     llm,generate"), "{printed}");
-    assert!(printed.contains("refused: it imports llamabox:inference/cancel@0.1.0"), "{printed}");
+    assert!(
+        printed.contains(&format!("refused: it imports llamabox:inference/cancel@{WIT}")),
+        "{printed}"
+    );
 
     // The component changed in the registry after it was signed (same size, one byte):
     // its signature still names the manifest, but the bytes no longer hash to the layer's

@@ -57,6 +57,11 @@ async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
         assert!(got.starts_with(prefix), "{case}: {got:?} should start with {prefix:?}");
     }
     assert_eq!(common::field(&out, "good-after-bad"), "ok");
+    // model.meta (0.1.1): a key the model has, one it lacks, and a key over 256 bytes.
+    assert_eq!(
+        common::field(&out, "meta"),
+        "architecture=llama missing=true long-key=limit-exceeded: a metadata key of 300 bytes is above 256"
+    );
     let good: i32 = common::field(&out, "good-tokens").parse().unwrap();
     assert_eq!(
         common::field(&out, "memory-after"),

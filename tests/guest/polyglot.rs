@@ -235,8 +235,8 @@ fn wasm_tools_shows_each_plugins_interface() {
             String::from_utf8_lossy(&out.stderr)
         );
         for expected in [
-            "import llamabox:inference/llm@0.1.0;",
-            "import llamabox:inference/generate@0.1.0;",
+            &format!("import llamabox:inference/llm@{};", llamabox::WIT_VERSION),
+            &format!("import llamabox:inference/generate@{};", llamabox::WIT_VERSION),
             "export wasi:cli/run@0.2",
             "resource cancel-token",
             "resource generation",

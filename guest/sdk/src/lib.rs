@@ -76,12 +76,12 @@ macro_rules! generate_world {
         wit_bindgen::generate!({
             $($options)*
             with: {
-                "llamabox:inference/types@0.1.0": ::llamabox_guest::types,
-                "llamabox:inference/cancel@0.1.0": ::llamabox_guest::cancel,
-                "llamabox:inference/llm@0.1.0": ::llamabox_guest::llm,
-                "llamabox:inference/media@0.1.0": ::llamabox_guest::media,
-                "llamabox:inference/generate@0.1.0": ::llamabox_guest::generate,
-                "llamabox:inference/embeddings@0.1.0": ::llamabox_guest::embeddings,
+                "llamabox:inference/types@0.1.1": ::llamabox_guest::types,
+                "llamabox:inference/cancel@0.1.1": ::llamabox_guest::cancel,
+                "llamabox:inference/llm@0.1.1": ::llamabox_guest::llm,
+                "llamabox:inference/media@0.1.1": ::llamabox_guest::media,
+                "llamabox:inference/generate@0.1.1": ::llamabox_guest::generate,
+                "llamabox:inference/embeddings@0.1.1": ::llamabox_guest::embeddings,
                 "wasi:io/poll@0.2.12": ::llamabox_guest::wasi::io::poll,
                 "wasi:clocks/monotonic-clock@0.2.12": ::llamabox_guest::wasi::clocks::monotonic_clock,
             },

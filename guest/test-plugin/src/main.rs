@@ -279,6 +279,12 @@ fn bad_inputs(model: &Model, ctx: &Context) -> Result<(), Error> {
         println!("bad-input {name}: {}", outcome(ctx.decode(&batch, &never)));
     }
     println!("bad-input unknown-model: {}", outcome(Model::open("no-such-model").map(|_| ())));
+    println!(
+        "meta: architecture={} missing={} long-key={}",
+        model.meta("general.architecture")?.unwrap_or_default(),
+        model.meta("no.such.key")?.is_none(),
+        outcome(model.meta(&"k".repeat(300)).map(|_| ())),
+    );
     let shaped = |n_ctx: u32,
                   n_batch: u32,
                   n_ubatch: Option<u32>,

@@ -16,6 +16,9 @@ use crate::engine::{Lease, LeaseRequest, Opened};
 use crate::native::{self, CancelFlag, Model, Token};
 use crate::worker::Call;
 
+/// Longest key `model.meta` looks up: GGUF keys are short dotted names.
+const MAX_META_KEY_BYTES: usize = 256;
+
 pub struct ModelHandle {
     pub(super) model: Arc<Model>,
     /// The engine's idle contexts and batches on this model.
@@ -228,6 +231,28 @@ impl HostModel for LlamaCtxView<'_> {
         token: Token,
     ) -> wasmtime::Result<bool> {
         Ok(self.table.get(&model)?.model.is_eog(token))
+    }
+
+    async fn meta(
+        &mut self,
+        model: Resource<ModelHandle>,
+        key: String,
+    ) -> LlamaResult<Option<String>> {
+        if key.len() > MAX_META_KEY_BYTES {
+            return Err(Error::LimitExceeded(format!(
+                "a metadata key of {} bytes is above {MAX_META_KEY_BYTES}",
+                key.len()
+            ))
+            .into());
+        }
+        let max = self.ctx.limits.max_text_bytes;
+        let model = &self.table.get(&model)?.model;
+        model.meta_within(&key, max).map_err(|len| {
+            Error::LimitExceeded(format!(
+                "metadata {key:?} of {len} bytes is above max-text-bytes {max}"
+            ))
+            .into()
+        })
     }
 
     async fn drop(&mut self, model: Resource<ModelHandle>) -> wasmtime::Result<()> {

@@ -11,6 +11,7 @@ mod llm;
 mod media;
 mod pending;
 mod tokens;
+mod version;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -26,6 +27,9 @@ pub use limits::{LimitOverrides, Limits};
 pub use llm::{ContextHandle, ModelHandle, PendingDecode};
 pub use media::{ChunkHandle, MediaContextHandle, PendingEncode};
 pub use tokens::{ShareError, TokenRegistry};
+pub(crate) use version::first_unsupported as first_unsupported_wit;
+pub(crate) use version::PACKAGE;
+pub use version::{OLDEST_WIT_VERSION, WIT_VERSION};
 
 /// Bindings generated from `wit/`. Every import is async (decode waits on a worker
 /// thread without blocking the executor) and trappable (a bad resource handle traps the

@@ -112,8 +112,14 @@ impl Model {
     /// A value of the model's GGUF metadata, as text (`None` if it has no such key, or
     /// the key is not valid C text).
     pub fn meta(&self, key: &str) -> Option<String> {
-        let key = std::ffi::CString::new(key).ok()?;
-        let mut buf = vec![0u8; 256];
+        self.meta_within(key, usize::MAX).ok().flatten()
+    }
+
+    /// [`Model::meta`], refusing a value longer than `max` bytes before copying it:
+    /// `Err` with the value's length.
+    pub fn meta_within(&self, key: &str, max: usize) -> Result<Option<String>, usize> {
+        let Ok(key) = std::ffi::CString::new(key) else { return Ok(None) };
+        let mut buf = vec![0u8; 256.min(max.saturating_add(1))];
         loop {
             // SAFETY: a live model (`&self`), a NUL-terminated key, and a buffer of the
             // length passed, which llama.cpp writes at most that many bytes into (NUL
@@ -126,9 +132,12 @@ impl Model {
                     buf.len(),
                 )
             };
-            let n = usize::try_from(n).ok()?;
+            let Ok(n) = usize::try_from(n) else { return Ok(None) };
+            if n > max {
+                return Err(n);
+            }
             if n < buf.len() {
-                return Some(String::from_utf8_lossy(&buf[..n]).into_owned());
+                return Ok(Some(String::from_utf8_lossy(&buf[..n]).into_owned()));
             }
             buf.resize(n + 1, 0);
         }

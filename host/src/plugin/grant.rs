@@ -5,6 +5,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::component::PACKAGE;
+
 /// One llamabox interface a plugin may be granted (`llamabox:inference/NAME`).
 /// `types` holds only types and is never withheld.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Deserialize)]
@@ -75,9 +77,6 @@ impl FromStr for Interface {
 /// ever.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Grant(u8);
-
-/// The import names of llamabox's interfaces: `llamabox:inference/NAME@VERSION`.
-const PACKAGE: &str = "llamabox:inference/";
 
 impl Grant {
     /// Every interface: the grant of a plugin given by a local path, as before grants.

@@ -412,9 +412,14 @@ impl PluginHost {
         {
             return Err(Error::NotGranted { import: import.into(), interface, grant });
         }
-        let pre = self.linker.instantiate_pre(&component).map_err(|source| Error::Link {
-            missing: unresolved_imports(&self.linker, &component, &source),
-            source,
+        let pre = self.linker.instantiate_pre(&component).map_err(|source| {
+            match crate::component::first_unsupported_wit(imports.iter().map(String::as_str)) {
+                Some(import) => Error::WitVersion { import: import.into(), source },
+                None => Error::Link {
+                    missing: unresolved_imports(&self.linker, &component, &source),
+                    source,
+                },
+            }
         })?;
         let entry = match CommandPre::new(pre.clone()) {
             Ok(command) => PreInstance::Command(command),
