@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use llamabox::native::{
     generate, Batch, CancelFlag, ChatMessage, ChatTemplate, ChunkKind, Context, ContextParams,
-    Error, FinishReason, GenerateRequest, Grammar, MediaCaps, MediaContext, MediaInput, Model,
-    Outcome, Piece, Pooling, Sampler, SamplerCaps, SamplerParams, Stop, Token,
+    Error, FinishReason, GenerateRequest, Grammar, GrammarSyntax, MediaCaps, MediaContext,
+    MediaInput, Model, Outcome, Piece, Pooling, Sampler, SamplerCaps, SamplerParams, Stop, Token,
 };
 use llamabox::RunOutcome;
 
@@ -367,6 +367,7 @@ fn bad_sampler_parameters_and_grammars_are_named_errors() {
     let caps = SamplerCaps::default();
     let bad = |p: SamplerParams| match Sampler::new(model.clone(), &p, &caps) {
         Err(Error::InvalidArgument(m)) => m,
+        Err(e @ Error::Grammar { syntax: GrammarSyntax::Gbnf, .. }) => e.to_string(),
         Err(e) => panic!("expected invalid-argument, got {e:?}"),
         Ok(_) => panic!("accepted {p:?}"),
     };
@@ -962,6 +963,17 @@ fn a_json_schema_constrains_generation_to_valid_json() {
     let deep = "{\"type\":\"array\",\"items\":".repeat(40) + "{}" + &"}".repeat(40);
     assert!(bad(&deep).contains("levels deep"));
     assert!(bad(&format!("{{\"enum\":[\"{}\"]}}", "a".repeat(20_000))).contains("above the limit"));
+    // JSON that the schema compiler refuses: an error of the schema, not of a grammar.
+    let params = SamplerParams {
+        json_schema: Some(r#"{"type":"frobnicate"}"#.into()),
+        ..SamplerParams::default()
+    };
+    match Sampler::new(model.clone(), &params, &caps) {
+        Err(e @ Error::Grammar { syntax: GrammarSyntax::JsonSchema, .. }) => {
+            assert!(e.to_string().starts_with("json-schema: "), "{e}")
+        }
+        other => panic!("expected a json-schema error, got {:?}", other.map(|_| ())),
+    }
     let both = SamplerParams {
         json_schema: Some("{}".into()),
         grammar: Some(Grammar { text: "root ::= \"a\"".into(), root: None }),

@@ -184,15 +184,20 @@ fn media_chunks_are_charged_input_by_input() {
     assert_eq!(chunks[5].text_tokens(), model.tokenize(" three", false, true).unwrap());
     let first_part = chunks[0].native_bytes() + chunks[1].native_bytes();
     let total: usize = chunks.iter().map(|c| c.native_bytes()).sum();
-    match vision.tokenize(&prompt, &inputs, CAPS, total - 1) {
-        Err(Error::LimitExceeded(m)) => {
-            assert!(m.starts_with("max-chunk-bytes") && m.contains("up to its end"), "{m}")
-        }
-        other => panic!("expected limit-exceeded, got {:?}", other.map(|c| c.len())),
-    }
+    // Refused at the text after the last image: everything held, one byte over.
+    assert_eq!(
+        vision.tokenize(&prompt, &inputs, CAPS, total - 1).map(|c| c.len()),
+        Err(Error::LimitExceeded {
+            limit: "max-chunk-bytes",
+            requested: total as u64,
+            max: total as u64 - 1
+        })
+    );
+    // Refused at the second image: the first part and the text and image up to it.
     match vision.tokenize(&prompt, &inputs, CAPS, first_part) {
-        Err(Error::LimitExceeded(m)) => {
-            assert!(m.contains("up to media input 1"), "refused at the second image: {m}")
+        Err(Error::LimitExceeded { limit: "max-chunk-bytes", requested, max }) => {
+            assert_eq!(max, first_part as u64);
+            assert!(requested > max && requested < total as u64, "{requested} of {total}");
         }
         other => panic!("expected limit-exceeded, got {:?}", other.map(|c| c.len())),
     }

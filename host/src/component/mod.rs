@@ -380,8 +380,11 @@ impl From<crate::native::Error> for Error {
         match e {
             N::Cancelled => Error::Cancelled,
             N::InvalidArgument(m) => Error::InvalidArgument(m),
+            e @ N::Grammar { .. } => Error::InvalidArgument(e.to_string()),
             N::ContextFull => Error::ContextFull,
-            N::LimitExceeded(m) => Error::LimitExceeded(m),
+            N::LimitExceeded { limit, requested, max } => {
+                Error::LimitExceeded(format!("{limit}: {requested} is above {max}"))
+            }
             N::Backend(m) => Error::Backend(m),
         }
     }

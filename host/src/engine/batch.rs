@@ -994,9 +994,11 @@ impl Steps {
         let invalid = |what: String| Err(Error::InvalidArgument(what));
         let outputs = batch.logits.iter().filter(|&&l| l).count();
         if outputs > MAX_SEAT_LOGIT_ROWS {
-            return Err(Error::LimitExceeded(format!(
-                "{outputs} rows ask for logits; a batched context keeps at most {MAX_SEAT_LOGIT_ROWS} per decode"
-            )));
+            return Err(Error::LimitExceeded {
+                limit: "max-batched-logit-rows",
+                requested: outputs as u64,
+                max: MAX_SEAT_LOGIT_ROWS as u64,
+            });
         }
         self.ctx.model().check_tokens(&batch.tokens)?;
         let rows = batch.seq_ids.iter().zip(&batch.positions).enumerate();
@@ -1970,7 +1972,7 @@ mod tests {
         many.logits = vec![true; 100];
         assert!(matches!(
             seat.decode(many, CancelFlag::new()).await.unwrap(),
-            Err(Error::LimitExceeded(_))
+            Err(Error::LimitExceeded { limit: "max-batched-logit-rows", requested: 100, max: 64 })
         ));
         let full = Batch::sequence(&prompt(1, 200), 0, 0);
         seat.decode(full.clone(), CancelFlag::new()).await.unwrap().unwrap();

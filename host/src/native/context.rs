@@ -12,8 +12,9 @@ use super::chunker::{Chunker, Pace, DEFAULT_LATENCY_TARGET};
 use super::cores::Cores;
 use super::eval_scope::{eval_callback, in_eval_scope};
 use super::meter::Meter;
-use super::model::{Model, Token};
+use super::model::Model;
 use super::threads::ThreadPool;
+use super::Token;
 use super::{backend, Error, Result};
 
 mod embed;

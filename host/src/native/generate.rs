@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use super::cancel::Stop;
 use super::context::{Batch, Context, PromptPiece};
 use super::logprobs::{token_logprob, TokenLogprob, MAX_TOP_LOGPROBS};
-use super::model::Token;
 use super::sampler::Sampler;
+use super::Token;
 use super::{Error, Result};
 
 /// What to generate.

@@ -29,8 +29,7 @@ use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 
-use super::model::{Model, Token};
-use super::{Error, Result};
+use super::{Error, Result, Token};
 
 /// Caps on one grammar, checked on what was parsed before llguidance sees it.
 #[derive(Clone, Copy, Debug)]
@@ -139,8 +138,28 @@ struct Parser<'a> {
     max_nesting: usize,
 }
 
+/// The language a grammar was written in, which its errors name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GrammarSyntax {
+    /// llama.cpp's GBNF (`sampler-params.grammar`).
+    Gbnf,
+    /// JSON Schema (`sampler-params.json-schema`).
+    JsonSchema,
+}
+
+impl std::fmt::Display for GrammarSyntax {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Gbnf => "grammar",
+            Self::JsonSchema => "json-schema",
+        })
+    }
+}
+
+/// A GBNF grammar's error.
 fn err<T>(what: impl Into<String>) -> Result<T> {
-    Err(Error::InvalidArgument(format!("grammar: {}", what.into())))
+    Err(Error::Grammar { syntax: GrammarSyntax::Gbnf, reason: what.into() })
 }
 
 fn is_word_char(c: u8) -> bool {
@@ -777,6 +796,22 @@ fn write_class(out: &mut String, negated: bool, ranges: &[(u32, u32)]) {
 // ---------------------------------------------------------------------------------
 
 /// A model's vocabulary as llguidance sees it, built once per model on first use.
+/// What the grammar engine needs of a model: its vocabulary, and the place where the
+/// [`GrammarEnv`] built from it is kept (built once per model). The model implements it,
+/// so that grammars never name the model's type.
+pub(crate) trait Vocabulary {
+    /// Vocabulary size: tokens are in [0, n_vocab).
+    fn n_vocab(&self) -> u32;
+    /// Whether `token` ends generation.
+    fn is_eog(&self, token: Token) -> bool;
+    /// One token's bytes (`special`: control tokens as their text).
+    fn token_to_piece(&self, token: Token, special: bool) -> Result<Vec<u8>>;
+    /// `text` as tokens, special-token text parsed: how GBNF's `<text>` is looked up.
+    fn tokenize_special(&self, text: &str) -> Result<Vec<Token>>;
+    /// This vocabulary's environment, built by the first grammar.
+    fn grammar_env(&self) -> Result<&GrammarEnv>;
+}
+
 pub(crate) struct GrammarEnv {
     factory: ParserFactory,
     /// The model's end-of-generation tokens: allowed where the grammar may end.
@@ -786,7 +821,7 @@ pub(crate) struct GrammarEnv {
 impl GrammarEnv {
     /// Every token's bytes (control tokens marked as special, so text grammars never
     /// match them), and every end-of-generation token as an end the grammar may allow.
-    pub(crate) fn new(model: &Model) -> Result<Self> {
+    pub(crate) fn new(model: &dyn Vocabulary) -> Result<Self> {
         let n_vocab = model.n_vocab();
         let mut words = Vec::with_capacity(n_vocab as usize);
         let mut eog = Vec::new();
@@ -852,14 +887,21 @@ const _: fn() = || {
 pub struct Constraint {
     matcher: Matcher,
     eog: Vec<u32>,
+    /// What it was written in, for its errors.
+    syntax: GrammarSyntax,
 }
 
 impl Constraint {
     /// `text` in GBNF from start rule `root`, read exactly as llama.cpp would read it
     /// and checked against `caps`; `<text>` tokens are looked up as llama.cpp does
     /// (tokenized with special tokens parsed, exactly one token).
-    pub(crate) fn gbnf(model: &Model, text: &str, root: &str, caps: &GrammarCaps) -> Result<Self> {
-        let resolve = |piece: &str| match model.tokenize(piece, false, true).as_deref() {
+    pub(crate) fn gbnf(
+        model: &dyn Vocabulary,
+        text: &str,
+        root: &str,
+        caps: &GrammarCaps,
+    ) -> Result<Self> {
+        let resolve = |piece: &str| match model.tokenize_special(piece).as_deref() {
             Ok([token]) => Some(*token as u32),
             _ => None,
         };
@@ -869,13 +911,17 @@ impl Constraint {
 
     /// Compile `lark` (llguidance syntax) for the model whose environment this is.
     fn from_lark(env: &GrammarEnv, lark: String) -> Result<Self> {
-        Self::compile(env, TopLevelGrammar::from_lark(lark))
+        Self::compile(env, TopLevelGrammar::from_lark(lark), GrammarSyntax::Gbnf)
     }
 
     /// Output that is JSON valid against `schema` (JSON Schema text), compact: no
     /// whitespace outside strings, as OpenAI's structured output writes it. Capped like
     /// a grammar (`caps.max_bytes`) and [`MAX_SCHEMA_DEPTH`] levels deep.
-    pub(crate) fn json_schema(model: &Model, schema: &str, caps: &GrammarCaps) -> Result<Self> {
+    pub(crate) fn json_schema(
+        model: &dyn Vocabulary,
+        schema: &str,
+        caps: &GrammarCaps,
+    ) -> Result<Self> {
         if schema.len() > caps.max_bytes {
             return Err(Error::InvalidArgument(format!(
                 "json-schema of {} bytes is above the limit {}",
@@ -910,30 +956,29 @@ impl Constraint {
                 ))
             }
         }
-        Self::compile(model.grammar_env()?, TopLevelGrammar::from_json_schema(value)).map_err(|e| {
-            match e {
-                Error::InvalidArgument(m) => {
-                    Error::InvalidArgument(m.replacen("grammar: ", "json-schema: ", 1))
-                }
-                e => e,
-            }
-        })
+        let grammar = TopLevelGrammar::from_json_schema(value);
+        Self::compile(model.grammar_env()?, grammar, GrammarSyntax::JsonSchema)
     }
 
-    fn compile(env: &GrammarEnv, grammar: TopLevelGrammar) -> Result<Self> {
+    fn compile(env: &GrammarEnv, grammar: TopLevelGrammar, syntax: GrammarSyntax) -> Result<Self> {
         let parser = env.factory.create_parser(grammar);
         let matcher = Matcher::new(parser);
-        if let Some(e) = matcher.get_error() {
-            return err(e);
+        if let Some(reason) = matcher.get_error() {
+            return Err(Error::Grammar { syntax, reason });
         }
-        Ok(Self { matcher, eog: env.eog.clone() })
+        Ok(Self { matcher, eog: env.eog.clone(), syntax })
+    }
+
+    /// The matcher's error, as this grammar's.
+    fn failed<T>(&self, reason: impl ToString) -> Result<T> {
+        Err(Error::Grammar { syntax: self.syntax, reason: reason.to_string() })
     }
 
     /// Which tokens may come next (end-of-generation tokens once the grammar may end).
     /// A grammar that outgrows its per-token limits fails here, and for good.
     pub fn mask(&mut self) -> Result<SimpleVob> {
         // Once the grammar can only end, llguidance stops its parser: the ends remain.
-        self.matcher.compute_mask_or_eos().or_else(|e| err(e.to_string()))
+        self.matcher.compute_mask_or_eos().or_else(|e| self.failed(e))
     }
 
     /// Whether `token` may come next (without computing the whole mask): an end of
@@ -949,12 +994,12 @@ impl Constraint {
         if self.matcher.is_stopped() && self.eog.contains(&(token as u32)) {
             return Ok(()); // another end after the end
         }
-        self.matcher.consume_token(token as u32).or_else(|e| err(e.to_string()))
+        self.matcher.consume_token(token as u32).or_else(|e| self.failed(e))
     }
 
     /// Back to the start of the grammar.
     pub fn reset(&mut self) -> Result<()> {
-        self.matcher.reset().or_else(|e| err(e.to_string()))
+        self.matcher.reset().or_else(|e| self.failed(e))
     }
 }
 
@@ -1096,6 +1141,7 @@ mod tests {
 mod differential {
     use super::*;
     use crate::native::synthetic::{SplitMix64, TextModelSpec};
+    use crate::native::Model;
     use llama_cpp_sys_2 as sys;
 
     struct Rng(SplitMix64);

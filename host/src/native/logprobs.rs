@@ -3,7 +3,7 @@
 //! before anything the sampler does to it (grammar, bias, penalties, truncation,
 //! temperature). So they say how likely the model found a token, whatever picked it.
 
-use super::model::Token;
+use super::Token;
 
 /// Most alternatives a token can report: OpenAI's own bound on `top_logprobs`. Each
 /// costs a pass over the candidates kept so far, per generated token.

@@ -19,7 +19,8 @@ use super::cancel::Stop;
 use super::chunker::{Chunker, Pace, DEFAULT_LATENCY_TARGET};
 use super::cores::Cores;
 use super::eval_scope::{eval_callback, in_eval_scope};
-use super::model::{Model, Token};
+use super::model::Model;
+use super::Token;
 use super::{backend, Error, Result};
 
 /// One media input for `tokenize`, matched in order with the prompt's markers.
@@ -342,14 +343,11 @@ impl MediaContext {
             let part = self.tokenize_part(segment, media, i, caps, i == 0)?;
             held = part.iter().map(|c| c.native_bytes()).fold(held, usize::saturating_add);
             if held > budget {
-                let upto = if media.is_empty() {
-                    "its end".to_string()
-                } else {
-                    format!("media input {i}")
-                };
-                return Err(Error::LimitExceeded(format!(
-                    "max-chunk-bytes: the prompt's chunks up to {upto} hold {held} bytes, above the {budget} left"
-                )));
+                return Err(Error::LimitExceeded {
+                    limit: "max-chunk-bytes",
+                    requested: held as u64,
+                    max: budget as u64,
+                });
             }
             chunks.extend(part);
         }

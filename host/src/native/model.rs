@@ -9,11 +9,8 @@ use std::sync::OnceLock;
 use llama_cpp_sys_2 as sys;
 
 use super::devices::Offload;
-use super::grammar::GrammarEnv;
-use super::{backend, Error, Result};
-
-/// A token id in a model's vocabulary, as llama.cpp numbers it (`llama_token`).
-pub type Token = i32;
+use super::grammar::{GrammarEnv, Vocabulary};
+use super::{backend, Error, Result, Token};
 
 /// A loaded GGUF text model and its vocabulary, shared read-only by every context on it
 /// (freed when the last `Arc` goes).
@@ -100,13 +97,6 @@ impl Model {
     /// Layers on [`Model::device`] (0 on the CPU alone): the output layer counts as one.
     pub fn gpu_layers(&self) -> u32 {
         self.gpu_layers
-    }
-
-    /// The grammar engine's view of the vocabulary (every token's bytes in a trie),
-    /// built once, by the first grammar compiled for this model (tens of ms for 49k
-    /// tokens), and shared by every sampler of the model after that.
-    pub(crate) fn grammar_env(&self) -> Result<&GrammarEnv> {
-        self.grammar_env.get_or_init(|| GrammarEnv::new(self)).as_ref().map_err(Clone::clone)
     }
 
     /// A value of the model's GGUF metadata, as text (`None` if it has no such key, or
@@ -334,6 +324,32 @@ impl Model {
             }
             buf.resize(n.unsigned_abs() as usize, 0);
         }
+    }
+}
+
+/// The grammar engine's view of the model.
+impl Vocabulary for Model {
+    fn n_vocab(&self) -> u32 {
+        Model::n_vocab(self)
+    }
+
+    fn is_eog(&self, token: Token) -> bool {
+        Model::is_eog(self, token)
+    }
+
+    fn token_to_piece(&self, token: Token, special: bool) -> Result<Vec<u8>> {
+        Model::token_to_piece(self, token, special)
+    }
+
+    fn tokenize_special(&self, text: &str) -> Result<Vec<Token>> {
+        self.tokenize(text, false, true)
+    }
+
+    /// Every token's bytes in a trie, built once, by the first grammar compiled for
+    /// this model (tens of ms for 49k tokens), and shared by every sampler of the model
+    /// after that.
+    fn grammar_env(&self) -> Result<&GrammarEnv> {
+        self.grammar_env.get_or_init(|| GrammarEnv::new(self)).as_ref().map_err(Clone::clone)
     }
 }
 

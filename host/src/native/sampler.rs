@@ -15,7 +15,8 @@ use std::sync::Arc;
 use llama_cpp_sys_2 as sys;
 
 use super::grammar::{Constraint, GrammarCaps};
-use super::model::{Model, Token};
+use super::model::Model;
+use super::Token;
 use super::{backend, Error, Result};
 
 /// Sampling settings. `Default` is greedy decoding with nothing else applied.
@@ -248,13 +249,13 @@ impl Sampler {
                 )
             }
             (Some(g), None) => Some(Constraint::gbnf(
-                &sampler.model,
+                &*sampler.model,
                 &g.text,
                 g.root.as_deref().unwrap_or("root"),
                 &caps.grammar(),
             )?),
             (None, Some(schema)) => {
-                Some(Constraint::json_schema(&sampler.model, schema, &caps.grammar())?)
+                Some(Constraint::json_schema(&*sampler.model, schema, &caps.grammar())?)
             }
             (None, None) => None,
         };

@@ -14,7 +14,7 @@ use llama_cpp_sys_2 as sys;
 
 use super::{Batch, Context, Pacer};
 use crate::native::cancel::Stop;
-use crate::native::model::Token;
+use crate::native::Token;
 use crate::native::{Error, Result};
 
 /// How the rows of one input become one vector.
