@@ -12,7 +12,8 @@ use llamabox::{CompileCacheStats, HostOptions, Limits, ModelRegistry, PluginHost
 
 use crate::common;
 
-const PROMPT: &str = "The llama in the box";
+/// The prompt every language's plugin (and guest/compat-*) generates from.
+pub(crate) const PROMPT: &str = "The llama in the box";
 
 /// Build a plugin with `script` (which installs its toolchain if missing). A toolchain
 /// that cannot be installed fails the test, loudly.
@@ -96,7 +97,7 @@ async fn run_twice(plugin: &Path, models: &[(&str, &Path)], args: &[&str]) -> St
 }
 
 /// The Rust demo's output for the same model and prompt, greedy on the host and in wasm.
-async fn rust_demo(model: &Path, generate: &str) -> String {
+pub(crate) async fn rust_demo(model: &Path, generate: &str) -> String {
     let (outcome, out) = common::run_demo(
         &[("slow", model)],
         &["--model", "slow", "--prompt", PROMPT, "--generate", generate, "--host-generate"],

@@ -5,8 +5,7 @@
 use llamabox::{Error, Limits, ModelRegistry, PluginHost, RunOutcome};
 
 use crate::common;
-
-const PROMPT: &str = "The llama in the box";
+use crate::polyglot::PROMPT;
 
 /// guest/compat-0.1.0 is built from wit/released/0.1.0: it imports `...@0.1.0`, which
 /// this host serves as 0.1.1. It generates exactly what the current demo does, and its
@@ -26,12 +25,7 @@ async fn a_plugin_built_against_the_previous_version_runs_unchanged() {
     let args = ["--model", "slow", "--prompt", PROMPT, "--generate", "8"];
     let (outcome, out) = common::run_plugin(&plugin, &[("slow", model)], &[], &args).await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
-    let (outcome, demo) = common::run_demo(
-        &[("slow", model)],
-        &["--model", "slow", "--prompt", PROMPT, "--generate", "8", "--host-generate"],
-    )
-    .await;
-    assert_eq!(outcome, RunOutcome::Success, "{demo}");
+    let demo = crate::polyglot::rust_demo(model, "8").await;
     assert_eq!(
         common::field(&out, "host-generated-ids"),
         common::field(&demo, "host-generated-ids"),
