@@ -45,9 +45,9 @@ pub enum Error {
         /// The import's name, as the plugin spells it.
         import: String,
         /// The llamabox interface that import is, if this host knows it.
-        interface: Option<crate::plugin::Interface>,
+        interface: Option<crate::grant::Interface>,
         /// The grant the plugin was loaded with.
-        grant: crate::plugin::Grant,
+        grant: crate::grant::Grant,
     },
     /// The plugin exports none of `wasi:cli/run` (a WASI 0.2 command), `run`
     /// (`plugin-async`) and `wasi:http/incoming-handler` (`http-plugin`).

@@ -20,6 +20,7 @@
 mod component;
 mod engine;
 pub mod error;
+mod grant;
 pub mod native;
 mod plugin;
 #[cfg(feature = "serve")]
@@ -36,10 +37,11 @@ pub use component::{
 };
 pub use engine::{BatchPolicy, StepObserver, StepReport};
 pub use error::{Error, Result};
+pub use grant::{Grant, Interface};
 pub use native::CancelFlag;
 pub use plugin::{
-    CompileCacheStats, Grant, HostOptions, HttpResponse, Interface, Plugin, PluginHost,
-    PluginState, ResponseSender, RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
+    CompileCacheStats, HostOptions, HttpResponse, Plugin, PluginHost, PluginState, ResponseSender,
+    RunOptions, RunOutcome, RunReport, RunStop, RunUsage,
 };
 
 /// The wasmtime and wasmtime-wasi this API is built on (`WasiCtxBuilder`, traps, the

@@ -8,7 +8,6 @@
 //! - `run`: a compiled plugin and one run of it, start to end.
 
 mod epoch;
-mod grant;
 mod link;
 mod run;
 mod state;
@@ -37,8 +36,8 @@ use crate::error::{Error, Result};
 use crate::native::Meter;
 use crate::worker::Tracker;
 
+use crate::grant::Grant;
 use epoch::EpochTicker;
-pub use grant::{Grant, Interface};
 use link::unresolved_imports;
 use run::PreInstance;
 pub use run::{HttpResponse, Plugin, ResponseSender};
