@@ -881,9 +881,9 @@ fn grammar_bombs_are_refused_or_bounded_per_token() {
         };
         let mut sampler = match Sampler::new(model.clone(), &p, &caps) {
             Ok(s) => s,
-            Err(Error::InvalidArgument(m)) => {
-                println!("{name}: refused in {:?}: {m}", started.elapsed());
-                assert!(name.starts_with("hidden"), "{name} should compile: {m}");
+            Err(e @ Error::Grammar { .. }) => {
+                println!("{name}: refused in {:?}: {e}", started.elapsed());
+                assert!(name.starts_with("hidden"), "{name} should compile: {e}");
                 continue;
             }
             Err(e) => panic!("{name}: {e:?}"),
@@ -898,8 +898,8 @@ fn grammar_bombs_are_refused_or_bounded_per_token() {
             slowest = slowest.max(step.elapsed());
             match picked {
                 Ok(_) => sampled += 1,
-                Err(Error::InvalidArgument(m)) => {
-                    println!("{name}: stopped after {sampled} tokens: {m}");
+                Err(e @ Error::Grammar { .. }) => {
+                    println!("{name}: stopped after {sampled} tokens: {e}");
                     break;
                 }
                 Err(e) => panic!("{name}: {e:?}"),
