@@ -48,12 +48,8 @@ enum Command {
         limits: LimitOverrides,
         #[command(flatten)]
         registry: RegistryFlags,
-        /// The llamabox interfaces the plugin may import: NAME,NAME (llm, generate,
-        /// embeddings, media, cancel, async-calls), all or none, or requested: what a
-        /// pulled plugin's artifact asks for (default: all for a file, none for an
-        /// oci:// plugin).
-        #[arg(long, value_name = "INTERFACES")]
-        grant: Option<GrantChoice>,
+        #[command(flatten)]
+        grant: GrantFlag,
         #[command(flatten)]
         offload: OffloadFlags,
         /// Stop the plugin, native work included, after this many milliseconds.
@@ -87,9 +83,8 @@ enum Command {
         plugin: PathBuf,
         #[command(flatten)]
         registry: RegistryFlags,
-        /// The grant to check its imports against (see `run --grant`).
-        #[arg(long, value_name = "INTERFACES")]
-        grant: Option<GrantChoice>,
+        #[command(flatten)]
+        grant: GrantFlag,
         #[command(flatten)]
         cache: CacheFlags,
     },
@@ -213,10 +208,8 @@ struct ServeArgs {
     batch: llamabox::serve::BatchConfig,
     #[command(flatten)]
     registry: RegistryFlags,
-    /// The llamabox interfaces every plugin may import (see `run --grant`), over
-    /// each plugin's `grant` in the config file.
-    #[arg(long, value_name = "INTERFACES")]
-    grant: Option<GrantChoice>,
+    #[command(flatten)]
+    grant: GrantFlag,
     #[command(flatten)]
     offload: OffloadFlags,
     #[command(flatten)]
@@ -238,6 +231,18 @@ impl OffloadFlags {
     fn offload(&self) -> native::Offload {
         native::Offload { gpu_layers: self.gpu_layers, device: self.device.clone() }
     }
+}
+
+/// `--grant`, one flag for `run`, `inspect` and `serve`.
+#[derive(clap::Args, Clone)]
+struct GrantFlag {
+    /// The llamabox interfaces a plugin may import: NAME,NAME (llm, generate,
+    /// embeddings, media, cancel, async-calls), all or none, or requested: what a
+    /// pulled plugin's artifact asks for. Default: all for a file, none for an oci://
+    /// plugin; `serve` applies it to every plugin, over their `grant` in the config file;
+    /// `inspect` checks the plugin's imports against it.
+    #[arg(long, value_name = "INTERFACES")]
+    grant: Option<GrantChoice>,
 }
 
 /// Plugins pulled from OCI registries (`oci://...`; see `llamabox::source`).
@@ -462,7 +467,7 @@ impl ServeArgs {
             plugin.threads = request_threads.unwrap_or(plugin.threads);
             plugin.deadline_ms = deadline_ms.unwrap_or(plugin.deadline_ms);
             plugin.env.extend(plugin_env.iter().cloned());
-            plugin.grant = grant.or(plugin.grant);
+            plugin.grant = grant.grant.or(plugin.grant);
         }
         config.gpu_layers = offload.gpu_layers.or(config.gpu_layers);
         config.device = offload.device.clone().or(config.device.take());
@@ -532,7 +537,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("wrote {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Inspect { plugin, registry: registry_flags, grant, cache } => {
+        Command::Inspect {
+            plugin,
+            registry: registry_flags,
+            grant: GrantFlag { grant },
+            cache,
+        } => {
             use sha2::{Digest as _, Sha256};
             let options = cache.options();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
@@ -593,7 +603,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             projectors,
             limits: limit_flags,
             registry: registry_flags,
-            grant,
+            grant: GrantFlag { grant },
             offload,
             deadline_ms,
             cache,
