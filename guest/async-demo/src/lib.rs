@@ -19,7 +19,8 @@ use std::task::Poll;
 use futures::join;
 use llamabox::inference::async_calls;
 use llamabox_guest::cancel::CancelToken;
-use llamabox_guest::generate::{self, GenerateParams};
+use llamabox_guest::generate;
+use llamabox_guest::greedy_params;
 use llamabox_guest::llm::{Batch, Context, ContextParams, Model};
 use llamabox_guest::types::Error;
 use wasi::clocks0_3_0::monotonic_clock::wait_for;
@@ -133,14 +134,15 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     // (e) a host-side generation read with the async `generation-next`; then one whose
     // `generation-next` future is dropped in the prefill, which cancels it.
     ctx.clear()?;
-    let short = generate::start(&ctx, &greedy(batch.tokens[..8].to_vec(), 4), &CancelToken::new())?;
+    let short =
+        generate::start(&ctx, &greedy_params(batch.tokens[..8].to_vec(), 4), &CancelToken::new())?;
     let mut generated = 0;
     while let Some(piece) = async_calls::generation_next(&short).await? {
         generated += piece.tokens.len();
     }
     println!("async-generation: {generated} tokens");
     ctx.clear()?;
-    let long = generate::start(&ctx, &greedy(batch.tokens, 4), &CancelToken::new())?;
+    let long = generate::start(&ctx, &greedy_params(batch.tokens, 4), &CancelToken::new())?;
     let raced = first_of(async_calls::generation_next(&long), wait_for(STOP_AFTER_NS)).await;
     println!(
         "async-generation-drop: {}",
@@ -153,17 +155,6 @@ async fn scenarios(model_name: String, n: usize) -> Result<(), Error> {
     drop(long);
     println!("memory-after-generation-drop: seq-pos-max={}", ctx.seq_pos_max(0)?);
     Ok(())
-}
-
-fn greedy(prompt: Vec<i32>, max_tokens: u32) -> GenerateParams {
-    GenerateParams {
-        prompt,
-        seq: 0,
-        max_tokens,
-        stop: Vec::new(),
-        sampler: generate::greedy_sampler(),
-        logprobs: None,
-    }
 }
 
 /// `Some(a's output)` if `a` finishes first; `None` (and `a` dropped) if `b` does.
