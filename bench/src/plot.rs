@@ -61,22 +61,10 @@ fn write_png(path: &Path, width: u32, height: u32, rgb: &[u8]) -> anyhow::Result
         let start = png.len();
         png.extend_from_slice(kind);
         png.extend_from_slice(data);
-        let crc = crc32(&png[start..]);
+        let crc = crc32fast::hash(&png[start..]);
         png.extend_from_slice(&crc.to_be_bytes());
     }
     std::fs::write(path, png).with_context(|| format!("writing {}", path.display()))
-}
-
-/// CRC-32 (ISO-HDLC, as PNG's chunks use it), bit by bit: a figure is a few MB at most.
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &b in bytes {
-        crc ^= b as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
-        }
-    }
-    !crc
 }
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
@@ -205,7 +193,7 @@ mod tests {
 
     #[test]
     fn a_png_is_its_chunks_with_their_crcs_around_the_rows() {
-        assert_eq!(crc32(b"123456789"), 0xCBF4_3926, "the CRC-32 check value");
+        assert_eq!(crc32fast::hash(b"123456789"), 0xCBF4_3926, "the CRC-32 check value");
         let rgb: Vec<u8> = (0..18u8).map(|i| i * 13).collect(); // 3 × 2 pixels
         let path = std::env::temp_dir().join(format!("llamabox-bench-{}.png", std::process::id()));
         write_png(&path, 3, 2, &rgb).unwrap();
@@ -216,7 +204,7 @@ mod tests {
         while at < png.len() {
             let len = u32::from_be_bytes(png[at..at + 4].try_into().unwrap()) as usize;
             let (chunk, crc) = (&png[at + 4..at + 8 + len], &png[at + 8 + len..at + 12 + len]);
-            assert_eq!(crc32(chunk).to_be_bytes(), crc);
+            assert_eq!(crc32fast::hash(chunk).to_be_bytes(), crc);
             let (kind, data) = chunk.split_at(4);
             match kind {
                 b"IHDR" => assert_eq!(data, [0, 0, 0, 3, 0, 0, 0, 2, 8, 2, 0, 0, 0]),
