@@ -165,10 +165,10 @@ impl Native {
         let mut rng = fastrand::Rng::with_seed(7);
         let mut samples = Vec::with_capacity(count);
         let mut finished_first = 0;
+        self.ctx.clear();
         for _ in 0..count {
             let delay = decode_time.mul_f64(0.9 * rng.f64());
             let flag = CancelFlag::new();
-            self.ctx.clear();
             let ctx = &mut self.ctx;
             let (start, stored, result, returned) = std::thread::scope(|s| {
                 let start = Instant::now();
@@ -201,7 +201,13 @@ impl Native {
                 Err(Error::Cancelled) => {
                     samples.push(CancelSample { at: stored - start, latency: returned - stored })
                 }
-                Ok(()) => finished_first += 1,
+                // Finished before its cancel came (often on a GPU): its rows are kept, so
+                // they go before the next decode. A cancelled one is not cleared after: the
+                // next decode (at position 0) fails if it left any row behind.
+                Ok(()) => {
+                    finished_first += 1;
+                    self.ctx.clear();
+                }
                 Err(e) => return Err(e).context("a decode to be cancelled failed otherwise"),
             }
         }
