@@ -35,7 +35,7 @@ pub use component::{
     add_to_linker, LimitOverrides, Limits, LlamaCtx, LlamaCtxView, LlamaView, ModelRegistry,
     OpenError, ShareError, TokenRegistry, OLDEST_WIT_VERSION, WIT_VERSION,
 };
-pub use engine::{BatchPolicy, StepObserver, StepReport};
+pub use engine::{BatchPolicy, Claim, StepObserver, StepReport};
 pub use error::{Error, Result};
 pub use grant::{Grant, Interface};
 pub use native::CancelFlag;

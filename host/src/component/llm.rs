@@ -279,6 +279,7 @@ impl HostContext for LlamaCtxView<'_> {
             ubatch_chosen: params.n_ubatch.is_some(),
             allocated_n_ctx: allocated,
             group: &self.ctx.group,
+            claim: self.ctx.claim,
             meter: self.ctx.meter.clone(),
             tracker: &self.ctx.workers,
         };

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use wasmtime::component::{HasData, Linker, ResourceTable};
 
+use crate::engine::Claim;
 use crate::worker::Tracker;
 
 pub use crate::engine::{ModelRegistry, OpenError};
@@ -142,6 +143,8 @@ pub struct LlamaCtx {
     registry: Arc<ModelRegistry>,
     tokens: Arc<TokenRegistry>,
     group: String,
+    /// The run's claim on the cores (weight, class, deadline) for batches' schedulers.
+    claim: Claim,
     limits: Limits,
     usage: Usage,
     /// Calls in flight that the guest does not wait on in the same host call
@@ -208,7 +211,15 @@ impl LlamaCtx {
     ) -> Self {
         let workers = Tracker::new();
         let (usage, pending_calls, meter) = (Usage::default(), Arc::default(), Arc::default());
-        Self { registry, tokens, group: group.into(), limits, usage, pending_calls, workers, meter }
+        let (group, claim) = (group.into(), Claim::default());
+        Self { registry, tokens, group, claim, limits, usage, pending_calls, workers, meter }
+    }
+
+    /// Schedule this store's batched work by `claim` instead of weight 1, class 0 and
+    /// no deadline.
+    pub fn claiming(mut self, claim: Claim) -> Self {
+        self.claim = claim;
+        self
     }
 
     /// Count this store's native work in `meter` (its run's) instead of a meter of its own.

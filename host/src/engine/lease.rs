@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use super::batch::{Seat, SeatSize};
+use super::batch::{Seat, SeatRequest};
 use super::registry::Opened;
+use super::schedule::Claim;
 use crate::native::{
     self, Batch, CancelFlag, Context, ContextParams, Error, GenerateRequest, Meter, Outcome, Piece,
     Pooling, PromptPiece, Sampler, Stop, Token,
@@ -36,6 +37,8 @@ pub(crate) struct LeaseRequest<'a> {
     pub allocated_n_ctx: u32,
     /// The tenant: idle contexts and a batch's leftovers only go to their own group.
     pub group: &'a str,
+    /// The run's claim on the cores: how a batch schedules the seat's rows.
+    pub claim: Claim,
     pub meter: Arc<Meter>,
     /// The run's threads: it returns only once the lease's native work has stopped.
     pub tracker: &'a Tracker,
@@ -92,11 +95,14 @@ impl Opened {
         if want.params.n_seq_max != 1 || want.ubatch_chosen {
             return None;
         }
-        let size = SeatSize { n_ctx: want.allocated_n_ctx, n_batch: want.params.n_batch };
-        let seat = self
-            .batch
-            .lease(policy, &self.model, size, want.group, want.meter.clone(), want.tracker)
-            .await?;
+        let seat = SeatRequest {
+            n_ctx: want.allocated_n_ctx,
+            n_batch: want.params.n_batch,
+            group: want.group,
+            claim: want.claim,
+        };
+        let seat =
+            self.batch.lease(policy, &self.model, seat, want.meter.clone(), want.tracker).await?;
         Some(seat.map(|seat| {
             let granted = ContextParams {
                 n_ctx: want.allocated_n_ctx,

@@ -9,7 +9,9 @@ pub mod batch;
 mod idle;
 mod lease;
 mod registry;
+pub mod schedule;
 
 pub use batch::{BatchPolicy, StepObserver, StepReport};
 pub(crate) use lease::{Lease, LeaseRequest};
 pub use registry::{ModelRegistry, OpenError, Opened};
+pub use schedule::Claim;

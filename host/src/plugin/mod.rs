@@ -32,6 +32,7 @@ use wasmtime_wasi_http::{WasiHttp, WasiHttpCtx, WasiHttpCtxView, WasiHttpView};
 use crate::component::{
     self, Limits, LlamaCtx, LlamaCtxView, LlamaView, ModelRegistry, TokenRegistry,
 };
+use crate::engine::Claim;
 use crate::error::{Error, Result};
 use crate::native::Meter;
 use crate::worker::Tracker;
@@ -167,6 +168,13 @@ pub struct RunOptions {
     pub group: String,
     /// Stop the whole run, native work included, after this long.
     pub deadline: Option<Duration>,
+    /// Its share of a batch's step rows beside other runs (a tenant's weight; 1 by
+    /// default): a run of weight 3 gets three times the prompt rows of one of weight 1
+    /// while both wait for rows.
+    pub weight: u32,
+    /// Its priority class in a batch: a higher class's prompt rows go before any lower
+    /// one's (0 by default).
+    pub priority: u8,
     /// This run's limits (a tenant's, say) instead of the host's.
     pub limits: Option<Limits>,
     /// The models this run may open instead of the host's [`PluginHost::models`] (a
@@ -184,6 +192,8 @@ impl Default for RunOptions {
         Self {
             group: "default".into(),
             deadline: None,
+            weight: 1,
+            priority: 0,
             limits: None,
             models: None,
             stop: None,
@@ -202,6 +212,18 @@ impl RunOptions {
     /// Stop the whole run, native work included, after `deadline`.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
+        self
+    }
+
+    /// Its share of a batch's step rows (at least 1).
+    pub fn weight(mut self, weight: u32) -> Self {
+        self.weight = weight.max(1);
+        self
+    }
+
+    /// Its priority class in a batch.
+    pub fn priority(mut self, priority: u8) -> Self {
+        self.priority = priority;
         self
     }
 

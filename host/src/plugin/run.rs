@@ -205,8 +205,11 @@ impl Plugin {
         meter: Arc<Meter>,
     ) -> Result<RunOutcome> {
         let models = options.models.clone().unwrap_or_else(|| self.registry.clone());
+        let deadline = options.deadline.map(|after| std::time::Instant::now() + after);
+        let claim = Claim::new(options.weight, options.priority, deadline);
         let llama =
-            LlamaCtx::new(models, self.tokens.clone(), options.group.as_str(), limits.clone());
+            LlamaCtx::new(models, self.tokens.clone(), options.group.as_str(), limits.clone())
+                .claiming(claim);
         let state = PluginState {
             wasi: wasi.build(),
             http: WasiHttpCtx::new(),

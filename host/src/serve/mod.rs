@@ -1029,6 +1029,8 @@ impl Server {
         let options = RunOptions {
             group: holds.group.clone(),
             deadline: Some(Duration::from_millis(served.config.deadline_ms)),
+            weight: tenant.weight,
+            priority: tenant.priority,
             limits: Some(served.limits.clone()),
             models: Some(access.models.clone()),
             stop: Some(state.run.clone()),

@@ -1,0 +1,447 @@
+//! The batch's thread: one loop that owns the shared context and every seat's state.
+//! It takes what the seats sent, settles calls between steps (`calls.rs`), asks the
+//! scheduler (`engine/schedule.rs`) for the next step's rows, decodes them in one
+//! `llama_decode` whose abort callback polls every member's stop, and hands each
+//! member its part of the result (or rolls the step back: `rollback.rs`).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::calls::{Member, Running};
+use super::seat::{Op, SeatOp};
+use super::sequences::Sequences;
+use super::{BatchPolicy, StepReport};
+use crate::engine::schedule::{Candidate, Pick, Plan, Scheduler, StepEnd, Stepped, Want};
+use crate::native::{self, Batch, CancelFlag, Context, Error, Stop, TokenLoop};
+
+/// How long the thread sleeps when every member waits for its reader.
+const DELIVERY_POLL: Duration = Duration::from_millis(1);
+
+/// The batch's thread: the shared context, its sequences, its scheduler and its members.
+pub(super) struct Steps {
+    pub(super) ctx: Context,
+    pub(super) policy: BatchPolicy,
+    /// Which sequence each seat is bound to, and the leftovers.
+    pub(super) sequences: Sequences,
+    /// Whose rows each step takes.
+    pub(super) scheduler: Scheduler,
+    pub(super) members: BTreeMap<u64, Member>,
+    /// Where seats signal an arrival (`Batcher::arrived`), and the flag of this loop.
+    pub(super) arrived_slot: Arc<Mutex<CancelFlag>>,
+    pub(super) arrived: CancelFlag,
+    /// Test hook: every step that may yield does so at this node (as if a call arrived
+    /// then: a flood of arrivals).
+    #[cfg(test)]
+    pub(super) yield_at: Option<u64>,
+}
+
+/// Rows one member contributes to a step.
+pub(super) struct Share {
+    id: u64,
+    slot: usize,
+    rows: Batch,
+    /// Rows of a long prompt (see `BatchPolicy::long_prompt_rows`).
+    long: bool,
+}
+
+impl Steps {
+    pub(super) fn new(
+        ctx: Context,
+        policy: BatchPolicy,
+        arrived_slot: Arc<Mutex<CancelFlag>>,
+    ) -> Self {
+        Self {
+            ctx,
+            sequences: Sequences::new(policy.seats),
+            scheduler: Scheduler::new(&policy),
+            policy,
+            members: BTreeMap::new(),
+            arrived_slot,
+            arrived: CancelFlag::new(),
+            #[cfg(test)]
+            yield_at: None,
+        }
+    }
+
+    /// Take what the seats sent, settle it (`advance`: pieces out, ends answered), then
+    /// step if anyone has rows; block only when nobody has. The pieces of the step just
+    /// computed are handed over before that question is asked, so a generation goes
+    /// from step to step without waiting (it used to sleep one `DELIVERY_POLL` a token).
+    pub(super) fn run(mut self, ops: mpsc::Receiver<Op>) {
+        loop {
+            // A fresh arrival flag before taking what was sent: a call sent from here on
+            // sets it, and one sent before is taken below.
+            self.arrived = CancelFlag::new();
+            *self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner) =
+                self.arrived.clone();
+            let disconnected = loop {
+                match ops.try_recv() {
+                    Ok(op) => self.take(op),
+                    Err(e) => break e == mpsc::TryRecvError::Disconnected,
+                }
+            };
+            if disconnected {
+                return self.close();
+            }
+            self.advance();
+            if self.has_rows() {
+                self.step();
+                continue;
+            }
+            // Nothing to compute: wait for a seat's op, polling while a reader's full
+            // buffer holds a generation back.
+            let op = if self.members.values().any(|m| m.running.is_some()) {
+                ops.recv_timeout(DELIVERY_POLL)
+                    .map_err(|e| e == mpsc::RecvTimeoutError::Disconnected)
+            } else {
+                ops.recv().map_err(|_| true)
+            };
+            match op {
+                Ok(op) => self.take(op),
+                Err(true) => return self.close(),
+                Err(false) => {}
+            }
+        }
+    }
+
+    /// Nobody can send any more (every seat left first): the context is freed here, on
+    /// its own thread, when `self` drops.
+    pub(super) fn close(mut self) {
+        let ids: Vec<u64> = self.members.keys().copied().collect();
+        ids.into_iter().for_each(|id| self.leave(id));
+    }
+
+    pub(super) fn take(&mut self, op: Op) {
+        match op {
+            #[cfg(test)]
+            Op::Pause(gate) => {
+                let _ = gate.recv();
+            }
+            #[cfg(test)]
+            Op::YieldAt(node) => self.yield_at = Some(node),
+            Op::Join { id, group, claim, meter, alive, n_ctx, n_batch } => {
+                let member = Member {
+                    group,
+                    claim,
+                    meter,
+                    alive,
+                    n_ctx,
+                    n_batch,
+                    slot: None,
+                    logits: Vec::new(),
+                    queue: VecDeque::new(),
+                    running: None,
+                };
+                self.members.insert(id, member);
+            }
+            // A seat that left has no calls (its ops would drop unanswered).
+            Op::Seat { id, op } => {
+                if let Some(m) = self.members.get_mut(&id) {
+                    m.queue.push_back(op);
+                }
+            }
+            Op::Leave { id } => self.leave(id),
+        }
+    }
+
+    /// The seat is gone: stop its work, undo its running call, free its sequence.
+    pub(super) fn leave(&mut self, id: u64) {
+        if let Some(running) = self.members.get_mut(&id).and_then(|m| m.running.take()) {
+            self.member(id).meter.add_cancel();
+            self.undo(id, running, Err(Error::Cancelled));
+        }
+        self.scheduler.forget(id);
+        let Some(member) = self.members.remove(&id) else { return };
+        if let Some(slot) = member.slot {
+            self.sequences.release(slot, member.group);
+        }
+        // `member.alive` drops here: its run sees this seat's native work ended.
+    }
+
+    /// Whether some member has rows to decode now.
+    pub(super) fn has_rows(&self) -> bool {
+        self.members.values().any(|m| match &m.running {
+            Some(Running::Decode(_)) => true,
+            Some(Running::Generate(g)) => g.undelivered.is_empty() && g.finish.is_none(),
+            None => m.queue.front().is_some_and(SeatOp::computes),
+        })
+    }
+
+    /// Between steps: answer the ops that compute nothing, start the compute ops at the
+    /// front of each queue, deliver pieces, and end calls that were cancelled or are done.
+    pub(super) fn advance(&mut self) {
+        let ids: Vec<u64> = self.members.keys().copied().collect();
+        for id in ids {
+            loop {
+                let running = self.members.get_mut(&id).and_then(|m| m.running.take());
+                match running {
+                    Some(running) => {
+                        if let Some(still) = self.check_running(id, running) {
+                            self.members.get_mut(&id).expect("member").running = Some(still);
+                            break;
+                        }
+                    }
+                    None => {
+                        let Some(op) = self.members.get_mut(&id).and_then(|m| m.queue.pop_front())
+                        else {
+                            break;
+                        };
+                        self.start(id, op);
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn member(&mut self, id: u64) -> &mut Member {
+        self.members.get_mut(&id).expect("a member of this batch")
+    }
+
+    /// Where the seat's sequence ends (-1: empty, or not bound yet).
+    pub(super) fn end_of(&self, id: u64) -> i32 {
+        match self.members.get(&id).and_then(|m| m.slot) {
+            Some(slot) => self.ctx.seq_pos_max(slot as i32).unwrap_or(-1),
+            None => -1,
+        }
+    }
+
+    /// The scheduler's plan for the next step, as each member's rows in ascending
+    /// sequence ids (llama.cpp's per-sequence KV streams put only consecutive ids in one
+    /// ubatch), and whether the step may yield to a newcomer.
+    pub(super) fn plan(&mut self) -> (Vec<Share>, bool) {
+        let candidates: Vec<Candidate<'_>> = (self.members.iter())
+            .filter_map(|(&id, m)| {
+                Some(Candidate { id, group: &m.group, claim: m.claim, want: Self::want(m)? })
+            })
+            .collect();
+        let Plan { picks, yields } = self.scheduler.plan(&candidates);
+        let mut shares: Vec<Share> = picks.into_iter().map(|pick| self.share(pick)).collect();
+        shares.sort_by_key(|s| s.slot);
+        (shares, yields)
+    }
+
+    /// What a member would compute in the next step: a generation's next token
+    /// (delivered, not finished) or the rows left of a prompt.
+    pub(super) fn want(m: &Member) -> Option<Want> {
+        m.slot?;
+        match m.running.as_ref()? {
+            Running::Decode(d) => {
+                (d.done < d.batch.len()).then(|| Want::Prompt(d.batch.len() - d.done))
+            }
+            Running::Generate(g) => match &g.tokens {
+                None => {
+                    let left = g.request.prompt.len() - g.prompt_done;
+                    (left > 0).then_some(Want::Prompt(left))
+                }
+                Some(_) => (g.next.is_some() && g.undelivered.is_empty() && g.finish.is_none())
+                    .then_some(Want::Token),
+            },
+        }
+    }
+
+    /// A pick's rows: a generation's next token, or the next rows of a prompt.
+    pub(super) fn share(&self, pick: Pick) -> Share {
+        let m = &self.members[&pick.id];
+        let slot = m.slot.expect("planned members are bound");
+        let rows = match &m.running {
+            Some(Running::Generate(g)) if g.tokens.is_some() => {
+                let pos = g.tokens.as_ref().map_or(0, TokenLoop::pos);
+                Batch::sequence(&[g.next.expect("a token was planned")], pos, slot as i32)
+            }
+            _ => self.prompt_rows(pick.id, pick.rows),
+        };
+        Share { id: pick.id, slot, rows, long: pick.long }
+    }
+
+    /// The next `n` rows of `id`'s prompt (a decode's batch or a generation's prompt).
+    pub(super) fn prompt_rows(&self, id: u64, n: usize) -> Batch {
+        let m = &self.members[&id];
+        let slot = m.slot.expect("a member with a prompt running is bound");
+        match &m.running {
+            Some(Running::Decode(d)) => {
+                let range = d.done..d.done + n;
+                Batch {
+                    tokens: d.batch.tokens[range.clone()].to_vec(),
+                    positions: d.batch.positions[range.clone()].to_vec(),
+                    seq_ids: vec![slot as i32; n],
+                    logits: d.batch.logits[range].to_vec(),
+                }
+            }
+            Some(Running::Generate(g)) => {
+                let prompt = &g.request.prompt;
+                let mut rows = Batch::sequence(
+                    &prompt[g.prompt_done..g.prompt_done + n],
+                    g.end_before + 1 + g.prompt_done as i32,
+                    slot as i32,
+                );
+                rows.logits = (0..n).map(|r| g.prompt_done + r + 1 == prompt.len()).collect();
+                rows
+            }
+            None => unreachable!("planned members are running"),
+        }
+    }
+
+    /// One `llama_decode` of every member's rows.
+    pub(super) fn step(&mut self) {
+        let (shares, yields) = self.plan();
+        if shares.is_empty() {
+            return;
+        }
+        // llama.cpp's log lines from this step name the groups (tenant/plugin) whose
+        // rows it computes.
+        let members: Vec<&str> =
+            shares.iter().map(|s| self.members[&s.id].group.as_str()).collect();
+        let _in_span = tracing::info_span!("batch_step", members = %members.join(",")).entered();
+        let mut batch = Batch::default();
+        for share in &shares {
+            batch.tokens.extend(&share.rows.tokens);
+            batch.positions.extend(&share.rows.positions);
+            batch.seq_ids.extend(&share.rows.seq_ids);
+            batch.logits.extend(&share.rows.logits);
+        }
+        #[cfg(test)]
+        if let (true, Some(node)) = (yields, self.yield_at) {
+            self.arrived.trip_after(node);
+        }
+        let (result, elapsed, cancelled) = {
+            let mut stops: Vec<Stop<'_>> = shares
+                .iter()
+                .map(|s| match &self.members[&s.id].running {
+                    Some(Running::Decode(d)) => d.caller.stop(),
+                    Some(Running::Generate(g)) => g.caller.stop(),
+                    None => unreachable!("planned members are running"),
+                })
+                .collect();
+            let members = stops.len();
+            if yields {
+                stops.push(Stop::on(&self.arrived));
+            }
+            let _turn = self.policy.cores.turn();
+            let started = Instant::now();
+            let result = self.ctx.decode(&batch, Some(Stop::Any(&stops)));
+            (
+                result,
+                started.elapsed(),
+                stops[..members].iter().map(Stop::is_set).collect::<Vec<_>>(),
+            )
+        };
+        let stopped = result == Err(Error::Cancelled);
+        let yielded = stopped && !cancelled.iter().any(|&c| c);
+        let end = match &result {
+            Ok(()) => StepEnd::Computed,
+            Err(_) if yielded => StepEnd::Yielded,
+            Err(Error::Cancelled) => StepEnd::RolledBack,
+            Err(_) => StepEnd::Failed,
+        };
+        let stepped: Vec<Stepped<'_>> = (shares.iter().zip(&cancelled))
+            .map(|(s, &cancelled)| {
+                let m = &self.members[&s.id];
+                m.alive.add_busy(elapsed.mul_f64(s.rows.len() as f64 / batch.len() as f64));
+                Stepped {
+                    group: &m.group,
+                    weight: m.claim.weight,
+                    rows: s.rows.len(),
+                    long: s.long,
+                    cancelled,
+                }
+            })
+            .collect();
+        self.scheduler.stepped(&stepped, elapsed, end);
+        let report = StepReport {
+            seats: shares.len(),
+            rows: batch.len(),
+            long_rows: shares.iter().filter(|s| s.long).map(|s| s.rows.len()).sum(),
+            active_seats: self.members.len(),
+            elapsed,
+            rolled_back: result.is_err() && !yielded,
+            yielded,
+        };
+        if let Some(observe) = &self.policy.observer {
+            observe(&report);
+        }
+        match result {
+            Ok(()) => {
+                let mut row = 0;
+                for share in shares {
+                    let n = share.rows.len();
+                    self.decoded(share, row);
+                    row += n;
+                }
+            }
+            // Rolled back for everyone; the cancelled end between steps (`advance`), the
+            // others' rows run again in the next step (after the newcomer's, if it yielded).
+            Err(Error::Cancelled) => {}
+            Err(e) => {
+                for share in shares {
+                    if let Some(running) = self.member(share.id).running.take() {
+                        self.undo(share.id, running, Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A share of a successful step, whose rows started at `first_row` of the step.
+    pub(super) fn decoded(&mut self, share: Share, first_row: usize) {
+        let Share { id, slot, rows, .. } = share;
+        let n = rows.len();
+        self.sequences.extend(slot, &rows.tokens);
+        let logits_of = |ctx: &Context, r: usize| {
+            ctx.logits_ith((first_row + r) as u32).map(<[f32]>::to_vec).ok()
+        };
+        self.members[&id].meter.add_decoded(n as u64);
+        let mut running = self.member(id).running.take().expect("planned members are running");
+        match &mut running {
+            Running::Decode(d) => {
+                for r in 0..n {
+                    if rows.logits[r] {
+                        d.logits[d.done + r] = logits_of(&self.ctx, r);
+                    }
+                }
+                d.done += n;
+                if d.done == d.batch.len() {
+                    let Running::Decode(d) = running else { unreachable!() };
+                    self.member(id).logits = d.logits;
+                    d.caller.reply.send(Ok(()));
+                    return;
+                }
+            }
+            Running::Generate(g) => match g.tokens.as_mut() {
+                None => {
+                    g.prompt_done += n;
+                    if g.prompt_done == g.request.prompt.len() {
+                        let logits = logits_of(&self.ctx, n - 1).unwrap_or_default();
+                        self.start_tokens(id, g, &logits);
+                    }
+                }
+                Some(tokens) => {
+                    let token = g.next.take().expect("a token was planned");
+                    match tokens.decoded(token) {
+                        Ok((piece, matched)) => {
+                            g.undelivered.push_back(piece);
+                            match matched {
+                                Some(reason) => g.finish = Some(Ok(reason)),
+                                None => {
+                                    let picked = self
+                                        .ctx
+                                        .logits_ith(first_row as u32)
+                                        .and_then(|l| tokens.pick(&mut g.sampler, l));
+                                    match picked {
+                                        Ok(native::Pick::Decode(next)) => g.next = Some(next),
+                                        Ok(native::Pick::Finish(reason)) => {
+                                            g.finish = Some(Ok(reason))
+                                        }
+                                        Err(e) => g.finish = Some(Err(e)),
+                                    }
+                                }
+                            }
+                        }
+                        Err(e) => g.finish = Some(Err(e)),
+                    }
+                }
+            },
+        }
+        self.member(id).running = Some(running);
+    }
+}

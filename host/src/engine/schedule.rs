@@ -1,0 +1,659 @@
+//! The scheduler: which rows the next step of a batch decodes. Pure policy over what the
+//! members want and what earlier steps did; it makes no native call, so every rule has
+//! a unit test of its own here. The batch's thread (`batch/thread.rs`) asks it for each
+//! step's [`Plan`] and tells it how the step went ([`Scheduler::stepped`]).
+//!
+//! As vLLM keeps them apart, three rooms share the work: serve's queue policy
+//! (`serve/admission.rs`: who runs at all), this scheduler (whose rows each step takes)
+//! and the sequences (`batch/sequences.rs`: which KV stream a seat gets, what it reuses).
+//!
+//! What a step takes:
+//! 1. one row for every generating seat (its next token: rows of the same step cost
+//!    little more than one);
+//! 2. prompt rows, within the step's row budget (the rows of about `step_target`, from
+//!    the measured speed of earlier steps), in this order:
+//!    - the higher priority class first ([`Claim::priority`]);
+//!    - short prompts before long ones (more than `long_prompt_rows` rows left);
+//!    - a short prompt passed over [`PASSED_OVER_STEPS`] steps in a row first;
+//!    - the group furthest below its weighted share of step rows (start-time fair
+//!      queuing: rows computed / [`Claim::weight`]; a group that comes back starts at
+//!      the least of the groups that kept waiting, so idling banks nothing);
+//!    - the shortest; then the earliest deadline; then the seat that joined first.
+//! 3. long prompts get rows beside other work only on time they earned
+//!    (`long_prompt_share` of the others' step time); alone they run in big steps that
+//!    yield to an arrival, and what a yield threw away is made good before the next;
+//! 4. a group whose cancels keep rolling back steps shared with others is quarantined:
+//!    its rows run in steps of their own.
+//!
+//! How to add a policy: give [`Candidate`] what it needs to know (a field filled by
+//! `Steps::plan` from the member), order or filter in [`Scheduler::plan`], settle what
+//! it learns from each step in [`Scheduler::stepped`], and test it here with plain
+//! candidates. The batch's thread changes only if the policy needs new facts.
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use super::batch::BatchPolicy;
+
+/// A run's claim on the shared cores, fixed when the run starts: its share, its class
+/// and its deadline. Serve makes it from the tenant ([`crate::RunOptions::weight`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Claim {
+    /// Its fair share of step rows grows with this (at least 1).
+    pub weight: u32,
+    /// A higher class's prompt rows go before any lower class's.
+    pub priority: u8,
+    /// When the run is stopped: of equals, the earliest goes first.
+    pub deadline: Option<Instant>,
+}
+
+impl Default for Claim {
+    fn default() -> Self {
+        Self { weight: 1, priority: 0, deadline: None }
+    }
+}
+
+impl Claim {
+    /// A claim of `weight` (0 counts as 1) in class `priority`, stopped at `deadline`.
+    pub fn new(weight: u32, priority: u8, deadline: Option<Instant>) -> Self {
+        Self { weight: weight.max(1), priority, deadline }
+    }
+}
+
+/// What a member would compute in the next step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Want {
+    /// A generation's next token: one row.
+    Token,
+    /// A prompt (a decode's batch, a generation's prompt) with this many rows left.
+    Prompt(usize),
+}
+
+/// A member with rows to compute, as the scheduler sees it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Candidate<'a> {
+    /// The seat (ids grow in the order seats joined).
+    pub id: u64,
+    /// Its tenant and plugin: shares and rollbacks are counted per group.
+    pub group: &'a str,
+    pub claim: Claim,
+    pub want: Want,
+}
+
+/// Rows of one member in the next step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Pick {
+    pub id: u64,
+    pub rows: usize,
+    /// Rows of a long prompt.
+    pub long: bool,
+}
+
+/// What the next step decodes.
+#[derive(Debug, Default)]
+pub(super) struct Plan {
+    pub picks: Vec<Pick>,
+    /// Long prompts alone, up to `step_rows`: a newcomer's call ends the step in flight.
+    pub yields: bool,
+}
+
+/// How a planned step ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum StepEnd {
+    /// Its rows are computed.
+    Computed,
+    /// A member's cancel stopped it: rolled back for every member.
+    RolledBack,
+    /// It yielded to an arrival: rolled back, to run again after the newcomer.
+    Yielded,
+    /// It failed: its members' calls end with the error.
+    Failed,
+}
+
+/// One member of a step that ran, for [`Scheduler::stepped`].
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Stepped<'a> {
+    pub group: &'a str,
+    pub weight: u32,
+    pub rows: usize,
+    pub long: bool,
+    /// Its own cancel (token or abandoned call) was set when the step stopped.
+    pub cancelled: bool,
+}
+
+/// A short prompt passed over this many steps in a row (others kept taking the budget)
+/// goes before every other short prompt of its class: the order cannot starve it.
+pub(super) const PASSED_OVER_STEPS: u32 = 8;
+
+/// Whoever rolls back shared steps pays for it. A group's cancels that roll back a
+/// step with another group's rows in it add 1 each to its score, which fades by this
+/// factor every step (half of it gone after ~69 steps). Above 1 (a second such
+/// rollback before the first has faded) the group is *quarantined*: its rows run only
+/// in steps no other group has rows in, so its next hang-up rolls back its own work
+/// alone. A single hang-up (a user closing a tab) costs its group nothing.
+const ROLLBACK_FADE: f64 = 0.99;
+/// A quarantined member waits at most this many steps for the others before it gets a
+/// step of its own (one step target at most): quarantine slows it, never starves it.
+pub(super) const QUARANTINE_WAIT: u32 = 3;
+
+/// Fewest prompt rows a step offers (when it has room): below this a step's fixed cost
+/// (a graph, the weights read once more) outweighs its rows, and the estimate is noise.
+const MIN_CHUNK_ROWS: usize = 16;
+
+/// Groups whose share is remembered while they have no rows: beyond this (an open
+/// server's many addresses), only the groups waiting now are kept.
+const MAX_IDLE_GROUPS: usize = 1024;
+
+/// The speed of earlier steps, in rows per second, for the next step's row budget.
+/// Steps too small to time well are left out; each timed one moves the estimate
+/// halfway, so one disturbed by a busy machine does not swing it.
+#[derive(Debug, Default)]
+struct StepPace {
+    rows_per_sec: Option<f64>,
+}
+
+impl StepPace {
+    fn observe(&mut self, rows: usize, elapsed: Duration) {
+        if rows < MIN_CHUNK_ROWS || elapsed.is_zero() {
+            return;
+        }
+        let rate = rows as f64 / elapsed.as_secs_f64();
+        self.rows_per_sec = Some(self.rows_per_sec.map_or(rate, |old| (old + rate) / 2.0));
+    }
+
+    /// Rows a step of about `target` takes (before any step was timed: no bound but
+    /// the step's own, so the first big step measures the speed).
+    fn rows(&self, target: Duration) -> usize {
+        match self.rows_per_sec {
+            None => usize::MAX,
+            Some(rate) => ((rate * target.as_secs_f64()) as usize).max(MIN_CHUNK_ROWS),
+        }
+    }
+}
+
+/// A member's standing across steps.
+#[derive(Debug, Default)]
+struct Turns {
+    /// Steps in a row its prompt had rows left and got none.
+    passed_over: u32,
+    /// Steps in a row it had rows and was kept out because its group is quarantined.
+    quarantine_wait: u32,
+}
+
+/// The scheduler of one batch: the policy's knobs and what it learned from its steps.
+pub(super) struct Scheduler {
+    step_rows: usize,
+    step_target: Duration,
+    long_prompt_rows: usize,
+    long_prompt_share: f64,
+    pace: StepPace,
+    turns: HashMap<u64, Turns>,
+    /// Each group's rows computed per unit of weight, less the least of the groups that
+    /// waited (see `share_floor`).
+    served: HashMap<String, f64>,
+    /// The groups that had rows in the last plan.
+    waiting: HashSet<String>,
+    /// Each group's score of shared steps it rolled back (see [`ROLLBACK_FADE`]).
+    rollbacks: HashMap<String, f64>,
+    /// Seconds of step time long prompts have earned while they waited for others
+    /// (at `long_prompt_share`), less what they spent; they get rows once it covers a
+    /// step target. Back to 0 whenever no long prompt waits.
+    long_credit: f64,
+    /// Seconds of long prompts' work thrown away by yields and not yet made good: while
+    /// above 0, their steps take one target's worth of rows and do not yield, so the
+    /// time they compute for good is at least the time arrivals made them lose (a flood
+    /// of calls, even ones that fail, costs a long prompt at most half its speed).
+    yield_debt: f64,
+    /// The last plan left a long prompt waiting beside other work.
+    long_waiting: bool,
+}
+
+impl Scheduler {
+    /// A scheduler for steps of `policy` (after the batch's own adjustments).
+    pub fn new(policy: &BatchPolicy) -> Self {
+        Self {
+            step_rows: policy.step_rows as usize,
+            step_target: policy.step_target,
+            long_prompt_rows: policy.long_prompt_rows as usize,
+            long_prompt_share: policy.long_prompt_share,
+            pace: StepPace::default(),
+            turns: HashMap::new(),
+            served: HashMap::new(),
+            waiting: HashSet::new(),
+            rollbacks: HashMap::new(),
+            long_credit: 0.0,
+            yield_debt: 0.0,
+            long_waiting: false,
+        }
+    }
+
+    /// The member `id` left: its standing goes with it.
+    pub fn forget(&mut self, id: u64) {
+        self.turns.remove(&id);
+    }
+
+    /// Which members' rows the next step takes, and how many (see the module's doc).
+    pub fn plan(&mut self, candidates: &[Candidate<'_>]) -> Plan {
+        let left_out = self.quarantine(candidates);
+        let candidates: Vec<&Candidate<'_>> =
+            candidates.iter().filter(|c| !left_out.contains(&c.id)).collect();
+        self.share_floor(&candidates);
+
+        let mut picks: Vec<Pick> = (candidates.iter())
+            .filter(|c| c.want == Want::Token)
+            .map(|c| Pick { id: c.id, rows: 1, long: false })
+            .collect();
+        let generating = picks.len();
+        let mut prompts: Vec<(&Candidate<'_>, usize, bool)> = (candidates.iter())
+            .filter_map(|c| match c.want {
+                Want::Prompt(left) => Some((*c, left, left > self.long_prompt_rows)),
+                Want::Token => None,
+            })
+            .collect();
+        prompts.sort_by(|a, b| self.order(a, b));
+
+        let others = generating > 0 || prompts.iter().any(|&(_, _, long)| !long);
+        // Long prompts alone run in big steps that a newcomer ends; anything else, and
+        // long prompts making good what a yield threw away, get one target's worth.
+        let yields = !others && self.yield_debt <= 0.0;
+        let budget = if yields { self.step_rows } else { self.pace.rows(self.step_target) };
+        let mut budget = budget.min(self.step_rows.saturating_sub(generating));
+        let long_may = !others
+            || self.long_credit >= self.step_target.as_secs_f64()
+            || self.long_prompt_share >= 1.0;
+        for &(c, left, long) in &prompts {
+            let turns = self.turns.entry(c.id).or_default();
+            if budget == 0 || (long && !long_may) {
+                turns.passed_over += 1;
+                continue;
+            }
+            turns.passed_over = 0;
+            let rows = left.min(budget);
+            budget -= rows;
+            picks.push(Pick { id: c.id, rows, long });
+        }
+        let any_long = prompts.iter().any(|&(_, _, long)| long);
+        self.long_waiting = any_long && others;
+        if !any_long {
+            // What a yield cost a prompt that has ended (or got short) is not the next one's.
+            self.yield_debt = 0.0;
+        }
+        Plan { yields: yields && !picks.is_empty(), picks }
+    }
+
+    /// The order prompts get rows in: class, short before long, the long passed over
+    /// first, the group's share, length, deadline, arrival.
+    fn order(
+        &self,
+        (a, a_left, a_long): &(&Candidate<'_>, usize, bool),
+        (b, b_left, b_long): &(&Candidate<'_>, usize, bool),
+    ) -> Ordering {
+        let starved = |c: &Candidate<'_>| {
+            self.turns.get(&c.id).is_some_and(|t| t.passed_over >= PASSED_OVER_STEPS)
+        };
+        let served = |c: &Candidate<'_>| self.served.get(c.group).copied().unwrap_or(0.0);
+        Reverse(a.claim.priority)
+            .cmp(&Reverse(b.claim.priority))
+            .then(a_long.cmp(b_long))
+            .then(starved(b).cmp(&starved(a)))
+            .then(served(a).total_cmp(&served(b)))
+            .then(a_left.cmp(b_left))
+            .then(a.claim.deadline.is_none().cmp(&b.claim.deadline.is_none()))
+            .then(a.claim.deadline.cmp(&b.claim.deadline))
+            .then(a.id.cmp(&b.id))
+    }
+
+    /// Quarantined groups' rows stay out of steps others have rows in; one that has
+    /// waited long enough gets a step of its own. Returns the members left out.
+    fn quarantine(&mut self, candidates: &[Candidate<'_>]) -> HashSet<u64> {
+        let quarantined: HashSet<u64> = (candidates.iter())
+            .filter(|c| self.rollbacks.get(c.group).is_some_and(|&score| score > 1.0))
+            .map(|c| c.id)
+            .collect();
+        let others = candidates.iter().any(|c| !quarantined.contains(&c.id));
+        let wait = |id: &u64| self.turns.get(id).map_or(0, |t| t.quarantine_wait);
+        let alone = (quarantined.iter())
+            .filter(|id| wait(id) >= QUARANTINE_WAIT)
+            .max_by_key(|id| (wait(id), Reverse(**id)))
+            .copied();
+        let left_out: HashSet<u64> = (candidates.iter())
+            .map(|c| c.id)
+            .filter(|id| match alone {
+                Some(only) => *id != only,
+                None => others && quarantined.contains(id),
+            })
+            .collect();
+        for &id in &quarantined {
+            let turns = self.turns.entry(id).or_default();
+            turns.quarantine_wait =
+                if left_out.contains(&id) { turns.quarantine_wait + 1 } else { 0 };
+        }
+        left_out
+    }
+
+    /// Start-time fair queuing's floor: every waiting group's share is at least the least
+    /// share of the groups that kept waiting since the last plan (a newcomer, or a group
+    /// back after a pause, starts there), and shares are kept relative to it.
+    fn share_floor(&mut self, candidates: &[&Candidate<'_>]) {
+        let now: HashSet<&str> = candidates.iter().map(|c| c.group).collect();
+        let floor = (now.iter())
+            .filter(|g| self.waiting.contains(**g))
+            .filter_map(|g| self.served.get(*g))
+            .copied()
+            .reduce(f64::min)
+            .unwrap_or(0.0);
+        for g in &now {
+            let share = self.served.entry((*g).to_string()).or_insert(floor);
+            *share = share.max(floor);
+        }
+        self.served.retain(|g, share| {
+            *share -= floor;
+            now.contains(g.as_str()) || *share > 0.0
+        });
+        if self.served.len() > MAX_IDLE_GROUPS {
+            self.served.retain(|g, _| now.contains(g.as_str()));
+        }
+        self.waiting = now.into_iter().map(str::to_string).collect();
+    }
+
+    /// Settle what the step planned last did: its pace, the groups' shares, the long
+    /// prompts' account, a yield's debt and who rolled back whose work.
+    pub fn stepped(&mut self, members: &[Stepped<'_>], elapsed: Duration, end: StepEnd) {
+        let rows: usize = members.iter().map(|m| m.rows).sum();
+        if rows == 0 {
+            return;
+        }
+        self.charge_rollbacks(members, end == StepEnd::RolledBack);
+        let long_rows: usize = members.iter().filter(|m| m.long).map(|m| m.rows).sum();
+        // Long prompts' part of the step: its time split by rows.
+        let long_time = elapsed.as_secs_f64() * long_rows as f64 / rows as f64;
+        self.account_long(long_time, elapsed);
+        match end {
+            StepEnd::Yielded => self.yield_debt += elapsed.as_secs_f64(),
+            StepEnd::Computed => {
+                self.yield_debt = (self.yield_debt - long_time).max(0.0);
+                self.pace.observe(rows, elapsed);
+                for m in members {
+                    *self.served.entry(m.group.to_string()).or_default() +=
+                        m.rows as f64 / f64::from(m.weight.max(1));
+                }
+            }
+            StepEnd::RolledBack | StepEnd::Failed => {}
+        }
+    }
+
+    /// Fade every group's rollback score by a step, and charge the groups whose cancel
+    /// rolled back a step that another group had rows in. (A yield is the newcomer's,
+    /// and `yield_debt` settles it.)
+    fn charge_rollbacks(&mut self, members: &[Stepped<'_>], rolled_back: bool) {
+        self.rollbacks.retain(|_, score| {
+            *score *= ROLLBACK_FADE;
+            *score > 0.05
+        });
+        if !rolled_back {
+            return;
+        }
+        let culprits: HashSet<&str> =
+            members.iter().filter(|m| m.cancelled).map(|m| m.group).collect();
+        if members.iter().any(|m| !culprits.contains(m.group)) {
+            for culprit in culprits {
+                *self.rollbacks.entry(culprit.to_string()).or_default() += 1.0;
+            }
+        }
+    }
+
+    /// Long prompts beside other work earn `long_prompt_share` of the time the others'
+    /// rows took, and spend `long_time`, what theirs took; with nobody waiting beside
+    /// them, the account is settled at 0. So they run beside others only on time earned
+    /// first, one step target at a time.
+    fn account_long(&mut self, long_time: f64, elapsed: Duration) {
+        if !self.long_waiting {
+            self.long_credit = 0.0;
+            return;
+        }
+        let share = self.long_prompt_share.clamp(0.0, 0.99);
+        let other_time = elapsed.as_secs_f64() - long_time;
+        let target = self.step_target.as_secs_f64();
+        self.long_credit =
+            (self.long_credit + share / (1.0 - share) * other_time - long_time).min(target);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// A scheduler whose steps compute 1000 rows a second (a 100 ms target: 100 rows).
+    fn scheduler() -> Scheduler {
+        let mut policy = BatchPolicy::new(8, 256, 1);
+        policy.step_target = 100 * MS;
+        policy.long_prompt_rows = 200;
+        let mut s = Scheduler::new(&policy);
+        s.pace.observe(1000, 1000 * MS);
+        s
+    }
+
+    fn prompt(id: u64, group: &str, left: usize) -> Candidate<'_> {
+        Candidate { id, group, claim: Claim::default(), want: Want::Prompt(left) }
+    }
+
+    fn token(id: u64, group: &str) -> Candidate<'_> {
+        Candidate { id, group, claim: Claim::default(), want: Want::Token }
+    }
+
+    fn rows_of(plan: &Plan) -> Vec<(u64, usize)> {
+        plan.picks.iter().map(|p| (p.id, p.rows)).collect()
+    }
+
+    /// Run `plan`'s step as computed in `elapsed`, every member in `group_of` its group.
+    fn computed(s: &mut Scheduler, plan: &Plan, group_of: impl Fn(u64) -> &'static str) {
+        let weight = 1;
+        let members: Vec<Stepped<'_>> = (plan.picks.iter())
+            .map(|p| Stepped {
+                group: group_of(p.id),
+                weight,
+                rows: p.rows,
+                long: p.long,
+                cancelled: false,
+            })
+            .collect();
+        let rows: usize = plan.picks.iter().map(|p| p.rows).sum();
+        s.stepped(&members, rows as u32 * MS, StepEnd::Computed);
+    }
+
+    #[test]
+    fn generating_seats_get_a_row_and_prompts_fill_the_budget_shortest_first() {
+        let mut s = scheduler();
+        let plan = s.plan(&[prompt(1, "a", 60), token(2, "a"), prompt(3, "a", 30)]);
+        // 100 prompt rows a step: the token, then the 30-row prompt, then the 60-row one.
+        assert_eq!(rows_of(&plan), [(2, 1), (3, 30), (1, 60)]);
+        let plan = s.plan(&[prompt(1, "a", 90), token(2, "a"), prompt(3, "a", 30)]);
+        assert_eq!(rows_of(&plan), [(2, 1), (3, 30), (1, 70)]);
+        assert!(!plan.yields, "a step with a generation in it never yields");
+    }
+
+    #[test]
+    fn a_higher_class_goes_first_and_deadlines_settle_ties() {
+        let mut s = scheduler();
+        let at = Instant::now();
+        let with = |id, priority, deadline_s: u64| Candidate {
+            claim: Claim::new(1, priority, Some(at + Duration::from_secs(deadline_s))),
+            ..prompt(id, "a", 60)
+        };
+        // Class 1 before class 0 although longer; equals by deadline, not by arrival.
+        let high = Candidate { claim: Claim::new(1, 1, None), ..prompt(9, "b", 90) };
+        let plan = s.plan(&[with(1, 0, 30), with(2, 0, 10), high]);
+        assert_eq!(rows_of(&plan), [(9, 90), (2, 10)]);
+        // A claim without a deadline goes after those with one.
+        let plan = s.plan(&[prompt(1, "a", 60), with(2, 0, 10)]);
+        assert_eq!(rows_of(&plan)[0], (2, 60));
+    }
+
+    #[test]
+    fn a_prompt_passed_over_for_eight_steps_goes_first() {
+        let mut s = scheduler();
+        // Shorter prompts keep arriving (new ids) and fill every step's 100 rows.
+        for step in 0..u64::from(PASSED_OVER_STEPS) {
+            let plan = s.plan(&[
+                prompt(1, "a", 90),
+                prompt(10 + 2 * step, "a", 50),
+                prompt(11 + 2 * step, "a", 50),
+            ]);
+            assert_eq!(rows_of(&plan), [(10 + 2 * step, 50), (11 + 2 * step, 50)]);
+        }
+        let plan = s.plan(&[prompt(1, "a", 90), prompt(98, "a", 50), prompt(99, "a", 50)]);
+        assert_eq!(rows_of(&plan), [(1, 90), (98, 10)]);
+    }
+
+    #[test]
+    fn weights_divide_prompt_rows_between_saturating_groups() {
+        let mut s = scheduler();
+        let heavy = Claim::new(3, 0, None);
+        let group_of = |id: u64| if id < 100 { "light" } else { "heavy" };
+        let (mut light_rows, mut heavy_rows) = (0, 0);
+        // Both always want more rows than a step takes: two 50-row prompts each.
+        for _ in 0..200 {
+            let plan = s.plan(&[
+                prompt(1, "light", 50),
+                prompt(2, "light", 50),
+                Candidate { claim: heavy, ..prompt(101, "heavy", 50) },
+                Candidate { claim: heavy, ..prompt(102, "heavy", 50) },
+            ]);
+            for p in &plan.picks {
+                *(if p.id < 100 { &mut light_rows } else { &mut heavy_rows }) += p.rows;
+            }
+            // Weight 3's rows are charged at a third.
+            let members: Vec<Stepped<'_>> = (plan.picks.iter())
+                .map(|p| Stepped {
+                    group: group_of(p.id),
+                    weight: if p.id < 100 { 1 } else { 3 },
+                    rows: p.rows,
+                    long: false,
+                    cancelled: false,
+                })
+                .collect();
+            s.stepped(&members, 100 * MS, StepEnd::Computed);
+        }
+        let heavy_share = heavy_rows as f64 / (light_rows + heavy_rows) as f64;
+        assert!((heavy_share - 0.75).abs() < 0.05, "heavy got {heavy_share:.3} of the rows");
+    }
+
+    #[test]
+    fn a_group_back_from_a_pause_starts_at_the_others_share_and_banks_nothing() {
+        let mut s = scheduler();
+        let group_of = |id: u64| if id < 100 { "a" } else { "b" };
+        // a runs alone for 50 steps; then b arrives: a long head start for a must not make
+        // b win every step until it has caught up on rows it never asked for.
+        for _ in 0..50 {
+            let plan = s.plan(&[prompt(1, "a", 100)]);
+            computed(&mut s, &plan, group_of);
+        }
+        let (mut a, mut b) = (0, 0);
+        for _ in 0..20 {
+            let plan = s.plan(&[prompt(1, "a", 100), prompt(101, "b", 100)]);
+            for p in &plan.picks {
+                *(if p.id < 100 { &mut a } else { &mut b }) += p.rows;
+            }
+            computed(&mut s, &plan, group_of);
+        }
+        assert!((a as f64 / (a + b) as f64 - 0.5).abs() < 0.1, "a {a} rows, b {b} rows");
+    }
+
+    #[test]
+    fn long_prompts_beside_others_run_only_on_time_earned_and_alone_they_yield() {
+        let mut s = scheduler();
+        let long = prompt(1, "a", 1000);
+        let plan = s.plan(&[long]);
+        assert!(plan.yields, "long prompts alone yield to arrivals");
+        assert_eq!(plan.picks[0].rows, s.step_rows);
+        // Beside a generation: nothing until a quarter of the others' time is earned
+        // (100 ms target at share 0.25: 300 ms of others' steps).
+        let mut waited = 0;
+        loop {
+            let plan = s.plan(&[long, token(2, "b")]);
+            if plan.picks.iter().any(|p| p.id == 1) {
+                break;
+            }
+            s.stepped(
+                &[Stepped { group: "b", weight: 1, rows: 1, long: false, cancelled: false }],
+                50 * MS,
+                StepEnd::Computed,
+            );
+            waited += 1;
+            assert!(waited < 100, "the long prompt never earned its turn");
+        }
+        // 100 ms of credit at a third of the others' 50 ms steps: about 6 steps.
+        assert!((5..=7).contains(&waited), "{waited} steps");
+        // A yield's loss is made good before the next big step.
+        let mut s = scheduler();
+        let plan = s.plan(&[long]);
+        let member = [Stepped {
+            group: "a",
+            weight: 1,
+            rows: plan.picks[0].rows,
+            long: true,
+            cancelled: false,
+        }];
+        s.stepped(&member, 40 * MS, StepEnd::Yielded);
+        let plan = s.plan(&[long]);
+        assert!(!plan.yields);
+        assert_eq!(plan.picks[0].rows, 100, "one target's rows while in debt");
+    }
+
+    #[test]
+    fn a_group_that_rolls_back_shared_steps_twice_gets_steps_of_its_own() {
+        let mut s = scheduler();
+        let step = [prompt(1, "victim", 20), prompt(2, "attacker", 20)];
+        let rolled = |s: &mut Scheduler| {
+            let members = [
+                Stepped { group: "victim", weight: 1, rows: 20, long: false, cancelled: false },
+                Stepped { group: "attacker", weight: 1, rows: 20, long: false, cancelled: true },
+            ];
+            s.stepped(&members, 10 * MS, StepEnd::RolledBack);
+        };
+        // One hang-up costs nothing.
+        assert_eq!(s.plan(&step).picks.len(), 2);
+        rolled(&mut s);
+        assert_eq!(s.plan(&step).picks.len(), 2);
+        rolled(&mut s);
+        // Quarantined: left out beside the victim for QUARANTINE_WAIT steps, then alone.
+        for _ in 0..QUARANTINE_WAIT {
+            assert_eq!(rows_of(&s.plan(&step)), [(1, 20)]);
+        }
+        assert_eq!(rows_of(&s.plan(&step)), [(2, 20)]);
+        // Its own rollback alone charges nobody.
+        let before = s.rollbacks["attacker"];
+        s.stepped(
+            &[Stepped { group: "attacker", weight: 1, rows: 20, long: false, cancelled: true }],
+            MS,
+            StepEnd::RolledBack,
+        );
+        assert!(s.rollbacks["attacker"] < before);
+    }
+
+    #[test]
+    fn shares_of_many_idle_groups_are_not_kept_without_bound() {
+        let mut s = scheduler();
+        for i in 0..3 * MAX_IDLE_GROUPS as u64 {
+            let name = format!("g{i}");
+            let plan = s.plan(&[prompt(i, &name, 20), prompt(u64::MAX, "busy", 20)]);
+            let members: Vec<Stepped<'_>> = (plan.picks.iter())
+                .map(|p| Stepped {
+                    group: if p.id == i { &name } else { "busy" },
+                    weight: 1,
+                    rows: p.rows,
+                    long: false,
+                    cancelled: false,
+                })
+                .collect();
+            s.stepped(&members, 10 * MS, StepEnd::Computed);
+            s.forget(i);
+        }
+        assert!(s.served.len() <= MAX_IDLE_GROUPS + 2, "{} groups kept", s.served.len());
+        assert!(s.turns.len() <= 1);
+    }
+}
