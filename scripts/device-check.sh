@@ -10,8 +10,9 @@
 #
 # The bundle: `llamabox` and `llamabox-bench` built with `--features vulkan`, llama.cpp's
 # `llama-bench` built for Vulkan from the same tree with the same flags
-# (bench/llama-bench.sh GPU=vulkan), all stripped, and the Vulkan loader (libvulkan1's
-# .deb from apt, unpacked). No model travels: the bench writes its generated models
+# (bench/llama-bench.sh GPU=vulkan), all stripped, and the Vulkan loader with the GL
+# dispatch libraries NVIDIA's ICD needs (Debian's .debs from apt, unpacked). First run on
+# an H200: bench/GPU.md. No model travels: the bench writes its generated models
 # there (SmolLM2 Q4_1, 94 MiB, is over what a device run may carry).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -25,7 +26,11 @@ bundle() {
   for bin in "$here/target/release/llamabox" "$here/target/release/llamabox-bench" "$llama_bench"; do
     strip -o "$dir/bin/$(basename "$bin")" "$bin"
   done
-  (cd "$dir/loader" && apt-get download -qq libvulkan1 2>/dev/null && dpkg -x libvulkan1_*.deb . && rm -f ./*.deb)
+  # The Vulkan loader, and the GL dispatch libraries NVIDIA's ICD (libGLX_nvidia) links
+  # against: a CUDA image has the driver but not these (without them the loader finds
+  # no device). Unpacked into the bundle, found through LD_LIBRARY_PATH, never into /.
+  (cd "$dir/loader" && apt-get download -qq libvulkan1 libglvnd0 libglx0 libgl1 libegl1 2>/dev/null \
+    && for deb in ./*.deb; do dpkg -x "$deb" .; done && rm -f ./*.deb)
   cp "$0" "$dir/device-check.sh"
   tar -C "$(dirname "$dir")" -cJf "$dir.tar.xz" "$(basename "$dir")"
   du -h "$dir.tar.xz" >&2
@@ -39,11 +44,14 @@ run() {
   tar -C "$work" -xJf "$bundle"
   local dir="$work/$(basename "${bundle%.tar.xz}")"
   export LD_LIBRARY_PATH="$dir/loader/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  # NVIDIA's ICD where the container runtime put it, if the loader finds no driver itself.
+  # NVIDIA's ICD where the container runtime put it (the H200 machine has it there, and
+  # a copy under /usr/share that the loader did not use), and only the GPU: lavapipe,
+  # if present, is no GPU figure.
   local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-  if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f "$icd" ] && ! ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json >/dev/null 2>&1; then
+  if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f "$icd" ]; then
     export VK_DRIVER_FILES="$icd"
   fi
+  export GGML_VK_VISIBLE_DEVICES="${GGML_VK_VISIBLE_DEVICES-0}"
   mkdir -p "$out"
   "$dir/bin/llamabox" info | tee "$out/info.txt"
   grep -q "^device Vulkan" "$out/info.txt" || { echo "no Vulkan device found (see info.txt)" >&2; exit 1; }
