@@ -656,4 +656,48 @@ mod tests {
         assert!(s.served.len() <= MAX_IDLE_GROUPS + 2, "{} groups kept", s.served.len());
         assert!(s.turns.len() <= 1);
     }
+
+    /// Not a gate (timings): what planning and settling one step costs the batch's
+    /// thread, by members. `cargo test --release --lib planning_cost -- --ignored
+    /// --nocapture` (the Makefile's environment); figures in bench/TENANTS.md.
+    #[test]
+    #[ignore]
+    fn planning_cost() {
+        let groups: Vec<String> = (0..8).map(|g| format!("tenant-{g}/plugin")).collect();
+        for members in [4u64, 16, 64, 256] {
+            let mut s = scheduler();
+            let candidates: Vec<Candidate<'_>> = (0..members)
+                .map(|id| {
+                    let group = groups[(id % 8) as usize].as_str();
+                    let claim = Claim::new(1 + (id % 3) as u32, 0, None);
+                    let want =
+                        if id % 2 == 0 { Want::Token } else { Want::Prompt(20 + id as usize) };
+                    Candidate { id, group, claim, want }
+                })
+                .collect();
+            let mut per_step = Vec::new();
+            for _ in 0..200 {
+                let started = Instant::now();
+                for _ in 0..50 {
+                    let plan = s.plan(&candidates);
+                    let stepped: Vec<Stepped<'_>> = (plan.picks.iter())
+                        .map(|p| Stepped {
+                            group: candidates[p.id as usize].group,
+                            weight: candidates[p.id as usize].claim.weight,
+                            rows: p.rows,
+                            long: p.long,
+                            cancelled: false,
+                        })
+                        .collect();
+                    s.stepped(&stepped, 100 * MS, StepEnd::Computed);
+                }
+                per_step.push(started.elapsed().as_secs_f64() * 1e6 / 50.0);
+            }
+            per_step.sort_by(f64::total_cmp);
+            println!(
+                "{members} members (8 groups): plan + settle one step p50 {:.2} us, p99 {:.2} us",
+                per_step[100], per_step[198]
+            );
+        }
+    }
 }

@@ -3,7 +3,7 @@
 //! address is an anonymous tenant of its own (the forwarded address when the peer is a
 //! trusted proxy). The tenant decides what a request may use (plugins, models), its
 //! quotas (requests in progress, queue places, requests and tokens per minute), its share
-//! of admission (weight, priority) and which cache its prompts may reuse (the run's
+//! of admission and of a batch's steps (weight, priority) and which cache its prompts may reuse (the run's
 //! group starts with the tenant's name).
 //!
 //! A key is kept only as its SHA-256 digest and compared with every tenant's in constant
@@ -51,11 +51,13 @@ pub struct TenantConfig {
     /// Models and projectors its requests may open (default: all its plugins may).
     #[serde(default)]
     pub models: Option<Vec<String>>,
-    /// Its share of admission against other waiting tenants (default 1): with weights 1
-    /// and 3, the second gets three requests in for every one of the first.
+    /// Its share against other waiting tenants (default 1): with weights 1 and 3, the
+    /// second gets three requests in, and three prompt rows of a batch's steps, for
+    /// every one of the first.
     #[serde(default = "one")]
     pub weight: u32,
-    /// Its class (default 0): a waiting request of a higher class goes first.
+    /// Its class (default 0): a waiting request, and a prompt's rows in a batch, of a
+    /// higher class go first.
     #[serde(default)]
     pub priority: u8,
     /// Requests in progress at once (from the request head to the end of its run);
@@ -107,9 +109,10 @@ pub struct Tenant {
     pub name: Arc<str>,
     /// Keyed tenants only: anonymous ones are per address.
     digest: Option<[u8; 32]>,
-    /// Its share of admission against other waiting tenants (at least 1).
+    /// Its share of admission and of a batch's prompt rows (at least 1).
     pub weight: u32,
-    /// Its class: a waiting request of a higher class goes first.
+    /// Its class: a waiting request, and a prompt's rows in a batch, of a higher class
+    /// go first.
     pub priority: u8,
     /// Plugins it may call, by name; `None`: all.
     pub plugins: Option<HashSet<String>>,
@@ -743,5 +746,34 @@ mod tests {
         assert_eq!(duration_text(Duration::from_millis(20)), "20ms");
         assert_eq!(duration_text(Duration::from_millis(1500)), "1.5s");
         assert_eq!(duration_text(Duration::from_secs(360)), "6m0s");
+    }
+
+    /// Not a gate (timings): what identifying a request's tenant costs, by tenants
+    /// configured (every digest is compared, whichever matches). `cargo test --release
+    /// --lib key_check_cost -- --ignored --nocapture`; figures in bench/TENANTS.md.
+    #[test]
+    #[ignore]
+    fn key_check_cost() {
+        for count in [1, 10, 100, 1000] {
+            let keys: Vec<String> =
+                (0..count).map(|i| format!("sk-tenant-{i:04}-0123456789abcdef")).collect();
+            let configs: Vec<TenantConfig> =
+                keys.iter().enumerate().map(|(i, key)| tenant(&format!("t{i}"), key)).collect();
+            let tenants = Tenants::new(&configs, &[], 64, None, None).unwrap();
+            let presented = headers(&[("authorization", &format!("Bearer {}", keys[count / 2]))]);
+            let mut per_check = Vec::new();
+            for _ in 0..200 {
+                let started = Instant::now();
+                for _ in 0..100 {
+                    assert!(tenants.identify(&presented, PEER).is_ok());
+                }
+                per_check.push(started.elapsed().as_secs_f64() * 1e6 / 100.0);
+            }
+            per_check.sort_by(f64::total_cmp);
+            println!(
+                "{count} tenants: a key check p50 {:.2} us, p99 {:.2} us",
+                per_check[100], per_check[198]
+            );
+        }
     }
 }
