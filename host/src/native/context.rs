@@ -136,12 +136,12 @@ pub struct Context {
     meter: Arc<Meter>,
     /// Cores it shares with others who use every thread ([`Context::share_cores`]).
     cores: Option<Arc<Cores>>,
-    /// On a GPU, where the abort callback does not reach: how fast this context
-    /// computes, which places the eval callback's boundaries ([`super::eval_scope`]).
-    /// `None` on the CPU alone.
-    device_pace: Option<Pace>,
+    /// How fast this context computes, which places the eval callback's boundaries
+    /// ([`super::eval_scope`]): on a GPU, where the abort callback does not reach, and
+    /// beside others on the cores, where the turn passes.
+    pace: Pace,
     /// A fixed budget instead of the paced one ([`Context::set_device_chunk_work`]).
-    device_chunk_work: Option<u64>,
+    chunk_work: Option<u64>,
     /// Declared last: the model must outlive the context.
     model: Arc<Model>,
 }
@@ -259,11 +259,10 @@ impl Context {
             p.n_seq_max = n_seq_max;
             p.n_threads = threads;
             p.n_threads_batch = threads;
-            if model.device().is_some() {
-                // `eval_callback` is a `'static` fn that reads only this thread's scope.
-                p.cb_eval = Some(eval_callback);
-                p.cb_eval_user_data = std::ptr::null_mut();
-            }
+            // `eval_callback` is a `'static` fn that reads only this thread's scope; outside
+            // one it wants no node, and each split computes whole as without it.
+            p.cb_eval = Some(eval_callback);
+            p.cb_eval_user_data = std::ptr::null_mut();
             sys::llama_init_from_model(model.as_ptr(), p)
         });
         let ptr = NonNull::new(ptr).ok_or_else(|| {
@@ -294,8 +293,8 @@ impl Context {
             _team: team,
             meter: Arc::default(),
             cores: None,
-            device_pace: model.device().map(|_| Pace::new(DEFAULT_LATENCY_TARGET)),
-            device_chunk_work: None,
+            pace: Pace::new(DEFAULT_LATENCY_TARGET),
+            chunk_work: None,
             model,
         })
     }
@@ -523,17 +522,19 @@ impl Context {
     }
 
     /// Decode in turns on `cores` from now on: beside a batch whose steps use every
-    /// thread, a context of its own computes only while the batch does not.
+    /// thread, a context of its own computes only while the batch does not, and a long
+    /// decode passes the cores to the batch at its graph's boundaries once it has held
+    /// them a turn ([`Cores::set_turn`]).
     pub fn share_cores(&mut self, cores: Option<Arc<Cores>>) {
         self.cores = cores;
     }
 
-    /// On a GPU, a fixed work budget between the eval callback's boundaries instead of
-    /// the paced one (1: a boundary after every matmul and attention op; `u64::MAX`:
-    /// none unless a cancel is seen). For tests and the bench's chunked-vs-unchunked rows;
-    /// does nothing on the CPU alone.
+    /// A fixed work budget between the eval callback's boundaries instead of the paced
+    /// one (1: a boundary after every matmul and attention op; `u64::MAX`: none unless a
+    /// cancel is seen), where there are boundaries: on a GPU, and beside others on the
+    /// cores. For tests and the bench's chunked-vs-unchunked rows.
     pub fn set_device_chunk_work(&mut self, units: Option<u64>) {
-        self.device_chunk_work = units;
+        self.chunk_work = units;
     }
 
     /// Where this context counts its work.
@@ -868,7 +869,7 @@ impl Context {
         logit_rows: &[bool],
         stop: Option<Stop<'_>>,
     ) -> Result<()> {
-        let _turn = self.cores.as_ref().map(|cores| cores.turn());
+        let mut turn = self.cores.as_ref().map(|cores| cores.turn());
         let ctx = self.ptr;
         let decode = || {
             backend::with_errors(|| match &stop {
@@ -887,20 +888,32 @@ impl Context {
         // On a GPU the abort callback reaches only the CPU's part of the graph: the eval
         // callback's boundaries stop the device's. A stopped decode returns success with
         // garbage in what its broken-off splits left, so it is a cancel here, and the
-        // caller's all-or-nothing rolls its memory back.
-        let (ret, reason) = match (stop, &mut self.device_pace) {
-            (Some(stop), Some(pace)) => {
-                let started = std::time::Instant::now();
-                let budget = self.device_chunk_work.unwrap_or_else(|| pace.budget());
-                let (out, scope) = in_eval_scope(stop, Chunker::with_budget(budget), decode);
-                pace.observe(scope.units, started.elapsed());
-                if scope.stopped {
-                    self.meter.add_cancel();
-                    return Err(Error::Cancelled);
+        // caller's all-or-nothing rolls its memory back. Beside others on the cores (a
+        // batch), the boundaries are also where this decode passes the cores to them once
+        // it has held them a turn; on the CPU the abort callback still does the stopping.
+        let on_device = self.model.device().is_some();
+        let (ret, reason) = if (on_device && stop.is_some()) || turn.is_some() {
+            let none: [Stop<'_>; 0] = [];
+            let scope_stop = stop.filter(|_| on_device).unwrap_or(Stop::Any(&none));
+            let budget = self.chunk_work.unwrap_or_else(|| self.pace.budget());
+            let mut waited = std::time::Duration::ZERO;
+            let mut pass = || {
+                let asked = std::time::Instant::now();
+                if turn.as_mut().is_some_and(|t| t.pass_if_due()) {
+                    waited += asked.elapsed();
                 }
-                out
+            };
+            let started = std::time::Instant::now();
+            let (out, scope) =
+                in_eval_scope(scope_stop, Chunker::with_budget(budget), Some(&mut pass), decode);
+            self.pace.observe(scope.units, started.elapsed().saturating_sub(waited));
+            if scope.stopped {
+                self.meter.add_cancel();
+                return Err(Error::Cancelled);
             }
-            _ => decode(),
+            out
+        } else {
+            decode()
         };
         match ret {
             0 => {

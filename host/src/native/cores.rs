@@ -5,14 +5,32 @@
 //! for a descheduled thread, and one step can take a hundred times as long. So each
 //! native computation takes the cores for its duration, in turn: first come, first
 //! served, which alternates whoever is busy at once and lets one alone take every turn.
+//!
+//! A long computation (a whole embedding input, an image encode, a big decode of a
+//! context of its own) does not keep its turn for its whole length: at the boundaries
+//! of its graph (`eval_scope`) it passes the cores to whoever waits once it has held
+//! them for the turn length its owner set ([`Cores::set_turn`], a batch's step target),
+//! and queues again behind them. So a batch beside it waits about one turn, not the
+//! computation.
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Turns on the cores, first come first served (a ticket lock).
-#[derive(Default)]
 pub struct Cores {
     tickets: Mutex<Tickets>,
     served: Condvar,
+    /// Nanoseconds a computation keeps the cores at most while someone waits.
+    turn_nanos: AtomicU64,
+}
+
+impl Default for Cores {
+    /// Turns of at most 250 ms while someone waits (a batch's default step target).
+    fn default() -> Self {
+        let turn_nanos = AtomicU64::new(Duration::from_millis(250).as_nanos() as u64);
+        Self { tickets: Mutex::default(), served: Condvar::new(), turn_nanos }
+    }
 }
 
 #[derive(Default)]
@@ -26,6 +44,8 @@ struct Tickets {
 /// The cores, held until dropped.
 pub struct Turn<'a> {
     cores: &'a Cores,
+    /// When this turn (or its last pass) began.
+    since: Instant,
 }
 
 impl Cores {
@@ -34,10 +54,19 @@ impl Cores {
         let mut tickets = self.lock();
         let ticket = tickets.next;
         tickets.next += 1;
+        self.wait_for(tickets, ticket);
+        Turn { cores: self, since: Instant::now() }
+    }
+
+    /// How long a computation keeps the cores while someone waits, from now on.
+    pub fn set_turn(&self, turn: Duration) {
+        self.turn_nanos.store(turn.as_nanos().min(u128::from(u64::MAX)) as u64, Relaxed);
+    }
+
+    fn wait_for(&self, mut tickets: MutexGuard<'_, Tickets>, ticket: u64) {
         while tickets.serving != ticket {
             tickets = self.served.wait(tickets).unwrap_or_else(|p| p.into_inner());
         }
-        Turn { cores: self }
     }
 
     /// Turns ended so far.
@@ -54,6 +83,31 @@ impl Cores {
     fn lock(&self) -> MutexGuard<'_, Tickets> {
         // A panic while holding the lock leaves the counters whole (two plain adds).
         self.tickets.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Turn<'_> {
+    /// At a boundary of a computation: if it has held the cores for a turn and someone
+    /// waits, let everyone waiting go first, then go on. Returns whether it passed.
+    pub fn pass_if_due(&mut self) -> bool {
+        let turn = Duration::from_nanos(self.cores.turn_nanos.load(Relaxed));
+        if self.since.elapsed() < turn {
+            return false;
+        }
+        let mut tickets = self.cores.lock();
+        if tickets.next - tickets.serving <= 1 {
+            self.since = Instant::now(); // nobody waits: a fresh turn, asked again later
+            return false;
+        }
+        // End this turn and take the next ticket in one step under the lock, so that
+        // exactly the ones waiting now go first.
+        tickets.serving += 1;
+        let ticket = tickets.next;
+        tickets.next += 1;
+        self.cores.served.notify_all();
+        self.cores.wait_for(tickets, ticket);
+        self.since = Instant::now();
+        true
     }
 }
 
@@ -90,6 +144,35 @@ mod tests {
         drop(first);
         waiters.into_iter().for_each(|w| w.join().unwrap());
         assert_eq!(order.try_iter().collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(cores.waiting(), 0);
+    }
+
+    #[test]
+    fn a_turn_passes_to_those_waiting_once_it_is_due_and_then_goes_on() {
+        let cores = Arc::new(Cores::default());
+        cores.set_turn(Duration::from_secs(3600));
+        let mut long = cores.turn();
+        assert!(!long.pass_if_due(), "not due: nobody goes first");
+        cores.set_turn(Duration::ZERO);
+        assert!(!long.pass_if_due(), "due, but nobody waits");
+        let (order_tx, order) = mpsc::channel();
+        let waiter = {
+            let (mine, order_tx) = (cores.clone(), order_tx.clone());
+            std::thread::spawn(move || {
+                let _turn = mine.turn();
+                order_tx.send("waiter").unwrap();
+            })
+        };
+        while cores.waiting() != 2 {
+            std::thread::yield_now();
+        }
+        assert!(long.pass_if_due(), "due and someone waits");
+        // Back only once the waiter's turn ended.
+        order_tx.send("long again").unwrap();
+        waiter.join().unwrap();
+        assert_eq!(order.try_iter().collect::<Vec<_>>(), ["waiter", "long again"]);
+        assert_eq!(cores.waiting(), 1, "only the long turn is held");
+        drop(long);
         assert_eq!(cores.waiting(), 0);
     }
 }

@@ -23,6 +23,9 @@ use super::chunker::{Chunker, NodeWork};
 struct ScopeState<'a> {
     stop: Stop<'a>,
     chunker: RefCell<Chunker>,
+    /// Called at every boundary the computation goes on from (the cores' turn passes
+    /// there: [`super::cores::Turn::pass_if_due`]).
+    on_boundary: Option<RefCell<&'a mut dyn FnMut()>>,
     boundaries: Cell<u64>,
     stopped: Cell<bool>,
 }
@@ -44,17 +47,19 @@ pub(crate) struct ScopeReport {
 }
 
 /// Run `f` with this thread's eval callbacks tied to `stop` and `chunker`, and only for
-/// the duration of `f`. The state lives on this function's stack and the thread-local
+/// the duration of `f`; `on_boundary` runs at every boundary it goes on from. The state lives on this function's stack and the thread-local
 /// points at it only between entry and exit (restored on unwind too), so no order of
 /// drops or `mem::forget` can leave the callback holding freed state.
-pub(crate) fn in_eval_scope<R>(
-    stop: Stop<'_>,
+pub(crate) fn in_eval_scope<'a, R>(
+    stop: Stop<'a>,
     chunker: Chunker,
+    on_boundary: Option<&'a mut dyn FnMut()>,
     f: impl FnOnce() -> R,
 ) -> (R, ScopeReport) {
     let state = ScopeState {
         stop,
         chunker: RefCell::new(chunker),
+        on_boundary: on_boundary.map(RefCell::new),
         boundaries: Cell::new(0),
         stopped: Cell::new(false),
     };
@@ -102,7 +107,14 @@ pub(crate) unsafe extern "C" fn eval_callback(
             state.boundaries.set(state.boundaries.get() + 1);
             let cancelled = state.stop.requested();
             state.stopped.set(state.stopped.get() || cancelled);
-            state.chunker.borrow_mut().at_boundary(cancelled)
+            let go_on = state.chunker.borrow_mut().at_boundary(cancelled);
+            if let (true, Some(hook)) = (go_on, &state.on_boundary) {
+                // Never re-entered: the callback runs on this thread, between graph views.
+                if let Ok(mut hook) = hook.try_borrow_mut() {
+                    (*hook)();
+                }
+            }
+            go_on
         }
     })
 }
@@ -156,16 +168,17 @@ mod tests {
         let token = CancelFlag::new();
         let mut attn = node(sys::GGML_OP_FLASH_ATTN_EXT);
         let mut norm = node(sys::GGML_OP_RMS_NORM);
-        let ((), report) = in_eval_scope(Stop::on(&token), Chunker::with_budget(u64::MAX), || {
-            assert!(!call(&mut norm, true), "no cancel, budget not spent: no boundary");
-            token.cancel();
-            assert!(call(&mut attn, true), "a cancel asks at the next computed node");
-            assert!(!call(&mut attn, false), "and stops there");
-            // Another thread has no scope: its callbacks are idle.
-            std::thread::scope(|s| {
-                s.spawn(|| assert!(!call(&mut node(sys::GGML_OP_FLASH_ATTN_EXT), true)));
+        let ((), report) =
+            in_eval_scope(Stop::on(&token), Chunker::with_budget(u64::MAX), None, || {
+                assert!(!call(&mut norm, true), "no cancel, budget not spent: no boundary");
+                token.cancel();
+                assert!(call(&mut attn, true), "a cancel asks at the next computed node");
+                assert!(!call(&mut attn, false), "and stops there");
+                // Another thread has no scope: its callbacks are idle.
+                std::thread::scope(|s| {
+                    s.spawn(|| assert!(!call(&mut node(sys::GGML_OP_FLASH_ATTN_EXT), true)));
+                });
             });
-        });
         assert_eq!(
             report,
             ScopeReport { stopped: true, boundaries: 1, units: 32 },
@@ -180,11 +193,14 @@ mod tests {
         inner_token.cancel();
         let mut attn = node(sys::GGML_OP_FLASH_ATTN_EXT);
         let ((), outer) =
-            in_eval_scope(Stop::on(&outer_token), Chunker::with_budget(u64::MAX), || {
+            in_eval_scope(Stop::on(&outer_token), Chunker::with_budget(u64::MAX), None, || {
                 let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    in_eval_scope(Stop::on(&inner_token), Chunker::with_budget(u64::MAX), || {
-                        panic!("inside the inner scope")
-                    })
+                    in_eval_scope(
+                        Stop::on(&inner_token),
+                        Chunker::with_budget(u64::MAX),
+                        None,
+                        || panic!("inside the inner scope"),
+                    )
                 }));
                 assert!(unwound.is_err());
                 assert!(
@@ -201,7 +217,7 @@ mod tests {
         let token = CancelFlag::new();
         token.trip_after(2);
         let mut attn = node(sys::GGML_OP_FLASH_ATTN_EXT);
-        let ((), report) = in_eval_scope(Stop::on(&token), Chunker::with_budget(1), || {
+        let ((), report) = in_eval_scope(Stop::on(&token), Chunker::with_budget(1), None, || {
             assert!(call(&mut attn, true) && call(&mut attn, false), "boundary 1 goes on");
             assert!(call(&mut attn, true) && !call(&mut attn, false), "boundary 2 stops");
         });

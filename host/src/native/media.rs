@@ -464,12 +464,22 @@ impl MediaContext {
             self.meter.add_cancel();
             return Err(Error::Cancelled);
         }
-        let _turn = self.cores.as_ref().map(|cores| cores.turn());
-        let (ret, reason) = match stop {
+        let mut turn = self.cores.as_ref().map(|cores| cores.turn());
+        // Beside others on the cores, the boundaries are also where the encode passes the
+        // cores to them once it has held them a turn.
+        let none: [Stop<'_>; 0] = [];
+        let (ret, reason) = match stop.or(turn.is_some().then_some(Stop::Any(&none))) {
             Some(stop) => {
                 let chunker = Chunker::with_budget(self.chunk_work());
+                let mut waited = Duration::ZERO;
+                let mut pass = || {
+                    let asked = Instant::now();
+                    if turn.as_mut().is_some_and(|t| t.pass_if_due()) {
+                        waited += asked.elapsed();
+                    }
+                };
                 let started = Instant::now();
-                let ((ret, reason), scope) = in_eval_scope(stop, chunker, || {
+                let ((ret, reason), scope) = in_eval_scope(stop, chunker, Some(&mut pass), || {
                     // SAFETY: a live context, `&mut self` (one encode at a time), and a live
                     // media chunk this context made (`check_owns` above: mtmd asserts on
                     // another projector's data). The eval callback it runs reads only the
@@ -478,7 +488,7 @@ impl MediaContext {
                         sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr())
                     })
                 });
-                self.pace.observe(scope.units, started.elapsed());
+                self.pace.observe(scope.units, started.elapsed().saturating_sub(waited));
                 // mtmd returns 0 for a stopped encode: the scope knows it stopped.
                 if scope.stopped {
                     self.meter.add_cancel();

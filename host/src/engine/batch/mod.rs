@@ -280,6 +280,9 @@ impl Batcher {
         // Every seat may add a generation row to a step (and llama.cpp wants an output
         // row per sequence within n-batch).
         policy.step_rows = policy.step_rows.max(policy.seats);
+        // A long computation beside the batch (a context of its own, a media encode) keeps
+        // the cores at most a step target while the batch waits.
+        policy.cores.set_turn(policy.step_target);
         let (ops, ops_rx) = mpsc::channel();
         let arrived: Arc<Mutex<CancelFlag>> = Arc::default();
         let thread_arrived = arrived.clone();

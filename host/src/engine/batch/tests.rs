@@ -144,6 +144,48 @@ async fn turns_asked(cores: &Cores, n: u64) {
     panic!("{} turns asked for, not {n}", cores.waiting());
 }
 
+/// A long decode of a context of its own beside a batch passes the cores at its graph's
+/// boundaries once it has held them a turn: a turn asked for while it computes comes
+/// before it ends. With a turn longer than the decode, only after.
+#[test]
+fn a_long_decode_beside_a_batch_passes_the_cores_to_whoever_waits() {
+    for (turn, passes) in [(Duration::ZERO, true), (Duration::from_secs(3600), false)] {
+        let cores = Arc::new(native::Cores::default());
+        cores.set_turn(turn);
+        let params =
+            ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
+        let mut ctx = Context::new(model(), params).unwrap();
+        let meter = Arc::new(Meter::new());
+        ctx.set_meter(meter.clone());
+        ctx.share_cores(Some(cores.clone()));
+        ctx.set_device_chunk_work(Some(1)); // a boundary after every matmul
+        let wait_for = |n| {
+            while cores.waiting() != n {
+                std::thread::yield_now();
+            }
+        };
+        let held = cores.turn();
+        let decoding = std::thread::spawn(move || {
+            ctx.decode(&Batch::sequence(&prompt(5, 200), 0, 0), None).unwrap();
+        });
+        wait_for(2);
+        // The decode counts its rows before it gives its turn back: 0 while it computes.
+        let waiter = {
+            let (cores, meter) = (cores.clone(), meter.clone());
+            std::thread::spawn(move || {
+                let _turn = cores.turn();
+                meter.decoded()
+            })
+        };
+        wait_for(3);
+        drop(held);
+        let decoded_when_the_waiter_ran = waiter.join().unwrap();
+        decoding.join().unwrap();
+        assert_eq!(decoded_when_the_waiter_ran == 0, passes, "turn {turn:?}");
+        assert_eq!(meter.decoded(), 200);
+    }
+}
+
 #[tokio::test]
 async fn batches_of_one_policy_and_contexts_beside_them_compute_in_turns() {
     let f = Fixture::new(512);
