@@ -1,22 +1,21 @@
 //! A media prompt on a seat (`media.eval-chunks`): `Context::eval` into the seat's
-//! sequence, all or nothing and cancellable, in parts of about a step target while
-//! other members have calls running, so that the others step between its parts.
+//! sequence, all or nothing and cancellable, in parts of about a step target, so that
+//! the others' calls (those running, and those sent meanwhile) step between its parts.
 
 use std::time::Instant;
 
 use super::calls::check_seq;
-use super::seat::Caller;
+use super::seat::{Caller, SeatOp};
 use super::thread::Steps;
 use crate::native::context::Pacer;
 use crate::native::{self, Error, PromptPiece};
 
 impl Steps {
-    /// `pieces` evaluated into `seq` part by part: while other members have calls
-    /// running, a token piece in parts of about a step target ([`Pacer`]), a media piece
-    /// whole, each alone on the cores; between parts, those calls go on one step (new
-    /// calls wait for the prompt's end). With nobody else running, the rest at once. So
-    /// a long media prompt (a document with an image) no longer holds every stream of
-    /// the batch for its whole evaluation. The end position.
+    /// `pieces` evaluated into `seq` part by part: a token piece in parts of about a step
+    /// target ([`Pacer`]), a media piece whole, each alone on the cores; between parts,
+    /// the other members' calls go on one step, and calls they sent meanwhile start. So
+    /// a long media prompt (a document with an image) holds neither the batch's streams
+    /// nor its newcomers for its whole evaluation. The end position.
     pub(super) fn eval_in_parts(
         &mut self,
         id: u64,
@@ -37,11 +36,10 @@ impl Steps {
             };
             let mut from = 0;
             loop {
-                // Paced only while others have calls running: alone, the rest at once.
-                let others = self.members.iter().any(|(&m, x)| m != id && x.running.is_some());
+                // Paced alone too: a call sent meanwhile starts at the next part.
                 let part = match tokens {
                     Some(tokens) => {
-                        let rows = if others { pacer.rows() } else { tokens.len() - from };
+                        let rows = pacer.rows();
                         PromptPiece::Tokens(tokens[from..(from + rows).min(tokens.len())].to_vec())
                     }
                     None => piece.clone(),
@@ -76,16 +74,30 @@ impl Steps {
         end
     }
 
-    /// One step for the members other than `busy` whose calls are running (their
-    /// pieces delivered, their cancels seen first), without starting new calls.
+    /// Between two parts of `busy`'s media prompt: take what the seats sent, settle the
+    /// others' running calls and start what they queued (but a media prompt of their own,
+    /// which waits for this one), then one step of them.
     pub(super) fn step_others(&mut self, busy: u64) {
+        // A closed inbox means every seat has dropped: their calls end as they would.
+        let _ = self.receive();
         let ids: Vec<u64> = self.members.keys().copied().filter(|&m| m != busy).collect();
         for id in ids {
-            let running = self.members.get_mut(&id).and_then(|m| m.running.take());
-            if let Some(running) = running {
-                let still = self.check_running(id, running);
-                if let Some(member) = self.members.get_mut(&id) {
-                    member.running = still;
+            loop {
+                let Some(member) = self.members.get_mut(&id) else { break };
+                match member.running.take() {
+                    Some(running) => {
+                        if let Some(still) = self.check_running(id, running) {
+                            self.member(id).running = Some(still);
+                            break;
+                        }
+                    }
+                    None => {
+                        if member.queue.front().is_none_or(|op| matches!(op, SeatOp::Eval { .. })) {
+                            break;
+                        }
+                        let op = member.queue.pop_front().expect("a queued op");
+                        self.start(id, op);
+                    }
                 }
             }
         }
@@ -117,7 +129,9 @@ impl Steps {
         let slot = self.members[&id].slot.expect("bound");
         self.member(id).logits.clear();
         let start = self.ctx.seq_pos_max(slot as i32).map_or(0, |end| end + 1);
+        self.evaluating = Some(id);
         let result = self.eval_in_parts(id, pieces, slot as i32, caller);
+        self.evaluating = None;
         if result.is_err() {
             // The parts evaluated before the one that failed (that one rolled itself
             // back): the prompt is all or nothing.

@@ -512,6 +512,38 @@ async fn a_media_prompt_on_a_seat_lets_the_others_step_between_its_parts() {
     );
 }
 
+/// A call sent to another seat while a media prompt is evaluated starts between the
+/// prompt's parts, instead of waiting for the prompt's end (it used to).
+#[tokio::test]
+async fn a_call_sent_during_a_media_prompt_starts_before_the_prompt_ends() {
+    let prompt_meter = Arc::new(Meter::new());
+    let evaluating = prompt_meter.clone();
+    // Each step's rows, and whether the media prompt was still being evaluated then.
+    let steps: Arc<Mutex<Vec<(usize, bool)>>> = Arc::default();
+    let seen = steps.clone();
+    let mut f = Fixture::new(16);
+    f.policy.observer = Some(Arc::new(move |r: &StepReport| {
+        seen.lock().unwrap().push((r.rows, evaluating.decoded() == 0));
+    }));
+    // The prompting seat joined first, so its prompt starts first; the decode is queued
+    // behind it on the batch's thread.
+    let prompting = f.seat_in("g", prompt_meter.clone()).await;
+    let other = f.seat().await;
+    let gate = pause(&prompting);
+    let long = prompt(12, 120);
+    let eval = prompting.eval(vec![PromptPiece::Tokens(long)], 0, CancelFlag::new());
+    let decode = other.decode(Batch::sequence(&prompt(13, 8), 0, 0), CancelFlag::new());
+    drop(gate);
+    assert_eq!(decode.await, Some(Ok(())));
+    assert_eq!(eval.await.unwrap(), Ok(120));
+    let steps = steps.lock().unwrap().clone();
+    assert!(
+        steps.iter().any(|&(rows, unfinished)| rows == 8 && unfinished),
+        "the decode's step ran only after the prompt: {steps:?}"
+    );
+    assert_eq!(prompt_meter.decoded(), 120);
+}
+
 #[tokio::test]
 async fn a_prompt_chunked_over_steps_never_keeps_a_generation_waiting_more_than_one_step() {
     let f = Fixture::new(32);

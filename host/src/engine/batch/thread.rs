@@ -27,6 +27,13 @@ pub(super) struct Steps {
     /// Whose rows each step takes.
     pub(super) scheduler: Scheduler,
     pub(super) members: BTreeMap<u64, Member>,
+    /// What the seats send (set when the loop starts): read between steps, and between
+    /// the parts of a media prompt.
+    pub(super) inbox: Option<mpsc::Receiver<Op>>,
+    /// The member whose media prompt is being evaluated, if any: its queued ops wait,
+    /// and its leaving waits in `deferred_leaves` until that evaluation has returned.
+    pub(super) evaluating: Option<u64>,
+    pub(super) deferred_leaves: Vec<u64>,
     /// Where seats signal an arrival (`Batcher::arrived`), and the flag of this loop.
     pub(super) arrived_slot: Arc<Mutex<CancelFlag>>,
     pub(super) arrived: CancelFlag,
@@ -57,6 +64,9 @@ impl Steps {
             scheduler: Scheduler::new(&policy),
             policy,
             members: BTreeMap::new(),
+            inbox: None,
+            evaluating: None,
+            deferred_leaves: Vec::new(),
             arrived_slot,
             arrived: CancelFlag::new(),
             #[cfg(test)]
@@ -69,20 +79,18 @@ impl Steps {
     /// computed are handed over before that question is asked, so a generation goes
     /// from step to step without waiting (it used to sleep one `DELIVERY_POLL` a token).
     pub(super) fn run(mut self, ops: mpsc::Receiver<Op>) {
+        self.inbox = Some(ops);
         loop {
             // A fresh arrival flag before taking what was sent: a call sent from here on
             // sets it, and one sent before is taken below.
             self.arrived = CancelFlag::new();
             *self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner) =
                 self.arrived.clone();
-            let disconnected = loop {
-                match ops.try_recv() {
-                    Ok(op) => self.take(op),
-                    Err(e) => break e == mpsc::TryRecvError::Disconnected,
-                }
-            };
-            if disconnected {
+            if self.receive() {
                 return self.close();
+            }
+            for id in std::mem::take(&mut self.deferred_leaves) {
+                self.leave(id);
             }
             self.advance();
             if self.has_rows() {
@@ -91,6 +99,7 @@ impl Steps {
             }
             // Nothing to compute: wait for a seat's op, polling while a reader's full
             // buffer holds a generation back.
+            let ops = self.inbox.as_ref().expect("the loop's inbox");
             let op = if self.members.values().any(|m| m.running.is_some()) {
                 ops.recv_timeout(DELIVERY_POLL)
                     .map_err(|e| e == mpsc::RecvTimeoutError::Disconnected)
@@ -101,6 +110,17 @@ impl Steps {
                 Ok(op) => self.take(op),
                 Err(true) => return self.close(),
                 Err(false) => {}
+            }
+        }
+    }
+
+    /// Take every op the seats have sent so far; whether nobody can send any more.
+    pub(super) fn receive(&mut self) -> bool {
+        loop {
+            let next = self.inbox.as_ref().expect("the loop's inbox").try_recv();
+            match next {
+                Ok(op) => self.take(op),
+                Err(e) => return e == mpsc::TryRecvError::Disconnected,
             }
         }
     }
@@ -141,6 +161,9 @@ impl Steps {
                     m.queue.push_back(op);
                 }
             }
+            // The member in a media prompt leaves once that has returned (its dropped
+            // seat's call stops it at the next part).
+            Op::Leave { id } if self.evaluating == Some(id) => self.deferred_leaves.push(id),
             Op::Leave { id } => self.leave(id),
         }
     }
