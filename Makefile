@@ -56,7 +56,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build build-bench guest demo test test-gpu bench-gpu lint validate-manifests scale-test bench bench-batch bench-grammar bench-server bench-tenants fuzz soak memcheck mutants clean-models
+.PHONY: deps build build-bench guest demo test test-gpu bench-gpu lint validate-manifests scale-test bench bench-batch bench-grammar bench-server bench-serving bench-tenants fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -207,6 +207,16 @@ bench-server: build guest
 	python3 bench/server_bench.py --llamabox "$${LLAMABOX:-$(HOST)}" \
 	  --plugin "$${PLUGIN:-target/guest/wasm32-wasip2/release/llamabox_openai.wasm}" \
 	  --llama-server "$$llama_server" --model "$$model" --out bench/SERVER.md $(SERVER_BENCH_ARGS)
+
+# Serving in the field's terms (bench/server_bench.py --only-serving): vLLM's TTFT, TPOT,
+# ITL, E2EL and goodput, `llamabox serve` at its defaults against llama-server with a slot
+# per client and unified KV, open-loop Poisson rates and closed loops at 1/4/8/16, at 1
+# thread and at all cores; writes bench/SERVING.md. SERVING_BENCH_ARGS for more flags.
+bench-serving: build guest
+	@model="$${MODEL:-$$(scripts/fetch-model.sh)}" && llama_server=$$(CPU=$(CPU) bench/llama-server.sh) && \
+	python3 bench/server_bench.py --llamabox "$${LLAMABOX:-$(HOST)}" \
+	  --plugin "$${PLUGIN:-target/guest/wasm32-wasip2/release/llamabox_openai.wasm}" \
+	  --llama-server "$$llama_server" --model "$$model" --only-serving --threads $$(nproc) $(SERVING_BENCH_ARGS)
 
 # Tenants under load (bench/tenant_bench.py): weights 1 and 3 against each other, and what
 # one tenant's cached_tokens and timing say of another's prompt, at 1 thread and at all

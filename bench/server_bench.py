@@ -22,6 +22,12 @@ fixed time window):
      requests send a ~1500-token unique prompt and hang up 0.3 s later: completed
      normal requests per minute.
 
+`make bench-serving` (--only-serving) runs instead the field's serving comparison and
+writes bench/SERVING.md: llamabox at its defaults against llama-server with a slot per
+client and unified KV, at 1 thread and at all cores, open-loop Poisson arrivals at several
+rates and closed loops at 1, 4, 8 and 16 clients, in vLLM's metrics (TTFT, TPOT, ITL,
+E2EL, goodput at stated SLOs; `serving_metrics` gives the definitions).
+
 Usage: python3 bench/server_bench.py --llamabox BIN --plugin OPENAI.wasm --llama-server BIN
        --model MODEL.gguf [--out bench/SERVER.md] [--threads 2] [--rounds 2]
        [--goodput-seconds 60] [--quick] [--wait-quiet 1800] [--allow-busy]
@@ -147,13 +153,15 @@ class ChunkedDecoder:
 
 class Result:
     __slots__ = ("status", "t_send", "t_first_byte", "t_first_token", "t_end", "t_close", "text", "pieces",
-                 "completion_tokens", "prompt_tokens", "cached", "finish", "done", "error", "hung_up")
+                 "piece_times", "completion_tokens", "prompt_tokens", "cached", "finish", "done", "error",
+                 "hung_up")
 
     def __init__(self):
         self.status = None
         self.t_send = self.t_first_byte = self.t_first_token = self.t_end = self.t_close = None
         self.text = ""
         self.pieces = 0
+        self.piece_times = []
         self.completion_tokens = None
         self.prompt_tokens = None
         self.cached = None
@@ -282,6 +290,7 @@ def stream_chat(port, body, close_after=None, close_after_pieces=None, timeout=1
                                 r.t_first_token = now
                             r.text += piece
                             r.pieces += 1
+                            r.piece_times.append(now)
                         if choice.get("finish_reason"):
                             r.finish = choice["finish_reason"]
             if r.done:
@@ -689,6 +698,196 @@ def goodput(server, seconds, concurrency, tag, max_tokens):
 # ---------------------------------------------------------------- the run
 
 
+def serving_metrics(results, window, slo_ttft, slo_tpot):
+    """vLLM's serving metrics (benchmarks/benchmark_serving.py's definitions) of `results`:
+    TTFT = first content piece − send; TPOT = (E2EL − TTFT) / (output tokens − 1), per
+    request with at least 2 tokens; ITL = every gap between consecutive content pieces;
+    E2EL = last content piece − send; goodput = requests per second of `window` that met
+    TTFT ≤ slo_ttft and TPOT ≤ slo_tpot (seconds). Failed requests count in `failed` only."""
+    good = [r for r in results if r.ok and r.piece_times]
+    ttft = [r.t_first_token - r.t_send for r in good]
+    e2el = [r.piece_times[-1] - r.t_send for r in good]
+    tpot = [(r.piece_times[-1] - r.t_first_token) / (r.tokens - 1) for r in good if r.tokens > 1]
+    itl = [b - a for r in good for a, b in zip(r.piece_times, r.piece_times[1:])]
+    met = [r for r in good if r.t_first_token - r.t_send <= slo_ttft
+           and (r.tokens < 2 or (r.piece_times[-1] - r.t_first_token) / (r.tokens - 1) <= slo_tpot)]
+    span = (max(r.piece_times[-1] for r in good) - min(r.t_send for r in good)) if good else 0
+
+    def q(values, p):
+        return pct(values, p) if values else None
+    return {
+        "n": len(results), "failed": len(results) - len(good),
+        "errors": sorted({r.error or f"status {r.status}" for r in results if not (r.ok and r.piece_times)})[:3],
+        "ttft50": q(ttft, 50), "ttft99": q(ttft, 99), "tpot50": q(tpot, 50), "tpot99": q(tpot, 99),
+        "itl50": q(itl, 50), "itl99": q(itl, 99), "e2el50": q(e2el, 50), "e2el99": q(e2el, 99),
+        "tps": sum(r.tokens for r in good) / span if span else 0.0,
+        "goodput": len(met) / window, "req_rate": len(good) / span if span else 0.0,
+    }
+
+
+def open_loop_run(server, rate, seconds, tag, max_tokens, seed, slo_ttft, slo_tpot):
+    """Poisson arrivals at `rate` requests per second for `seconds` (a fixed schedule from
+    `seed`, the same for both servers); each request is sent at its time whatever the
+    others are doing (open loop), and read to its end."""
+    rng = random.Random(seed)
+    times, t = [], rng.expovariate(rate)
+    while t < seconds:
+        times.append(t)
+        t += rng.expovariate(rate)
+    results, lock = [], threading.Lock()
+
+    def one(i):
+        r = stream_chat(server.port, story_body(f"{tag}-{i}", max_tokens))
+        with lock:
+            results.append(r)
+
+    wait_quiet()
+    start = time.monotonic()
+    threads = []
+    for i, at in enumerate(times):
+        delay = start + at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        th = threading.Thread(target=one, args=(i,))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    return serving_metrics(results, seconds, slo_ttft, slo_tpot)
+
+
+def closed_loop_metrics(server, concurrency, n_requests, tag, max_tokens, slo_ttft, slo_tpot):
+    """`n_requests` chats, `concurrency` at a time, in serving_metrics' terms."""
+    lock, results, next_index = threading.Lock(), [], [0]
+
+    def worker():
+        while True:
+            with lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= n_requests:
+                return
+            r = stream_chat(server.port, story_body(f"{tag}-{i}", max_tokens))
+            with lock:
+                results.append(r)
+
+    wait_quiet()
+    start = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return serving_metrics(results, time.monotonic() - start, slo_ttft, slo_tpot)
+
+
+def serving_phase(args, tmp):
+    """llamabox at its defaults against llama-server at its best for these loads (a slot
+    per client, up to the highest concurrency, with unified KV), at 1 thread and at all
+    cores: open-loop Poisson rates, then closed loops at 1, 4, 8 and 16."""
+    rates = [float(x) for x in args.poisson_rates.split(",") if x]
+    levels = [int(c) for c in args.closed_levels.split(",") if c]
+    slots = max(levels + [16])
+    slo_ttft, slo_tpot = args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
+    out, argv = {}, {}
+    for threads in sorted({1, args.threads}):
+        lb = Server("llamabox", [args.llamabox, "serve", "--listen", "127.0.0.1:0", "--plugin", f"openai={args.plugin}",
+                                 "--model", f"{MODEL_NAME}={args.model}", "--threads", str(threads), *args.llamabox_arg],
+                    os.path.join(tmp, f"llamabox-serving-t{threads}.log"))
+        port = free_port()
+        ls = Server("llama-server", [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
+                                     "-t", str(threads), "-np", str(slots), "-c", str(args.n_ctx * slots), "-kvu",
+                                     "--metrics", "--no-webui"],
+                    os.path.join(tmp, f"llama-server-serving-t{threads}.log"))
+        ls.port = port
+        pair = [lb, ls]
+        try:
+            for s in pair:
+                s.start()
+                load_run(s, 4, 8, f"warm-serving-{s.short}-t{threads}", args.max_tokens)
+            argv[threads] = [s.argv for s in pair]
+            for k, rate in enumerate(rates):
+                for r in range(args.serving_rounds):
+                    for s in (pair if (k + r) % 2 == 0 else pair[::-1]):
+                        print(f"open loop {rate}/s, {threads} thread(s), round {r + 1}: {s.short}", flush=True)
+                        out.setdefault((threads, "rate", rate, s.short), []).append(open_loop_run(
+                            s, rate, args.poisson_seconds, f"ol{threads}-{rate}-{r}", args.max_tokens,
+                            seed=1000 * k + r, slo_ttft=slo_ttft, slo_tpot=slo_tpot))
+            for k, c in enumerate(levels):
+                for r in range(args.serving_rounds):
+                    for s in (pair if (k + r) % 2 == 0 else pair[::-1]):
+                        print(f"closed loop c={c}, {threads} thread(s), round {r + 1}: {s.short}", flush=True)
+                        out.setdefault((threads, "closed", c, s.short), []).append(closed_loop_metrics(
+                            s, c, args.per_level * c, f"cl{threads}-{c}-{r}", args.max_tokens, slo_ttft, slo_tpot))
+        finally:
+            for s in pair:
+                s.stop()
+    return out, argv
+
+
+def render_serving(args, out, argv, started_at, finished_at, builds):
+    model, _ = cpu_info()
+    lines = [
+        "# Serving in the field's terms: llamabox at its defaults vs llama-server at its best", "",
+        f"Written by `make bench-serving` (bench/server_bench.py --only-serving) on "
+        f"{started_at:%Y-%m-%d %H:%M} UTC, {(finished_at - started_at).total_seconds() / 60:.1f} minutes.", "",
+        f"- CPU: {model}, {os.cpu_count()} cores; both servers at 1 thread and at {args.threads}, one at a time.",
+        f"- llamabox: {builds['llamabox']}, `serve` at its defaults (only `--threads`): its batch, its "
+        f"seats sized by its defaults, its admission.",
+        f"- llama-server: {builds['llama-server']}, one slot per client up to the highest concurrency "
+        f"(`-np {max([int(c) for c in args.closed_levels.split(',') if c] + [16])}`), unified KV (`-kvu`), "
+        f"`-c` = {args.n_ctx} per slot.",
+        f"- Requests: streamed greedy chats, unique from the first word, `max_tokens` {args.max_tokens}. "
+        f"Open loop: Poisson arrivals for {args.poisson_seconds:.0f} s per rate (the same schedule for both "
+        f"servers); closed loop: {args.per_level}·c requests at concurrency c. Medians of "
+        f"{args.serving_rounds} rounds per row, the servers alternating which goes first.",
+        "- Metrics as vLLM's benchmark_serving.py defines them: TTFT (send → first content piece), TPOT "
+        "((E2EL − TTFT)/(tokens − 1), per request), ITL (every gap between content pieces), E2EL (send → last "
+        f"piece); goodput: requests per second that met TTFT ≤ {args.slo_ttft_ms:.0f} ms and TPOT ≤ "
+        f"{args.slo_tpot_ms:.0f} ms. Times in ms. Ratios are llamabox / llama-server (below 1.00× is "
+        "better for times, above for tokens/s and goodput).", "",
+        "Command lines:", ""]
+    for threads, pair in sorted(argv.items()):
+        for a in pair:
+            lines.append(f"- {threads} thread(s): `{' '.join(os.path.basename(x) if i == 0 else x for i, x in enumerate(a))}`")
+    keys = ["ttft50", "ttft99", "tpot50", "tpot99", "itl50", "itl99", "e2el50", "e2el99", "tps", "goodput"]
+
+    def medk(runs, k):
+        vals = [r[k] for r in runs if r[k] is not None]
+        return statistics.median(vals) if vals else None
+
+    def cell(v, k):
+        if v is None:
+            return "–"
+        return f"{v:.2f}" if k in ("tps", "goodput") else f"{v * 1e3:.0f}"
+
+    for threads in sorted({k[0] for k in out}):
+        for kind, title in (("rate", "Open loop, Poisson arrivals (rate: requests/s)"),
+                            ("closed", "Closed loop (c: concurrent clients)")):
+            xs = sorted({k[2] for k in out if k[0] == threads and k[1] == kind})
+            if not xs:
+                continue
+            lines += ["", f"## {threads} thread(s): {title}", "",
+                      "| " + ("rate" if kind == "rate" else "c") + " | server | failed | TTFT p50 | TTFT p99 | TPOT p50 "
+                      "| TPOT p99 | ITL p50 | ITL p99 | E2EL p50 | E2EL p99 | tokens/s | goodput req/s |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            for x in xs:
+                rows = {s: out.get((threads, kind, x, s), []) for s in ("llamabox", "llama-server")}
+                meds = {s: {k: medk(runs, k) for k in keys} for s, runs in rows.items() if runs}
+                for s, runs in rows.items():
+                    if runs:
+                        failed = sum(r["failed"] for r in runs)
+                        lines.append(f"| {x:g} | {s} | {failed} | " + " | ".join(cell(meds[s][k], k) for k in keys) + " |")
+                if len(meds) == 2:
+                    a, b = meds["llamabox"], meds["llama-server"]
+                    lines.append(f"| {x:g} | **ratio** | | " + " | ".join(
+                        (f"{a[k] / b[k]:.2f}×" if a[k] is not None and b[k] else "–") for k in keys) + " |")
+    errors = sorted({e for runs in out.values() for r in runs for e in r["errors"]})
+    if errors:
+        lines += ["", "Errors seen: " + "; ".join(errors[:5])]
+    return "\n".join(lines) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llamabox", required=True)
@@ -711,6 +910,16 @@ def main():
     ap.add_argument("--batch-levels", default="1,4,8,16",
                     help="concurrency levels of the batched phase (both servers batch as many slots as clients)")
     ap.add_argument("--only-batched", action="store_true", help="run only the batched phase")
+    ap.add_argument("--only-serving", action="store_true",
+                    help="run only the serving phase (open loop and closed loop, llamabox at its defaults): "
+                         "writes --serving-out")
+    ap.add_argument("--serving-out", default="bench/SERVING.md")
+    ap.add_argument("--poisson-rates", default="0.5,1,2,4", help="open-loop arrival rates, requests per second")
+    ap.add_argument("--poisson-seconds", type=float, default=40)
+    ap.add_argument("--closed-levels", default="1,4,8,16")
+    ap.add_argument("--serving-rounds", type=int, default=1)
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000)
+    ap.add_argument("--slo-tpot-ms", type=float, default=100)
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.per_level, args.goodput_seconds = 1, 2, 8
@@ -733,6 +942,21 @@ def main():
     tmp = tempfile.mkdtemp(prefix="llamabox-server-bench.")
     two = max(1, args.threads // 2)  # one thread's worth per slot on 2 cores
     slots = args.threads // two
+    if args.only_serving:
+        out, argv = serving_phase(args, tmp)
+        finished_at = datetime.datetime.now(datetime.timezone.utc)
+        with open(os.path.join(tmp, "serving.json"), "w") as f:
+            json.dump({"|".join(map(str, k)): v for k, v in out.items()}, f, indent=1)
+        notes = ""
+        if os.path.exists(args.serving_out):
+            old = open(args.serving_out).read()
+            marker = MARKER.replace("bench-server", "bench-serving")
+            notes = old.split(marker, 1)[1] if marker in old else ""
+        with open(args.serving_out, "w") as f:
+            f.write(render_serving(args, out, argv, started_at, finished_at, builds) + "\n"
+                    + MARKER.replace("bench-server", "bench-serving") + (notes or "\n"))
+        print(f"wrote {args.serving_out}; server logs in {tmp}")
+        return
 
     def server_pair(label, n_slots, llamabox_flags):
         """llamabox with `llamabox_flags` and llama-server with `n_slots` slots, both on all threads."""
