@@ -82,8 +82,7 @@ impl Steps {
         let _ = self.receive();
         let ids: Vec<u64> = self.members.keys().copied().filter(|&m| m != busy).collect();
         for id in ids {
-            loop {
-                let Some(member) = self.members.get_mut(&id) else { break };
+            while let Some(member) = self.members.get_mut(&id) {
                 match member.running.take() {
                     Some(running) => {
                         if let Some(still) = self.check_running(id, running) {
