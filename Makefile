@@ -56,7 +56,7 @@ HOST := target/release/llamabox
 GUEST := target/guest/wasm32-wasip2/release/llamabox-demo.wasm
 PROMPT ?= <|im_start|>user\nWhat is a llama?<|im_end|>\n<|im_start|>assistant\n
 
-.PHONY: deps build build-bench guest demo test test-gpu bench-gpu lint validate-manifests scale-test bench bench-batch bench-grammar bench-server bench-serving bench-tenants fuzz soak memcheck mutants clean-models
+.PHONY: deps build build-bench guest demo test test-gpu bench-gpu lint validate-manifests scale-test bench bench-batch bench-grammar bench-server bench-serving bench-tenants bench-attacks fuzz soak memcheck mutants clean-models
 
 deps:
 	@scripts/install-deps.sh
@@ -217,6 +217,15 @@ bench-serving: build guest
 	python3 bench/server_bench.py --llamabox "$${LLAMABOX:-$(HOST)}" \
 	  --plugin "$${PLUGIN:-target/guest/wasm32-wasip2/release/llamabox_openai.wasm}" \
 	  --llama-server "$$llama_server" --model "$$model" --only-serving --threads $$(nproc) $(SERVING_BENCH_ARGS)
+
+# Fairness under attack (bench/attack_bench.py): a victim tenant streams chats while an
+# attacker tenant, from several loopback addresses, floods long prompts, hangs up, sends
+# maximal embeddings, n=4 grammars and unread streams; the victim's TTFT and gaps against
+# its solo run, at 1 thread and at all cores; writes bench/ATTACKS.md.
+bench-attacks: build guest
+	python3 bench/attack_bench.py --llamabox $(HOST) \
+	  --plugin target/guest/wasm32-wasip2/release/llamabox_openai.wasm \
+	  --model "$${MODEL:-$$(scripts/fetch-model.sh)}" $(ATTACK_BENCH_ARGS)
 
 # Tenants under load (bench/tenant_bench.py): weights 1 and 3 against each other, and what
 # one tenant's cached_tokens and timing say of another's prompt, at 1 thread and at all
