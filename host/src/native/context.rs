@@ -9,7 +9,7 @@ use llama_cpp_sys_2 as sys;
 
 use super::cancel::{abort_callback, Stop};
 use super::chunker::{Chunker, Pace, DEFAULT_LATENCY_TARGET};
-use super::cores::Cores;
+use super::cores::{Cores, Turn};
 use super::eval_scope::{eval_callback, in_eval_scope};
 use super::meter::Meter;
 use super::model::Model;
@@ -896,16 +896,15 @@ impl Context {
             let none: [Stop<'_>; 0] = [];
             let scope_stop = stop.filter(|_| on_device).unwrap_or(Stop::Any(&none));
             let budget = self.chunk_work.unwrap_or_else(|| self.pace.budget());
-            let mut waited = std::time::Duration::ZERO;
             let mut pass = || {
-                let asked = std::time::Instant::now();
-                if turn.as_mut().is_some_and(|t| t.pass_if_due()) {
-                    waited += asked.elapsed();
+                if let Some(turn) = turn.as_mut() {
+                    turn.pass_if_due();
                 }
             };
             let started = std::time::Instant::now();
             let (out, scope) =
                 in_eval_scope(scope_stop, Chunker::with_budget(budget), Some(&mut pass), decode);
+            let waited = turn.as_ref().map_or(std::time::Duration::ZERO, Turn::waited);
             self.pace.observe(scope.units, started.elapsed().saturating_sub(waited));
             if scope.stopped {
                 self.meter.add_cancel();

@@ -46,6 +46,8 @@ pub struct Turn<'a> {
     cores: &'a Cores,
     /// When this turn (or its last pass) began.
     since: Instant,
+    /// Time spent waiting for others in passes (not computing).
+    waited: Duration,
 }
 
 impl Cores {
@@ -55,7 +57,7 @@ impl Cores {
         let ticket = tickets.next;
         tickets.next += 1;
         self.wait_for(tickets, ticket);
-        Turn { cores: self, since: Instant::now() }
+        Turn { cores: self, since: Instant::now(), waited: Duration::ZERO }
     }
 
     /// How long a computation keeps the cores while someone waits, from now on.
@@ -105,9 +107,17 @@ impl Turn<'_> {
         let ticket = tickets.next;
         tickets.next += 1;
         self.cores.served.notify_all();
+        let asked = Instant::now();
         self.cores.wait_for(tickets, ticket);
         self.since = Instant::now();
+        self.waited += self.since - asked;
         true
+    }
+
+    /// How long this turn's passes waited for others: what a pace measuring the
+    /// computation leaves out.
+    pub fn waited(&self) -> Duration {
+        self.waited
     }
 }
 

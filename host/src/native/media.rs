@@ -17,7 +17,7 @@ use llama_cpp_sys_2 as sys;
 
 use super::cancel::Stop;
 use super::chunker::{Chunker, Pace, DEFAULT_LATENCY_TARGET};
-use super::cores::Cores;
+use super::cores::{Cores, Turn};
 use super::eval_scope::{eval_callback, in_eval_scope};
 use super::model::Model;
 use super::Token;
@@ -471,11 +471,9 @@ impl MediaContext {
         let (ret, reason) = match stop.or(turn.is_some().then_some(Stop::Any(&none))) {
             Some(stop) => {
                 let chunker = Chunker::with_budget(self.chunk_work());
-                let mut waited = Duration::ZERO;
                 let mut pass = || {
-                    let asked = Instant::now();
-                    if turn.as_mut().is_some_and(|t| t.pass_if_due()) {
-                        waited += asked.elapsed();
+                    if let Some(turn) = turn.as_mut() {
+                        turn.pass_if_due();
                     }
                 };
                 let started = Instant::now();
@@ -488,6 +486,7 @@ impl MediaContext {
                         sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr())
                     })
                 });
+                let waited = turn.as_ref().map_or(Duration::ZERO, Turn::waited);
                 self.pace.observe(scope.units, started.elapsed().saturating_sub(waited));
                 // mtmd returns 0 for a stopped encode: the scope knows it stopped.
                 if scope.stopped {
