@@ -26,13 +26,15 @@ import http.client
 import json
 import os
 import random
-import re
 import socket
-import statistics
-import subprocess
+import sys
 import tempfile
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from server_bench import pct as nearest_rank  # noqa: E402
+from tenant_bench import Server, cpu_name  # noqa: E402
 
 KEYS = {"victim": "sk-bench-victim-0123456789", "attacker": "sk-bench-attacker-0123456789"}
 WORDS = ("river stone light cloud paper garden window music forest silver harbor winter "
@@ -40,19 +42,9 @@ WORDS = ("river stone light cloud paper garden window music forest silver harbor
 ATTACKER_ADDRESSES = [f"127.0.0.{i}" for i in range(2, 6)]
 
 
-def cpu_name():
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def pct(values, q):
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    """server_bench's percentile, or None for no values (a row where the victim got none)."""
+    return nearest_rank(values, q) if values else None
 
 
 def long_text(tag, words):
@@ -60,38 +52,11 @@ def long_text(tag, words):
     return f"{tag}: " + " ".join(r.choice(WORDS) for _ in range(words))
 
 
-class Server:
-    def __init__(self, binary, plugin, model, threads, workdir):
-        self.config = os.path.join(workdir, f"serve-{threads}.toml")
-        with open(self.config, "w") as f:
-            f.write(f'listen = "127.0.0.1:0"\nthreads = {threads}\n[models]\nsmollm2 = "{model}"\n'
-                    f'[[plugins]]\nname = "openai"\npath = "{plugin}"\n'
-                    f'[[tenants]]\nname = "victim"\nkey = "{KEYS["victim"]}"\n'
-                    f'[[tenants]]\nname = "attacker"\nkey = "{KEYS["attacker"]}"\n')
-        self.log = os.path.join(workdir, f"serve-{threads}.log")
-        self.proc = subprocess.Popen([binary, "serve", "--config", self.config],
-                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            text = open(self.log).read()
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", text)
-            if m and "\nready" in text:
-                self.port = int(m.group(1))
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(text[-2000:])
-            time.sleep(0.1)
-        raise RuntimeError("the server did not become ready")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def attack_config(plugin, model, threads):
+    return (f'listen = "127.0.0.1:0"\nthreads = {threads}\n[models]\nsmollm2 = "{model}"\n'
+            f'[[plugins]]\nname = "openai"\npath = "{plugin}"\n'
+            f'[[tenants]]\nname = "victim"\nkey = "{KEYS["victim"]}"\n'
+            f'[[tenants]]\nname = "attacker"\nkey = "{KEYS["attacker"]}"\n')
 
 
 def post(port, path, key, body, source=None, stream=False, close_after=None, close_at_first=False,
@@ -238,7 +203,8 @@ def main():
              "ITL p99 ≤ 2× solo and ≤ 250 ms + one step, TTFT p99 ≤ 1.5× solo, no refusal of the victim.", ""]
     workdir = tempfile.mkdtemp(prefix="llamabox-attack-bench.")
     for threads in sorted({int(t) for t in args.threads.split(",") if t}):
-        server = Server(args.llamabox, args.plugin, args.model, threads, workdir)
+        server = Server(args.llamabox, attack_config(args.plugin, args.model, threads), workdir,
+                        f"serve-{threads}")
         try:
             window(server.port, 5)  # warm up
             solo = window(server.port, args.window)

@@ -524,8 +524,9 @@ def ratio(a, b, fmt="{:.2f}×"):
 # ---------------------------------------------------------------- phases
 
 
-def load_run(server, concurrency, n_requests, tag, max_tokens, shared_system=False):
-    """n_requests chats, `concurrency` at a time; per-run figures."""
+def closed_loop(server, concurrency, n_requests, tag, max_tokens, shared_system=False):
+    """n_requests chats, `concurrency` at a time (each client sends its next when its last
+    ended); the results and the wall time."""
     lock = threading.Lock()
     next_index = [0]
     results = []
@@ -541,18 +542,23 @@ def load_run(server, concurrency, n_requests, tag, max_tokens, shared_system=Fal
             with lock:
                 results.append(r)
 
-    wait_quiet()
-    other = OtherLoad(server)
-    cpu0 = server.cpu_seconds()
-    # llamabox reports prompt tokens it reused from idle contexts in /metrics only.
-    reused0 = server.snapshot().get("reused") if server.kind == "llamabox" else None
     start = time.monotonic()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.monotonic() - start
+    return results, time.monotonic() - start
+
+
+def load_run(server, concurrency, n_requests, tag, max_tokens, shared_system=False):
+    """n_requests chats, `concurrency` at a time; per-run figures."""
+    wait_quiet()
+    other = OtherLoad(server)
+    cpu0 = server.cpu_seconds()
+    # llamabox reports prompt tokens it reused from idle contexts in /metrics only.
+    reused0 = server.snapshot().get("reused") if server.kind == "llamabox" else None
+    results, wall = closed_loop(server, concurrency, n_requests, tag, max_tokens, shared_system)
     good = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in good)
     if reused0 is not None and results:
@@ -758,27 +764,9 @@ def open_loop_run(server, rate, seconds, tag, max_tokens, seed, slo_ttft, slo_tp
 
 def closed_loop_metrics(server, concurrency, n_requests, tag, max_tokens, slo_ttft, slo_tpot):
     """`n_requests` chats, `concurrency` at a time, in serving_metrics' terms."""
-    lock, results, next_index = threading.Lock(), [], [0]
-
-    def worker():
-        while True:
-            with lock:
-                i = next_index[0]
-                next_index[0] += 1
-            if i >= n_requests:
-                return
-            r = stream_chat(server.port, story_body(f"{tag}-{i}", max_tokens))
-            with lock:
-                results.append(r)
-
     wait_quiet()
-    start = time.monotonic()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return serving_metrics(results, time.monotonic() - start, slo_ttft, slo_tpot)
+    results, wall = closed_loop(server, concurrency, n_requests, tag, max_tokens)
+    return serving_metrics(results, wall, slo_ttft, slo_tpot)
 
 
 def serving_phase(args, tmp):

@@ -57,16 +57,23 @@ def chat(port, key, system, user, max_tokens):
     return 200, json.loads(data)["usage"], elapsed
 
 
+def tenants_config(plugin, model, threads):
+    return (f'listen = "127.0.0.1:0"\nthreads = {threads}\nqueue_timeout_ms = 60000\n'
+            f'max_queue = 256\n[models]\nsmollm2 = "{model}"\n'
+            f'[[plugins]]\nname = "openai"\npath = "{plugin}"\n'
+            f'[[tenants]]\nname = "light"\nkey = "{KEYS["light"]}"\nweight = 1\nmax_queued = 64\n'
+            f'[[tenants]]\nname = "heavy"\nkey = "{KEYS["heavy"]}"\nweight = 3\nmax_queued = 64\n')
+
+
 class Server:
-    def __init__(self, binary, plugin, model, threads, workdir):
-        self.config = os.path.join(workdir, "serve.toml")
+    """`llamabox serve --config` with `config` (serve.toml's text) in `workdir`, stopped by
+    its PID (`stop`); `name` names its files."""
+
+    def __init__(self, binary, config, workdir, name="serve"):
+        self.config = os.path.join(workdir, f"{name}.toml")
         with open(self.config, "w") as f:
-            f.write(f'listen = "127.0.0.1:0"\nthreads = {threads}\nqueue_timeout_ms = 60000\n'
-                    f'max_queue = 256\n[models]\nsmollm2 = "{model}"\n'
-                    f'[[plugins]]\nname = "openai"\npath = "{plugin}"\n'
-                    f'[[tenants]]\nname = "light"\nkey = "{KEYS["light"]}"\nweight = 1\nmax_queued = 64\n'
-                    f'[[tenants]]\nname = "heavy"\nkey = "{KEYS["heavy"]}"\nweight = 3\nmax_queued = 64\n')
-        self.log = os.path.join(workdir, "serve.log")
+            f.write(config)
+        self.log = os.path.join(workdir, f"{name}.log")
         self.proc = subprocess.Popen([binary, "serve", "--config", self.config],
                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
@@ -158,7 +165,7 @@ def main():
              "refused and the shares are the scheduler's alone).\n"]
     for threads in sorted({1, ncpu}):
         with tempfile.TemporaryDirectory() as workdir:
-            server = Server(args.llamabox, args.plugin, args.model, threads, workdir)
+            server = Server(args.llamabox, tenants_config(args.plugin, args.model, threads), workdir)
             try:
                 tokens, refused = weights(server, args.clients, args.seconds)
                 seen = isolation(server, args.rounds)
