@@ -262,22 +262,31 @@ fn prompts_are_reused_only_within_their_tenant() {
     assert!(from("127.0.0.1", "Where do alpacas live?") > 20, "the same address reuses");
 }
 
-/// With the defaults a new user gets, 16 clients from one address at once are all
-/// answered: one address is a tenant, not a cap of one request.
+/// With the defaults a new user gets, 16 clients from one address at once (how every
+/// load test and SDK batch runs) are all answered, and run at once, sharing steps: one
+/// address is a tenant, not a cap of one request, and seats are sized by memory (four
+/// fixed seats used to queue twelve of them).
 #[test]
 fn sixteen_clients_from_one_address_are_all_served_with_the_defaults() {
-    let server = Server::start(&[("tiny", common::tiny_model())], &[]);
-    let clients: Vec<_> = (0..16)
-        .map(|i| {
-            let body = json!({"model": "tiny", "prompt": format!("client {i}"), "max_tokens": 16, "temperature": 0});
-            let url = server.url("/v1/completions");
-            std::thread::spawn(move || post_to(&url, &body, &[]))
-        })
-        .collect();
-    for client in clients {
-        let (status, body) = client.join().unwrap();
-        assert_eq!(status, 200, "{body}");
+    let server = Server::start(&[("smollm2", common::real_model())], &[]);
+    let answers: Vec<(u16, String)> = std::thread::scope(|s| {
+        let clients: Vec<_> = (0..16)
+            .map(|i| {
+                let server = &server;
+                s.spawn(move || {
+                    let question = format!("Client {i}: name an animal of the Andes.");
+                    post(server, "/v1/chat/completions", &chat(&question, 32, false), &[])
+                })
+            })
+            .collect();
+        clients.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    for (status, body) in &answers {
+        assert_eq!(*status, 200, "{body}");
     }
+    let steps = server.metric("llamabox_batch_step_seats_count");
+    let up_to_four = server.metric("llamabox_batch_step_seats_bucket{le=\"4.0\"}");
+    assert!(up_to_four < steps, "no step held more than four requests ({steps} steps)");
     assert_eq!(server.metric("llamabox_refused_total"), 0.0);
 }
 
@@ -291,8 +300,8 @@ fn a_flooding_address_waits_behind_another_addresss_first_request() {
     let config = ConfigFile::new(
         "fair",
         &format!(
-            "listen = \"127.0.0.1:0\"\nthreads = 2\nqueue_timeout_ms = 5000\n[models]\nslow = {:?}\n\
-             [[plugins]]\nname = \"hostile\"\npath = {:?}\ndeadline_ms = 2000\n",
+            "listen = \"127.0.0.1:0\"\nthreads = 2\nqueue_timeout_ms = 5000\n[batch]\nseats = 4\n\
+             [models]\nslow = {:?}\n[[plugins]]\nname = \"hostile\"\npath = {:?}\ndeadline_ms = 2000\n",
             common::slow_model().display().to_string(),
             common::guest_plugin("llamabox_http_hostile.wasm").display().to_string(),
         ),
@@ -309,7 +318,7 @@ fn a_flooding_address_waits_behind_another_addresss_first_request() {
         .unwrap();
         flood.push(socket);
         if i == 3 {
-            // The first four hold every seat before the rest queue.
+            // The first four hold every seat (four here) before the rest queue.
             server.wait_metric("llamabox_in_flight", 4.0);
         }
     }

@@ -100,6 +100,9 @@ impl Opened {
             n_batch: want.params.n_batch,
             group: want.group,
             claim: want.claim,
+            // A run holding no native work waits for a seat; one holding some does not,
+            // so that two runs never wait on each other's seats.
+            may_wait: want.tracker.live() == 0,
         };
         let seat =
             self.batch.lease(policy, &self.model, seat, want.meter.clone(), want.tracker).await?;

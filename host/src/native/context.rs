@@ -230,8 +230,20 @@ fn fresh_history(params: ContextParams) -> Option<Vec<Token>> {
 
 impl Context {
     /// A context on `model` with `params` (checked first: see
-    /// [`ContextParams::allocated_n_ctx`]). Blocking: it allocates the memory.
+    /// [`ContextParams::allocated_n_ctx`]), each sequence in a KV stream of its own
+    /// (its share of n-ctx). Blocking: it allocates the memory.
     pub fn new(model: Arc<Model>, params: ContextParams) -> Result<Self> {
+        Self::create(model, params, false)
+    }
+
+    /// A context whose sequences share one pool of n-ctx KV cells (llama.cpp's unified
+    /// KV): each holds what it has decoded, however long, until the pool is full
+    /// ([`Error::ContextFull`]). Whoever shares it out keeps the sequences within it.
+    pub fn new_unified(model: Arc<Model>, params: ContextParams) -> Result<Self> {
+        Self::create(model, params, true)
+    }
+
+    fn create(model: Arc<Model>, params: ContextParams, unified: bool) -> Result<Self> {
         backend::init();
         let ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads } = params;
         params.allocated_n_ctx()?;
@@ -257,6 +269,7 @@ impl Context {
             p.n_batch = n_batch;
             p.n_ubatch = n_ubatch;
             p.n_seq_max = n_seq_max;
+            p.kv_unified = unified;
             p.n_threads = threads;
             p.n_threads_batch = threads;
             // `eval_callback` is a `'static` fn that reads only this thread's scope; outside

@@ -65,6 +65,11 @@ impl Cores {
         self.turn_nanos.store(turn.as_nanos().min(u128::from(u64::MAX)) as u64, Relaxed);
     }
 
+    /// How long a computation keeps the cores while someone waits, now.
+    pub fn turn_length(&self) -> Duration {
+        Duration::from_nanos(self.turn_nanos.load(Relaxed))
+    }
+
     fn wait_for(&self, mut tickets: MutexGuard<'_, Tickets>, ticket: u64) {
         while tickets.serving != ticket {
             tickets = self.served.wait(tickets).unwrap_or_else(|p| p.into_inner());

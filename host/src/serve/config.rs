@@ -267,15 +267,25 @@ pub struct BatchConfig {
     /// (answers bit for bit those of one request alone).
     #[cfg_attr(feature = "cli", arg(long = "batch", value_name = "BOOL"))]
     pub enabled: Option<bool>,
-    /// Requests each model's batch decodes together (default 4, as llama-server's `-np`
-    /// auto: KV for 16 384 cells at the default n_ctx).
+    /// Most requests each model's batch decodes together (default 64), as many as
+    /// their contexts fit in `cells`.
     #[cfg_attr(feature = "cli", arg(long = "batch-seats", value_name = "N"))]
     pub seats: Option<u32>,
-    /// Tokens each seat holds (default 4096, the openai plugin's cap); larger contexts
-    /// get their own. A batch allocates seats × n_ctx KV cells when a model's first
-    /// request comes (docs/DEPLOY.md has the sizes).
+    /// Most tokens one seat may hold (default 4096, the openai plugin's cap); larger
+    /// contexts get their own.
     #[cfg_attr(feature = "cli", arg(long = "batch-n-ctx", value_name = "N"))]
     pub n_ctx: Option<u32>,
+    /// KV cells the seats share (default 16384: four seats at the largest n_ctx, 64
+    /// chats of up to 256 tokens). Each request's context reserves what it asks for
+    /// (the openai plugin: prompt plus max_tokens); requests that do not fit wait for
+    /// cells in fair order. Allocated when a model's first request comes
+    /// (docs/DEPLOY.md has the sizes).
+    #[cfg_attr(feature = "cli", arg(long = "batch-cells", value_name = "N"))]
+    pub cells: Option<u32>,
+    /// The most of the seats and of the cells one tenant's requests hold, 0 to 1
+    /// (default 0.75): the rest stays for others, whatever one tenant sends.
+    #[cfg_attr(feature = "cli", arg(long = "batch-tenant-share", value_name = "SHARE"))]
+    pub tenant_share: Option<f64>,
     /// Milliseconds other requests' prompts may add to a batch step, the most a
     /// streaming client waits for its next token because of them (default 250).
     #[cfg_attr(feature = "cli", arg(long = "batch-step-ms", value_name = "MS"))]
@@ -296,9 +306,14 @@ impl BatchConfig {
         self.enabled.unwrap_or(true)
     }
 
-    /// Seats of each model's batch (default 4).
+    /// Seats of each model's batch (default 64).
     pub fn seats(&self) -> u32 {
-        self.seats.unwrap_or(4)
+        self.seats.unwrap_or(64)
+    }
+
+    /// Cells the seats share (default 16384).
+    pub fn cells(&self) -> u32 {
+        self.cells.unwrap_or(16_384)
     }
 
     /// Cells of each seat (default 4096).
@@ -312,6 +327,8 @@ impl BatchConfig {
             enabled: over.enabled.or(self.enabled),
             seats: over.seats.or(self.seats),
             n_ctx: over.n_ctx.or(self.n_ctx),
+            cells: over.cells.or(self.cells),
+            tenant_share: over.tenant_share.or(self.tenant_share),
             step_ms: over.step_ms.or(self.step_ms),
             long_prompt_rows: over.long_prompt_rows.or(self.long_prompt_rows),
             long_prompt_share: over.long_prompt_share.or(self.long_prompt_share),
@@ -322,6 +339,8 @@ impl BatchConfig {
     /// defaults for the rest.
     pub fn policy(&self, threads: u32) -> crate::BatchPolicy {
         let mut policy = crate::BatchPolicy::new(self.seats(), self.n_ctx(), threads);
+        policy.cells = self.cells();
+        policy.group_share = self.tenant_share.unwrap_or(0.75);
         if let Some(ms) = self.step_ms {
             policy.step_target = Duration::from_millis(ms);
         }
@@ -339,6 +358,16 @@ impl BatchConfig {
         }
         if self.n_ctx() < 16 {
             anyhow::bail!("[batch] n_ctx must be at least 16");
+        }
+        if self.cells() < self.n_ctx() {
+            anyhow::bail!(
+                "[batch] cells ({}) must hold at least one seat of n_ctx ({})",
+                self.cells(),
+                self.n_ctx()
+            );
+        }
+        if !self.tenant_share.is_none_or(|s| s > 0.0 && s <= 1.0) {
+            anyhow::bail!("[batch] tenant_share must be above 0 and at most 1");
         }
         if self.step_ms == Some(0)
             || self.long_prompt_share.is_some_and(|s| !(0.0..=1.0).contains(&s))
@@ -529,6 +558,8 @@ impl ServeConfig {
             enabled: None,
             seats: self.old_batch_seats.take(),
             n_ctx: self.old_batch_n_ctx.take(),
+            cells: None,
+            tenant_share: None,
             step_ms: self.old_batch_step_ms.take(),
             long_prompt_rows: self.old_batch_long_prompt_rows.take(),
             long_prompt_share: self.old_batch_long_prompt_share.take(),

@@ -51,8 +51,9 @@ impl Steps {
                 let (result, elapsed) = {
                     let _turn = self.policy.cores.turn();
                     let started = Instant::now();
-                    let result =
-                        self.ctx.eval(std::slice::from_ref(&part), seq, Some(caller.stop()));
+                    let result = self.sequences.with_room(&mut self.ctx, |ctx| {
+                        ctx.eval(std::slice::from_ref(&part), seq, Some(caller.stop()))
+                    });
                     (result, started.elapsed())
                 };
                 self.members[&id].alive.add_busy(elapsed);

@@ -15,9 +15,9 @@
 //!   are not bitwise those of a context of its own (see docs/ARCHITECTURE.md).
 //! - **Prefix reuse.** A seat is bound to a native sequence at its first decode, to a
 //!   free one whose leftover tokens (what an earlier seat of the *same group* left)
-//!   start the same way; else the lowest free one, which keeps the members' sequence
-//!   ids consecutive (llama.cpp's per-sequence KV streams put only consecutive ids in
-//!   one ubatch: a hole costs every step one more ubatch until a seat fills it).
+//!   start the same way; else the lowest empty one. The sequences share one pool of
+//!   KV cells, and a seat reserves the cells its context asked for (`reserve.rs`), so
+//!   the seats are as many as fit.
 //! - **Media** prompts (`media.eval-chunks`) run as a step of their own; embeddings
 //!   need a context of their own (a seat refuses them).
 //!
@@ -31,7 +31,7 @@
 //! `sequences.rs` (which sequence a seat gets, prefix reuse); the policy of what each
 //! step takes is the engine's scheduler (`engine/schedule.rs`).
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -41,6 +41,7 @@ use crate::worker::Tracker;
 
 mod calls;
 mod media;
+mod reserve;
 mod rollback;
 mod seat;
 mod sequences;
@@ -48,6 +49,7 @@ mod sequences;
 mod tests;
 mod thread;
 
+use reserve::{Ask, Capacity, Reservations, Reserved};
 use seat::Op;
 pub use seat::Seat;
 use thread::Steps;
@@ -67,6 +69,9 @@ pub(crate) struct SeatRequest<'a> {
     pub group: &'a str,
     /// Its run's claim on the cores.
     pub claim: Claim,
+    /// Its run holds no native work yet, so it may wait for a seat without holding
+    /// up another run that waits (`reserve.rs`).
+    pub may_wait: bool,
 }
 
 /// How a host batches one-sequence contexts (`ModelRegistry::batch`).
@@ -85,11 +90,20 @@ pub(crate) struct SeatRequest<'a> {
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct BatchPolicy {
-    /// Seats (native sequences) per shared context: contexts beyond this get contexts
-    /// of their own. Each seat's KV stream is allocated with the shared context.
+    /// Seats (native sequences) per shared context: how many runs' contexts it holds
+    /// at once.
     pub seats: u32,
-    /// Cells per seat: contexts asking for more get contexts of their own.
+    /// Most cells one seat may ask for: contexts asking for more get contexts of their
+    /// own.
     pub seat_n_ctx: u32,
+    /// KV cells the seats share (llama.cpp's unified KV), allocated with the shared
+    /// context: each seat reserves the cells its context asked for, so the seats held at
+    /// once are as many as fit. A run that holds nothing yet waits for cells (fairly,
+    /// by group); one that holds a context already gets a context of its own.
+    pub cells: u32,
+    /// The most of the seats and of the cells one group (tenant and plugin) may hold,
+    /// 0 to 1: the rest stays for others, whatever one tenant sends.
+    pub group_share: f64,
     /// Threads of the shared context's decodes: the share of the machine for this model.
     pub threads: u32,
     /// Most rows one step decodes (the shared context's n-batch and n-ubatch).
@@ -114,6 +128,8 @@ impl std::fmt::Debug for BatchPolicy {
         f.debug_struct("BatchPolicy")
             .field("seats", &self.seats)
             .field("seat_n_ctx", &self.seat_n_ctx)
+            .field("cells", &self.cells)
+            .field("group_share", &self.group_share)
             .field("threads", &self.threads)
             .field("step_rows", &self.step_rows)
             .field("step_target", &self.step_target)
@@ -133,6 +149,7 @@ impl BatchPolicy {
         (
             self.seats,
             self.seat_n_ctx,
+            self.cells,
             self.threads,
             self.step_rows,
             self.step_target,
@@ -140,22 +157,27 @@ impl BatchPolicy {
         ) == (
             other.seats,
             other.seat_n_ctx,
+            other.cells,
             other.threads,
             other.step_rows,
             other.step_target,
             other.long_prompt_rows,
         ) && self.long_prompt_share.to_bits() == other.long_prompt_share.to_bits()
+            && self.group_share.to_bits() == other.group_share.to_bits()
             && same_observer
             && Arc::ptr_eq(&self.cores, &other.cores)
     }
 
-    /// `seats` seats of `seat_n_ctx` cells on `threads` threads; 512-row steps, prompts
-    /// adding at most 250 ms to a step, prompts of more than 512 rows long, taking at
-    /// most a quarter of the time while others have work.
+    /// `seats` seats of at most `seat_n_ctx` cells each, sharing `seats × seat_n_ctx`
+    /// cells (so every seat fits at its largest), on `threads` threads; no share cap per
+    /// group; 512-row steps, prompts adding at most 250 ms to a step, prompts of more
+    /// than 512 rows long, taking at most a quarter of the time while others have work.
     pub fn new(seats: u32, seat_n_ctx: u32, threads: u32) -> Self {
         Self {
             seats,
             seat_n_ctx,
+            cells: seat_n_ctx.saturating_mul(seats),
+            group_share: 1.0,
             threads,
             step_rows: 512,
             step_target: Duration::from_millis(250),
@@ -201,16 +223,18 @@ pub struct BatchPool {
 
 impl BatchPool {
     /// A seat for a one-sequence context of `n_ctx` cells (allocated as a context of its
-    /// own would be), or `None` when this policy does not batch it or every seat is taken.
+    /// own would be), or `None` when this policy does not batch it, or the batch is
+    /// short of seats or cells and the run may not wait for them (it holds native work
+    /// already). A run that may wait does so here until its reservation is granted.
     pub(crate) async fn lease(
         &self,
         policy: &BatchPolicy,
         model: &Arc<Model>,
-        SeatRequest { n_ctx, n_batch, group, claim }: SeatRequest<'_>,
+        SeatRequest { n_ctx, n_batch, group, claim, may_wait }: SeatRequest<'_>,
         meter: Arc<Meter>,
         tracker: &Tracker,
     ) -> Option<Result<Seat, Error>> {
-        if n_ctx > policy.seat_n_ctx || policy.seats == 0 {
+        if n_ctx > policy.seat_n_ctx || n_ctx > policy.cells || policy.seats == 0 {
             return None;
         }
         let mut batchers = self.batchers.lock().await;
@@ -228,10 +252,12 @@ impl BatchPool {
             },
         };
         drop(batchers);
-        batcher
-            .taken
-            .fetch_update(SeqCst, SeqCst, |n| (n < batcher.seats).then_some(n + 1))
-            .ok()?;
+        let ask = Ask { group: group.to_string(), weight: claim.weight, cells: n_ctx as u64 };
+        match batcher.reservations.reserve(ask.clone(), may_wait) {
+            Reserved::Now => {}
+            Reserved::Later(ticket, granted) => batcher.reservations.wait(ticket, granted).await,
+            Reserved::No => return None,
+        }
         let id = batcher.next_id.fetch_add(1, SeqCst);
         let join = Op::Join {
             id,
@@ -246,15 +272,15 @@ impl BatchPool {
             // Its thread ended (it never does unless it panicked): forget it, so the
             // next lease starts a new batch instead of meeting a dead one for good.
             self.batchers.lock().await.retain(|b| !Arc::ptr_eq(b, &batcher));
-            batcher.taken.fetch_sub(1, SeqCst);
+            batcher.reservations.release(&ask);
             return Some(Err(Error::Backend("the batch's thread is gone".into())));
         }
-        Some(Ok(Seat { id, batcher }))
+        Some(Ok(Seat { id, ask, batcher }))
     }
 
     /// Seats leased now over this model's shared contexts.
     pub fn seats_taken(&self) -> u32 {
-        self.batchers.try_lock().map_or(0, |b| b.iter().map(|b| b.taken.load(SeqCst)).sum())
+        self.batchers.try_lock().map_or(0, |b| b.iter().map(|b| b.reservations.seats_taken()).sum())
     }
 }
 
@@ -267,10 +293,9 @@ struct Batcher {
     /// Set when a seat sends a call that computes: a step of long prompts alone then
     /// yields to it. The thread puts a fresh flag here before it takes what was sent.
     arrived: Arc<Mutex<CancelFlag>>,
-    seats: u32,
     step_rows: u32,
-    /// Seats leased and not yet dropped.
-    taken: Arc<AtomicU32>,
+    /// Seats and cells leased and not yet dropped, and who waits for them.
+    reservations: Reservations,
     next_id: AtomicU64,
 }
 
@@ -287,14 +312,19 @@ impl Batcher {
         let arrived: Arc<Mutex<CancelFlag>> = Arc::default();
         let thread_arrived = arrived.clone();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        let taken = Arc::new(AtomicU32::new(0));
-        let (seats, step_rows) = (policy.seats, policy.step_rows);
+        let capacity = Capacity::new(
+            policy.seats,
+            policy.cells as u64,
+            policy.seat_n_ctx as u64,
+            policy.group_share,
+        );
+        let step_rows = policy.step_rows;
         let span = tracing::Span::current();
         std::thread::Builder::new()
             .name("llamabox-batch".into())
             .spawn(move || {
                 let params = ContextParams {
-                    n_ctx: policy.seat_n_ctx.saturating_mul(policy.seats),
+                    n_ctx: policy.cells,
                     n_batch: policy.step_rows,
                     n_ubatch: policy.step_rows,
                     n_seq_max: policy.seats,
@@ -302,7 +332,7 @@ impl Batcher {
                 };
                 // Only its creation is the creating run's: what later steps log carries
                 // their own members (`Steps::step`), not the first request's id.
-                match span.in_scope(|| Context::new(model, params)) {
+                match span.in_scope(|| Context::new_unified(model, params)) {
                     Ok(ctx) => {
                         let _ = ready_tx.send(Ok(()));
                         Steps::new(ctx, policy, thread_arrived).run(ops_rx);
@@ -318,9 +348,8 @@ impl Batcher {
                 ops,
                 policy: asked,
                 arrived,
-                seats,
                 step_rows,
-                taken,
+                reservations: Reservations::new(capacity),
                 next_id: AtomicU64::new(0),
             })),
             Ok(Err(e)) => Err(e),

@@ -2,11 +2,11 @@
 //! Its methods send ops to the batch's thread, in order; each returns a `Call` that
 //! stops its native work in flight when dropped or when its token is set.
 
-use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::mpsc as pieces;
 
+use super::reserve::Ask;
 use super::Batcher;
 use crate::engine::schedule::Claim;
 use crate::native::{
@@ -19,6 +19,8 @@ use crate::worker::{Alive, Call, Reply};
 /// flight (if any), removes its rows, and frees the sequence for the next seat.
 pub struct Seat {
     pub(super) id: u64,
+    /// What it reserved, given back when it drops.
+    pub(super) ask: Ask,
     pub(super) batcher: Arc<Batcher>,
 }
 
@@ -101,7 +103,7 @@ impl Drop for Seat {
     /// channel before that lease's `Join`, so the thread frees the sequence first.
     fn drop(&mut self) {
         let _ = self.batcher.ops.send(Op::Leave { id: self.id });
-        self.batcher.taken.fetch_sub(1, SeqCst);
+        self.batcher.reservations.release(&self.ask);
     }
 }
 

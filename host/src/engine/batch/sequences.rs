@@ -1,4 +1,4 @@
-//! The batch's sequences, its KV manager: which native sequence (KV stream) a seat is
+//! The batch's sequences, its KV manager: which native sequence a seat is
 //! bound to, and what an earlier seat of the same group left there to reuse. Each
 //! sequence's tokens are kept beside its cells while they are known, so that a new
 //! call's prompt can be matched against them.
@@ -7,10 +7,11 @@
 //!   leftover (from a seat of the *same group*) shares the longest start with the
 //!   call's tokens; of equal ones the least recently left, so the newest stays for its
 //!   own next turn. The rest of the leftover is removed; the kept rows are not computed.
-//! - With nothing to reuse, the lowest empty sequence (llama.cpp's per-sequence KV
-//!   streams put only consecutive ids in one ubatch, and another tenant's leftover is
-//!   not thrown away while an empty one is free); else the leftover left longest ago.
+//! - With nothing to reuse, the lowest empty sequence (another tenant's leftover is not
+//!   thrown away while an empty one is free); else the leftover left longest ago.
 //! - Across groups nothing is kept: the timing must not cross tenants.
+//! - The sequences share one pool of cells. Leftovers live in it until a step finds the
+//!   pool full: then the oldest goes (`with_room`).
 
 use crate::native::{self, Context, Token};
 
@@ -121,6 +122,39 @@ impl Sequences {
             }
         }
         Ok(())
+    }
+
+    /// Run `f` (a decode or an evaluation into the shared context) until it finds room:
+    /// while the pool is full, the leftover left longest ago is thrown away and `f`
+    /// runs again (a full pool fails before anything is computed). The seats' own
+    /// cells are reserved (`reserve.rs`), so once no leftover is left the rows fit,
+    /// unless `f` asks for more than its seats reserved.
+    pub fn with_room<T>(
+        &mut self,
+        ctx: &mut Context,
+        mut f: impl FnMut(&mut Context) -> native::Result<T>,
+    ) -> native::Result<T> {
+        loop {
+            match f(ctx) {
+                Err(native::Error::ContextFull) if self.evict_leftover(ctx) => continue,
+                result => return result,
+            }
+        }
+    }
+
+    /// Throw away the leftover left longest ago; whether there was one.
+    fn evict_leftover(&mut self, ctx: &mut Context) -> bool {
+        let oldest = (self.slots.iter().enumerate())
+            .filter(|(i, s)| {
+                s.seat.is_none() && ctx.seq_pos_max(*i as i32).is_ok_and(|end| end >= 0)
+            })
+            .min_by_key(|(_, s)| s.released)
+            .map(|(i, _)| i);
+        let Some(slot) = oldest else { return false };
+        let _ = ctx.seq_rm(slot as i32, 0, -1);
+        let s = &mut self.slots[slot];
+        (s.group, s.tokens) = (String::new(), Some(Vec::new()));
+        true
     }
 
     /// Everything of `slot` removed.

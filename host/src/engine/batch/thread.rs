@@ -18,6 +18,10 @@ use crate::native::{self, Batch, CancelFlag, Context, Error, Stop, TokenLoop};
 /// How long the thread sleeps when every member waits for its reader.
 const DELIVERY_POLL: Duration = Duration::from_millis(1);
 
+/// The shortest turn work beside a streaming batch gets: a pass costs a hand-over of
+/// the cores, so much shorter turns would spend more on passing than on computing.
+pub(super) const MIN_TURN: Duration = Duration::from_millis(2);
+
 /// The batch's thread: the shared context, its sequences, its scheduler and its members.
 pub(super) struct Steps {
     pub(super) ctx: Context,
@@ -230,8 +234,8 @@ impl Steps {
     }
 
     /// The scheduler's plan for the next step, as each member's rows in ascending
-    /// sequence ids (llama.cpp's per-sequence KV streams put only consecutive ids in one
-    /// ubatch), and whether the step may yield to a newcomer.
+    /// sequence ids (the same members give the same batch, whoever was picked first),
+    /// and whether the step may yield to a newcomer.
     pub(super) fn plan(&mut self) -> (Vec<Share>, bool) {
         let candidates: Vec<Candidate<'_>> = (self.members.iter())
             .filter_map(|(&id, m)| {
@@ -342,7 +346,9 @@ impl Steps {
             }
             let _turn = self.policy.cores.turn();
             let started = Instant::now();
-            let result = self.ctx.decode(&batch, Some(Stop::Any(&stops)));
+            let stop = Stop::Any(&stops);
+            let result =
+                self.sequences.with_room(&mut self.ctx, |ctx| ctx.decode(&batch, Some(stop)));
             (
                 result,
                 started.elapsed(),
@@ -371,6 +377,7 @@ impl Steps {
             })
             .collect();
         self.scheduler.stepped(&stepped, elapsed, end);
+        self.set_turn(elapsed);
         let report = StepReport {
             seats: shares.len(),
             rows: batch.len(),
@@ -403,6 +410,24 @@ impl Steps {
                 }
             }
         }
+    }
+
+    /// How long work beside the batch (a context of its own, a media encode) keeps the
+    /// cores while the batch waits. While a member streams, half a step (at least
+    /// `MIN_TURN`): a stream's gap is its step plus one such turn, so about 1.5× its pace
+    /// alone however long the work beside it is, and that work still gets a third of
+    /// the time. Otherwise a step target, as prompts get.
+    fn set_turn(&self, step: Duration) {
+        let streaming = self
+            .members
+            .values()
+            .any(|m| matches!(&m.running, Some(Running::Generate(g)) if g.tokens.is_some()));
+        let turn = if streaming {
+            (step / 2).max(MIN_TURN).min(self.policy.step_target)
+        } else {
+            self.policy.step_target
+        };
+        self.policy.cores.set_turn(turn);
     }
 
     /// A share of a successful step, whose rows started at `first_row` of the step.
