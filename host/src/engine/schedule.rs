@@ -23,7 +23,8 @@
 //!    (`long_prompt_share` of the others' step time); alone they run in big steps that
 //!    yield to an arrival, and what a yield threw away is made good before the next;
 //! 4. a group whose cancels keep rolling back steps shared with others is quarantined:
-//!    its rows run in steps of their own.
+//!    its rows run in steps of their own, at most one in `QUARANTINE_WAIT + 1` while
+//!    others have rows, each as short as the others' last step.
 //!
 //! How to add a policy: give [`Candidate`] what it needs to know (a field filled by
 //! `Steps::plan` from the member), order or filter in [`Scheduler::plan`], settle what
@@ -134,8 +135,10 @@ pub(super) const PASSED_OVER_STEPS: u32 = 8;
 /// in steps no other group has rows in, so its next hang-up rolls back its own work
 /// alone. A single hang-up (a user closing a tab) costs its group nothing.
 const ROLLBACK_FADE: f64 = 0.99;
-/// A quarantined member waits at most this many steps for the others before it gets a
-/// step of its own (one step target at most): quarantine slows it, never starves it.
+/// While others have rows, quarantined members get a step of their own after this many
+/// steps of the others (one member each time, the one that waited longest), of about
+/// the time the others' last step took: quarantine slows them, never starves them, and
+/// costs the others' pace at most one step in this many.
 pub(super) const QUARANTINE_WAIT: u32 = 3;
 
 /// Fewest prompt rows a step offers (when it has room): below this a step's fixed cost
@@ -161,6 +164,12 @@ impl StepPace {
         }
         let rate = rows as f64 / elapsed.as_secs_f64();
         self.rows_per_sec = Some(self.rows_per_sec.map_or(rate, |old| (old + rate) / 2.0));
+    }
+
+    /// Rows a step of about `target` takes, however few (at least 1; before any step
+    /// was timed: no bound).
+    fn rows_within(&self, target: Duration) -> usize {
+        self.rows_per_sec.map_or(usize::MAX, |rate| ((rate * target.as_secs_f64()) as usize).max(1))
     }
 
     /// Rows a step of about `target` takes (before any step was timed: no bound but
@@ -208,6 +217,13 @@ pub(super) struct Scheduler {
     yield_debt: f64,
     /// The last plan left a long prompt waiting beside other work.
     long_waiting: bool,
+    /// Steps of the others since quarantined members last had one of their own.
+    since_alone: u32,
+    /// The last plan is a quarantined member's step of its own while others wait.
+    alone_beside_others: bool,
+    /// How long the last step computed without a quarantined member alone took: how
+    /// long such a member's own step may take.
+    shared_step: Option<Duration>,
 }
 
 impl Scheduler {
@@ -226,6 +242,9 @@ impl Scheduler {
             long_credit: 0.0,
             yield_debt: 0.0,
             long_waiting: false,
+            since_alone: 0,
+            alone_beside_others: false,
+            shared_step: None,
         }
     }
 
@@ -260,6 +279,10 @@ impl Scheduler {
         let yields = !others && self.yield_debt <= 0.0;
         let budget = if yields { self.step_rows } else { self.pace.rows(self.step_target) };
         let mut budget = budget.min(self.step_rows.saturating_sub(generating));
+        if let (true, Some(shared)) = (self.alone_beside_others, self.shared_step) {
+            // As long as the others' step, not a step target: they wait for it.
+            budget = budget.min(self.pace.rows_within(shared));
+        }
         let long_may = !others
             || self.long_credit >= self.step_target.as_secs_f64()
             || self.long_prompt_share >= 1.0;
@@ -305,26 +328,37 @@ impl Scheduler {
             .then(a.id.cmp(&b.id))
     }
 
-    /// Quarantined groups' rows stay out of steps others have rows in; one that has
-    /// waited long enough gets a step of its own. Returns the members left out.
+    /// Quarantined groups' rows stay out of steps others have rows in; after
+    /// `QUARANTINE_WAIT` of the others' steps, the member that waited longest gets a step
+    /// of its own. Returns the members left out.
     fn quarantine(&mut self, candidates: &[Candidate<'_>]) -> HashSet<u64> {
         let quarantined: HashSet<u64> = (candidates.iter())
             .filter(|c| self.rollbacks.get(c.group).is_some_and(|&score| score > 1.0))
             .map(|c| c.id)
             .collect();
         let others = candidates.iter().any(|c| !quarantined.contains(&c.id));
+        self.alone_beside_others = false;
+        if quarantined.is_empty() || !others {
+            // Nobody to keep apart: the quarantined (if any) run together.
+            self.since_alone = 0;
+            for id in &quarantined {
+                self.turns.entry(*id).or_default().quarantine_wait = 0;
+            }
+            return HashSet::new();
+        }
         let wait = |id: &u64| self.turns.get(id).map_or(0, |t| t.quarantine_wait);
-        let alone = (quarantined.iter())
-            .filter(|id| wait(id) >= QUARANTINE_WAIT)
-            .max_by_key(|id| (wait(id), Reverse(**id)))
-            .copied();
+        let alone = (self.since_alone >= QUARANTINE_WAIT)
+            .then(|| quarantined.iter().max_by_key(|id| (wait(id), Reverse(**id))).copied())
+            .flatten();
         let left_out: HashSet<u64> = (candidates.iter())
             .map(|c| c.id)
             .filter(|id| match alone {
                 Some(only) => *id != only,
-                None => others && quarantined.contains(id),
+                None => quarantined.contains(id),
             })
             .collect();
+        self.alone_beside_others = alone.is_some();
+        self.since_alone = if alone.is_some() { 0 } else { self.since_alone + 1 };
         for &id in &quarantined {
             let turns = self.turns.entry(id).or_default();
             turns.quarantine_wait =
@@ -373,6 +407,9 @@ impl Scheduler {
         match end {
             StepEnd::Yielded => self.yield_debt += elapsed.as_secs_f64(),
             StepEnd::Computed => {
+                if !self.alone_beside_others {
+                    self.shared_step = Some(elapsed);
+                }
                 self.yield_debt = (self.yield_debt - long_time).max(0.0);
                 self.pace.observe(rows, elapsed);
                 for m in members {
@@ -633,6 +670,38 @@ mod tests {
             StepEnd::RolledBack,
         );
         assert!(s.rollbacks["attacker"] < before);
+    }
+
+    /// Many quarantined members beside a stream: one step of their own in every
+    /// `QUARANTINE_WAIT + 1`, one member at a time, no longer than the stream's step.
+    #[test]
+    fn many_quarantined_members_get_one_short_step_in_four_beside_a_stream() {
+        let mut s = scheduler();
+        let member =
+            |group, rows, cancelled| Stepped { group, weight: 1, rows, long: false, cancelled };
+        for _ in 0..2 {
+            let members = [member("victim", 20, false), member("attacker", 20, true)];
+            s.stepped(&members, 10 * MS, StepEnd::RolledBack);
+        }
+        // The pace: a row a millisecond.
+        s.stepped(&[member("victim", 100, false)], 100 * MS, StepEnd::Computed);
+        let mut candidates = vec![token(1, "victim")];
+        candidates.extend((10..18).map(|id| prompt(id, "attacker", 50)));
+        let mut pattern = String::new();
+        for _ in 0..12 {
+            let plan = s.plan(&candidates);
+            let picks = rows_of(&plan);
+            if picks == [(1, 1)] {
+                pattern.push('v');
+                s.stepped(&[member("victim", 1, false)], 4 * MS, StepEnd::Computed);
+            } else {
+                assert_eq!(picks.len(), 1, "one quarantined member alone: {picks:?}");
+                assert!(picks[0].1 <= 4, "no longer than the stream's 4 ms step: {picks:?}");
+                pattern.push('a');
+                s.stepped(&[member("attacker", picks[0].1, false)], 4 * MS, StepEnd::Computed);
+            }
+        }
+        assert_eq!(pattern, "vvvavvvavvva");
     }
 
     #[test]

@@ -714,10 +714,16 @@ threads = 2
 
     #[test]
     fn batch_knobs_live_in_their_table_and_old_keys_are_still_read() {
-        let table = FULL.replace("[models]", "[batch]\nseats = 2\nstep_ms = 100\n[models]");
+        let defaults = ServeConfig::from_toml(FULL).unwrap().batch_policy().unwrap();
+        assert_eq!((defaults.seats, defaults.cells, defaults.group_share), (64, 16_384, 0.75));
+        let table = FULL.replace(
+            "[models]",
+            "[batch]\nseats = 2\nstep_ms = 100\ncells = 8192\ntenant_share = 0.5\n[models]",
+        );
         let config = ServeConfig::from_toml(&table).unwrap();
         let policy = config.batch_policy().unwrap();
         assert_eq!((policy.seats, policy.seat_n_ctx, policy.threads), (2, 4096, 2));
+        assert_eq!((policy.cells, policy.group_share), (8192, 0.5));
         assert_eq!(policy.step_target, Duration::from_millis(100));
         assert_eq!(config.max_running(), 2);
         // Earlier releases' top-level keys, where the table does not set the knob.
@@ -739,6 +745,14 @@ threads = 2
                 "[batch] seats must be 1..=",
             ),
             (FULL.replace("[models]", "[batch]\nsets = 2\n[models]"), "unknown field `sets`"),
+            (
+                FULL.replace("[models]", "[batch]\ncells = 1024\n[models]"),
+                "must hold at least one seat",
+            ),
+            (
+                FULL.replace("[models]", "[batch]\ntenant_share = 0\n[models]"),
+                "tenant_share must be above 0",
+            ),
         ] {
             let error = ServeConfig::from_toml(&broken).unwrap_err().to_string();
             assert!(error.contains(why), "{why:?} not in {error:?}");

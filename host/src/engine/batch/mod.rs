@@ -255,7 +255,11 @@ impl BatchPool {
         let ask = Ask { group: group.to_string(), weight: claim.weight, cells: n_ctx as u64 };
         match batcher.reservations.reserve(ask.clone(), may_wait) {
             Reserved::Now => {}
-            Reserved::Later(ticket, granted) => batcher.reservations.wait(ticket, granted).await,
+            Reserved::Later(ticket, granted) => {
+                if !batcher.reservations.wait(ticket, granted).await {
+                    return None;
+                }
+            }
             Reserved::No => return None,
         }
         let id = batcher.next_id.fetch_add(1, SeqCst);

@@ -117,13 +117,15 @@ impl Reservations {
         Reserved::Later(ticket, granted)
     }
 
-    /// Wait for the reservation of `ticket`. If this is dropped first, its place (or
-    /// the reservation granted and not taken) goes to the next in line.
-    pub async fn wait(&self, ticket: u64, granted: oneshot::Receiver<()>) {
+    /// Wait for the reservation of `ticket`; whether it is held. If this is dropped
+    /// first, its place (or the reservation granted and not taken) goes to the next in
+    /// line.
+    pub async fn wait(&self, ticket: u64, granted: oneshot::Receiver<()>) -> bool {
         let mut place = Place { reservations: self, ticket, taken: false };
-        // A grant's sender is only dropped by `Place::drop`, after this returns.
+        // A grant's sender is only dropped by a grant or by `Place::drop`.
         let _ = granted.await;
         place.taken = self.lock().granted.remove(&ticket).is_some();
+        place.taken
     }
 
     /// Give back what `ask` reserved, and let the next in line in.
@@ -274,7 +276,7 @@ mod tests {
         assert!(!now(&r, ask("late", 1, 0)));
         // The first seat back goes to the victim (no cells held), though it came later.
         r.release(&ask("flood", 1, 100));
-        r.wait(t2, g2).await;
+        assert!(r.wait(t2, g2).await);
         // The next to "heavy": 0 cells per weight against "flood"'s 300; its wait is
         // dropped after the grant, so the grant passes on to "flood".
         r.release(&ask("flood", 1, 100));
@@ -283,7 +285,7 @@ mod tests {
             let place = Place { reservations: &r, ticket: t3, taken: false };
             drop(place);
         }
-        r.wait(t1, g1).await;
+        assert!(r.wait(t1, g1).await);
         assert_eq!(r.seats_taken(), 4);
         let state = r.lock();
         assert_eq!(state.group("flood"), Held { seats: 3, cells: 300 });

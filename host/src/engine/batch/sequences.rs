@@ -11,9 +11,15 @@
 //!   thrown away while an empty one is free); else the leftover left longest ago.
 //! - Across groups nothing is kept: the timing must not cross tenants.
 //! - The sequences share one pool of cells. Leftovers live in it until a step finds the
-//!   pool full: then the oldest goes (`with_room`).
+//!   pool full (then the oldest goes: `with_room`), and at most `MAX_LEFTOVERS` of them:
+//!   every cell in use widens every step's attention (masked for other sequences), so
+//!   many leftovers would cost every stream more than reuse saves.
 
 use crate::native::{self, Context, Token};
+
+/// Leftovers kept at most (the most recently left): as many as four fixed seats kept.
+/// A pool full of leftovers slowed a lone stream's every token by 20–45% (bench/SERVING.md).
+pub(super) const MAX_LEFTOVERS: usize = 4;
 
 /// One native sequence of the shared context.
 #[derive(Default)]
@@ -138,6 +144,17 @@ impl Sequences {
             match f(ctx) {
                 Err(native::Error::ContextFull) if self.evict_leftover(ctx) => continue,
                 result => return result,
+            }
+        }
+    }
+
+    /// Keep at most `most` leftovers, throwing away those left longest ago.
+    pub fn keep_leftovers(&mut self, ctx: &mut Context, most: usize) {
+        let held =
+            |s: &Slot| !s.group.is_empty() && s.tokens.as_ref().is_none_or(|t| !t.is_empty());
+        while self.slots.iter().filter(|s| s.seat.is_none() && held(s)).count() > most {
+            if !self.evict_leftover(ctx) {
+                return;
             }
         }
     }

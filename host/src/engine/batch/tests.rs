@@ -6,6 +6,7 @@ use std::time::Duration;
 use tokio::sync::mpsc as pieces;
 
 use super::seat::Op;
+use super::sequences::MAX_LEFTOVERS;
 use super::thread::MIN_TURN;
 use super::*;
 use crate::engine::schedule::Claim;
@@ -1111,4 +1112,26 @@ async fn work_beside_a_streaming_batch_gets_short_turns() {
     assert_eq!(turns.len(), 6, "{turns:?}");
     assert_eq!((turns[0], turns[5]), (hour, hour), "{turns:?}");
     assert!(turns[1..5].iter().all(|&t| t >= MIN_TURN && t < hour), "{turns:?}");
+}
+
+/// At most `MAX_LEFTOVERS` leftovers stay in the pool (each widens every step's
+/// attention): the most recently left are kept for their next turn, older ones go.
+#[tokio::test]
+async fn only_the_newest_leftovers_are_kept() {
+    // More sequences than leftovers kept, so the cap decides, not the sequences.
+    let f =
+        Fixture { policy: BatchPolicy::new(2 * MAX_LEFTOVERS as u32, 256, 1), ..Fixture::new(512) };
+    let groups: Vec<String> = (0..=MAX_LEFTOVERS).map(|g| format!("g{g}")).collect();
+    let prompts: Vec<Vec<Token>> = (0..groups.len()).map(|g| prompt(60 + g as i32, 10)).collect();
+    for (group, tokens) in groups.iter().zip(&prompts) {
+        let seat = f.seat_in(group, Arc::default()).await;
+        seat.decode(Batch::sequence(tokens, 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+    }
+    // The newest first: its turn must not evict before the oldest is checked.
+    for (g, kept) in [(MAX_LEFTOVERS, 9), (0, 0)] {
+        let meter = Arc::new(Meter::new());
+        let seat = f.seat_in(&groups[g], meter.clone()).await;
+        seat.decode(Batch::sequence(&prompts[g], 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+        assert_eq!(meter.reused(), kept, "group {g}");
+    }
 }

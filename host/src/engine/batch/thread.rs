@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::calls::{Member, Running};
 use super::seat::{Op, SeatOp};
-use super::sequences::Sequences;
+use super::sequences::{Sequences, MAX_LEFTOVERS};
 use super::{BatchPolicy, StepReport};
 use crate::engine::schedule::{Candidate, Pick, Plan, Scheduler, StepEnd, Stepped, Want};
 use crate::native::{self, Batch, CancelFlag, Context, Error, Stop, TokenLoop};
@@ -182,6 +182,7 @@ impl Steps {
         let Some(member) = self.members.remove(&id) else { return };
         if let Some(slot) = member.slot {
             self.sequences.release(slot, member.group);
+            self.sequences.keep_leftovers(&mut self.ctx, MAX_LEFTOVERS);
         }
         // `member.alive` drops here: its run sees this seat's native work ended.
     }
