@@ -8,13 +8,13 @@
 //! and the sequences (`batch/sequences.rs`: which KV stream a seat gets, what it reuses).
 //!
 //! What a step takes:
-//! 1. one row for every generating seat (its next token: rows of the same step cost
-//!    little more than one);
+//! 1. one row for every generating seat (its next token);
 //! 2. prompt rows, within the step's row budget (the rows of about `step_target`, from
 //!    the measured speed of earlier steps), in this order:
 //!    - the higher priority class first ([`Claim::priority`]);
 //!    - short prompts before long ones (more than `long_prompt_rows` rows left);
 //!    - a short prompt passed over [`PASSED_OVER_STEPS`] steps in a row first;
+//!    - a group with no stream running before groups whose streams run;
 //!    - the group furthest below its weighted share of step rows (start-time fair
 //!      queuing: rows computed / [`Claim::weight`]; a group that comes back starts at
 //!      the least of the groups that kept waiting, so idling banks nothing);
@@ -22,7 +22,10 @@
 //! 3. long prompts get rows beside other work only on time they earned
 //!    (`long_prompt_share` of the others' step time); alone they run in big steps that
 //!    yield to an arrival, and what a yield threw away is made good before the next;
-//! 4. a group whose cancels keep rolling back steps shared with others is quarantined:
+//! 4. while several groups generate, none of them keeps more than its weight's part of
+//!    what the lightest of them costs, by count and by time ([`Scheduler::share_rows`]):
+//!    its last prompt rows are cut first, then its tokens, whose seats take turns;
+//! 5. a group whose cancels keep rolling back steps shared with others is quarantined:
 //!    its rows run in steps of their own, at most one in `QUARANTINE_WAIT + 1` while
 //!    others have rows, each as short as the others' last step.
 //!
@@ -182,11 +185,56 @@ impl StepPace {
     }
 }
 
+/// What a step costs by its rows, fitted from the steps so far: `fixed + per_row ×
+/// rows` (least squares, each step weighing [`COST_FADE`] as much as the next). On a
+/// CPU a row costs about as much as a step's fixed part (weights read once, a graph);
+/// on a GPU next to nothing.
+#[derive(Debug, Default)]
+struct StepCost {
+    /// Faded sums of 1, rows, seconds, rows², rows × seconds.
+    n: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+/// How much a step's weight in [`StepCost`] fades with every later step.
+const COST_FADE: f64 = 0.97;
+
+impl StepCost {
+    fn observe(&mut self, rows: usize, elapsed: Duration) {
+        let (x, y) = (rows as f64, elapsed.as_secs_f64());
+        self.n = self.n * COST_FADE + 1.0;
+        self.x = self.x * COST_FADE + x;
+        self.y = self.y * COST_FADE + y;
+        self.xx = self.xx * COST_FADE + x * x;
+        self.xy = self.xy * COST_FADE + x * y;
+    }
+
+    /// `(fixed, per_row)` in seconds, once the steps seen differ enough in rows to tell.
+    fn fit(&self) -> Option<(f64, f64)> {
+        if self.n < 4.0 {
+            return None;
+        }
+        let (mean_x, mean_y) = (self.x / self.n, self.y / self.n);
+        let variance = self.xx / self.n - mean_x * mean_x;
+        if variance < 1.0 {
+            return None;
+        }
+        let per_row = (self.xy / self.n - mean_x * mean_y) / variance;
+        (per_row > 0.0).then(|| ((mean_y - per_row * mean_x).max(0.0), per_row))
+    }
+}
+
 /// A member's standing across steps.
 #[derive(Debug, Default)]
 struct Turns {
     /// Steps in a row its prompt had rows left and got none.
     passed_over: u32,
+    /// When its token row was last taken (in token rows taken by the scheduler, from 1;
+    /// 0: never): a capped group's members take turns in this order.
+    token_served: u64,
     /// Steps in a row it had rows and was kept out because its group is quarantined.
     quarantine_wait: u32,
 }
@@ -198,6 +246,9 @@ pub(super) struct Scheduler {
     long_prompt_rows: usize,
     long_prompt_share: f64,
     pace: StepPace,
+    cost: StepCost,
+    /// Token rows taken so far, for [`Turns::token_served`].
+    tokens_taken: u64,
     turns: HashMap<u64, Turns>,
     /// Each group's rows computed per unit of weight, less the least of the groups that
     /// waited (see `share_floor`).
@@ -235,6 +286,8 @@ impl Scheduler {
             long_prompt_rows: policy.long_prompt_rows as usize,
             long_prompt_share: policy.long_prompt_share,
             pace: StepPace::default(),
+            cost: StepCost::default(),
+            tokens_taken: 0,
             turns: HashMap::new(),
             served: HashMap::new(),
             waiting: HashSet::new(),
@@ -260,10 +313,7 @@ impl Scheduler {
             candidates.iter().filter(|c| !left_out.contains(&c.id)).collect();
         self.share_floor(&candidates);
 
-        let mut picks: Vec<Pick> = (candidates.iter())
-            .filter(|c| c.want == Want::Token)
-            .map(|c| Pick { id: c.id, rows: 1, long: false })
-            .collect();
+        let mut picks = self.token_rows(&candidates);
         let generating = picks.len();
         let mut prompts: Vec<(&Candidate<'_>, usize, bool)> = (candidates.iter())
             .filter_map(|c| match c.want {
@@ -271,7 +321,9 @@ impl Scheduler {
                 Want::Token => None,
             })
             .collect();
-        prompts.sort_by(|a, b| self.order(a, b));
+        let streaming: HashSet<&str> =
+            (candidates.iter()).filter(|c| c.want == Want::Token).map(|c| c.group).collect();
+        prompts.sort_by(|a, b| self.order(a, b, &streaming));
 
         let others = generating > 0 || prompts.iter().any(|&(_, _, long)| !long);
         // Long prompts alone run in big steps that a newcomer ends; anything else, and
@@ -297,6 +349,7 @@ impl Scheduler {
             budget -= rows;
             picks.push(Pick { id: c.id, rows, long });
         }
+        self.share_rows(&mut picks, &candidates);
         let any_long = prompts.iter().any(|&(_, _, long)| long);
         self.long_waiting = any_long && others;
         if !any_long {
@@ -306,12 +359,90 @@ impl Scheduler {
         Plan { yields: yields && !picks.is_empty(), picks }
     }
 
+    /// One token row for every generating member, the one whose token was taken
+    /// longest ago first (the order in which [`Scheduler::share_rows`] keeps them).
+    fn token_rows(&self, candidates: &[&Candidate<'_>]) -> Vec<Pick> {
+        let mut tokens: Vec<&Candidate<'_>> =
+            candidates.iter().copied().filter(|c| c.want == Want::Token).collect();
+        let served = |c: &Candidate<'_>| self.turns.get(&c.id).map_or(0, |t| t.token_served);
+        tokens.sort_by_key(|c| (served(c), c.id));
+        tokens.into_iter().map(|c| Pick { id: c.id, rows: 1, long: false }).collect()
+    }
+
+    /// While several groups generate, none of them keeps more rows in a step (tokens
+    /// and prompt rows) than its weight's part of what the lightest of them costs
+    /// (fewest rows per weight, of the highest class): as many rows per weight, or more
+    /// where the cost fitted from earlier steps says rows are cheap beside a step's
+    /// fixed part. On a CPU, where a row costs about a step's fixed part, one tenant's
+    /// sixteen streams and their prompts beside another's lone stream make that
+    /// stream's steps about twice its own, not seventeen rows long; on a GPU nothing is
+    /// cut. A group's picks are cut from its last: prompt rows first, then the tokens
+    /// taken most recently, so its seats take turns. Groups with prompts only are left
+    /// to the prompt order and the step target (a tail of a prompt must not cut a
+    /// stream's neighbours to its few rows).
+    fn share_rows(&mut self, picks: &mut Vec<Pick>, candidates: &[&Candidate<'_>]) {
+        let of: HashMap<u64, &Candidate<'_>> = candidates.iter().map(|c| (c.id, *c)).collect();
+        // Each generating group's (rows, weight, class).
+        let generating: HashSet<&str> = (picks.iter())
+            .map(|p| of[&p.id])
+            .filter(|c| c.want == Want::Token)
+            .map(|c| c.group)
+            .collect();
+        let mut groups: HashMap<&str, (usize, u32, u8)> = HashMap::new();
+        for p in picks.iter().filter(|p| generating.contains(of[&p.id].group)) {
+            let c = of[&p.id];
+            let g = groups.entry(c.group).or_insert((0, 1, 0));
+            *g = (g.0 + p.rows, g.1.max(c.claim.weight), g.2.max(c.claim.priority));
+        }
+        let top = groups.values().map(|g| g.2).max().unwrap_or(0);
+        let light = (groups.values())
+            .filter(|g| g.2 == top)
+            .map(|&(rows, weight, _)| (rows, weight.max(1) as usize))
+            .min_by(|a, b| (a.0 * b.1).cmp(&(b.0 * a.1)));
+        if let (Some((light_rows, light_weight)), true) = (light, groups.len() > 1) {
+            let mut room: HashMap<&str, usize> = (groups.iter())
+                .map(|(&group, &(rows, weight, _))| {
+                    let weight = weight.max(1) as usize;
+                    let by_count = (light_rows * weight).div_ceil(light_weight);
+                    // Rows of the time the lightest's rows and a step's fixed part take.
+                    let by_time = self.cost.fit().map_or(0, |(fixed, per_row)| {
+                        let light_time_rows = fixed / per_row + light_rows as f64;
+                        (light_time_rows * weight as f64 / light_weight as f64).min(rows as f64)
+                            as usize
+                    });
+                    (group, by_count.max(by_time).clamp(1, rows))
+                })
+                .collect();
+            for p in picks.iter_mut() {
+                if let Some(left) = room.get_mut(of[&p.id].group) {
+                    p.rows = p.rows.min(*left);
+                    *left -= p.rows;
+                }
+            }
+            for p in picks.iter().filter(|p| p.rows == 0) {
+                if let Want::Prompt(_) = of[&p.id].want {
+                    self.turns.entry(p.id).or_default().passed_over += 1;
+                }
+            }
+            picks.retain(|p| p.rows > 0);
+        }
+        for p in picks.iter() {
+            if of[&p.id].want == Want::Token {
+                self.tokens_taken += 1;
+                self.turns.entry(p.id).or_default().token_served = self.tokens_taken;
+            }
+        }
+    }
+
     /// The order prompts get rows in: class, short before long, the long passed over
-    /// first, the group's share, length, deadline, arrival.
+    /// first, groups with no stream before streaming ones (a first token before more of
+    /// a group whose streams already run: its rows cut by `share_rows` must not turn
+    /// into a lead in prompt order), the group's share, length, deadline, arrival.
     fn order(
         &self,
         (a, a_left, a_long): &(&Candidate<'_>, usize, bool),
         (b, b_left, b_long): &(&Candidate<'_>, usize, bool),
+        streaming: &HashSet<&str>,
     ) -> Ordering {
         let starved = |c: &Candidate<'_>| {
             self.turns.get(&c.id).is_some_and(|t| t.passed_over >= PASSED_OVER_STEPS)
@@ -321,6 +452,7 @@ impl Scheduler {
             .cmp(&Reverse(b.claim.priority))
             .then(a_long.cmp(b_long))
             .then(starved(b).cmp(&starved(a)))
+            .then(streaming.contains(a.group).cmp(&streaming.contains(b.group)))
             .then(served(a).total_cmp(&served(b)))
             .then(a_left.cmp(b_left))
             .then(a.claim.deadline.is_none().cmp(&b.claim.deadline.is_none()))
@@ -412,6 +544,7 @@ impl Scheduler {
                 }
                 self.yield_debt = (self.yield_debt - long_time).max(0.0);
                 self.pace.observe(rows, elapsed);
+                self.cost.observe(rows, elapsed);
                 for m in members {
                     *self.served.entry(m.group.to_string()).or_default() +=
                         m.rows as f64 / f64::from(m.weight.max(1));
@@ -702,6 +835,84 @@ mod tests {
             }
         }
         assert_eq!(pattern, "vvvavvvavvva");
+    }
+
+    /// One group's many streams beside another's one: each step takes as many of its
+    /// token rows per weight as the lighter group has, its seats in turn.
+    #[test]
+    fn a_group_with_many_streams_gets_its_weights_part_of_the_token_rows() {
+        for (weight, per_step) in [(1, 1), (3, 3)] {
+            let mut s = scheduler();
+            let heavy = Claim::new(weight, 0, None);
+            let mut candidates = vec![token(1, "light")];
+            candidates.extend((10..18).map(|id| Candidate { claim: heavy, ..token(id, "heavy") }));
+            let mut served: HashMap<u64, usize> = HashMap::new();
+            for _ in 0..8 {
+                let plan = s.plan(&candidates);
+                assert!(plan.picks.iter().any(|p| p.id == 1), "the light stream in every step");
+                let heavy: Vec<u64> =
+                    plan.picks.iter().map(|p| p.id).filter(|&id| id != 1).collect();
+                assert_eq!(heavy.len(), per_step, "weight {weight}: {:?}", rows_of(&plan));
+                for id in heavy {
+                    *served.entry(id).or_default() += 1;
+                }
+            }
+            // In turns: 8 steps of `per_step` rows over 8 seats, each seat as often.
+            assert_eq!(served.len(), 8, "weight {weight}: {served:?}");
+            assert!(served.values().all(|&n| n == per_step), "weight {weight}: {served:?}");
+        }
+        // A group alone: every stream in every step.
+        let alone: Vec<Candidate<'_>> = (10..18).map(|id| token(id, "heavy")).collect();
+        assert_eq!(scheduler().plan(&alone).picks.len(), 8);
+    }
+
+    /// A generating group's prompt rows count too: beside another group's lone stream
+    /// it keeps one row, its token; groups with prompts only are not cut (a victim's
+    /// prompt beside streams, or a prompt's tail, keeps the prompt order's rows).
+    #[test]
+    fn a_generating_groups_prompt_rows_count_in_its_part() {
+        let mut s = scheduler();
+        let step = [token(1, "victim"), token(10, "attacker"), prompt(11, "attacker", 90)];
+        assert_eq!(rows_of(&s.plan(&step)), [(1, 1), (10, 1)]);
+        let mut s = scheduler();
+        let step = [token(1, "victim"), prompt(11, "attacker", 90)];
+        assert_eq!(rows_of(&s.plan(&step)), [(1, 1), (11, 90)]);
+        let mut s = scheduler();
+        let step = [prompt(1, "victim", 30), token(10, "attacker"), prompt(11, "attacker", 90)];
+        assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 30), (11, 70)]);
+    }
+
+    /// A group whose streams run waits with its next prompt behind a group with none,
+    /// whatever their shares: the victim of a capped flood gets its first token first.
+    #[test]
+    fn a_group_with_no_stream_gets_its_prompt_before_a_streaming_groups() {
+        let mut s = scheduler();
+        // The victim has computed more rows than the attacker.
+        let member =
+            |group, rows| Stepped { group, weight: 1, rows, long: false, cancelled: false };
+        s.stepped(&[member("victim", 80), member("attacker", 10)], 90 * MS, StepEnd::Computed);
+        let step = [token(10, "attacker"), prompt(11, "attacker", 60), prompt(1, "victim", 60)];
+        assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 60), (11, 40)]);
+    }
+
+    /// The time rule: where a row costs next to nothing beside a step's fixed part (a
+    /// GPU) no group is capped; where it costs about as much (a CPU), the count rule holds.
+    #[test]
+    fn token_rows_are_capped_where_rows_cost_and_not_where_they_are_cheap() {
+        let mut candidates = vec![token(1, "light")];
+        candidates.extend((10..26).map(|id| token(id, "heavy")));
+        for (fixed_us, per_row_us, picked) in [(20_000, 100, 17), (5_000, 8_000, 2)] {
+            let mut s = scheduler();
+            for rows in (1..=64).step_by(3) {
+                let member = Stepped { group: "x", weight: 1, rows, long: false, cancelled: false };
+                let elapsed = Duration::from_micros(fixed_us + per_row_us * rows as u64);
+                s.stepped(&[member], elapsed, StepEnd::Computed);
+            }
+            let (fixed, per_row) = s.cost.fit().expect("a fit from steps of 1 to 64 rows");
+            assert!((fixed * 1e6 - fixed_us as f64).abs() < 1.0, "{fixed}");
+            assert!((per_row * 1e6 - per_row_us as f64).abs() < 0.1, "{per_row}");
+            assert_eq!(s.plan(&candidates).picks.len(), picked, "fixed {fixed_us} us");
+        }
     }
 
     #[test]

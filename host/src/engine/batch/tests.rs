@@ -468,6 +468,36 @@ async fn generations_on_seats_batch_their_tokens_and_pick_what_a_context_of_its_
     );
 }
 
+/// Generations of two groups, one with three seats: whether the scheduler caps the
+/// heavy group's token rows (its seats then take turns) or not, every generation ends
+/// with what a context of its own picks.
+#[tokio::test]
+async fn generations_of_a_group_whose_token_rows_take_turns_pick_what_they_would_alone() {
+    let f = Fixture::new(512);
+    let light = f.seat_in("light", Arc::default()).await;
+    let heavy = [
+        f.seat_in("heavy", Arc::default()).await,
+        f.seat_in("heavy", Arc::default()).await,
+        f.seat_in("heavy", Arc::default()).await,
+    ];
+    let prompts: Vec<Vec<Token>> = (0..4).map(|i| prompt(40 + i, 8 + 3 * i as usize)).collect();
+    let gate = pause(&light);
+    let mut runs = Vec::new();
+    for (seat, p) in std::iter::once(&light).chain(&heavy).zip(&prompts) {
+        let (tx, rx) = pieces::channel(64);
+        let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+        runs.push((seat.generate(sampler, request(p.clone(), 12), CancelFlag::new(), tx), rx));
+    }
+    drop(gate);
+    for ((call, rx), p) in runs.into_iter().zip(&prompts) {
+        let tokens = tokio::time::timeout(Duration::from_secs(60), read_all(rx))
+            .await
+            .expect("every seat's tokens came: none was left waiting for its turn");
+        assert_eq!(call.await.unwrap().unwrap().finish, FinishReason::MaxTokens);
+        assert_eq!(tokens, solo_generation(p, 12));
+    }
+}
+
 #[tokio::test]
 async fn a_reader_that_stops_reading_holds_back_only_its_own_generation() {
     let f = Fixture::new(512);
