@@ -349,7 +349,7 @@ impl Scheduler {
             budget -= rows;
             picks.push(Pick { id: c.id, rows, long });
         }
-        self.share_rows(&mut picks, &candidates);
+        self.share_rows(&mut picks, &candidates, &streaming);
         let any_long = prompts.iter().any(|&(_, _, long)| long);
         self.long_waiting = any_long && others;
         if !any_long {
@@ -380,16 +380,16 @@ impl Scheduler {
     /// taken most recently, so its seats take turns. Groups with prompts only are left
     /// to the prompt order and the step target (a tail of a prompt must not cut a
     /// stream's neighbours to its few rows).
-    fn share_rows(&mut self, picks: &mut Vec<Pick>, candidates: &[&Candidate<'_>]) {
+    fn share_rows(
+        &mut self,
+        picks: &mut Vec<Pick>,
+        candidates: &[&Candidate<'_>],
+        streaming: &HashSet<&str>,
+    ) {
         let of: HashMap<u64, &Candidate<'_>> = candidates.iter().map(|c| (c.id, *c)).collect();
-        // Each generating group's (rows, weight, class).
-        let generating: HashSet<&str> = (picks.iter())
-            .map(|p| of[&p.id])
-            .filter(|c| c.want == Want::Token)
-            .map(|c| c.group)
-            .collect();
+        // Each generating group's (rows, weight at least 1, class).
         let mut groups: HashMap<&str, (usize, u32, u8)> = HashMap::new();
-        for p in picks.iter().filter(|p| generating.contains(of[&p.id].group)) {
+        for p in picks.iter().filter(|p| streaming.contains(of[&p.id].group)) {
             let c = of[&p.id];
             let g = groups.entry(c.group).or_insert((0, 1, 0));
             *g = (g.0 + p.rows, g.1.max(c.claim.weight), g.2.max(c.claim.priority));
@@ -397,15 +397,16 @@ impl Scheduler {
         let top = groups.values().map(|g| g.2).max().unwrap_or(0);
         let light = (groups.values())
             .filter(|g| g.2 == top)
-            .map(|&(rows, weight, _)| (rows, weight.max(1) as usize))
+            .map(|&(rows, weight, _)| (rows, weight as usize))
             .min_by(|a, b| (a.0 * b.1).cmp(&(b.0 * a.1)));
         if let (Some((light_rows, light_weight)), true) = (light, groups.len() > 1) {
+            let cost = self.cost.fit();
             let mut room: HashMap<&str, usize> = (groups.iter())
                 .map(|(&group, &(rows, weight, _))| {
-                    let weight = weight.max(1) as usize;
+                    let weight = weight as usize;
                     let by_count = (light_rows * weight).div_ceil(light_weight);
                     // Rows of the time the lightest's rows and a step's fixed part take.
-                    let by_time = self.cost.fit().map_or(0, |(fixed, per_row)| {
+                    let by_time = cost.map_or(0, |(fixed, per_row)| {
                         let light_time_rows = fixed / per_row + light_rows as f64;
                         (light_time_rows * weight as f64 / light_weight as f64).min(rows as f64)
                             as usize
