@@ -88,12 +88,12 @@ demo: build guest
 	$(HOST) run $(GUEST) --model $$name=$$model --projector eyes=$$projector -- --model $$name --media eyes \
 	  --threads $$threads --cancel-after-ms 30
 
-# The host package, the bench crate's own unit tests (its statistics and report; the
+# The host package, the native crate's unit tests, the bench crate's own unit tests (its statistics and report; the
 # benchmarks themselves run only in `make bench`), and the openai plugin's unit tests (its
 # wire format, natively).
 test: deps
 	scripts/validate-manifests.sh
-	$(CARGO) test $(PROFILE) -p llamabox -p llamabox-bench -- --test-threads=1
+	$(CARGO) test $(PROFILE) -p llamabox -p llamabox-native -p llamabox-bench -- --test-threads=1
 	cd guest && $(CARGO) test --release -p llamabox-openai -p llamabox-guest --target x86_64-unknown-linux-gnu --target-dir ../target/guest
 
 # The GPU tests (tests/gpu.rs) on whatever Vulkan device is present: `make GPU=vulkan
@@ -106,17 +106,17 @@ test-gpu: deps
 	  GGML_VK_DISABLE_COOPMAT=$${GGML_VK_DISABLE_COOPMAT-1} \
 	  $(CARGO) test $(PROFILE) -p llamabox $(FEATURES) --test gpu -- --test-threads=1
 
-# rustfmt on both workspaces (rustfmt.toml), then clippy on the host package, warnings as
-# errors (not part of `make test`: a second, check-mode build of every dependency), then
-# rustdoc on the library, a broken or private intra-doc link an error.
-# lib.rs denies undocumented unsafe blocks and unsafe fns without a `# Safety` section,
-# and warns on public items without docs (so clippy fails on them).
+# rustfmt on both workspaces (rustfmt.toml), then clippy on the host and native packages,
+# warnings as errors (not part of `make test`: a second, check-mode build of every
+# dependency), then rustdoc on both libraries, a broken or private intra-doc link an
+# error. Both lib.rs deny undocumented unsafe blocks and unsafe fns without a `# Safety`
+# section, and warn on public items without docs (so clippy fails on them).
 lint: deps
 	$(CARGO) fmt --all --check
 	cd guest && $(CARGO) fmt --all --check
-	$(CARGO) clippy $(PROFILE) -p llamabox $(FEATURES) --all-targets -- -D warnings
+	$(CARGO) clippy $(PROFILE) -p llamabox -p llamabox-native $(FEATURES) --all-targets -- -D warnings
 	$(CARGO) clippy $(PROFILE) -p llamabox --no-default-features --lib --example embedder -- -D warnings
-	RUSTDOCFLAGS="-D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links" $(CARGO) doc $(PROFILE) -p llamabox $(FEATURES) --no-deps --lib
+	RUSTDOCFLAGS="-D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links" $(CARGO) doc $(PROFILE) -p llamabox -p llamabox-native $(FEATURES) --no-deps --lib
 	@! $(CARGO) tree -p llamabox --no-default-features -e normal --prefix none | grep -E '^(clap|prometheus-client|hyper-util|tracing-subscriber|oci-client|reqwest) ' \
 	  || { echo "the embedder's build (no default features) pulls in the CLI's or the server's crates"; exit 1; }
 
@@ -251,7 +251,7 @@ fuzz: deps guest
 	LLAMABOX_FUZZ_SEEDS=$(FUZZ_SEEDS) LLAMABOX_FUZZ_CALLS=$(FUZZ_CALLS) LLAMABOX_FUZZ_SEED=$(FUZZ_SEED) \
 	  LLAMABOX_FUZZ_GRAMMARS=$(FUZZ_GRAMMARS) $(CARGO) test $(PROFILE) -p llamabox --test guest -- --nocapture fuzz::
 	LLAMABOX_GRAMMAR_CASES=5000 LLAMABOX_GRAMMAR_SEED=$(FUZZ_SEED) \
-	  $(CARGO) test $(PROFILE) -p llamabox --lib grammar -- --nocapture
+	  $(CARGO) test $(PROFILE) -p llamabox-native --lib grammar -- --nocapture
 
 # Many plugin instances decoding with random cancels (tests/guest/soak.rs), longer than in
 # `make test`: prints the outcome counts and resident memory after warm-up and at the end.
@@ -263,11 +263,11 @@ soak: deps
 
 # The native layer's tests under valgrind memcheck (invalid reads/writes, use of freed
 # or uninitialised memory in llama.cpp, mtmd or our FFI). Exits non-zero on any error.
-# The library's unit tests, then the decode, media and adversarial modules of the native
+# The libraries' unit tests, then the decode, media and adversarial modules of the native
 # test binary (name filters apply to every binary of a run, hence two runs).
 MEMCHECK := CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="valgrind --error-exitcode=99 -q"
 memcheck: deps
-	$(MEMCHECK) $(CARGO) test $(PROFILE) -p llamabox --lib -- --test-threads=1
+	$(MEMCHECK) $(CARGO) test $(PROFILE) -p llamabox -p llamabox-native --lib -- --test-threads=1
 	$(MEMCHECK) $(CARGO) test $(PROFILE) -p llamabox --test native -- --test-threads=1 \
 	  decode:: media_encode:: adversarial::
 

@@ -114,7 +114,7 @@ pub async fn run_tenants(
 fn generated_model() -> anyhow::Result<PathBuf> {
     let path =
         std::env::temp_dir().join(format!("llamabox-embedder-example-{}.gguf", std::process::id()));
-    llamabox::native::TextModelSpec::tiny().write(&path)?;
+    llamabox_native::TextModelSpec::tiny().write(&path)?;
     Ok(path)
 }
 

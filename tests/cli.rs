@@ -39,7 +39,7 @@ fn info_names_the_cpu_features_and_flags_ggml_was_built_for_and_the_devices() {
         .split_once("\nGPU backends: ")
         .unwrap_or_else(|| panic!("no GPU backends line: {text}"));
     let devices: Vec<&str> = devices.lines().skip(1).collect();
-    let listed = llamabox::native::devices();
+    let listed = llamabox_native::devices();
     assert_eq!(devices.len(), listed.len(), "one line per device: {text}");
     for (line, device) in devices.iter().zip(&listed) {
         assert!(
@@ -50,14 +50,14 @@ fn info_names_the_cpu_features_and_flags_ggml_was_built_for_and_the_devices() {
             "{line}"
         );
     }
-    assert!(listed.iter().any(|d| d.kind == llamabox::native::DeviceKind::Cpu), "{text}");
-    if llamabox::native::gpu_backends().is_empty() {
+    assert!(listed.iter().any(|d| d.kind == llamabox_native::DeviceKind::Cpu), "{text}");
+    if llamabox_native::gpu_backends().is_empty() {
         assert!(text.contains("GPU backends: none"), "{text}");
     }
     let features: Vec<String> = features.split_whitespace().map(String::from).collect();
-    assert_eq!(features, llamabox::native::cpu_features(), "{text}");
-    let level = llamabox::native::InstructionLevel::of(&features);
-    let expected = match llamabox::native::build_c_flags() {
+    assert_eq!(features, llamabox_native::cpu_features(), "{text}");
+    let level = llamabox_native::InstructionLevel::of(&features);
+    let expected = match llamabox_native::build_c_flags() {
         "" => level.to_string(),
         flags => format!("{level}, C flags {flags}"),
     };
@@ -69,7 +69,7 @@ fn an_offload_this_machine_cannot_do_is_refused_by_name_before_anything_runs() {
     let out = llamabox(&["run", "/nonexistent/plugin.wasm", "--device", "NoSuchGpu"]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("no GPU named \"NoSuchGpu\""), "{}", stderr(&out));
-    if llamabox::native::devices().iter().all(|d| !d.kind.is_gpu()) {
+    if llamabox_native::devices().iter().all(|d| !d.kind.is_gpu()) {
         let out = llamabox(&["run", "/nonexistent/plugin.wasm", "--gpu-layers", "4"]);
         assert!(!out.status.success());
         assert!(
@@ -177,8 +177,8 @@ fn synth_model_writes_a_loadable_model() {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     let out = llamabox(&["synth-model", path.to_str().unwrap(), "--seed", "7"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let model = llamabox::native::Model::load(&path).unwrap();
-    assert_eq!(model.n_embd(), llamabox::native::TextModelSpec::tiny().n_embd);
+    let model = llamabox_native::Model::load(&path).unwrap();
+    assert_eq!(model.n_embd(), llamabox_native::TextModelSpec::tiny().n_embd);
     std::fs::remove_file(path).unwrap();
 }
 

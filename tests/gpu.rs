@@ -16,7 +16,7 @@ mod common;
 
 use std::sync::Arc;
 
-use llamabox::native::{
+use llamabox_native::{
     self, generate, Batch, CancelFlag, ChunkKind, Context, ContextParams, DeviceKind, Error,
     FinishReason, GenerateRequest, MediaCaps, MediaContext, MediaInput, Model, Offload, Piece,
     Sampler, SamplerCaps, SamplerParams, Stop, Token,

@@ -1,4 +1,4 @@
-//! The native layer (`llamabox::native`: llama.cpp and mtmd through our FFI) driven
+//! The native layer (`llamabox_native`: llama.cpp and mtmd through our FFI) driven
 //! directly, on generated models and on the real one: decodes and their cancels,
 //! prefix reuse, media encodes, random and adversarial calls, host-side generation.
 //! A few tests end by running the same through the demo plugin. One test binary; a
@@ -18,3 +18,5 @@ mod media_encode;
 mod prefix_reuse;
 #[path = "native/real_model.rs"]
 mod real_model;
+#[path = "native/share.rs"]
+mod share;

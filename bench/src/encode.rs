@@ -9,7 +9,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use llamabox::native::{
+use llamabox_native::{
     chunker::DEFAULT_LATENCY_TARGET, CancelFlag, Chunk, ChunkKind, Error, MediaCaps, MediaContext,
     MediaInput, Model, ProjectorSpec, Stop,
 };

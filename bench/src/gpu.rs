@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{ensure, Context as _};
-use llamabox::native::{chunker::DEFAULT_LATENCY_TARGET, Model};
+use llamabox_native::{chunker::DEFAULT_LATENCY_TARGET, Model};
 
 use crate::encode;
 use crate::native::Native;
@@ -50,7 +50,7 @@ pub fn report(
         Model::load(&model.path).with_context(|| format!("loading {}", model.path.display()))?,
     );
     let device = loaded.device().context("the model's layers went to no GPU (is a Vulkan device visible? GGML_VK_VISIBLE_DEVICES)")?.to_string();
-    let description = llamabox::native::devices()
+    let description = llamabox_native::devices()
         .into_iter()
         .find(|d| d.name == device)
         .map_or_else(String::new, |d| d.description);
@@ -106,7 +106,7 @@ pub fn report(
 
     native.generate()?;
     let gen_ways: Vec<Way> = ways.iter().copied().filter(|w| *w != Way::Dense).collect();
-    let flag = llamabox::native::CancelFlag::new();
+    let flag = llamabox_native::CancelFlag::new();
     let tg = in_rounds(rounds, &gen_ways, |way, _| match way {
         Way::Plain => native.generate(),
         Way::Paced => native.generate_until(Some(&flag)),

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use llama_cpp_sys_2 as sys;
-use llamabox::native::{Grammar, Model, Sampler, SamplerCaps, SamplerParams, Token};
+use llamabox_native::{Grammar, Model, Sampler, SamplerCaps, SamplerParams, Token};
 
 use crate::stats::Samples;
 

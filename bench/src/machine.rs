@@ -22,7 +22,7 @@ impl Machine {
             })
             .unwrap_or_else(|| "unknown CPU".into());
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let ggml_features = llamabox::native::cpu_features();
+        let ggml_features = llamabox_native::cpu_features();
         use crate::reference::{cache_value, crate_cmake_cache, ggml_cpu_options_on};
         let build_config = crate_cmake_cache().map_or_else(
             || "unknown (no CMake cache beside this binary)".into(),

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context as _};
 use clap::Parser;
-use llamabox::native::Model;
+use llamabox_native::Model;
 
 use guest::{Guest, GuestGeneration};
 use machine::ThreadSched;
@@ -62,7 +62,7 @@ struct Cli {
     threads: u32,
     /// How long idle llama.cpp threads spin before sleeping (`native::set_idle_poll`;
     /// llamabox's default 1, llama-bench's default 50, which it keeps here).
-    #[arg(long, default_value_t = llamabox::native::DEFAULT_IDLE_POLL)]
+    #[arg(long, default_value_t = llamabox_native::DEFAULT_IDLE_POLL)]
     idle_poll: u32,
     /// More plugins to time start-up of (compiling, cached, a run to its argument check):
     /// large ones, CPython or a JS engine inside. Repeatable.
@@ -140,7 +140,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         println!("{report}");
         return Ok(());
     }
-    llamabox::native::set_idle_poll(cli.idle_poll);
+    llamabox_native::set_idle_poll(cli.idle_poll);
     ensure!((2..=2048).contains(&cli.prompt_tokens), "--prompt-tokens must be in [2, 2048]");
     if let Some(out) = &cli.gpu_report {
         let shape = Shape {
@@ -261,7 +261,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let date = today();
     // CPU=native and CPU=native-march link the same instructions, compiled without and
     // with -march=native: two builds.
-    let level = llamabox::native::InstructionLevel::of(&machine.ggml_features);
+    let level = llamabox_native::InstructionLevel::of(&machine.ggml_features);
     let build = if machine.build_config.starts_with("-march=native") {
         format!("{}-march-native", level.name())
     } else {

@@ -1,11 +1,11 @@
-//! The native side: llama.cpp through `llamabox::native`, with and without the abort
+//! The native side: llama.cpp through `llamabox_native`, with and without the abort
 //! callback, greedy generation, and cancel latency from another thread.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use llamabox::native::{Batch, CancelFlag, Context, Error, Model, Stop};
+use llamabox_native::{Batch, CancelFlag, Context, Error, Model, Stop};
 
 use crate::stats::timed;
 use crate::workload::{

@@ -220,7 +220,7 @@ pub fn greedy_agreement(
     model_path: &Path,
     tokens: u32,
 ) -> anyhow::Result<Agreement> {
-    use llamabox::native::{
+    use llamabox_native::{
         generate, Context, ContextParams, GenerateRequest, Model, Sampler, SamplerCaps,
         SamplerParams, Stop,
     };
@@ -253,13 +253,13 @@ pub fn greedy_agreement(
     let request =
         GenerateRequest { prompt, seq: 0, max_tokens: tokens, stop: Vec::new(), logprobs: None };
     let mut ours = String::new();
-    let never = llamabox::native::CancelFlag::new();
+    let never = llamabox_native::CancelFlag::new();
     generate(
         &mut ctx,
         &mut sampler,
         &request,
         Stop::on(&never),
-        &mut |piece: llamabox::native::Piece| {
+        &mut |piece: llamabox_native::Piece| {
             ours.push_str(&piece.text);
             true
         },

@@ -285,7 +285,7 @@ pub fn render(
         out,
         "- threads: {} for every llama.cpp call, idle poll {} (llama-bench: 50); load average at start {}, at end {}",
         s.threads,
-        llamabox::native::idle_poll(),
+        llamabox_native::idle_poll(),
         cx.load_start,
         cx.load_end
     );

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use llamabox::native::{Batch, ContextParams, TextModelSpec, Token};
+use llamabox_native::{Batch, ContextParams, TextModelSpec, Token};
 
 /// A model under benchmark: the name plugins open it by, and its file.
 #[derive(Clone, Debug)]

@@ -9,8 +9,8 @@
 //! - `engine`: the model registry, idle contexts and batches (many runs' contexts as
 //!   sequences of one shared native context, one decode per step).
 //! - `worker`: one thread per native context, stop-and-join on drop.
-//! - [`native`]: safe Rust over llama.cpp; no wasm types (public: an embedder may
-//!   use llama.cpp directly, and the tests and benchmarks do).
+//! - `native`: safe Rust over llama.cpp, no wasm types; the `llamabox-native` crate
+//!   (`native/`), so that nothing in it can reach up.
 
 // Every `unsafe` block and impl says why it is sound, every `unsafe fn` what its caller
 // must uphold (docs/ARCHITECTURE.md, native/).
@@ -21,7 +21,8 @@ mod component;
 mod engine;
 pub mod error;
 mod grant;
-pub mod native;
+// The native layer is its own crate; inside this one it keeps its layer's name.
+use llamabox_native as native;
 mod plugin;
 #[cfg(feature = "serve")]
 pub mod serve;

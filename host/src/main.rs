@@ -7,14 +7,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand, ValueEnum};
-use llamabox::native;
-#[cfg(feature = "synthetic")]
-use llamabox::native::{ProjectorSpec, TextModelSpec};
 use llamabox::serve::{ServeConfig, Server};
 use llamabox::source::GrantChoice;
 use llamabox::{
     HostOptions, LimitOverrides, Limits, ModelRegistry, PluginHost, RunOptions, RunOutcome,
 };
+use llamabox_native as native;
+#[cfg(feature = "synthetic")]
+use llamabox_native::{ProjectorSpec, TextModelSpec};
 use wasmtime_wasi::WasiCtxBuilder;
 
 #[derive(Parser)]

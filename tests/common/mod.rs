@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use llamabox::native::{ProjectorSpec, TextModelSpec};
 use llamabox::{Limits, ModelRegistry, PluginHost, RunOutcome};
+use llamabox_native::{ProjectorSpec, TextModelSpec};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
 
@@ -70,7 +70,7 @@ pub fn slow_model() -> &'static Path {
 pub fn slow_chat_model() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
     let spec = TextModelSpec {
-        chat_template: Some(llamabox::native::synthetic::CHATML_TEMPLATE.into()),
+        chat_template: Some(llamabox_native::synthetic::CHATML_TEMPLATE.into()),
         ..TextModelSpec::slow()
     };
     generated("slow-chat", spec, &CELL)
@@ -257,11 +257,11 @@ pub fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
 /// last boundary: each stops exactly there with `cancelled`, and the next encode equals
 /// `plain` again.
 pub fn check_encode_stops_at_each_boundary(
-    media: &mut llamabox::native::MediaContext,
-    chunk: &llamabox::native::Chunk,
+    media: &mut llamabox_native::MediaContext,
+    chunk: &llamabox_native::Chunk,
     plain: &[f32],
 ) {
-    use llamabox::native::{CancelFlag, Error, Stop};
+    use llamabox_native::{CancelFlag, Error, Stop};
     let counter = CancelFlag::counting();
     let chunked = media.encode(chunk, Some(Stop::on(&counter))).unwrap();
     let boundaries = counter.polls();
@@ -279,11 +279,9 @@ pub fn check_encode_stops_at_each_boundary(
 
 /// Polls of a generation's prefill, and of one generated token's decode:
 /// `generate(max_tokens, flag)` runs a generation of at most `max_tokens` under `flag`.
-pub fn prefill_and_token_polls(
-    generate: impl Fn(u32, &llamabox::native::CancelFlag),
-) -> (u64, u64) {
+pub fn prefill_and_token_polls(generate: impl Fn(u32, &llamabox_native::CancelFlag)) -> (u64, u64) {
     let count = |max_tokens| {
-        let counter = llamabox::native::CancelFlag::counting();
+        let counter = llamabox_native::CancelFlag::counting();
         generate(max_tokens, &counter);
         counter.polls()
     };
@@ -338,7 +336,7 @@ pub async fn demo_generates_on_native_logits(
 /// `--long-tokens long_tokens`, computed natively with the context it creates
 /// (see guest/demo: n-ctx, n-batch from --long-tokens; default n-ubatch; 1 thread).
 pub fn native_prompt_digest(model: &Path, prompt: &str, long_tokens: u32) -> String {
-    use llamabox::native::{Batch, Context, ContextParams, Model};
+    use llamabox_native::{Batch, Context, ContextParams, Model};
     let model = std::sync::Arc::new(Model::load(model).unwrap());
     let n_batch = long_tokens.max(64);
     let n_ctx = (n_batch + 64).next_power_of_two();

@@ -201,7 +201,7 @@ async fn models_are_added_replaced_and_unloaded_while_the_host_lives() {
     let new = models.open("m").await.unwrap();
     assert!(!Arc::ptr_eq(&old, &new));
     let (tiny, slow) =
-        (llamabox::native::TextModelSpec::tiny(), llamabox::native::TextModelSpec::slow());
+        (llamabox_native::TextModelSpec::tiny(), llamabox_native::TextModelSpec::slow());
     assert_ne!(tiny.n_layer, slow.n_layer, "the test tells the two models apart by their layers");
     assert_eq!((old.n_layer(), new.n_layer()), (tiny.n_layer, slow.n_layer));
 
@@ -227,8 +227,8 @@ async fn a_run_reports_what_it_decoded_generated_and_held() {
     let usage = report.usage;
     assert_eq!(usage.tokens_decoded, 3 * 16);
     assert_eq!((usage.tokens_generated, usage.cancels), (0, 0));
-    let model = llamabox::native::Model::load(common::tiny_model()).unwrap();
-    let params = llamabox::native::ContextParams {
+    let model = llamabox_native::Model::load(common::tiny_model()).unwrap();
+    let params = llamabox_native::ContextParams {
         n_ctx: 64,
         n_batch: 16,
         n_ubatch: 16,
@@ -406,7 +406,7 @@ async fn a_running_context_keeps_its_model_when_the_name_is_replaced() {
     let (a, ()) = tokio::join!(a, replace_then_cancel);
     let a_text = text(&a_out);
     assert_eq!(a.unwrap().outcome, RunOutcome::Success, "{a_text}");
-    let tiny = llamabox::native::TextModelSpec::tiny();
+    let tiny = llamabox_native::TextModelSpec::tiny();
     assert!(
         common::field(&a_text, "model").ends_with(&format!("embd {})", tiny.n_embd)),
         "{a_text}"
@@ -419,7 +419,7 @@ async fn a_running_context_keeps_its_model_when_the_name_is_replaced() {
     // A new run opens the new model under the same name.
     let (wasi, b_out) = start(&["--model", "m", "--token", &capability]);
     assert_eq!(plugin.run_report(&options, wasi).await.unwrap().outcome, RunOutcome::Success);
-    let slow = llamabox::native::TextModelSpec::slow();
+    let slow = llamabox_native::TextModelSpec::slow();
     assert!(
         common::field(&text(&b_out), "model").ends_with(&format!("embd {})", slow.n_embd)),
         "{}",

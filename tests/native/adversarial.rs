@@ -7,8 +7,8 @@
 
 use std::sync::Arc;
 
-use llamabox::native::synthetic::SplitMix64;
-use llamabox::native::{
+use llamabox_native::synthetic::SplitMix64;
+use llamabox_native::{
     Batch, CancelFlag, Context, ContextParams, Error, MediaCaps, MediaContext, MediaInput, Model,
     Stop,
 };

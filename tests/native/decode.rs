@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use llamabox::native::{Batch, CancelFlag, Context, ContextParams, Error, Model, Stop};
+use llamabox_native::{Batch, CancelFlag, Context, ContextParams, Error, Model, Stop};
 
 use crate::common;
 

@@ -6,12 +6,12 @@
 
 use std::sync::Arc;
 
-use llamabox::native::{
+use llamabox::RunOutcome;
+use llamabox_native::{
     generate, Batch, CancelFlag, ChatMessage, ChatTemplate, ChunkKind, Context, ContextParams,
     Error, FinishReason, GenerateRequest, Grammar, GrammarSyntax, MediaCaps, MediaContext,
     MediaInput, Model, Outcome, Piece, Pooling, Sampler, SamplerCaps, SamplerParams, Stop, Token,
 };
-use llamabox::RunOutcome;
 
 use crate::common;
 
@@ -157,7 +157,7 @@ fn logprobs_are_the_models_own_distribution_at_each_delivered_token() {
     replay.decode(&Batch::sequence(&prompt, 0, 0), None).unwrap();
     let mut below_the_top = 0;
     for (k, (&token, entry)) in delivered.iter().zip(&got).enumerate() {
-        let expected = llamabox::native::token_logprob(replay.last_logits().unwrap(), token, 4);
+        let expected = llamabox_native::token_logprob(replay.last_logits().unwrap(), token, 4);
         assert_eq!(entry, &expected, "token {k}");
         assert!(
             entry.logprob <= 0.0
@@ -509,14 +509,18 @@ fn chat_templates_from_the_model_or_by_name_and_named_errors() {
         else {
             continue;
         };
-        let cost = llamabox::native::chat::messages_cost(&empty);
+        let cost = llamabox_native::chat::messages_cost(&empty);
         assert!(text.len() <= cost, "{name}: {} bytes formatted from {cost} charged", text.len());
     }
 }
 
 /// Beside a batch (a context that shares the cores), a long input's rows are decoded in
-/// pieces, one turn on the cores each, so that the batch's steps can run between them;
-/// the rows are those of one decode, up to rounding. Alone, one decode, one turn.
+/// the pieces the cores give, one turn on the cores each, so that the batch's steps can
+/// run between them; the rows are those of one decode, up to rounding. Alone, one
+/// decode, one turn. Pieces of 256 rows give bitwise the same rows here; 128-row pieces
+/// run some of the attention through other ggml kernels, which round differently (about
+/// 0.4% of the scale at worst on this model), while a wrong position or a lost piece
+/// would change rows entirely.
 #[test]
 fn beside_a_batch_an_embedding_takes_the_cores_in_pieces() {
     let model = load(common::tiny_model());
@@ -527,32 +531,35 @@ fn beside_a_batch_an_embedding_takes_the_cores_in_pieces() {
     assert!(tokens.len() > 600, "{} tokens", tokens.len());
     let mut alone = Context::new(model.clone(), big).unwrap();
     let whole = alone.embed_rows(&tokens, false, None).unwrap();
-
-    let cores = Arc::new(llamabox::native::Cores::default());
-    let mut beside = Context::new(model.clone(), big).unwrap();
-    beside.share_cores(Some(cores.clone()));
-    let short = &tokens[..20];
-    assert_eq!(
-        beside.embed_rows(short, false, None).unwrap(),
-        alone.embed_rows(short, false, None).unwrap()
-    );
-    assert_eq!(cores.served(), 1, "a short input: one decode, one turn");
-    let pieces = beside.embed_rows(&tokens, false, None).unwrap();
-    let turns = cores.served() - 1;
-    assert!(turns >= 2, "{} rows in {turns} turn(s)", tokens.len());
-    assert_eq!(pieces.len(), whole.len());
     let scale = whole.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
-    let worst = whole
-        .iter()
-        .flatten()
-        .zip(pieces.iter().flatten())
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(worst <= 1e-3 * scale.max(1.0), "rows differ by {worst} (scale {scale})");
-    assert_eq!(beside.seq_pos_max(0).unwrap(), -1, "embedding leaves memory empty");
-    eprintln!(
-        "embedding beside a batch: {} rows in {turns} turns, worst difference {worst:e}",
-        tokens.len()
-    );
+
+    for (piece_rows, tolerance) in [(256, 0.0), (128, 1e-2)] {
+        let cores = Arc::new(crate::share::CountedTurns::new(piece_rows));
+        let mut beside = Context::new(model.clone(), big).unwrap();
+        beside.share_cores(Some(cores.clone()));
+        let short = &tokens[..20];
+        assert_eq!(
+            beside.embed_rows(short, false, None).unwrap(),
+            alone.embed_rows(short, false, None).unwrap()
+        );
+        assert_eq!(cores.turns(), 1, "a short input: one decode, one turn");
+        let pieces = beside.embed_rows(&tokens, false, None).unwrap();
+        let turns = cores.turns() - 1;
+        let (n, expected) = (tokens.len(), tokens.len().div_ceil(piece_rows));
+        assert_eq!(turns as usize, expected, "{n} rows in {piece_rows}-row pieces");
+        assert_eq!(pieces.len(), whole.len());
+        let worst = whole
+            .iter()
+            .flatten()
+            .zip(pieces.iter().flatten())
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            worst <= tolerance * scale.max(1.0),
+            "{piece_rows}-row pieces: rows differ by {worst} (scale {scale})"
+        );
+        assert_eq!(beside.seq_pos_max(0).unwrap(), -1, "embedding leaves memory empty");
+        eprintln!("embedding in {piece_rows}-row pieces: {n} rows, worst difference {worst:e}");
+    }
 }
 
 #[test]
@@ -989,7 +996,7 @@ fn a_json_schema_constrains_generation_to_valid_json() {
 /// pieces until one found no room).
 #[test]
 fn an_eval_that_cannot_fit_fails_before_computing() {
-    use llamabox::native::PromptPiece;
+    use llamabox_native::PromptPiece;
     let model = load(common::tiny_model());
     let mut ctx = Context::new(
         model.clone(),
@@ -997,11 +1004,14 @@ fn an_eval_that_cannot_fit_fails_before_computing() {
     )
     .unwrap();
     let t = token_for(&model, b"a");
+    let counts = Arc::new(crate::share::Counts::default());
+    ctx.set_tally(counts.clone());
     ctx.eval(&[PromptPiece::Tokens(vec![t; 100])], 0, None).unwrap();
-    let decodes = ctx.meter().decoded();
+    let decodes = counts.decoded();
+    assert_eq!(decodes, 100);
     let too_many = [PromptPiece::Tokens(vec![t; 100]), PromptPiece::Tokens(vec![t; 57])];
     assert_eq!(ctx.eval(&too_many, 0, None), Err(Error::ContextFull));
-    assert_eq!(ctx.meter().decoded(), decodes, "nothing was computed");
+    assert_eq!(counts.decoded(), decodes, "nothing was computed");
     assert_eq!(ctx.seq_pos_max(0).unwrap(), 99, "memory as it was");
     assert_eq!(
         ctx.eval(&[PromptPiece::Tokens(vec![t; 156])], 0, None).unwrap(),

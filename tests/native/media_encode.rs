@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use llamabox::native::{
+use llamabox_native::{
     Batch, CancelFlag, ChunkKind, Context, ContextParams, Error, MediaCaps, MediaContext,
     MediaInput, Model, Stop,
 };
@@ -26,7 +26,7 @@ fn image(w: u32, h: u32) -> MediaInput {
 }
 
 /// The single media chunk of `prompt` + one input.
-fn media_chunk(m: &mut MediaContext, input: MediaInput) -> Arc<llamabox::native::Chunk> {
+fn media_chunk(m: &mut MediaContext, input: MediaInput) -> Arc<llamabox_native::Chunk> {
     let prompt = format!("look: {}", MediaContext::marker());
     let chunks = m.tokenize(&prompt, &[input], CAPS, usize::MAX).unwrap();
     chunks.into_iter().find(|c| c.kind() != ChunkKind::Text).expect("a media chunk")
@@ -244,7 +244,7 @@ fn a_chunk_is_encoded_only_by_the_media_context_that_made_it() {
 /// decoding piece by piece, and a failure in the last piece undoes the first ones.
 #[test]
 fn eval_is_one_all_or_nothing_call_over_text_and_media_pieces() {
-    use llamabox::native::PromptPiece as Piece;
+    use llamabox_native::PromptPiece as Piece;
     let model = model();
     let mut m = media(common::tiny_vision(), &model);
     let prompt = format!("look: {} and tell", MediaContext::marker());

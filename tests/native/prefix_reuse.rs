@@ -5,11 +5,10 @@
 
 use std::sync::Arc;
 
-use llamabox::native::{
-    Batch, CancelFlag, Context, ContextParams, Error, Meter, Model, PromptPiece, Stop,
-};
+use llamabox_native::{Batch, CancelFlag, Context, ContextParams, Error, Model, PromptPiece, Stop};
 
 use crate::common;
+use crate::share::Counts;
 
 fn params(n_seq_max: u32) -> ContextParams {
     ContextParams { n_ctx: 512, n_batch: 64, n_ubatch: 64, n_seq_max, n_threads: 1 }
@@ -66,10 +65,10 @@ fn parked_after(model: &Arc<Model>, first: &[i32], generated: &[i32]) -> Context
     ctx
 }
 
-fn metered(ctx: &mut Context) -> Arc<Meter> {
-    let meter = Arc::new(Meter::new());
-    ctx.set_meter(meter.clone());
-    meter
+fn metered(ctx: &mut Context) -> Arc<Counts> {
+    let counts = Arc::new(Counts::default());
+    ctx.set_tally(counts.clone());
+    counts
 }
 
 #[test]

@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
-use llamabox::native::{
+use llamabox::RunOutcome;
+use llamabox_native::{
     generate, Batch, CancelFlag, ChatMessage, ChatTemplate, Context, ContextParams, Error,
     FinishReason, GenerateRequest, Model, Piece, Sampler, SamplerCaps, SamplerParams, Stop,
 };
-use llamabox::RunOutcome;
 
 use crate::common;
 

@@ -14,7 +14,8 @@ use super::pending::{finished, Pending};
 use super::{CancelToken, Charge, Error, LlamaCtxView, LlamaResult};
 use crate::engine::Lease;
 use crate::native::{
-    self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token,
+    self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, SharedCores, Stop,
+    Token,
 };
 use crate::worker::{Call, Worker};
 
@@ -102,8 +103,10 @@ impl HostMediaContext for LlamaCtxView<'_> {
         model: Resource<ModelHandle>,
     ) -> LlamaResult<Resource<MediaContextHandle>> {
         let handle = self.table.get(&model)?;
-        let (model, cores) =
-            (handle.model.clone(), handle.opened.policy.as_ref().map(|p| p.cores.clone()));
+        let (model, cores) = (
+            handle.model.clone(),
+            handle.opened.policy.as_ref().map(|p| p.cores.clone() as Arc<dyn SharedCores>),
+        );
         let Ok(path) = self.ctx.registry.projector_path(&projector) else {
             return Err(Error::ModelNotFound(projector).into());
         };
@@ -114,7 +117,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
         let (worker_model, meter) = (model.clone(), self.ctx.meter().clone());
         let started = Worker::start("llamabox-media", &self.ctx.workers, move || {
             let mut media = MediaContext::new(&path, worker_model, threads)?;
-            media.set_meter(meter);
+            media.set_tally(meter);
             // Beside batches, it encodes in turns with them (their steps use every core).
             media.share_cores(cores);
             match fixed {

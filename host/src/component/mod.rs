@@ -154,7 +154,7 @@ pub struct LlamaCtx {
     /// The store's worker threads and blocking calls.
     workers: Tracker,
     /// Usage of this store's native work (its run's report).
-    meter: Arc<crate::native::Meter>,
+    meter: Arc<crate::engine::Meter>,
 }
 
 /// One of a store's `max-pending-calls` places, held by a pending call (a `pending-*`
@@ -223,13 +223,13 @@ impl LlamaCtx {
     }
 
     /// Count this store's native work in `meter` (its run's) instead of a meter of its own.
-    pub fn metered_by(mut self, meter: Arc<crate::native::Meter>) -> Self {
+    pub fn metered_by(mut self, meter: Arc<crate::engine::Meter>) -> Self {
         self.meter = meter;
         self
     }
 
     /// Where this store's decodes, generated tokens, cancels and KV cells are counted.
-    pub fn meter(&self) -> &Arc<crate::native::Meter> {
+    pub fn meter(&self) -> &Arc<crate::engine::Meter> {
         &self.meter
     }
 
@@ -397,6 +397,9 @@ impl From<crate::native::Error> for Error {
                 Error::LimitExceeded(format!("{limit}: {requested} is above {max}"))
             }
             N::Backend(m) => Error::Backend(m),
+            // A kind the native crate adds later is a failure of the host's, until it is
+            // given a WIT error of its own here.
+            e => Error::Backend(e.to_string()),
         }
     }
 }

@@ -13,9 +13,10 @@ use tokio::sync::mpsc;
 use super::batch::{Seat, SeatRequest};
 use super::registry::Opened;
 use super::schedule::Claim;
+use super::Meter;
 use crate::native::{
-    self, Batch, CancelFlag, Context, ContextParams, Error, GenerateRequest, Meter, Outcome, Piece,
-    Pooling, PromptPiece, Sampler, Stop, Token,
+    self, Batch, CancelFlag, Context, ContextParams, Error, GenerateRequest, Outcome, Piece,
+    Pooling, PromptPiece, Sampler, SharedCores, Stop, Token,
 };
 use crate::worker::{Call, Tracker, Worker};
 
@@ -69,13 +70,13 @@ impl Opened {
         }
         let (model, cores, meter, params) = (
             self.model.clone(),
-            self.policy.as_ref().map(|p| p.cores.clone()),
+            self.policy.as_ref().map(|p| p.cores.clone() as Arc<dyn SharedCores>),
             want.meter,
             want.params,
         );
         let init = move || {
             let mut context = Context::new(model, params)?;
-            context.set_meter(meter);
+            context.set_tally(meter);
             // Beside batches, it decodes in turns with them (their steps use every core).
             context.share_cores(cores);
             Ok::<_, Error>(context)
@@ -125,7 +126,7 @@ impl Opened {
         let meter = want.meter.clone();
         let params = worker
             .call(move |c, _| {
-                c.set_meter(meter);
+                c.set_tally(meter);
                 c.params()
             })
             .await?;
@@ -177,11 +178,7 @@ impl Lease {
             Lease::Own(worker) => worker.call(move |c, abandoned| {
                 let stop = Stop::on_either(&token, abandoned);
                 let mut sink = |piece| deliver(&tx, piece, stop);
-                let outcome = native::generate(c, &mut sampler, &request, stop, &mut sink);
-                if let Ok(o) = &outcome {
-                    c.meter().add_generated(o.usage.generated_tokens.into());
-                }
-                outcome
+                native::generate(c, &mut sampler, &request, stop, &mut sink)
                 // `tx` drops here: the reader sees the end of the pieces.
             }),
             // The batch's thread never waits for a slow reader: a full buffer only keeps

@@ -6,12 +6,16 @@
 //! and hands native objects only to their own threads (`worker`).
 
 pub mod batch;
+mod cores;
 mod idle;
 mod lease;
+mod meter;
 mod registry;
 pub mod schedule;
 
 pub use batch::{BatchPolicy, StepObserver, StepReport};
+pub(crate) use cores::{Cores, Pacer};
 pub(crate) use lease::{Lease, LeaseRequest};
+pub(crate) use meter::Meter;
 pub use registry::{ModelRegistry, OpenError, Opened};
 pub use schedule::Claim;

@@ -33,8 +33,8 @@ use crate::component::{
     self, Limits, LlamaCtx, LlamaCtxView, LlamaView, ModelRegistry, TokenRegistry,
 };
 use crate::engine::Claim;
+use crate::engine::Meter;
 use crate::error::{Error, Result};
-use crate::native::Meter;
 use crate::worker::Tracker;
 
 use crate::grant::Grant;

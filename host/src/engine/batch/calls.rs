@@ -12,9 +12,9 @@ use super::seat::{Caller, SeatOp};
 use super::thread::Steps;
 use super::MAX_SEAT_LOGIT_ROWS;
 use crate::engine::schedule::Claim;
+use crate::engine::Meter;
 use crate::native::{
-    self, Batch, Error, FinishReason, GenerateRequest, Meter, Outcome, Piece, Sampler, Token,
-    TokenLoop,
+    self, Batch, Error, FinishReason, GenerateRequest, Outcome, Piece, Sampler, Token, TokenLoop,
 };
 use crate::worker::Alive;
 

@@ -7,7 +7,8 @@ use std::time::Instant;
 use super::calls::check_seq;
 use super::seat::{Caller, SeatOp};
 use super::thread::Steps;
-use crate::native::context::Pacer;
+use crate::engine::Pacer;
+use crate::native::Pieces;
 use crate::native::{self, Error, PromptPiece};
 
 impl Steps {
@@ -27,7 +28,7 @@ impl Steps {
             // Nothing to evaluate: the sequence's end, as `Context::eval` answers it.
             return self.ctx.eval(pieces, seq, Some(caller.stop()));
         }
-        let mut pacer = Pacer::new(self.policy.step_rows as usize);
+        let mut pacer = Pacer::new(self.policy.step_rows as usize, self.policy.step_target);
         let mut end = Ok(0);
         for (i, piece) in pieces.iter().enumerate() {
             let tokens = match piece {

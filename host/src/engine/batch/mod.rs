@@ -36,7 +36,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use super::schedule::Claim;
-use crate::native::{CancelFlag, Context, ContextParams, Cores, Error, Meter, Model};
+use crate::engine::{Cores, Meter};
+use crate::native::{CancelFlag, Context, ContextParams, Error, Model};
 use crate::worker::Tracker;
 
 mod calls;

@@ -9,9 +9,9 @@ use tokio::sync::mpsc as pieces;
 use super::reserve::Ask;
 use super::Batcher;
 use crate::engine::schedule::Claim;
+use crate::engine::Meter;
 use crate::native::{
-    self, Batch, CancelFlag, GenerateRequest, Meter, Outcome, Piece, PromptPiece, Sampler, Stop,
-    Token,
+    self, Batch, CancelFlag, GenerateRequest, Outcome, Piece, PromptPiece, Sampler, Stop, Token,
 };
 use crate::worker::{Alive, Call, Reply};
 

@@ -10,10 +10,11 @@ use super::sequences::MAX_LEFTOVERS;
 use super::thread::MIN_TURN;
 use super::*;
 use crate::engine::schedule::Claim;
+use crate::engine::{Cores, Meter};
 use crate::native::synthetic::TextModelSpec;
 use crate::native::{
-    self, Batch, CancelFlag, Context, ContextParams, Error, FinishReason, GenerateRequest, Meter,
-    Model, Piece, PromptPiece, Sampler, Stop, Token,
+    self, Batch, CancelFlag, Context, ContextParams, Error, FinishReason, GenerateRequest, Model,
+    Piece, PromptPiece, Sampler, Stop, Token,
 };
 use crate::worker::Call;
 use crate::worker::Tracker;
@@ -159,13 +160,13 @@ async fn turns_asked(cores: &Cores, n: u64) {
 #[test]
 fn a_long_decode_beside_a_batch_passes_the_cores_to_whoever_waits() {
     for (turn, passes) in [(Duration::ZERO, true), (Duration::from_secs(3600), false)] {
-        let cores = Arc::new(native::Cores::default());
+        let cores = Arc::new(Cores::default());
         cores.set_turn(turn);
         let params =
             ContextParams { n_ctx: 256, n_batch: 256, n_ubatch: 256, n_seq_max: 1, n_threads: 1 };
         let mut ctx = Context::new(model(), params).unwrap();
         let meter = Arc::new(Meter::new());
-        ctx.set_meter(meter.clone());
+        ctx.set_tally(meter.clone());
         ctx.share_cores(Some(cores.clone()));
         ctx.set_device_chunk_work(Some(1)); // a boundary after every matmul
         let wait_for = |n| {
@@ -1118,7 +1119,7 @@ async fn a_full_pool_evicts_the_oldest_leftover_and_keeps_the_newest() {
 #[tokio::test]
 async fn work_beside_a_streaming_batch_gets_short_turns() {
     let turns: Arc<Mutex<Vec<Duration>>> = Arc::default();
-    let cores: Arc<native::Cores> = Arc::default();
+    let cores: Arc<Cores> = Arc::default();
     let (seen, read) = (turns.clone(), cores.clone());
     let policy = BatchPolicy {
         step_target: Duration::from_secs(3600),

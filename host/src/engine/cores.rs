@@ -11,11 +11,16 @@
 //! of its graph (`eval_scope`) it passes the cores to whoever waits once it has held
 //! them for the turn length its owner set ([`Cores::set_turn`], a batch's step target),
 //! and queues again behind them. So a batch beside it waits about one turn, not the
-//! computation.
+//! computation. A long input is also cut into decodes of about a turn each ([`Pacer`]).
+//!
+//! Native contexts see these through `native`'s [`SharedCores`] trait: the policy lives
+//! here, native code only takes its turns.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use crate::native::{CoreTurn, Pieces, SharedCores};
 
 /// Turns on the cores, first come first served (a ticket lock).
 pub struct Cores {
@@ -76,12 +81,8 @@ impl Cores {
         }
     }
 
-    /// Turns ended so far.
-    pub fn served(&self) -> u64 {
-        self.lock().serving
-    }
-
     /// Turns asked for and not yet ended (the one held included).
+    #[cfg(test)]
     pub fn waiting(&self) -> u64 {
         let tickets = self.lock();
         tickets.next - tickets.serving
@@ -126,6 +127,26 @@ impl Turn<'_> {
     }
 }
 
+impl SharedCores for Cores {
+    fn turn(&self) -> Box<dyn CoreTurn + '_> {
+        Box::new(Cores::turn(self))
+    }
+
+    fn pieces(&self, most: usize) -> Box<dyn Pieces> {
+        Box::new(Pacer::new(most, self.turn_length()))
+    }
+}
+
+impl CoreTurn for Turn<'_> {
+    fn pass_if_due(&mut self) -> bool {
+        Turn::pass_if_due(self)
+    }
+
+    fn waited(&self) -> Duration {
+        Turn::waited(self)
+    }
+}
+
 impl Drop for Turn<'_> {
     fn drop(&mut self) {
         self.cores.lock().serving += 1;
@@ -133,10 +154,72 @@ impl Drop for Turn<'_> {
     }
 }
 
+/// The pieces a long input is decoded in beside a batch (a context that shares the
+/// cores): each about one turn of work, so the batch's steps run between them instead of
+/// waiting for the whole input. The first piece is small; each later one is sized from
+/// the pace of the one before (attention grows with the position, so the pace is
+/// measured again each time).
+pub(crate) struct Pacer {
+    rows: usize,
+    most: usize,
+    /// About how long one piece holds the cores: the turn length (a batch's step
+    /// target), so that streams beside it wait about one step for their next token.
+    target: Duration,
+}
+
+impl Pacer {
+    /// Rows of the first piece.
+    const FIRST_ROWS: usize = 32;
+    /// Fewest rows of a later piece: below this a decode's fixed cost dominates.
+    const MIN_ROWS: usize = 16;
+
+    /// Pieces of at most `most` rows (the context's n-batch or n-ubatch), each about
+    /// `target` of work.
+    pub(crate) fn new(most: usize, target: Duration) -> Self {
+        let most = most.max(1);
+        Self { rows: Self::FIRST_ROWS.min(most), most, target }
+    }
+}
+
+impl Pieces for Pacer {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn observe(&mut self, rows: usize, took: Duration) {
+        let per_row = took.as_secs_f64() / rows.max(1) as f64;
+        let fits = (self.target.as_secs_f64() / per_row.max(1e-9)) as usize;
+        self.rows = fits.clamp(Self::MIN_ROWS.min(self.most), self.most);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::{mpsc, Arc};
+
+    #[test]
+    fn pieces_start_small_then_fit_the_target_within_bounds() {
+        let mut pacer = Pacer::new(512, Duration::from_millis(250));
+        assert_eq!(pacer.rows(), 32);
+        pacer.observe(32, Duration::from_millis(32)); // 1 ms a row: 250 rows fit
+        assert_eq!(pacer.rows(), 250);
+        pacer.observe(250, Duration::from_micros(250)); // fast: capped at n-batch
+        assert_eq!(pacer.rows(), 512);
+        pacer.observe(512, Duration::from_secs(10)); // slow: never below 16
+        assert_eq!(pacer.rows(), 16);
+        let short = Pacer::new(8, Duration::from_millis(250));
+        assert_eq!(short.rows(), 8, "never past the context's own n-batch");
+    }
+
+    #[test]
+    fn pieces_fit_the_turn_the_cores_give() {
+        let cores = Cores::default();
+        cores.set_turn(Duration::from_millis(100));
+        let mut pieces = SharedCores::pieces(&cores, 512);
+        pieces.observe(32, Duration::from_millis(32)); // 1 ms a row: a 100 ms turn
+        assert_eq!(pieces.rows(), 100);
+    }
 
     #[test]
     fn turns_are_served_in_the_order_asked_and_one_at_a_time() {

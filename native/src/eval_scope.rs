@@ -24,7 +24,7 @@ struct ScopeState<'a> {
     stop: Stop<'a>,
     chunker: RefCell<Chunker>,
     /// Called at every boundary the computation goes on from (the cores' turn passes
-    /// there: [`super::cores::Turn::pass_if_due`]).
+    /// there: [`super::CoreTurn::pass_if_due`]).
     on_boundary: Option<RefCell<&'a mut dyn FnMut()>>,
     boundaries: Cell<u64>,
     stopped: Cell<bool>,
@@ -140,7 +140,7 @@ unsafe fn node_work(t: *const sys::ggml_tensor) -> NodeWork {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::native::CancelFlag;
+    use crate::CancelFlag;
 
     fn node(op: sys::ggml_op) -> sys::ggml_tensor {
         // SAFETY: ggml_tensor is a plain C struct; all-zero is a valid (empty) value.

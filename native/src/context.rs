@@ -9,10 +9,9 @@ use llama_cpp_sys_2 as sys;
 
 use super::cancel::{abort_callback, Stop};
 use super::chunker::{Chunker, Pace, DEFAULT_LATENCY_TARGET};
-use super::cores::{Cores, Turn};
 use super::eval_scope::{eval_callback, in_eval_scope};
-use super::meter::Meter;
 use super::model::Model;
+use super::share::{SharedCores, Tally};
 use super::threads::ThreadPool;
 use super::Token;
 use super::{backend, Error, Result};
@@ -132,10 +131,10 @@ pub struct Context {
     leftover: Vec<Token>,
     /// The threads every graph of this context runs on; freed after the context.
     _team: ThreadPool,
-    /// Where this context's decodes and cancels are counted (its run's meter).
-    meter: Arc<Meter>,
+    /// Where this context's decodes and cancels are counted (its run's), if anywhere.
+    tally: Option<Arc<dyn Tally>>,
     /// Cores it shares with others who use every thread ([`Context::share_cores`]).
-    cores: Option<Arc<Cores>>,
+    cores: Option<Arc<dyn SharedCores>>,
     /// How fast this context computes, which places the eval callback's boundaries
     /// ([`super::eval_scope`]): on a GPU, where the abort callback does not reach, and
     /// beside others on the cores, where the turn passes.
@@ -304,7 +303,7 @@ impl Context {
             history,
             leftover: Vec::new(),
             _team: team,
-            meter: Arc::default(),
+            tally: None,
             cores: None,
             pace: Pace::new(DEFAULT_LATENCY_TARGET),
             chunk_work: None,
@@ -312,14 +311,14 @@ impl Context {
         })
     }
 
-    /// Make the context read as new for its next user: empty memory, no logits, a
-    /// meter of its own. What sequence 0 holds is kept as leftover tokens when it is
+    /// Make the context read as new for its next user: empty memory, no logits, its
+    /// work counted nowhere. What sequence 0 holds is kept as leftover tokens when it is
     /// known, so that a next prompt starting the same way reuses it ([`Context::eval`]).
     /// Whoever parks a context decides who may use it next: the leftover is invisible
     /// to the next user, except in how fast its prompt is evaluated.
     pub fn park(&mut self) {
         self.logit_rows.clear();
-        self.meter = Arc::default();
+        self.tally = None;
         if !self.leftover.is_empty() {
             return; // parked again, untouched since
         }
@@ -528,17 +527,17 @@ impl Context {
         Ok(())
     }
 
-    /// Count this context's decoded rows and cancelled calls in `meter` (its run's)
-    /// instead of a meter of its own.
-    pub fn set_meter(&mut self, meter: Arc<Meter>) {
-        self.meter = meter;
+    /// Count this context's decoded rows, reused tokens, generated tokens and cancelled
+    /// calls in `tally` (its run's) until it is parked.
+    pub fn set_tally(&mut self, tally: Arc<dyn Tally>) {
+        self.tally = Some(tally);
     }
 
     /// Decode in turns on `cores` from now on: beside a batch whose steps use every
-    /// thread, a context of its own computes only while the batch does not, and a long
-    /// decode passes the cores to the batch at its graph's boundaries once it has held
-    /// them a turn ([`Cores::set_turn`]).
-    pub fn share_cores(&mut self, cores: Option<Arc<Cores>>) {
+    /// thread, a context of its own computes only in its turns, cuts a long input into
+    /// pieces of about a turn ([`SharedCores::pieces`]), and a long decode passes the
+    /// cores at its graph's boundaries once it is due ([`super::CoreTurn::pass_if_due`]).
+    pub fn share_cores(&mut self, cores: Option<Arc<dyn SharedCores>>) {
         self.cores = cores;
     }
 
@@ -550,9 +549,11 @@ impl Context {
         self.chunk_work = units;
     }
 
-    /// Where this context counts its work.
-    pub fn meter(&self) -> &Arc<Meter> {
-        &self.meter
+    /// Count work in this context's tally, if it has one.
+    pub(crate) fn tally(&self, count: impl FnOnce(&dyn Tally)) {
+        if let Some(tally) = &self.tally {
+            count(tally.as_ref());
+        }
     }
 
     /// Decode `batch`. With a `stop`, llama.cpp polls it after every graph node and
@@ -562,7 +563,7 @@ impl Context {
     /// the call (llama.cpp itself keeps the ubatches an aborted decode finished).
     pub fn decode(&mut self, batch: &Batch, stop: Option<Stop<'_>>) -> Result<()> {
         if stop.is_some_and(|s| s.is_set()) {
-            self.meter.add_cancel();
+            self.tally(|t| t.cancelled());
             return Err(Error::Cancelled);
         }
         self.check_batch(batch)?;
@@ -585,7 +586,7 @@ impl Context {
                 // Rows are the caller's: row r's logits are llama.cpp's row r - kept.
                 self.logit_rows = batch.logits.clone();
                 self.logit_offset = kept;
-                self.meter.add_reused(kept as u64);
+                self.tally(|t| t.reused(kept as u64));
                 Ok(())
             }
             Err(e) => {
@@ -634,7 +635,7 @@ impl Context {
         stop: Option<Stop<'_>>,
     ) -> Result<()> {
         if stop.is_some_and(|s| s.is_set()) {
-            self.meter.add_cancel();
+            self.tally(|t| t.cancelled());
             return Err(Error::Cancelled);
         }
         self.check_seq(seq)?;
@@ -670,7 +671,7 @@ impl Context {
         stop: Option<Stop<'_>>,
     ) -> Result<(i32, usize)> {
         if stop.is_some_and(|s| s.is_set()) {
-            self.meter.add_cancel();
+            self.tally(|t| t.cancelled());
             return Err(Error::Cancelled);
         }
         self.check_seq(seq)?;
@@ -708,12 +709,12 @@ impl Context {
             self.restore_leftover(reused);
             return Err(e);
         }
-        self.meter.add_reused(reused as u64);
+        self.tally(|t| t.reused(reused as u64));
         self.seq_pos_max(seq).map(|end| (end + 1, reused))
     }
 
     /// `tokens` appended to `seq` in n-batch pieces (beside a batch: pieces of about a
-    /// step target, one turn on the shared cores each, see [`Pacer`]); no rollback of
+    /// turn on the shared cores each, see [`SharedCores::pieces`]); no rollback of
     /// its own.
     fn tokens_in(
         &mut self,
@@ -723,10 +724,10 @@ impl Context {
         stop: Option<Stop<'_>>,
     ) -> Result<()> {
         let n_batch = self.params.n_batch as usize;
-        let mut pacer = self.cores.is_some().then(|| Pacer::new(n_batch));
+        let mut pieces = self.cores.as_ref().map(|cores| cores.pieces(n_batch));
         let mut start = 0;
         while start < tokens.len() {
-            let rows = pacer.as_ref().map_or(n_batch, Pacer::rows);
+            let rows = pieces.as_ref().map_or(n_batch, |p| p.rows().clamp(1, n_batch));
             let piece = &tokens[start..(start + rows).min(tokens.len())];
             let last_piece = start + piece.len() == tokens.len();
             let mut batch = Batch::sequence(piece, self.seq_pos_max(seq)? + 1, seq);
@@ -736,8 +737,8 @@ impl Context {
             self.check_batch(&batch)?;
             let began = std::time::Instant::now();
             self.decode_checked(&batch, stop)?;
-            if let Some(pacer) = &mut pacer {
-                pacer.observe(piece.len(), began.elapsed());
+            if let Some(pieces) = &mut pieces {
+                pieces.observe(piece.len(), began.elapsed());
             }
             start += piece.len();
         }
@@ -917,10 +918,10 @@ impl Context {
             let started = std::time::Instant::now();
             let (out, scope) =
                 in_eval_scope(scope_stop, Chunker::with_budget(budget), Some(&mut pass), decode);
-            let waited = turn.as_ref().map_or(std::time::Duration::ZERO, Turn::waited);
+            let waited = turn.as_ref().map_or(std::time::Duration::ZERO, |t| t.waited());
             self.pace.observe(scope.units, started.elapsed().saturating_sub(waited));
             if scope.stopped {
-                self.meter.add_cancel();
+                self.tally(|t| t.cancelled());
                 return Err(Error::Cancelled);
             }
             out
@@ -931,13 +932,13 @@ impl Context {
             0 => {
                 self.logit_rows = logit_rows.to_vec();
                 self.logit_offset = 0;
-                self.meter.add_decoded(raw.n_tokens.max(0) as u64);
+                self.tally(|t| t.decoded(raw.n_tokens.max(0) as u64));
                 Ok(())
             }
             1 => Err(Error::ContextFull),
             -1 => Err(Error::InvalidArgument(format!("llama.cpp rejected the batch: {reason}"))),
             2 => {
-                self.meter.add_cancel();
+                self.tally(|t| t.cancelled());
                 Err(Error::Cancelled)
             }
             _ => Err(Error::Backend(format!("llama_decode failed ({ret}): {reason}"))),
@@ -981,62 +982,5 @@ impl Drop for Context {
         // SAFETY: `&mut self` proves no call is running on this context. Its thread team
         // (a field) is freed after this, once nothing can compute on it.
         unsafe { sys::llama_free(self.ptr.as_ptr()) }
-    }
-}
-
-/// The pieces a long input is decoded in beside a batch (a context that shares the
-/// cores): each about one step target of work and one turn on the cores, so the batch's
-/// steps run between them instead of waiting for the whole input. The first piece is
-/// small; each later one is sized from the pace of the one before (attention grows with
-/// the position, so the pace is measured again each time).
-pub(crate) struct Pacer {
-    rows: usize,
-    most: usize,
-}
-
-impl Pacer {
-    /// Rows of the first piece.
-    const FIRST_ROWS: usize = 32;
-    /// Fewest rows of a later piece: below this a decode's fixed cost dominates.
-    const MIN_ROWS: usize = 16;
-    /// About how long one piece holds the cores: the batch's default step target, so
-    /// that streams beside it wait about one step for their next token.
-    const TARGET: std::time::Duration = std::time::Duration::from_millis(250);
-
-    /// Pieces of at most `most` rows (the context's n-batch or n-ubatch).
-    pub(crate) fn new(most: usize) -> Self {
-        let most = most.max(1);
-        Self { rows: Self::FIRST_ROWS.min(most), most }
-    }
-
-    /// Rows of the next piece.
-    pub(crate) fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// `rows` were decoded in `took`: size the next piece to the target.
-    pub(crate) fn observe(&mut self, rows: usize, took: std::time::Duration) {
-        let per_row = took.as_secs_f64() / rows.max(1) as f64;
-        let fits = (Self::TARGET.as_secs_f64() / per_row.max(1e-9)) as usize;
-        self.rows = fits.clamp(Self::MIN_ROWS.min(self.most), self.most);
-    }
-}
-
-#[cfg(test)]
-mod pacer_tests {
-    use super::Pacer;
-    use std::time::Duration;
-
-    #[test]
-    fn pieces_start_small_then_fit_the_target_within_bounds() {
-        let mut pacer = Pacer::new(512);
-        assert_eq!(pacer.rows(), 32);
-        pacer.observe(32, Duration::from_millis(32)); // 1 ms a row: 250 rows fit
-        assert_eq!(pacer.rows(), 250);
-        pacer.observe(250, Duration::from_micros(250)); // fast: capped at n-batch
-        assert_eq!(pacer.rows(), 512);
-        pacer.observe(512, Duration::from_secs(10)); // slow: never below 16
-        assert_eq!(pacer.rows(), 16);
-        assert_eq!(Pacer::new(8).rows(), 8, "never past the context's own n-batch");
     }
 }

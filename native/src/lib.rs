@@ -1,21 +1,33 @@
-//! Safe Rust over llama.cpp (`llama-cpp-sys-2`). Knows nothing of wasm: every function
-//! here is safe to call with any arguments, checking them before llama.cpp can assert.
+//! Safe Rust over llama.cpp (`llama-cpp-sys-2`), the bottom layer of llamabox.
+//!
+//! Knows nothing of wasm, plugins or tenants: every function here is safe to call with
+//! any arguments, checking them before llama.cpp can assert, and every long call stops
+//! at the next graph node once its [`CancelFlag`] is raised. Policy (who shares the
+//! cores, whose work counts where, which prefix is kept) belongs to the engine above,
+//! which is why this is a crate of its own: nothing here can reach up.
+//!
+//! An embedder uses the `llamabox` crate. This one serves llamabox's engine, tests and
+//! benchmarks; it is versioned with the workspace, by semver like any crate.
+
+// Every `unsafe` block and impl says why it is sound, every `unsafe fn` what its caller
+// must uphold.
+#![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
+#![warn(missing_docs)]
 
 mod backend;
 pub mod cancel;
 pub mod chat;
 pub mod chunker;
 pub mod context;
-mod cores;
 pub mod devices;
 mod eval_scope;
 pub mod generate;
 mod grammar;
 mod logprobs;
 pub mod media;
-mod meter;
 pub mod model;
 pub mod sampler;
+mod share;
 #[cfg(feature = "synthetic")]
 pub mod synthetic;
 mod threads;
@@ -24,7 +36,6 @@ pub use backend::{build_c_flags, cpu_features, InstructionLevel};
 pub use cancel::{CancelFlag, Stop, WeakCancelFlag};
 pub use chat::{ChatMessage, ChatTemplate};
 pub use context::{warm_up, Batch, Context, ContextParams, Pooling, PromptPiece};
-pub use cores::{Cores, Turn};
 pub use devices::{devices, gpu_backends, Device, DeviceKind, Offload};
 pub use generate::{
     check_request, generate, nothing_to_continue, FinishReason, GenerateRequest, GenerationUsage,
@@ -35,9 +46,9 @@ pub use logprobs::{token_logprob, TokenLogprob, MAX_TOP_LOGPROBS};
 pub use media::{
     check_owner, Chunk, ChunkKind, MediaCaps, MediaContext, MediaContextId, MediaInput,
 };
-pub use meter::Meter;
 pub use model::Model;
 pub use sampler::{Grammar, Penalties, Sampler, SamplerCaps, SamplerParams, MIN_TEMPERATURE};
+pub use share::{CoreTurn, Pieces, SharedCores, Tally};
 #[cfg(feature = "synthetic")]
 pub use synthetic::{ProjectorKind, ProjectorSpec, TextModelSpec};
 pub use threads::{idle_poll, set_idle_poll, DEFAULT_IDLE_POLL};

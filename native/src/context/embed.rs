@@ -12,10 +12,11 @@
 
 use llama_cpp_sys_2 as sys;
 
-use super::{Batch, Context, Pacer};
-use crate::native::cancel::Stop;
-use crate::native::Token;
-use crate::native::{Error, Result};
+use super::{Batch, Context};
+use crate::cancel::Stop;
+use crate::Pieces;
+use crate::Token;
+use crate::{Error, Result};
 
 /// How the rows of one input become one vector.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,7 +167,7 @@ impl Context {
     ) -> Result<Vec<Vec<f32>>> {
         let ctx = self.ptr.as_ptr();
         if stop.is_some_and(|s| s.is_set()) {
-            self.meter.add_cancel();
+            self.tally(|t| t.cancelled());
             return Err(Error::Cancelled);
         }
         // From nothing, leftover included: the same input, the same vector.
@@ -193,9 +194,11 @@ impl Context {
             // floats; valid until the next decode, and copied out here.
             Ok(unsafe { std::slice::from_raw_parts(ptr, width) }.to_vec())
         };
-        let in_turns = pooled_seqs == 0 && self.cores.is_some() && self.model.causal_attention();
-        let rows = if in_turns {
-            self.decode_rows_in_turns(batch, stop, read)
+        let in_turns = pooled_seqs == 0 && self.model.causal_attention();
+        let pieces = self.cores.as_ref().filter(|_| in_turns);
+        let pieces = pieces.map(|cores| cores.pieces(self.params.n_ubatch as usize));
+        let rows = if let Some(pieces) = pieces {
+            self.decode_rows_in_turns(batch, stop, pieces, read)
         } else {
             self.decode(batch, stop).and_then(|()| {
                 (0..if pooled_seqs > 0 { pooled_seqs } else { batch.len() })
@@ -212,22 +215,24 @@ impl Context {
 
 impl Context {
     /// Beside a batch (a context that shares the cores), an input's rows are decoded in
-    /// pieces, each one turn on the cores of about a step target ([`Pacer`]), so that the batch's
+    /// pieces, each about one turn on the cores ([`crate::SharedCores::pieces`]), so that the batch's
     /// steps run between them instead of waiting for the whole input (seconds for a few
     /// thousand tokens on a CPU). A causal model's later rows see the earlier pieces
     /// through the context's memory, so every row is what one decode would give (up to
-    /// rounding). `read(i)` copies row `i` of the last decode.
+    /// rounding). `pieces` sizes them; `read(i)` copies row
+    /// `i` of the last decode.
     fn decode_rows_in_turns(
         &mut self,
         batch: &Batch,
         stop: Option<Stop<'_>>,
+        mut pieces: Box<dyn Pieces>,
         read: impl Fn(usize) -> Result<Vec<f32>>,
     ) -> Result<Vec<Vec<f32>>> {
         let mut rows = Vec::with_capacity(batch.len());
-        let mut pacer = Pacer::new(self.params.n_ubatch as usize);
+        let most = self.params.n_ubatch as usize;
         let mut start = 0;
         while start < batch.len() {
-            let end = (start + pacer.rows()).min(batch.len());
+            let end = (start + pieces.rows().clamp(1, most)).min(batch.len());
             let part = Batch {
                 tokens: batch.tokens[start..end].to_vec(),
                 positions: batch.positions[start..end].to_vec(),
@@ -236,7 +241,7 @@ impl Context {
             };
             let began = std::time::Instant::now();
             self.decode(&part, stop)?;
-            pacer.observe(part.len(), began.elapsed());
+            pieces.observe(part.len(), began.elapsed());
             for i in 0..part.len() {
                 rows.push(read(i)?);
             }

@@ -17,9 +17,9 @@ use llama_cpp_sys_2 as sys;
 
 use super::cancel::Stop;
 use super::chunker::{Chunker, Pace, DEFAULT_LATENCY_TARGET};
-use super::cores::{Cores, Turn};
 use super::eval_scope::{eval_callback, in_eval_scope};
 use super::model::Model;
+use super::share::{SharedCores, Tally};
 use super::Token;
 use super::{backend, Error, Result};
 
@@ -161,10 +161,10 @@ pub struct MediaContext {
     pace: Pace,
     /// A fixed budget instead of the paced one (`set_chunk_work`).
     fixed_chunk_work: Option<u64>,
-    /// Counts encodes that ended cancelled (a run's usage).
-    meter: Arc<super::Meter>,
+    /// Counts encodes that ended cancelled (a run's usage), if anything does.
+    tally: Option<Arc<dyn Tally>>,
     /// Cores it shares with batches that use every thread ([`MediaContext::share_cores`]).
-    cores: Option<Arc<Cores>>,
+    cores: Option<Arc<dyn SharedCores>>,
     /// Declared last: the text model must outlive the media context.
     model: Arc<Model>,
 }
@@ -214,20 +214,26 @@ impl MediaContext {
             n_embd,
             pace: Pace::new(DEFAULT_LATENCY_TARGET),
             fixed_chunk_work: None,
-            meter: Arc::new(super::Meter::new()),
+            tally: None,
             cores: None,
             model,
         })
     }
 
     /// Encode in turns on `cores` from now on (see [`Context::share_cores`](super::Context::share_cores)).
-    pub fn share_cores(&mut self, cores: Option<Arc<Cores>>) {
+    pub fn share_cores(&mut self, cores: Option<Arc<dyn SharedCores>>) {
         self.cores = cores;
     }
 
-    /// Count this context's cancelled encodes in `meter` (a run's).
-    pub fn set_meter(&mut self, meter: Arc<super::Meter>) {
-        self.meter = meter;
+    /// Count this context's cancelled encodes in `tally` (a run's).
+    pub fn set_tally(&mut self, tally: Arc<dyn Tally>) {
+        self.tally = Some(tally);
+    }
+
+    fn count_cancel(&self) {
+        if let Some(tally) = &self.tally {
+            tally.cancelled();
+        }
     }
 
     /// This media context's id, which the chunks it makes carry.
@@ -461,7 +467,7 @@ impl MediaContext {
             _ => {}
         }
         if stop.is_some_and(|s| s.is_set()) {
-            self.meter.add_cancel();
+            self.count_cancel();
             return Err(Error::Cancelled);
         }
         let mut turn = self.cores.as_ref().map(|cores| cores.turn());
@@ -486,11 +492,11 @@ impl MediaContext {
                         sys::mtmd_encode_chunk(self.ptr.as_ptr(), chunk.ptr.as_ptr())
                     })
                 });
-                let waited = turn.as_ref().map_or(Duration::ZERO, Turn::waited);
+                let waited = turn.as_ref().map_or(Duration::ZERO, |t| t.waited());
                 self.pace.observe(scope.units, started.elapsed().saturating_sub(waited));
                 // mtmd returns 0 for a stopped encode: the scope knows it stopped.
                 if scope.stopped {
-                    self.meter.add_cancel();
+                    self.count_cancel();
                     return Err(Error::Cancelled);
                 }
                 (ret, reason)

@@ -318,7 +318,9 @@ pub fn generate(
     if let Some(rest) = tokens.flush() {
         sink.deliver(rest);
     }
-    Ok(tokens.outcome(finish))
+    let outcome = tokens.outcome(finish);
+    ctx.tally(|t| t.generated(outcome.usage.generated_tokens.into()));
+    Ok(outcome)
 }
 
 /// Decode `prompt` after the end of `seq`, logits for its last token: `Context::eval`,

@@ -3,6 +3,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use crate::native::Tally;
+
 /// Counts of one run's native work (rows decoded, tokens generated, cancels, reuse,
 /// peak KV cells), added to by its contexts from any thread.
 #[derive(Debug, Default)]
@@ -68,5 +70,24 @@ impl Meter {
     /// The most KV cells held at once so far.
     pub fn peak_kv_cells(&self) -> u64 {
         self.peak_kv_cells.load(Relaxed)
+    }
+}
+
+/// Native contexts count their work here (`native`'s [`Tally`]).
+impl Tally for Meter {
+    fn decoded(&self, rows: u64) {
+        self.add_decoded(rows);
+    }
+
+    fn generated(&self, tokens: u64) {
+        self.add_generated(tokens);
+    }
+
+    fn cancelled(&self) {
+        self.add_cancel();
+    }
+
+    fn reused(&self, tokens: u64) {
+        self.add_reused(tokens);
     }
 }

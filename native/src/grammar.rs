@@ -1140,8 +1140,8 @@ mod tests {
 #[cfg(all(test, feature = "synthetic"))]
 mod differential {
     use super::*;
-    use crate::native::synthetic::{SplitMix64, TextModelSpec};
-    use crate::native::Model;
+    use crate::synthetic::{SplitMix64, TextModelSpec};
+    use crate::Model;
     use llama_cpp_sys_2 as sys;
 
     struct Rng(SplitMix64);
