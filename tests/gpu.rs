@@ -17,9 +17,9 @@ mod common;
 use std::sync::Arc;
 
 use llamabox_native::{
-    self, generate, Batch, CancelFlag, ChunkKind, Context, ContextParams, DeviceKind, Error,
-    FinishReason, GenerateRequest, MediaCaps, MediaContext, MediaInput, Model, Offload, Piece,
-    Sampler, SamplerCaps, SamplerParams, Stop, Token,
+    self as native, generate, Batch, CancelFlag, ChunkKind, Context, ContextParams, DeviceKind,
+    Error, FinishReason, GenerateRequest, MediaCaps, MediaContext, MediaInput, Model, Offload,
+    Piece, Sampler, SamplerCaps, SamplerParams, Stop, Token,
 };
 
 /// n-batch 128 in ubatches of 64: a decode of more than 64 rows runs as several graphs.

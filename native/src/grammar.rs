@@ -497,11 +497,7 @@ fn parse_gbnf(
     resolve: &dyn Fn(&str) -> Option<u32>,
 ) -> Result<Gbnf> {
     if text.len() > caps.max_bytes {
-        return Err(Error::InvalidArgument(format!(
-            "grammar of {} bytes is above the limit {}",
-            text.len(),
-            caps.max_bytes
-        )));
+        return Err(Error::limit("max-grammar-bytes", text.len(), caps.max_bytes));
     }
     if text.contains('\0') || root.contains('\0') {
         return err("contains a NUL byte");
@@ -923,11 +919,7 @@ impl Constraint {
         caps: &GrammarCaps,
     ) -> Result<Self> {
         if schema.len() > caps.max_bytes {
-            return Err(Error::InvalidArgument(format!(
-                "json-schema of {} bytes is above the limit {}",
-                schema.len(),
-                caps.max_bytes
-            )));
+            return Err(Error::limit("max-grammar-bytes", schema.len(), caps.max_bytes));
         }
         let mut value: serde_json::Value = serde_json::from_str(schema)
             .map_err(|e| Error::InvalidArgument(format!("json-schema is not JSON: {e}")))?;
@@ -1107,7 +1099,11 @@ mod tests {
             assert!(e.contains(reason), "{text:?}: {e:?} should say {reason:?}");
         }
         let big = format!("root ::= \"{}\"", "a".repeat(16 << 10));
-        assert!(parse(&big).unwrap_err_or_default().contains("above the limit"));
+        assert!(matches!(
+            parse(&big),
+            Err(Error::LimitExceeded { limit: "max-grammar-bytes", requested, max: 16384 })
+                if requested == big.len() as u64
+        ));
         // What llama.cpp accepts: newlines inside groups and after `|`, a max above 2000
         // read as "no maximum", empty alternatives, redefinitions (the last one wins).
         let g =

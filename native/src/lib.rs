@@ -91,6 +91,20 @@ pub enum Error {
     Backend(String),
 }
 
+impl Error {
+    /// `limit` (the config's and the WIT docs' name) would be exceeded: `requested` is
+    /// above `max`.
+    pub(crate) fn limit(
+        limit: &'static str,
+        requested: impl TryInto<u64>,
+        max: impl TryInto<u64>,
+    ) -> Self {
+        let (requested, max) =
+            (requested.try_into().unwrap_or(u64::MAX), max.try_into().unwrap_or(u64::MAX));
+        Error::LimitExceeded { limit, requested, max }
+    }
+}
+
 /// A token id in a model's vocabulary, as llama.cpp numbers it (`llama_token`).
 pub type Token = i32;
 

@@ -349,11 +349,7 @@ impl MediaContext {
             let part = self.tokenize_part(segment, media, i, caps, i == 0)?;
             held = part.iter().map(|c| c.native_bytes()).fold(held, usize::saturating_add);
             if held > budget {
-                return Err(Error::LimitExceeded {
-                    limit: "max-chunk-bytes",
-                    requested: held as u64,
-                    max: budget as u64,
-                });
+                return Err(Error::limit("max-chunk-bytes", held, budget));
             }
             chunks.extend(part);
         }

@@ -159,11 +159,11 @@ impl SamplerParams {
         unit("min-p", self.min_p, true)?;
         unit("typical-p", self.typical_p, false)?;
         if let Some(p) = &self.penalties {
-            if p.last_n == 0 || p.last_n > caps.max_penalty_last_n {
-                return invalid(format!(
-                    "penalties.last-n {} is outside [1, {}]",
-                    p.last_n, caps.max_penalty_last_n
-                ));
+            if p.last_n == 0 {
+                return invalid("penalties.last-n must be >= 1".into());
+            }
+            if p.last_n > caps.max_penalty_last_n {
+                return Err(Error::limit("max-penalty-last-n", p.last_n, caps.max_penalty_last_n));
             }
             if !p.repeat.is_finite() || p.repeat <= 0.0 {
                 return invalid(format!("penalties.repeat {} must be finite and > 0", p.repeat));
@@ -173,11 +173,7 @@ impl SamplerParams {
             }
         }
         if self.logit_bias.len() > caps.max_logit_bias {
-            return Err(Error::InvalidArgument(format!(
-                "{} logit-bias entries is above the limit {}",
-                self.logit_bias.len(),
-                caps.max_logit_bias
-            )));
+            return Err(Error::limit("max-logit-bias", self.logit_bias.len(), caps.max_logit_bias));
         }
         for &(token, bias) in &self.logit_bias {
             model.check_tokens(&[token])?;

@@ -969,7 +969,14 @@ fn a_json_schema_constrains_generation_to_valid_json() {
     assert!(bad(r#"{"x-guidance":{"lenient":true}}"#).contains("x-guidance"));
     let deep = "{\"type\":\"array\",\"items\":".repeat(40) + "{}" + &"}".repeat(40);
     assert!(bad(&deep).contains("levels deep"));
-    assert!(bad(&format!("{{\"enum\":[\"{}\"]}}", "a".repeat(20_000))).contains("above the limit"));
+    // Over the host's max-grammar-bytes: that limit, by name, with the sizes.
+    let long = format!("{{\"enum\":[\"{}\"]}}", "a".repeat(20_000));
+    let over = SamplerParams { json_schema: Some(long.clone()), ..SamplerParams::default() };
+    assert!(matches!(
+        Sampler::new(model.clone(), &over, &caps),
+        Err(Error::LimitExceeded { limit: "max-grammar-bytes", requested, max })
+            if requested == long.len() as u64 && max == caps.max_grammar_bytes as u64
+    ));
     // JSON that the schema compiler refuses: an error of the schema, not of a grammar.
     let params = SamplerParams {
         json_schema: Some(r#"{"type":"frobnicate"}"#.into()),
