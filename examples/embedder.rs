@@ -74,7 +74,7 @@ pub async fn run_tenants(
     // gamma: its own limits (it may not share its tokens with anyone), and a stop
     // handle the embedder keeps.
     let mut gamma_limits = Limits::default();
-    gamma_limits.max_shares = 0;
+    gamma_limits.cancel.max_shares = 0;
     let gamma = |deadline, stop| {
         let mut options = RunOptions::default().group("gamma").limits(gamma_limits.clone());
         (options.deadline, options.stop) = (deadline, stop);

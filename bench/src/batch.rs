@@ -105,7 +105,7 @@ impl Host {
         registry.register(model.name, &model.path);
         registry.batch(policy);
         let mut limits = Limits::default();
-        limits.max_threads = threads;
+        limits.context.max_threads = threads;
         let host = PluginHost::new(registry, limits)?;
         let plugin = host
             .load(wasm)

@@ -74,7 +74,7 @@ impl Guest {
         }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
         let mut limits = Limits::default();
-        limits.max_threads = shape.threads.max(cores);
+        limits.context.max_threads = shape.threads.max(cores);
         let host = PluginHost::new(registry, limits)?;
         let plugin = host.load(wasm).with_context(|| {
             format!("loading the bench plugin (built by `make bench` into {})", wasm.display())

@@ -73,12 +73,12 @@ pub enum Error {
         source: wasmtime::Error,
     },
     /// The plugin went over one of its run's wasm limits (`limit` names it:
-    /// `max-wasm-memory`, `max-wasm-instances`, `max-wasm-table-elements`) and was ended.
+    /// `max-memory-mib`, `max-instances`, `max-table-elements`) and was ended.
     /// Limits on inference resources are not errors of the run: the guest gets a
     /// `limit-exceeded` answer and decides.
     #[error("the plugin went over {limit}")]
     Limit {
-        /// The limit's name, as in the config (`max-wasm-memory`, ...).
+        /// The limit's name, as in the config (`max-memory-mib`, ...).
         limit: &'static str,
         /// wasmtime's error the run ended with.
         #[source]

@@ -36,6 +36,14 @@ pub use component::{
     add_to_linker, LimitOverrides, Limits, LlamaCtx, LlamaCtxView, LlamaView, ModelRegistry,
     OpenError, ShareError, TokenRegistry, OLDEST_WIT_VERSION, WIT_VERSION,
 };
+/// The groups of [`Limits`] and of [`LimitOverrides`], one per interface.
+pub mod limits {
+    pub use crate::component::{
+        CancelLimits, CancelOverrides, ContextLimits, ContextOverrides, EmbeddingLimits,
+        EmbeddingOverrides, GenerateLimits, GenerateOverrides, MediaLimits, MediaOverrides,
+        SamplerLimits, SamplerOverrides, WasmLimits, WasmOverrides,
+    };
+}
 pub use engine::{BatchPolicy, Claim, StepObserver, StepReport};
 pub use error::{Error, Result};
 pub use grant::{Grant, Interface};

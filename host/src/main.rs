@@ -45,8 +45,6 @@ enum Command {
         #[arg(long = "projector", value_name = "NAME=PATH", value_parser = parse_named)]
         projectors: Vec<(String, PathBuf)>,
         #[command(flatten)]
-        limits: LimitOverrides,
-        #[command(flatten)]
         registry: RegistryFlags,
         #[command(flatten)]
         grant: GrantFlag,
@@ -66,6 +64,9 @@ enum Command {
         /// Arguments passed to the plugin, after `--`.
         #[arg(last = true)]
         args: Vec<String>,
+        /// Last: each group's flags come under a heading of their own, after the rest.
+        #[command(flatten)]
+        limits: LimitOverrides,
     },
     /// Serve plugins that are wasi:http handlers (the http-plugin world) over HTTP: one
     /// fresh instance per request; a client that hangs up stops its request's native
@@ -214,6 +215,9 @@ struct ServeArgs {
     offload: OffloadFlags,
     #[command(flatten)]
     cache: CacheFlags,
+    /// Last: each group's flags come under a heading of their own, after the rest.
+    #[command(flatten)]
+    limits: LimitOverrides,
 }
 
 /// Where models put their layers: host policy (a plugin never chooses a device).
@@ -432,6 +436,7 @@ impl ServeArgs {
             grant,
             offload,
             cache,
+            limits,
         } = self.clone();
         let mut config = match config {
             Some(path) => ServeConfig::from_file(&path)?,
@@ -446,6 +451,7 @@ impl ServeArgs {
         flags_over_file!(config: threads, max_concurrent, max_queue, max_body_bytes, queue_timeout_ms, body_timeout_ms);
         flags_over_file!(config: write_stall_timeout_ms, shutdown_grace_ms);
         config.batch = config.batch.overridden_by(&batch);
+        config.limits = limits.or(&config.limits);
         flags_over_file!(config: optional max_client_requests, idle_contexts);
         if api_key.is_some() || api_key_file.is_some() {
             anyhow::ensure!(

@@ -249,7 +249,7 @@ async fn a_chunk_list_evaluation_stopped_at_any_stage_leaves_memory_as_it_was() 
     registry.register_projector("eyes", common::tiny_vision());
     // Stop points at fixed work, not paced by measured speed: the same polls every run.
     let mut limits = Limits::default();
-    limits.encode_fixed_chunk_work = Some(llamabox_native::chunker::CHUNK_WORK);
+    limits.media.encode_fixed_chunk_work = llamabox_native::chunker::CHUNK_WORK;
     let host = PluginHost::new(registry, limits).unwrap();
     let plugin = host.load(common::demo_plugin()).unwrap();
     let args = |cap: &str| {
@@ -331,7 +331,7 @@ async fn each_run_can_have_its_own_limits() {
     let (_host, plugin) = host();
     let args = ["--model", "slow", "--prompt", "per-run limits", "--generate", "2"];
     let mut none = Limits::default();
-    none.max_contexts = 0;
+    none.context.max_contexts = 0;
     let tight = RunOptions::default().limits(none);
     let out = MemoryOutputPipe::new(1 << 16);
     let mut wasi = WasiCtxBuilder::new();

@@ -112,10 +112,10 @@ async fn growing_past_the_runs_memory_limit_is_a_limit_error() {
         "the default limit allows it"
     );
     let mut small = Limits::default();
-    small.max_wasm_memory = 1 << 20;
+    small.wasm.max_memory_mib = 1;
     let tight = RunOptions::default().limits(small);
     match plugin.run_with(&tight, WasiCtxBuilder::new()).await {
-        Err(Error::Limit { limit, .. }) => assert_eq!(limit, "max-wasm-memory"),
+        Err(Error::Limit { limit, .. }) => assert_eq!(limit, "max-memory-mib"),
         other => panic!("expected the memory limit, got {other:?}"),
     }
 }

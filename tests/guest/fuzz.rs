@@ -72,7 +72,7 @@ async fn random_wit_call_sequences_through_a_real_guest_never_crash_the_host() {
     // contexts with leftover tokens (reused, cut or removed by whatever comes first).
     registry.keep_idle_contexts(4);
     let mut limits = Limits::default();
-    (limits.max_threads, limits.default_threads) = (1, 1);
+    (limits.context.max_threads, limits.context.default_threads) = (1, 1);
     let host = PluginHost::new(registry, limits).unwrap();
     let plugin = host.load(&common::guest_plugin("llamabox-fuzz.wasm")).unwrap();
     let first = env("LLAMABOX_FUZZ_SEED", 1);
@@ -102,7 +102,7 @@ async fn hostile_grammars_through_a_real_guest_are_bounded() {
     let registry = ModelRegistry::new();
     registry.register("tiny", common::tiny_model()).register("tiny-again", common::tiny_model());
     let mut limits = Limits::default();
-    (limits.max_threads, limits.default_threads) = (1, 1);
+    (limits.context.max_threads, limits.context.default_threads) = (1, 1);
     let host = PluginHost::new(registry, limits).unwrap();
     let plugin = host.load(&common::guest_plugin("llamabox-fuzz.wasm")).unwrap();
     let first = env("LLAMABOX_FUZZ_SEED", 1);

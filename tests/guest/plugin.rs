@@ -80,7 +80,7 @@ async fn chunks_stay_with_their_media_context_and_every_budget_is_charged_as_all
     // The test plugin's own context: n-ctx 1024 (padded as asked) x 2 layers. The padded
     // 16-sequence context needs 16 x 256 cells x 2 layers more: one cell too many.
     let mut limits = llamabox::Limits::default();
-    limits.max_kv_cells = 1024 * 2 + 4096 * 2 - 1;
+    limits.context.max_kv_cells = 1024 * 2 + 4096 * 2 - 1;
     let (outcome, out) =
         common::run_plugin_with_limits(common::test_plugin(), &models, &projectors, limits, &args)
             .await;
@@ -106,7 +106,7 @@ async fn chunks_stay_with_their_media_context_and_every_budget_is_charged_as_all
 
     // A chunk budget smaller than one tokenized image: refused by name, nothing kept.
     let mut limits = llamabox::Limits::default();
-    limits.max_chunk_bytes = 4096;
+    limits.media.max_chunk_bytes = 4096;
     let (outcome, out) =
         common::run_plugin_with_limits(common::test_plugin(), &models, &projectors, limits, &args)
             .await;

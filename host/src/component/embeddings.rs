@@ -21,20 +21,20 @@ impl LlamaCtxView<'_> {
                 "{name}: this plugin embedded {done} of {max} already, and asked for {more} more"
             )))
         };
-        if usage.embedded_inputs.saturating_add(inputs) > limits.max_embed_inputs {
+        if usage.embedded_inputs.saturating_add(inputs) > limits.embeddings.max_embed_inputs {
             return over(
                 "max-embed-inputs",
                 usage.embedded_inputs.into(),
                 inputs.into(),
-                limits.max_embed_inputs.into(),
+                limits.embeddings.max_embed_inputs.into(),
             );
         }
-        if usage.embedded_tokens.saturating_add(tokens) > limits.max_embed_tokens {
+        if usage.embedded_tokens.saturating_add(tokens) > limits.embeddings.max_embed_tokens {
             return over(
                 "max-embed-tokens",
                 usage.embedded_tokens,
                 tokens,
-                limits.max_embed_tokens,
+                limits.embeddings.max_embed_tokens,
             );
         }
         usage.embedded_inputs += inputs;

@@ -201,24 +201,24 @@ impl LlamaCtxView<'_> {
     fn check_generate(&self, params: &GenerateParams) -> Result<(), Error> {
         let l = &self.ctx.limits;
         let over = |what: String| Err(Error::LimitExceeded(what));
-        if params.max_tokens > l.max_generate_tokens {
+        if params.max_tokens > l.generate.max_generate_tokens {
             return over(format!(
                 "max-tokens {} is above max-generate-tokens {}",
-                params.max_tokens, l.max_generate_tokens
+                params.max_tokens, l.generate.max_generate_tokens
             ));
         }
-        if params.stop.len() > l.max_stop_strings {
+        if params.stop.len() > l.generate.max_stop_strings {
             return over(format!(
                 "{} stop strings is above max-stop-strings {}",
                 params.stop.len(),
-                l.max_stop_strings
+                l.generate.max_stop_strings
             ));
         }
-        if let Some(s) = params.stop.iter().find(|s| s.len() > l.max_stop_bytes) {
+        if let Some(s) = params.stop.iter().find(|s| s.len() > l.generate.max_stop_bytes) {
             return over(format!(
                 "a stop string of {} bytes is above max-stop-bytes {}",
                 s.len(),
-                l.max_stop_bytes
+                l.generate.max_stop_bytes
             ));
         }
         if let Some(n) = params.logprobs.filter(|&n| n > native::MAX_TOP_LOGPROBS) {
@@ -322,7 +322,7 @@ impl Host for LlamaCtxView<'_> {
         add_assistant_prompt: bool,
         template: Option<String>,
     ) -> LlamaResult<String> {
-        let max = self.ctx.limits.max_text_bytes;
+        let max = self.ctx.limits.context.max_text_bytes;
         let messages: Vec<native::ChatMessage> = messages
             .into_iter()
             .map(|m| native::ChatMessage { role: m.role, content: m.content })

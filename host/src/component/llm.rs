@@ -112,28 +112,32 @@ impl LlamaCtxView<'_> {
                 Ok(value)
             }
         };
-        let n_ctx_default = model.n_ctx_train().clamp(1, 4096).min(limits.max_n_ctx);
-        let n_ctx =
-            cap("n-ctx", params.n_ctx.unwrap_or(n_ctx_default), "max-n-ctx", limits.max_n_ctx)?;
+        let n_ctx_default = model.n_ctx_train().clamp(1, 4096).min(limits.context.max_n_ctx);
+        let n_ctx = cap(
+            "n-ctx",
+            params.n_ctx.unwrap_or(n_ctx_default),
+            "max-n-ctx",
+            limits.context.max_n_ctx,
+        )?;
         let n_batch = cap(
             "n-batch",
             params.n_batch.unwrap_or(n_ctx.min(512)),
             "max-n-batch",
-            limits.max_n_batch,
+            limits.context.max_n_batch,
         )?;
         let n_ubatch = cap(
             "n-ubatch",
             params.n_ubatch.unwrap_or(n_batch.min(512)),
             "max-n-batch",
-            limits.max_n_batch,
+            limits.context.max_n_batch,
         )?;
         let n_seq_max =
-            cap("n-seq-max", params.n_seq_max.unwrap_or(1), "max-n-seq", limits.max_n_seq)?;
+            cap("n-seq-max", params.n_seq_max.unwrap_or(1), "max-n-seq", limits.context.max_n_seq)?;
         let n_threads = cap(
             "n-threads",
-            params.n_threads.unwrap_or(limits.default_threads),
+            params.n_threads.unwrap_or(limits.context.default_threads),
             "max-threads",
-            limits.max_threads,
+            limits.context.max_threads,
         )?;
         Ok(native::ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads })
     }
@@ -162,9 +166,9 @@ impl HostModel for LlamaCtxView<'_> {
     ) -> LlamaResult<Vec<Token>> {
         let limits = &self.ctx.limits;
         let (max, limit) = if parse_special {
-            (limits.max_special_text_bytes, "max-special-text-bytes")
+            (limits.context.max_special_text_bytes, "max-special-text-bytes")
         } else {
-            (limits.max_text_bytes, "max-text-bytes")
+            (limits.context.max_text_bytes, "max-text-bytes")
         };
         if text.len() > max {
             return Err(Error::LimitExceeded(format!(
@@ -193,7 +197,7 @@ impl HostModel for LlamaCtxView<'_> {
         remove_special: bool,
         unparse_special: bool,
     ) -> LlamaResult<String> {
-        let max = self.ctx.limits.max_detokenize_tokens;
+        let max = self.ctx.limits.context.max_detokenize_tokens;
         if tokens.len() > max {
             return Err(Error::LimitExceeded(format!(
                 "{} tokens is above max-detokenize-tokens {max}",
@@ -245,7 +249,7 @@ impl HostModel for LlamaCtxView<'_> {
             ))
             .into());
         }
-        let max = self.ctx.limits.max_text_bytes;
+        let max = self.ctx.limits.context.max_text_bytes;
         let model = &self.table.get(&model)?.model;
         model.meta_within(&key, max).map_err(|len| {
             Error::LimitExceeded(format!(

@@ -111,9 +111,10 @@ impl HostMediaContext for LlamaCtxView<'_> {
             return Err(Error::ModelNotFound(projector).into());
         };
         self.ctx.admit(Charge::MediaContext)?;
-        let threads = self.ctx.limits.default_threads;
-        let (latency, fixed) =
-            (self.ctx.limits.encode_cancel_latency, self.ctx.limits.encode_fixed_chunk_work);
+        let threads = self.ctx.limits.context.default_threads;
+        let media = &self.ctx.limits.media;
+        let latency = std::time::Duration::from_millis(media.encode_cancel_latency_ms);
+        let fixed = media.encode_fixed_chunk_work;
         let (worker_model, meter) = (model.clone(), self.ctx.meter().clone());
         let started = Worker::start("llamabox-media", &self.ctx.workers, move || {
             let mut media = MediaContext::new(&path, worker_model, threads)?;
@@ -121,8 +122,8 @@ impl HostMediaContext for LlamaCtxView<'_> {
             // Beside batches, it encodes in turns with them (their steps use every core).
             media.share_cores(cores);
             match fixed {
-                Some(units) => media.set_chunk_work(units),
-                None => media.set_latency_target(latency),
+                0 => media.set_latency_target(latency),
+                units => media.set_chunk_work(units),
             }
             Ok::<_, native::Error>(media)
         })
@@ -188,7 +189,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
         inputs: Vec<Input>,
     ) -> LlamaResult<Vec<Resource<ChunkHandle>>> {
         // mtmd parses special tokens in every prompt.
-        let max = self.ctx.limits.max_special_text_bytes;
+        let max = self.ctx.limits.context.max_special_text_bytes;
         if prompt.len() > max {
             return Err(Error::LimitExceeded(format!(
                 "prompt of {} bytes is above max-special-text-bytes {max}",

@@ -24,7 +24,11 @@ use crate::worker::Tracker;
 pub use crate::engine::{ModelRegistry, OpenError};
 pub use cancel::CancelToken;
 pub use generate::{GenerationHandle, SamplerHandle};
-pub use limits::{LimitOverrides, Limits};
+pub use limits::{
+    CancelLimits, CancelOverrides, ContextLimits, ContextOverrides, EmbeddingLimits,
+    EmbeddingOverrides, GenerateLimits, GenerateOverrides, LimitOverrides, Limits, MediaLimits,
+    MediaOverrides, SamplerLimits, SamplerOverrides, WasmLimits, WasmOverrides,
+};
 pub use llm::{ContextHandle, ModelHandle, PendingDecode};
 pub use media::{ChunkHandle, MediaContextHandle, PendingEncode};
 pub use tokens::{ShareError, TokenRegistry};
@@ -253,7 +257,7 @@ impl LlamaCtx {
 
     /// A place for one more pending call, or `limit-exceeded` naming max-pending-calls.
     pub(crate) fn pending_slot(&self) -> Result<PendingSlot, Error> {
-        let max = self.limits.max_pending_calls;
+        let max = self.limits.context.max_pending_calls;
         self.pending_calls
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < max).then_some(n + 1))
             .map(|_| PendingSlot(self.pending_calls.clone()))
@@ -269,35 +273,40 @@ impl LlamaCtx {
             Err(Error::LimitExceeded(format!("{name}: this plugin already holds {max}")))
         };
         match held {
-            Charge::Context { .. } if u.contexts >= l.max_contexts => {
-                return over("max-contexts", l.max_contexts.to_string())
+            Charge::Context { .. } if u.contexts >= l.context.max_contexts => {
+                return over("max-contexts", l.context.max_contexts.to_string())
             }
-            Charge::Context { kv_cells } if u.kv_cells + kv_cells > l.max_kv_cells => {
+            Charge::Context { kv_cells } if u.kv_cells + kv_cells > l.context.max_kv_cells => {
                 return over(
                     "max-kv-cells",
-                    format!("{} of {} KV cells (n-ctx x layers)", u.kv_cells, l.max_kv_cells),
+                    format!(
+                        "{} of {} KV cells (n-ctx x layers)",
+                        u.kv_cells, l.context.max_kv_cells
+                    ),
                 )
             }
-            Charge::MediaContext if u.media_contexts >= l.max_media_contexts => {
-                return over("max-media-contexts", l.max_media_contexts.to_string())
+            Charge::MediaContext if u.media_contexts >= l.media.max_media_contexts => {
+                return over("max-media-contexts", l.media.max_media_contexts.to_string())
             }
-            Charge::Token if u.tokens >= l.max_tokens => {
-                return over("max-tokens", l.max_tokens.to_string())
+            Charge::Token if u.tokens >= l.cancel.max_tokens => {
+                return over("max-tokens", l.cancel.max_tokens.to_string())
             }
-            Charge::Share if u.shares >= l.max_shares => {
-                return over("max-shares", l.max_shares.to_string())
+            Charge::Share if u.shares >= l.cancel.max_shares => {
+                return over("max-shares", l.cancel.max_shares.to_string())
             }
-            Charge::Chunks { bytes } if u.chunk_bytes.saturating_add(bytes) > l.max_chunk_bytes => {
+            Charge::Chunks { bytes }
+                if u.chunk_bytes.saturating_add(bytes) > l.media.max_chunk_bytes =>
+            {
                 return over(
                     "max-chunk-bytes",
                     format!(
                         "{} of {} bytes in media chunks (this needs {bytes} more)",
-                        u.chunk_bytes, l.max_chunk_bytes
+                        u.chunk_bytes, l.media.max_chunk_bytes
                     ),
                 )
             }
-            Charge::Sampler if u.samplers >= l.max_samplers => {
-                return over("max-samplers", l.max_samplers.to_string())
+            Charge::Sampler if u.samplers >= l.sampler.max_samplers => {
+                return over("max-samplers", l.sampler.max_samplers.to_string())
             }
             _ => {}
         }
@@ -307,7 +316,7 @@ impl LlamaCtx {
 
     /// Native bytes this store's media chunks may still hold under max-chunk-bytes.
     pub(crate) fn chunk_bytes_left(&self) -> usize {
-        usize::try_from(self.limits.max_chunk_bytes.saturating_sub(self.usage.chunk_bytes))
+        usize::try_from(self.limits.media.max_chunk_bytes.saturating_sub(self.usage.chunk_bytes))
             .unwrap_or(usize::MAX)
     }
 
@@ -426,14 +435,10 @@ mod tests {
 
     #[test]
     fn each_held_thing_counts_against_its_own_limit_until_released() {
-        let limits = Limits {
-            max_contexts: 2,
-            max_kv_cells: 1000,
-            max_pending_calls: 1,
-            max_tokens: 1,
-            max_media_contexts: 1,
-            ..Limits::default()
-        };
+        let mut limits = Limits::default();
+        (limits.context.max_contexts, limits.context.max_kv_cells) = (2, 1000);
+        limits.context.max_pending_calls = 1;
+        (limits.cancel.max_tokens, limits.media.max_media_contexts) = (1, 1);
         let mut c = ctx(limits);
         let small = Charge::Context { kv_cells: 400 };
         c.admit(small).unwrap();
@@ -443,24 +448,24 @@ mod tests {
         c.release(small);
         c.admit(Charge::Context { kv_cells: 200 }).unwrap();
 
-        let mut c2 = ctx(Limits { max_samplers: 1, ..Limits::default() });
+        let mut limits = Limits::default();
+        limits.sampler.max_samplers = 1;
+        let mut c2 = ctx(limits);
         c2.admit(Charge::Sampler).unwrap();
         assert!(limit_named(c2.admit(Charge::Sampler)).starts_with("max-samplers"));
 
-        let limits = Limits { max_chunk_bytes: 100, ..Limits::default() };
+        let mut limits = Limits::default();
+        limits.media.max_chunk_bytes = 100;
         let mut c = ctx(limits);
         c.admit(Charge::Chunks { bytes: 60 }).unwrap();
         assert!(limit_named(c.admit(Charge::Chunks { bytes: 41 })).starts_with("max-chunk-bytes"));
         c.release(Charge::Chunks { bytes: 60 });
         c.admit(Charge::Chunks { bytes: 100 }).unwrap();
 
-        let limits = Limits {
-            max_pending_calls: 2,
-            max_tokens: 1,
-            max_shares: 1,
-            max_media_contexts: 1,
-            ..Limits::default()
-        };
+        let mut limits = Limits::default();
+        limits.context.max_pending_calls = 2;
+        (limits.cancel.max_tokens, limits.cancel.max_shares) = (1, 1);
+        limits.media.max_media_contexts = 1;
         let mut c = ctx(limits);
         for (held, name) in [
             (Charge::Token, "max-tokens"),

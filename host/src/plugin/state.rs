@@ -48,7 +48,7 @@ impl wasmtime::ResourceLimiter for RunLimiter {
     ) -> wasmtime::Result<bool> {
         let allowed = self.limits.memory_growing(current, desired, maximum)?;
         if !allowed {
-            self.refused.get_or_insert("max-wasm-memory");
+            self.refused.get_or_insert("max-memory-mib");
         }
         Ok(allowed)
     }
@@ -61,7 +61,7 @@ impl wasmtime::ResourceLimiter for RunLimiter {
     ) -> wasmtime::Result<bool> {
         let allowed = self.limits.table_growing(current, desired, maximum)?;
         if !allowed {
-            self.refused.get_or_insert("max-wasm-table-elements");
+            self.refused.get_or_insert("max-table-elements");
         }
         Ok(allowed)
     }

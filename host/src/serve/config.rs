@@ -93,6 +93,11 @@ pub struct ServeConfig {
     /// every context after its request.
     #[serde(default)]
     pub idle_contexts: Option<u32>,
+    /// Limits of every plugin over the host's defaults, by group (`[limits.context]`,
+    /// `[limits.media]`, ...: see `llamabox::LimitOverrides`); a plugin's
+    /// `[plugins.limits.*]` override them knob by knob.
+    #[serde(default)]
+    pub limits: LimitOverrides,
     /// How running requests are batched (`[batch]`; `batch = false` of earlier
     /// releases still turns it off).
     #[serde(default, deserialize_with = "batch_table_or_bool")]
@@ -162,7 +167,7 @@ pub struct PluginConfig {
     /// `LLAMABOX_MODELS_LOADED_AT`).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
-    /// Its limits over the host's defaults (`[plugins.limits]`).
+    /// Its limits over the server's `[limits]`, by group (`[plugins.limits.context]`, ...).
     #[serde(default)]
     pub limits: LimitOverrides,
     /// The llamabox interfaces it may import (`["llm", "generate"]`, `"all"` or
@@ -415,6 +420,7 @@ impl ServeConfig {
             compile_cache: None,
             registry: Default::default(),
             idle_contexts: None,
+            limits: LimitOverrides::default(),
             batch: BatchConfig::default(),
             old_batch_seats: None,
             old_batch_n_ctx: None,
@@ -454,9 +460,16 @@ impl ServeConfig {
         if self.threads == 0 || self.max_concurrent == 0 {
             bail!("threads and max_concurrent must be at least 1");
         }
-        if let Some(plugin) = self.plugins.iter().find(|p| p.limits.max_threads.is_some()) {
-            bail!("plugin {:?}: set its contexts' threads with the plugin's `threads`, not limits.max_threads", plugin.name);
+        if self.limits.context.max_threads.is_some() {
+            bail!(
+                "set the plugins' context threads with each plugin's `threads` \
+                 (--request-threads), not [limits.context] max_threads (--max-threads)"
+            );
         }
+        if let Some(plugin) = self.plugins.iter().find(|p| p.limits.context.max_threads.is_some()) {
+            bail!("plugin {:?}: set its contexts' threads with the plugin's `threads`, not [plugins.limits.context] max_threads", plugin.name);
+        }
+        self.warn_of_moved_limits();
         if self.body_timeout_ms == 0 || self.write_stall_timeout_ms == 0 {
             bail!("body_timeout_ms and write_stall_timeout_ms must be at least 1");
         }
@@ -578,6 +591,35 @@ impl ServeConfig {
         self.batch = old.overridden_by(&self.batch);
     }
 
+    /// Flat limit keys of earlier releases, still read: each named with its new table.
+    fn warn_of_moved_limits(&mut self) {
+        for (group, key) in self.limits.take_moved_keys() {
+            tracing::warn!(
+                "[limits] {key} is now [limits.{group}] {key}; the old key is read for now"
+            );
+        }
+        for plugin in &mut self.plugins {
+            for (group, key) in plugin.limits.take_moved_keys() {
+                tracing::warn!(
+                    "plugin {:?}: [plugins.limits] {key} is now [plugins.limits.{group}] {key}; \
+                     the old key is read for now",
+                    plugin.name
+                );
+            }
+        }
+    }
+
+    /// A plugin's per-run limits: the host's defaults under `[limits]`, under its own
+    /// `[plugins.limits]`, contexts capped at its `threads`.
+    pub fn plugin_limits(&self, plugin: &PluginConfig) -> Limits {
+        // The plugin's `threads` are its contexts' threads, cap and default both.
+        // (`check` refuses max_threads in [limits]: `threads` says it.)
+        let mut limits = plugin.limits.or(&self.limits).apply(&Limits::default());
+        limits.context.max_threads = plugin.threads;
+        limits.context.default_threads = plugin.threads;
+        limits
+    }
+
     /// Where the models' layers go.
     pub fn offload(&self) -> crate::native::Offload {
         crate::native::Offload { gpu_layers: self.gpu_layers, device: self.device.clone() }
@@ -623,17 +665,6 @@ impl PluginConfig {
     pub fn route(&self) -> &str {
         self.route.as_deref().unwrap_or("/")
     }
-
-    /// This plugin's per-run limits: `base` with its overrides, contexts capped at its
-    /// `threads`.
-    pub fn limits(&self, base: &Limits) -> Limits {
-        // The plugin's `threads` are its contexts' threads, cap and default both.
-        // (`check` refuses limits.max_threads: `threads` says it.)
-        let mut limits = self.limits.apply(base);
-        limits.max_threads = self.threads;
-        limits.default_threads = self.threads;
-        limits
-    }
 }
 
 #[cfg(test)]
@@ -649,7 +680,9 @@ m = "/models/m.gguf"
 name = "openai"
 path = "/plugins/openai.wasm"
 models = ["m"]
-[plugins.limits]
+[limits.media]
+max_image_side = 512
+[plugins.limits.context]
 max_n_ctx = 4096
 [[plugins]]
 name = "other"
@@ -662,8 +695,11 @@ threads = 2
         let config = ServeConfig::from_toml(FULL).unwrap();
         assert_eq!(config.plugins[0].route(), "/openai");
         assert_eq!(config.plugins[1].route(), "/other");
-        assert_eq!(config.plugins[0].limits(&Limits::default()).max_n_ctx, 4096);
-        assert_eq!(config.plugins[1].limits(&Limits::default()).max_threads, 2);
+        let (first, second) =
+            (config.plugin_limits(&config.plugins[0]), config.plugin_limits(&config.plugins[1]));
+        assert_eq!((first.context.max_n_ctx, second.context.max_n_ctx), (4096, 8192));
+        assert_eq!((first.media.max_image_side, second.media.max_image_side), (512, 512));
+        assert_eq!(second.context.max_threads, 2);
         assert_eq!(config.idle_contexts(), 2, "as many idle contexts as could be busy");
         let mut more = config.clone();
         more.threads = 8;
@@ -710,6 +746,23 @@ threads = 2
             let error = ServeConfig::from_toml(&broken).unwrap_err().to_string();
             assert!(error.contains(why), "{why:?} not in {error:?}");
         }
+    }
+
+    #[test]
+    fn limits_live_in_group_tables_and_old_flat_keys_are_still_read() {
+        let old = FULL.replace("[plugins.limits.context]", "[plugins.limits]");
+        let config = ServeConfig::from_toml(&old).unwrap();
+        assert_eq!(config.plugin_limits(&config.plugins[0]).context.max_n_ctx, 4096);
+        let typo = FULL.replace("max_n_ctx = 4096", "max_n_ctxx = 4096");
+        let err = ServeConfig::from_toml(&typo).unwrap_err().to_string();
+        assert!(err.contains("unknown field `max_n_ctxx`"), "{err}");
+        let flat_typo = old.replace("max_n_ctx = 4096", "max_n_ctxx = 4096");
+        let err = ServeConfig::from_toml(&flat_typo).unwrap_err().to_string();
+        assert!(err.contains("unknown limit \"max_n_ctxx\""), "{err}");
+        let threads =
+            FULL.replace("[limits.media]", "[limits.context]\nmax_threads = 2\n[limits.media]");
+        let err = ServeConfig::from_toml(&threads).unwrap_err().to_string();
+        assert!(err.contains("each plugin's `threads`"), "{err}");
     }
 
     #[test]

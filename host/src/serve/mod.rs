@@ -392,7 +392,7 @@ impl Server {
                 admission: self.admission_slot(&config.name, slots),
                 // Batched requests hold no threads of their own: every step runs on all.
                 threads: if self.config.batch.enabled() { 0 } else { config.threads },
-                limits: config.limits(&Limits::default()),
+                limits: self.config.plugin_limits(config),
                 access: access(&names),
                 tenant_access,
                 plugin,
