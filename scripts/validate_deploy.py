@@ -73,10 +73,12 @@ def main(deploy):
     except tomllib.TOMLDecodeError as e:
         check(False, cm_file, f"serve.toml does not parse: {e}")
         return
-    for key in ("listen", "threads", "shutdown_grace_ms", "models", "plugins"):
+    for key in ("listen", "threads", "models", "plugins"):
         check(key in config, cm_file, f"serve.toml has no `{key}`")
+    requests = config.get("requests", {})
+    check("shutdown_grace_ms" in requests, cm_file, "serve.toml has no `[requests] shutdown_grace_ms`")
     threads = config.get("threads")
-    grace_ms = config.get("shutdown_grace_ms", 10000)
+    grace_ms = requests.get("shutdown_grace_ms", 10000)
     check(isinstance(threads, int) and threads > 0, cm_file, "serve.toml: threads must be a positive integer")
     for plugin in config.get("plugins", []):
         name = plugin.get("name", "?")

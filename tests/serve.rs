@@ -807,6 +807,8 @@ fn a_hang_up_during_an_image_encode_stops_the_encode() {
 fn a_hostile_plugin_gets_answers_for_its_misdeeds_and_the_server_keeps_serving() {
     let config = std::env::temp_dir().join(format!("llamabox-hostile-{}.toml", std::process::id()));
     let plugin = common::guest_plugin("llamabox_http_hostile.wasm");
+    // Keys of earlier releases on purpose (top-level max_client_requests, a flat
+    // [plugins.limits]): they still work, with a warning.
     let toml = format!(
         "listen = \"127.0.0.1:0\"\nthreads = 2\nmax_client_requests = 1\n[models]\nslow = {:?}\n\
          [[plugins]]\nname = \"hostile\"\npath = {:?}\ndeadline_ms = 1000\n[plugins.limits]\nmax_memory_mib = 32\n",

@@ -17,6 +17,8 @@
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 #![warn(missing_docs)]
 
+#[macro_use]
+mod knobs;
 mod component;
 mod engine;
 pub mod error;

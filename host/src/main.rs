@@ -156,29 +156,6 @@ struct ServeArgs {
     /// Stop each request after this many milliseconds (504).
     #[arg(long, value_name = "MS")]
     deadline_ms: Option<u64>,
-    /// Requests running at once, all plugins together.
-    #[arg(long)]
-    max_concurrent: Option<u32>,
-    /// Requests that may wait for a slot (then 503).
-    #[arg(long)]
-    max_queue: Option<u32>,
-    /// Largest request body in bytes (then 413).
-    #[arg(long, value_name = "BYTES")]
-    max_body_bytes: Option<u64>,
-    /// How long a request may wait for a slot (then 503).
-    #[arg(long, value_name = "MS")]
-    queue_timeout_ms: Option<u64>,
-    /// How long a client may take to send its whole request body (then 408).
-    #[arg(long, value_name = "MS")]
-    body_timeout_ms: Option<u64>,
-    /// How long a response may wait for its client to read on: then the client is
-    /// taken for gone (its request stopped, its connection closed).
-    #[arg(long, value_name = "MS")]
-    write_stall_timeout_ms: Option<u64>,
-    /// Requests one client (IP address) may have in progress at once, then 429
-    /// (default: half of what can run at once, at least 1; 0: no cap).
-    #[arg(long, value_name = "N")]
-    max_client_requests: Option<u32>,
     /// Require this API key (`authorization: Bearer KEY` or `x-api-key: KEY`): one
     /// tenant, named `default`. For several, use `[[tenants]]` in a config file.
     #[arg(long, value_name = "KEY", env = "LLAMABOX_API_KEY", hide_env_values = true)]
@@ -197,9 +174,6 @@ struct ServeArgs {
     /// Serve /metrics on this address instead of the main one.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<std::net::SocketAddr>,
-    /// On SIGTERM, how long requests in flight may take before they are stopped.
-    #[arg(long, value_name = "MS")]
-    shutdown_grace_ms: Option<u64>,
     /// Contexts each model keeps idle for later requests of the same group, which
     /// then skip creating one and reuse the start of the prompt they share with the
     /// last (default: --threads; 0: none).
@@ -216,6 +190,8 @@ struct ServeArgs {
     #[command(flatten)]
     cache: CacheFlags,
     /// Last: each group's flags come under a heading of their own, after the rest.
+    #[command(flatten)]
+    requests: llamabox::serve::RequestOverrides,
     #[command(flatten)]
     limits: LimitOverrides,
 }
@@ -392,17 +368,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// `config.FIELD = v` for each flag `FIELD` given (`Some(v)`); with `optional`, for
-/// fields that are themselves options, the flag as it is when given.
-macro_rules! flags_over_file {
-    ($config:ident: optional $($field:ident),+) => {
-        $( if $field.is_some() { $config.$field = $field; } )+
-    };
-    ($config:ident: $($field:ident),+) => {
-        $( if let Some(value) = $field { $config.$field = value; } )+
-    };
-}
-
 impl ServeArgs {
     /// The server's config: the file's (or the flags' plugins and models), with the
     /// flags given over it.
@@ -417,25 +382,18 @@ impl ServeArgs {
             threads,
             request_threads,
             deadline_ms,
-            max_concurrent,
-            max_queue,
-            max_body_bytes,
-            queue_timeout_ms,
-            body_timeout_ms,
-            write_stall_timeout_ms,
-            max_client_requests,
             api_key,
             api_key_file,
             admin_key,
             trusted_proxies,
             metrics_listen,
-            shutdown_grace_ms,
             idle_contexts,
             batch,
             registry,
             grant,
             offload,
             cache,
+            requests,
             limits,
         } = self.clone();
         let mut config = match config {
@@ -448,11 +406,11 @@ impl ServeArgs {
             }
         };
         // What the command line gives wins over serve.toml.
-        flags_over_file!(config: threads, max_concurrent, max_queue, max_body_bytes, queue_timeout_ms, body_timeout_ms);
-        flags_over_file!(config: write_stall_timeout_ms, shutdown_grace_ms);
+        config.threads = threads.unwrap_or(config.threads);
+        config.idle_contexts = idle_contexts.or(config.idle_contexts);
+        config.requests = requests.or(&config.requests);
         config.batch = config.batch.overridden_by(&batch);
         config.limits = limits.or(&config.limits);
-        flags_over_file!(config: optional max_client_requests, idle_contexts);
         if api_key.is_some() || api_key_file.is_some() {
             anyhow::ensure!(
                 config.tenants.is_empty(),

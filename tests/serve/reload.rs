@@ -22,7 +22,7 @@ const ADMIN_KEY: &str = "reload-admin-key-0123456789";
 /// admin key; a client may leave its answer unread for minutes.
 fn write_config(path: &Path, plugin: &Path, route: &str) {
     let text = format!(
-        "listen = \"127.0.0.1:0\"\nadmin_key = \"{ADMIN_KEY}\"\nwrite_stall_timeout_ms = 300000\n\
+        "listen = \"127.0.0.1:0\"\nadmin_key = \"{ADMIN_KEY}\"\n[requests]\nwrite_stall_timeout_ms = 300000\n\
          [models]\ntiny = {:?}\n[[plugins]]\nname = \"chat\"\npath = {plugin:?}\nroute = \"{route}\"\n",
         common::tiny_model()
     );

@@ -300,7 +300,7 @@ fn a_flooding_address_waits_behind_another_addresss_first_request() {
     let config = ConfigFile::new(
         "fair",
         &format!(
-            "listen = \"127.0.0.1:0\"\nthreads = 2\nqueue_timeout_ms = 5000\n[batch]\nseats = 4\n\
+            "listen = \"127.0.0.1:0\"\nthreads = 2\n[requests]\nqueue_timeout_ms = 5000\n[batch]\nseats = 4\n\
              [models]\nslow = {:?}\n[[plugins]]\nname = \"hostile\"\npath = {:?}\ndeadline_ms = 2000\n",
             common::slow_model().display().to_string(),
             common::guest_plugin("llamabox_http_hostile.wasm").display().to_string(),

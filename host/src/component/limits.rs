@@ -2,115 +2,21 @@
 //! grouped by the interface they govern (as wasmtime-wasi keeps each interface's limits
 //! in its own context).
 //!
-//! Each group is declared once by [`limit_group!`]: a knob's doc, type and default make
-//! the group's struct (what the host enforces), its overrides (`llamabox run`'s flag,
-//! serve.toml's key, the doc as the flag's help) and nothing else to keep in step.
+//! Each group is declared once by `knob_group!` (crate::knobs): a knob's doc, type and
+//! default make the group's struct (what the host enforces), its overrides (`llamabox
+//! run`'s flag, serve.toml's key, the doc as the flag's help) and nothing else to keep in
+//! step.
 
 use serde::de::{Deserializer, MapAccess, Visitor};
-
-/// The shown default of a knob: its literal when the expression would read badly.
-macro_rules! shown {
-    ($shown:literal; $default:expr) => {
-        $shown
-    };
-    (; $default:expr) => {
-        stringify!($default)
-    };
-}
-
-/// One group of limits, from one list of knobs: `doc, name: type = default [; "shown"]`.
-/// Makes the group (every knob set, `Default` from the list) and its overrides (every
-/// knob optional: a flag and a TOML key each, named as the knob).
-macro_rules! limit_group {
-    (
-        $(#[doc = $group_doc:literal])*
-        $group:ident, $overrides:ident, $key:literal, $heading:literal {
-            $(
-                $(#[doc = $doc:literal])*
-                $field:ident: $ty:ty = $default:expr $(; $shown:literal)?,
-            )*
-        }
-    ) => {
-        $(#[doc = $group_doc])*
-        #[doc = ""]
-        #[doc = concat!("`#[non_exhaustive]`: start from `", stringify!($group), "::default()`.")]
-        #[derive(Clone, Debug, PartialEq)]
-        #[non_exhaustive]
-        pub struct $group {
-            $(
-                $(#[doc = $doc])*
-                #[doc = concat!("Default: ", shown!($($shown)?; $default), ".")]
-                pub $field: $ty,
-            )*
-        }
-
-        impl Default for $group {
-            fn default() -> Self {
-                Self { $($field: $default,)* }
-            }
-        }
-
-        #[doc = concat!(
-            "The knobs of [`", stringify!($group), "`] that differ from a base: `llamabox run`'s ",
-            "flags and serve.toml's `[limits.", $key, "]` (or `[plugins.limits.", $key, "]`)."
-        )]
-        #[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
-        #[cfg_attr(feature = "cli", derive(clap::Args))]
-        #[cfg_attr(feature = "cli", command(next_help_heading = $heading))]
-        #[serde(deny_unknown_fields)]
-        #[non_exhaustive]
-        pub struct $overrides {
-            $(
-                $(#[doc = $doc])*
-                #[cfg_attr(feature = "cli", arg(
-                    long,
-                    value_name = "N",
-                    help = concat!($($doc,)* " [default: ", shown!($($shown)?; $default), "]")
-                        .trim_start(),
-                ))]
-                pub $field: Option<$ty>,
-            )*
-        }
-
-        impl $overrides {
-            /// Its table's name in serve.toml.
-            const KEY: &str = $key;
-
-            /// These knobs set on `limits`.
-            fn apply_to(&self, limits: &mut $group) {
-                $(if let Some(value) = &self.$field {
-                    limits.$field = value.clone();
-                })*
-            }
-
-            /// These knobs, and `under`'s where these leave one unset.
-            fn or(&self, under: &Self) -> Self {
-                Self { $($field: self.$field.clone().or_else(|| under.$field.clone()),)* }
-            }
-
-            /// Reads `key`'s value from `map` if `key` is one of these knobs.
-            fn read_knob<'de, A: MapAccess<'de>>(
-                &mut self,
-                key: &str,
-                map: &mut A,
-            ) -> Result<bool, A::Error> {
-                match key {
-                    $(stringify!($field) => self.$field = Some(map.next_value()?),)*
-                    _ => return Ok(false),
-                }
-                Ok(true)
-            }
-        }
-    };
-}
 
 fn all_cores() -> u32 {
     std::thread::available_parallelism().map_or(1, |n| n.get()) as u32
 }
 
-limit_group! {
+knob_group! {
     /// The `llm` interface: models' contexts and text.
-    ContextLimits, ContextOverrides, "context", "Context limits (llm)" {
+    ContextLimits, ContextOverrides, "context", "Context limits (llm)",
+        "`llamabox run`'s flags and serve.toml's `[limits.context]` (or `[plugins.limits.context]`)" {
         /// Largest n-ctx of one context: KV memory grows linearly with it.
         max_n_ctx: u32 = 8192,
         /// Largest n-batch: the compute buffer grows with it.
@@ -143,9 +49,10 @@ limit_group! {
     }
 }
 
-limit_group! {
+knob_group! {
     /// The `generate` interface's samplers, grammars included.
-    SamplerLimits, SamplerOverrides, "sampler", "Sampler limits (generate)" {
+    SamplerLimits, SamplerOverrides, "sampler", "Sampler limits (generate)",
+        "`llamabox run`'s flags and serve.toml's `[limits.sampler]` (or `[plugins.limits.sampler]`)" {
         /// Samplers alive at once: each holds n-vocab candidates (12 bytes per token)
         /// and possibly a parsed grammar.
         max_samplers: u32 = 16,
@@ -161,9 +68,10 @@ limit_group! {
     }
 }
 
-limit_group! {
+knob_group! {
     /// The `generate` interface's generations.
-    GenerateLimits, GenerateOverrides, "generate", "Generation limits (generate)" {
+    GenerateLimits, GenerateOverrides, "generate", "Generation limits (generate)",
+        "`llamabox run`'s flags and serve.toml's `[limits.generate]` (or `[plugins.limits.generate]`)" {
         /// Tokens one generation may produce: bounds how long one call holds its context
         /// (a cancel stops it sooner).
         max_generate_tokens: u32 = 4096,
@@ -174,9 +82,10 @@ limit_group! {
     }
 }
 
-limit_group! {
+knob_group! {
     /// The `embeddings` interface, counted over a store's life.
-    EmbeddingLimits, EmbeddingOverrides, "embeddings", "Embedding limits (embeddings)" {
+    EmbeddingLimits, EmbeddingOverrides, "embeddings", "Embedding limits (embeddings)",
+        "`llamabox run`'s flags and serve.toml's `[limits.embeddings]` (or `[plugins.limits.embeddings]`)" {
         /// Inputs embedded over a run (embed and embed-rows together), refused before
         /// anything is computed: each costs a call whatever its length (~15 ms for a
         /// one-token input with SmolLM2 on 2 cores).
@@ -187,9 +96,10 @@ limit_group! {
     }
 }
 
-limit_group! {
+knob_group! {
     /// The `media` interface: projectors, their chunks and encodes.
-    MediaLimits, MediaOverrides, "media", "Media limits (media)" {
+    MediaLimits, MediaOverrides, "media", "Media limits (media)",
+        "`llamabox run`'s flags and serve.toml's `[limits.media]` (or `[plugins.limits.media]`)" {
         /// Media contexts alive at once: each owns a thread and a projector's weights.
         max_media_contexts: u32 = 2,
         /// Native bytes held by its media chunks (estimated per chunk): a tiny image
@@ -212,9 +122,10 @@ limit_group! {
     }
 }
 
-limit_group! {
+knob_group! {
     /// The `cancel` interface's tokens and the capabilities shared from them.
-    CancelLimits, CancelOverrides, "cancel", "Cancel-token limits (cancel)" {
+    CancelLimits, CancelOverrides, "cancel", "Cancel-token limits (cancel)",
+        "`llamabox run`'s flags and serve.toml's `[limits.cancel]` (or `[plugins.limits.cancel]`)" {
         /// Cancel tokens alive at once (the resource table has no cap of its own).
         max_tokens: u32 = 1024,
         /// Capabilities its cancel tokens may be shared under at once, each an entry in
@@ -224,9 +135,10 @@ limit_group! {
     }
 }
 
-limit_group! {
+knob_group! {
     /// The plugin's wasm instance, for `Store::limiter`.
-    WasmLimits, WasmOverrides, "wasm", "Wasm limits" {
+    WasmLimits, WasmOverrides, "wasm", "Wasm limits",
+        "`llamabox run`'s flags and serve.toml's `[limits.wasm]` (or `[plugins.limits.wasm]`)" {
         /// Linear memory of one plugin instance, in MiB: a guest that grows past it gets
         /// a failed memory.grow (and usually a trap), never the host's memory.
         max_memory_mib: usize = 256,

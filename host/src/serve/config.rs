@@ -23,35 +23,10 @@ pub struct ServeConfig {
     /// every graph barrier, and a descheduled one stalls the whole team).
     #[serde(default = "all_cores")]
     pub threads: u32,
-    /// Requests running at once, all plugins together.
-    #[serde(default = "default_max_concurrent")]
-    pub max_concurrent: u32,
-    /// Requests that may wait for a slot; one more is answered 503 at once.
-    #[serde(default = "default_max_queue")]
-    pub max_queue: u32,
-    /// How long a request waits for a slot before it is answered 503.
-    #[serde(default = "default_queue_timeout_ms")]
-    pub queue_timeout_ms: u64,
-    /// Largest request body; a larger one is answered 413.
-    #[serde(default = "default_max_body_bytes")]
-    pub max_body_bytes: u64,
-    /// How long a client may take to send its whole request body (from the end of its
-    /// head), else 408. The body is read before the request takes a slot, so a client
-    /// that stalls mid-body holds only its connection and this much time.
-    #[serde(default = "default_body_timeout_ms")]
-    pub body_timeout_ms: u64,
-    /// How long a response may wait for its client to take the next piece of its body;
-    /// then the client is taken for gone: its request is stopped as if it had hung up
-    /// (`cause="write_stall"`) and its connection closed.
-    #[serde(default = "default_write_stall_timeout_ms")]
-    pub write_stall_timeout_ms: u64,
-    /// Requests one client address (an IPv4 address, an IPv6 /64; the forwarded one
-    /// behind a trusted proxy) may have in progress at once, from its request head to
-    /// the end of its run; one more is answered 429 at once. A flood guard, not an
-    /// identity: contention between clients is settled by fair share (tenants), so the
-    /// default is generous: `max_concurrent`. 0: no cap.
+    /// How requests are taken in and bounded: how many run and wait, how long and how
+    /// large they may be (`[requests]`, the `--max-concurrent`... flags).
     #[serde(default)]
-    pub max_client_requests: Option<u32>,
+    pub requests: RequestOverrides,
     /// Tenants, each named by an API key. With none, the server is open: each client
     /// address is a tenant of its own (and the server says so at start when it listens
     /// beyond loopback).
@@ -74,10 +49,6 @@ pub struct ServeConfig {
     /// cluster-internal port; the main address then answers 404 for it.
     #[serde(default)]
     pub metrics_listen: Option<SocketAddr>,
-    /// On SIGTERM, how long in-flight requests may take to finish before they are
-    /// stopped (native work included).
-    #[serde(default = "default_shutdown_grace_ms")]
-    pub shutdown_grace_ms: u64,
     /// Compiled plugins are kept here between starts (see `HostOptions::compile_cache`).
     #[serde(default)]
     pub compile_cache: Option<PathBuf>,
@@ -98,22 +69,9 @@ pub struct ServeConfig {
     /// `[plugins.limits.*]` override them knob by knob.
     #[serde(default)]
     pub limits: LimitOverrides,
-    /// How running requests are batched (`[batch]`; `batch = false` of earlier
-    /// releases still turns it off).
-    #[serde(default, deserialize_with = "batch_table_or_bool")]
+    /// How running requests are batched (`[batch]`).
+    #[serde(default)]
     pub batch: BatchConfig,
-    /// Keys of earlier releases, now in `[batch]`: still read (with a warning at start),
-    /// where `[batch]` does not set the same knob.
-    #[serde(default, rename = "batch_seats")]
-    old_batch_seats: Option<u32>,
-    #[serde(default, rename = "batch_n_ctx")]
-    old_batch_n_ctx: Option<u32>,
-    #[serde(default, rename = "batch_step_ms")]
-    old_batch_step_ms: Option<u64>,
-    #[serde(default, rename = "batch_long_prompt_rows")]
-    old_batch_long_prompt_rows: Option<u32>,
-    #[serde(default, rename = "batch_long_prompt_share")]
-    old_batch_long_prompt_share: Option<f64>,
     /// Model layers on the GPU (default: all when there is one; 0: the CPU alone).
     #[serde(default)]
     pub gpu_layers: Option<u32>,
@@ -192,34 +150,6 @@ impl PluginConfig {
 fn all_cores() -> u32 {
     std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
 }
-fn default_max_concurrent() -> u32 {
-    64
-}
-fn default_max_queue() -> u32 {
-    64
-}
-/// 5 s: a waiting client is better off with a 503 + Retry-After soon (its balancer can
-/// try another replica) than after half a minute; a few chat completions end within it.
-fn default_queue_timeout_ms() -> u64 {
-    5_000
-}
-fn default_max_body_bytes() -> u64 {
-    1 << 20
-}
-/// 10 s: a 1 MiB body (the cap) arrives in well under a second on any link a client
-/// would use for inference; a client still sending after 10 s is stalled or hostile.
-fn default_body_timeout_ms() -> u64 {
-    10_000
-}
-/// 30 s: a client that reads at all takes the next piece within round trips (the
-/// kernel's buffers hold what it has not read yet); 30 s without taking one is a dead
-/// or hostile reader holding a slot. Half nginx's `send_timeout` (60 s).
-fn default_write_stall_timeout_ms() -> u64 {
-    30_000
-}
-fn default_shutdown_grace_ms() -> u64 {
-    10_000
-}
 /// 120 s: the most work the default limits allow one request, with SmolLM2-135M on one
 /// core of this project's 2-core VM (bench/RESULTS.md): a full 8192-token context with
 /// 4096 of it generated (`max_generate_tokens`) is ~22 s of prompt at 187 tokens/s and
@@ -232,26 +162,114 @@ fn default_deadline_ms() -> u64 {
 fn one() -> u32 {
     1
 }
-/// `[batch]`, or the `batch = true|false` of earlier releases. A visitor, not an
-/// untagged enum, so that a bad key in the table is named in the error.
-fn batch_table_or_bool<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BatchConfig, D::Error> {
-    struct TableOrBool;
-    impl<'de> serde::de::Visitor<'de> for TableOrBool {
-        type Value = BatchConfig;
+knob_group! {
+    /// How the server takes requests in and bounds them (`[requests]`): how many run
+    /// and wait, how long they may wait, and how large and how slow a client may be.
+    RequestLimits, RequestOverrides, "requests", "Request limits",
+        "`llamabox serve`'s flags over serve.toml's `[requests]`" {
+        /// Requests running at once, all plugins together (with batching, at most one
+        /// per seat).
+        max_concurrent: u32 = 64,
+        /// Requests that may wait for a slot; one more is answered 503 at once.
+        max_queue: u32 = 64,
+        /// Milliseconds a request waits for a slot before it is answered 503: a waiting
+        /// client is better off with a 503 and Retry-After soon (its balancer can try
+        /// another replica) than after half a minute.
+        queue_timeout_ms: u64 = 5_000; "5000",
+        /// Largest request body in bytes; a larger one is answered 413.
+        max_body_bytes: u64 = 1 << 20; "1048576 (1 MiB)",
+        /// Milliseconds a client may take to send its whole request body (from the end
+        /// of its head), else 408. The body is read before the request takes a slot, so
+        /// a client that stalls mid-body holds only its connection and this much time
+        /// (a 1 MiB body arrives in well under a second on any link used for inference).
+        body_timeout_ms: u64 = 10_000; "10000",
+        /// Milliseconds a response may wait for its client to take the next piece of
+        /// its body; then the client is taken for gone: its request is stopped as if it
+        /// had hung up (`cause="write_stall"`) and its connection closed. Half nginx's
+        /// `send_timeout`: a client that reads at all takes the next piece within round
+        /// trips.
+        write_stall_timeout_ms: u64 = 30_000; "30000",
+        /// Requests one client address (an IPv4 address, an IPv6 /64; the forwarded one
+        /// behind a trusted proxy) may have in progress at once, from its request head
+        /// to the end of its run; one more is answered 429 at once. A flood guard, not
+        /// an identity: contention between clients is settled by fair share (tenants).
+        /// 0: no cap.
+        max_client_requests: Option<u32> as u32 = None; "max_concurrent",
+        /// Milliseconds in-flight requests may take to finish on SIGTERM before they are
+        /// stopped (native work included).
+        shutdown_grace_ms: u64 = 10_000; "10000",
+    }
+}
 
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a [batch] table, or true or false")
-        }
-
-        fn visit_bool<E: serde::de::Error>(self, on: bool) -> Result<BatchConfig, E> {
-            Ok(BatchConfig { enabled: Some(on), ..BatchConfig::default() })
-        }
-
-        fn visit_map<M: serde::de::MapAccess<'de>>(self, map: M) -> Result<BatchConfig, M::Error> {
-            BatchConfig::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+impl RequestLimits {
+    /// Requests one client address may have in progress: the setting, or
+    /// `max_concurrent`; `None` for no cap (a setting of 0).
+    pub fn per_client(&self) -> Option<u32> {
+        match self.max_client_requests {
+            Some(0) => None,
+            Some(n) => Some(n),
+            None => Some(self.max_concurrent),
         }
     }
-    d.deserialize_any(TableOrBool)
+
+    /// `queue_timeout_ms` as a duration.
+    pub fn queue_timeout(&self) -> Duration {
+        Duration::from_millis(self.queue_timeout_ms)
+    }
+
+    /// `body_timeout_ms` as a duration.
+    pub fn body_timeout(&self) -> Duration {
+        Duration::from_millis(self.body_timeout_ms)
+    }
+
+    /// `write_stall_timeout_ms` as a duration.
+    pub fn write_stall_timeout(&self) -> Duration {
+        Duration::from_millis(self.write_stall_timeout_ms)
+    }
+
+    /// `shutdown_grace_ms` as a duration.
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_millis(self.shutdown_grace_ms)
+    }
+}
+
+/// Top-level keys of earlier releases, each with the table and key it moved to. Still
+/// read (a warning names the new place) where the table does not set the knob itself.
+const MOVED_KEYS: &[(&str, &str, &str)] = &[
+    ("batch_seats", "batch", "seats"),
+    ("batch_n_ctx", "batch", "n_ctx"),
+    ("batch_step_ms", "batch", "step_ms"),
+    ("batch_long_prompt_rows", "batch", "long_prompt_rows"),
+    ("batch_long_prompt_share", "batch", "long_prompt_share"),
+    ("max_concurrent", "requests", "max_concurrent"),
+    ("max_queue", "requests", "max_queue"),
+    ("queue_timeout_ms", "requests", "queue_timeout_ms"),
+    ("max_body_bytes", "requests", "max_body_bytes"),
+    ("body_timeout_ms", "requests", "body_timeout_ms"),
+    ("write_stall_timeout_ms", "requests", "write_stall_timeout_ms"),
+    ("max_client_requests", "requests", "max_client_requests"),
+    ("shutdown_grace_ms", "requests", "shutdown_grace_ms"),
+];
+
+/// Moves `file`'s keys of earlier releases into their tables (`batch = false` becomes
+/// `[batch] enabled = false`) and says where each went, for a warning. A knob its table
+/// also sets is dropped: the table wins.
+fn adopt_moved_keys(file: &mut toml::Table) -> Vec<String> {
+    let mut moved = Vec::new();
+    if let Some(&toml::Value::Boolean(on)) = file.get("batch") {
+        let table = toml::Table::from_iter([("enabled".to_string(), toml::Value::Boolean(on))]);
+        file.insert("batch".into(), table.into());
+        moved.push("top-level batch = BOOL is now [batch] enabled = BOOL".to_string());
+    }
+    for &(old, table, key) in MOVED_KEYS {
+        let Some(value) = file.remove(old) else { continue };
+        moved.push(format!("top-level {old} is now [{table}] {key}"));
+        let entry = file.entry(table).or_insert_with(|| toml::Table::new().into());
+        if let toml::Value::Table(table) = entry {
+            table.entry(key).or_insert(value);
+        }
+    }
+    moved
 }
 
 /// `[batch]` in serve.toml and the `--batch*` flags: one definition per knob, its doc
@@ -392,8 +410,20 @@ impl ServeConfig {
     }
 
     /// Parse and check a config's TOML text.
+    /// Keys of earlier releases are still read, each named in a warning with its new
+    /// place.
     pub fn from_toml(text: &str) -> anyhow::Result<Self> {
-        let mut config: ServeConfig = toml::from_str(text)?;
+        let mut file: toml::Table = toml::from_str(text)?;
+        let moved = adopt_moved_keys(&mut file);
+        let mut config: ServeConfig = if moved.is_empty() {
+            // From the text, so that an error points at its line.
+            toml::from_str(text)?
+        } else {
+            file.try_into()?
+        };
+        for warning in moved {
+            tracing::warn!("{warning}; the old key is read for now");
+        }
         config.check()?;
         Ok(config)
     }
@@ -404,29 +434,17 @@ impl ServeConfig {
         ServeConfig {
             listen,
             threads: all_cores(),
-            max_concurrent: default_max_concurrent(),
-            max_queue: default_max_queue(),
-            queue_timeout_ms: default_queue_timeout_ms(),
-            max_body_bytes: default_max_body_bytes(),
-            body_timeout_ms: default_body_timeout_ms(),
-            write_stall_timeout_ms: default_write_stall_timeout_ms(),
-            max_client_requests: None,
+            requests: RequestOverrides::default(),
             tenants: Vec::new(),
             trusted_proxies: Vec::new(),
             metrics_key: None,
             admin_key: None,
             metrics_listen: None,
-            shutdown_grace_ms: default_shutdown_grace_ms(),
             compile_cache: None,
             registry: Default::default(),
             idle_contexts: None,
             limits: LimitOverrides::default(),
             batch: BatchConfig::default(),
-            old_batch_seats: None,
-            old_batch_n_ctx: None,
-            old_batch_step_ms: None,
-            old_batch_long_prompt_rows: None,
-            old_batch_long_prompt_share: None,
             gpu_layers: None,
             device: None,
             models: BTreeMap::new(),
@@ -457,7 +475,8 @@ impl ServeConfig {
         if self.plugins.is_empty() {
             bail!("no plugins to serve");
         }
-        if self.threads == 0 || self.max_concurrent == 0 {
+        let requests = self.requests();
+        if self.threads == 0 || requests.max_concurrent == 0 {
             bail!("threads and max_concurrent must be at least 1");
         }
         if self.limits.context.max_threads.is_some() {
@@ -470,10 +489,9 @@ impl ServeConfig {
             bail!("plugin {:?}: set its contexts' threads with the plugin's `threads`, not [plugins.limits.context] max_threads", plugin.name);
         }
         self.warn_of_moved_limits();
-        if self.body_timeout_ms == 0 || self.write_stall_timeout_ms == 0 {
-            bail!("body_timeout_ms and write_stall_timeout_ms must be at least 1");
+        if requests.body_timeout_ms == 0 || requests.write_stall_timeout_ms == 0 {
+            bail!("[requests] body_timeout_ms and write_stall_timeout_ms must be at least 1");
         }
-        self.adopt_old_batch_keys();
         self.batch.check()?;
         for tenant in &self.tenants {
             for plugin in tenant.plugins.iter().flatten() {
@@ -547,48 +565,17 @@ impl ServeConfig {
         self.idle_contexts.unwrap_or(self.threads)
     }
 
-    /// Requests one client address may have in progress: the setting, or
-    /// `max_concurrent`; `None` for no cap (a setting of 0). Derived, like
-    /// `idle_contexts`, so a `--max-concurrent` given after a config file moves it.
-    pub fn max_client_requests(&self) -> Option<u32> {
-        match self.max_client_requests {
-            Some(0) => None,
-            Some(n) => Some(n),
-            None => Some(self.max_concurrent),
-        }
+    /// How requests are taken in: `[requests]` over the defaults. Derived, like
+    /// `idle_contexts`, so that a flag given after a config file moves what follows it
+    /// (`max_client_requests` follows `max_concurrent`).
+    pub fn requests(&self) -> RequestLimits {
+        self.requests.resolve()
     }
 
     /// How the server batches, if it does: `[batch]`'s policy, every step on all
     /// `threads`.
     pub fn batch_policy(&self) -> Option<crate::BatchPolicy> {
         self.batch.enabled().then(|| self.batch.policy(self.threads))
-    }
-
-    /// The top-level `batch_*` keys of earlier releases, moved into `[batch]` where it
-    /// does not set the same knob, each named in a warning with its new place.
-    fn adopt_old_batch_keys(&mut self) {
-        let old = BatchConfig {
-            enabled: None,
-            seats: self.old_batch_seats.take(),
-            n_ctx: self.old_batch_n_ctx.take(),
-            cells: None,
-            tenant_share: None,
-            step_ms: self.old_batch_step_ms.take(),
-            long_prompt_rows: self.old_batch_long_prompt_rows.take(),
-            long_prompt_share: self.old_batch_long_prompt_share.take(),
-        };
-        for (given, key) in [
-            (old.seats.is_some(), "seats"),
-            (old.n_ctx.is_some(), "n_ctx"),
-            (old.step_ms.is_some(), "step_ms"),
-            (old.long_prompt_rows.is_some(), "long_prompt_rows"),
-            (old.long_prompt_share.is_some(), "long_prompt_share"),
-        ] {
-            if given {
-                tracing::warn!("batch_{key} is now {key} in [batch]; the old key is read for now");
-            }
-        }
-        self.batch = old.overridden_by(&self.batch);
     }
 
     /// Flat limit keys of earlier releases, still read: each named with its new table.
@@ -627,31 +614,12 @@ impl ServeConfig {
 
     /// Requests that run at once: with batching, at most one per seat.
     pub fn max_running(&self) -> u32 {
+        let max_concurrent = self.requests().max_concurrent;
         if self.batch.enabled() {
-            self.max_concurrent.min(self.batch.seats())
+            max_concurrent.min(self.batch.seats())
         } else {
-            self.max_concurrent
+            max_concurrent
         }
-    }
-
-    /// `body_timeout_ms` as a duration.
-    pub fn body_timeout(&self) -> Duration {
-        Duration::from_millis(self.body_timeout_ms)
-    }
-
-    /// `write_stall_timeout_ms` as a duration.
-    pub fn write_stall_timeout(&self) -> Duration {
-        Duration::from_millis(self.write_stall_timeout_ms)
-    }
-
-    /// `queue_timeout_ms` as a duration.
-    pub fn queue_timeout(&self) -> Duration {
-        Duration::from_millis(self.queue_timeout_ms)
-    }
-
-    /// `shutdown_grace_ms` as a duration.
-    pub fn shutdown_grace(&self) -> Duration {
-        Duration::from_millis(self.shutdown_grace_ms)
     }
 }
 
@@ -714,13 +682,59 @@ threads = 2
     #[test]
     fn one_address_may_have_as_many_requests_as_the_server_runs() {
         let mut config = ServeConfig::from_toml(FULL).unwrap();
-        assert_eq!(config.max_client_requests(), Some(64), "max_concurrent");
-        config.max_concurrent = 3;
-        assert_eq!(config.max_client_requests(), Some(3), "follows max_concurrent");
-        config.max_client_requests = Some(0);
-        assert_eq!(config.max_client_requests(), None, "0 turns it off");
-        config.max_client_requests = Some(5);
-        assert_eq!(config.max_client_requests(), Some(5));
+        assert_eq!(config.requests().per_client(), Some(64), "max_concurrent");
+        config.requests.max_concurrent = Some(3);
+        assert_eq!(config.requests().per_client(), Some(3), "follows max_concurrent");
+        config.requests.max_client_requests = Some(0);
+        assert_eq!(config.requests().per_client(), None, "0 turns it off");
+        config.requests.max_client_requests = Some(5);
+        assert_eq!(config.requests().per_client(), Some(5));
+    }
+
+    #[test]
+    fn request_knobs_live_in_their_table_and_old_keys_are_still_read() {
+        let defaults = ServeConfig::from_toml(FULL).unwrap().requests();
+        assert_eq!(defaults, RequestLimits::default());
+        assert_eq!((defaults.max_concurrent, defaults.queue_timeout_ms), (64, 5000));
+        let table = FULL.replace(
+            "[models]",
+            "[requests]\nmax_concurrent = 3\nqueue_timeout_ms = 700\n[models]",
+        );
+        let config = ServeConfig::from_toml(&table).unwrap();
+        assert_eq!((config.requests().max_concurrent, config.max_running()), (3, 3));
+        assert_eq!(config.requests().queue_timeout(), Duration::from_millis(700));
+        // Earlier releases' top-level keys, where the table does not set the knob.
+        let old = FULL.replace(
+            "threads = 2\n[models]",
+            "threads = 2\nmax_queue = 7\nmax_concurrent = 9\n[requests]\nmax_concurrent = 3\n[models]",
+        );
+        let requests = ServeConfig::from_toml(&old).unwrap().requests();
+        assert_eq!((requests.max_queue, requests.max_concurrent), (7, 3), "the table wins");
+        // Flags over the file, knob by knob.
+        let flags = RequestOverrides { max_queue: Some(1), ..RequestOverrides::default() };
+        let merged = flags.or(&config.requests).resolve();
+        assert_eq!((merged.max_queue, merged.max_concurrent), (1, 3));
+        for (broken, why) in [
+            (
+                FULL.replace("[models]", "[requests]\nmax_concurent = 2\n[models]"),
+                "unknown field `max_concurent`",
+            ),
+            (
+                FULL.replace("[models]", "[requests]\nmax_concurrent = 0\n[models]"),
+                "max_concurrent must be at least 1",
+            ),
+            (
+                FULL.replace("[models]", "[requests]\nbody_timeout_ms = 0\n[models]"),
+                "body_timeout_ms and",
+            ),
+            (
+                FULL.replace("threads = 2\n[models]", "threads = 2\nmax_concurent = 2\n[models]"),
+                "unknown field `max_concurent`",
+            ),
+        ] {
+            let error = ServeConfig::from_toml(&broken).unwrap_err().to_string();
+            assert!(error.contains(why), "{why:?} not in {error:?}");
+        }
     }
 
     #[test]

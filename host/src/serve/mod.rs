@@ -55,7 +55,7 @@ use crate::{
     HostOptions, Limits, ModelRegistry, Plugin, PluginHost, RunOptions, RunOutcome, RunStop,
 };
 use admission::{Admission, Admitted, Ask, ClientPermit, Clients, Refused};
-pub use config::{BatchConfig, PluginConfig, ServeConfig};
+pub use config::{BatchConfig, PluginConfig, RequestLimits, RequestOverrides, ServeConfig};
 use metrics::{Cause, Metrics, PluginLabels, Refusal, TenantLabels};
 use request::*;
 pub use tenants::TenantConfig;
@@ -200,7 +200,7 @@ impl Server {
         let tenants = Tenants::new(
             &config.tenants,
             &config.trusted_proxies,
-            config.max_queue,
+            config.requests().max_queue,
             config.metrics_key.as_deref(),
             config.admin_key.as_deref(),
         )?;
@@ -224,11 +224,11 @@ impl Server {
             admission: Arc::new(Admission::new(
                 config.max_running(),
                 config.threads,
-                config.max_queue,
-                config.queue_timeout(),
+                config.requests().max_queue,
+                config.requests().queue_timeout(),
             )),
             tenants,
-            clients: Clients::new(config.max_client_requests()),
+            clients: Clients::new(config.requests().per_client()),
             config,
             host,
             plugins: RwLock::new(None),
@@ -387,7 +387,7 @@ impl Server {
                 grant,
                 config.route()
             ));
-            let slots = config.max_concurrent.unwrap_or(self.config.max_concurrent);
+            let slots = config.max_concurrent.unwrap_or(self.config.requests().max_concurrent);
             plugins.push(Arc::new(Served {
                 admission: self.admission_slot(&config.name, slots),
                 // Batched requests hold no threads of their own: every step runs on all.
@@ -456,12 +456,14 @@ impl Server {
         let running = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).len();
         status_line(&format!(
             "draining: {running} requests in flight, {} ms grace",
-            self.config.shutdown_grace_ms
+            self.config.requests().shutdown_grace_ms
         ));
         let connections = graceful.shutdown();
         tokio::pin!(connections);
         let finished =
-            tokio::time::timeout(self.config.shutdown_grace(), &mut connections).await.is_ok();
+            tokio::time::timeout(self.config.requests().shutdown_grace(), &mut connections)
+                .await
+                .is_ok();
         if !finished {
             let states: Vec<_> = self
                 .in_flight
@@ -731,7 +733,7 @@ impl Server {
     ) -> Response<Body> {
         let name = served.config.name.as_str();
         let path = request.uri().path().to_string();
-        let retry_after = self.config.queue_timeout().as_secs().max(1);
+        let retry_after = self.config.requests().queue_timeout().as_secs().max(1);
         let error = |status, message: &str, retry_after| error(shape, status, message, retry_after);
         if self.draining.load(Relaxed) {
             self.metrics.refuse(name, Refusal::Draining);
@@ -745,7 +747,7 @@ impl Server {
                 ),
             );
         }
-        let max_body = self.config.max_body_bytes;
+        let max_body = self.config.requests().max_body_bytes;
         let too_large = || {
             error(
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -830,7 +832,7 @@ impl Server {
         };
         // The whole body before a slot: a client that stalls mid-body holds no slot.
         let (parts, body) = request.into_parts();
-        let timeout = self.config.body_timeout();
+        let timeout = self.config.requests().body_timeout();
         let reading = Reading::new(&self.metrics.reading_bodies);
         let body = match tokio::time::timeout(
             timeout,
@@ -987,7 +989,12 @@ impl Server {
         log_reason(&mut parts);
         add_limits(&mut parts.headers);
         let progress = Arc::new(Progress::new());
-        watch_for_stall(progress.clone(), state, peer.close, self.config.write_stall_timeout());
+        watch_for_stall(
+            progress.clone(),
+            state,
+            peer.close,
+            self.config.requests().write_stall_timeout(),
+        );
         let body = GuardedBody {
             hang_up: Some(hang_up),
             inner: body,
