@@ -13,11 +13,13 @@
 //!    the measured speed of earlier steps), in this order:
 //!    - the higher priority class first ([`Claim::priority`]);
 //!    - short prompts before long ones (more than `long_prompt_rows` rows left);
-//!    - a short prompt passed over [`PASSED_OVER_STEPS`] steps in a row first;
 //!    - a group with no stream running before groups whose streams run;
 //!    - the group furthest below its weighted share of step rows (start-time fair
 //!      queuing: rows computed / [`Claim::weight`]; a group that comes back starts at
 //!      the least of the groups that kept waiting, so idling banks nothing);
+//!    - within a group (or groups at the same share), a short prompt passed over
+//!      [`PASSED_OVER_STEPS`] steps in a row first: one tenant's many waiting prompts
+//!      must not all jump ahead of another tenant's first one;
 //!    - the shortest; then the earliest deadline; then the seat that joined first.
 //! 3. long prompts get rows beside other work only on time they earned
 //!    (`long_prompt_share` of the others' step time); alone they run in big steps that
@@ -128,7 +130,10 @@ pub(super) struct Stepped<'a> {
 }
 
 /// A short prompt passed over this many steps in a row (others kept taking the budget)
-/// goes before every other short prompt of its class: the order cannot starve it.
+/// goes before the other short prompts of its group: the order cannot starve it. Across
+/// groups fair share decides first, so a tenant with many passed-over prompts cannot
+/// put them all ahead of another tenant's first prompt (a group passed over keeps its
+/// share while the others' grow, so it still comes first in time).
 pub(super) const PASSED_OVER_STEPS: u32 = 8;
 
 /// Whoever rolls back shared steps pays for it. A group's cancels that roll back a
@@ -435,10 +440,10 @@ impl Scheduler {
         }
     }
 
-    /// The order prompts get rows in: class, short before long, the long passed over
-    /// first, groups with no stream before streaming ones (a first token before more of
-    /// a group whose streams already run: its rows cut by `share_rows` must not turn
-    /// into a lead in prompt order), the group's share, length, deadline, arrival.
+    /// The order prompts get rows in: class, short before long, groups with no stream
+    /// before streaming ones (a first token before more of a group whose streams already
+    /// run: its rows cut by `share_rows` must not turn into a lead in prompt order), the
+    /// group's share, the passed over first, length, deadline, arrival.
     fn order(
         &self,
         (a, a_left, a_long): &(&Candidate<'_>, usize, bool),
@@ -452,9 +457,9 @@ impl Scheduler {
         Reverse(a.claim.priority)
             .cmp(&Reverse(b.claim.priority))
             .then(a_long.cmp(b_long))
-            .then(starved(b).cmp(&starved(a)))
             .then(streaming.contains(a.group).cmp(&streaming.contains(b.group)))
             .then(served(a).total_cmp(&served(b)))
+            .then(starved(b).cmp(&starved(a)))
             .then(a_left.cmp(b_left))
             .then(a.claim.deadline.is_none().cmp(&b.claim.deadline.is_none()))
             .then(a.claim.deadline.cmp(&b.claim.deadline))
@@ -678,6 +683,33 @@ mod tests {
         }
         let plan = s.plan(&[prompt(1, "a", 90), prompt(98, "a", 50), prompt(99, "a", 50)]);
         assert_eq!(rows_of(&plan), [(1, 90), (98, 10)]);
+    }
+
+    #[test]
+    fn one_tenants_passed_over_prompts_do_not_go_before_anothers_first() {
+        let mut s = scheduler();
+        let group_of = |id: u64| match id {
+            9 => "v",
+            100.. => "x",
+            _ => "a",
+        };
+        let a = [token(1, "a"), prompt(2, "a", 40), prompt(3, "a", 40), prompt(4, "a", 40)];
+        // Tenant a streams and has three prompts waiting; newcomers of tenant x take
+        // every step's prompt rows until all of a's prompts have been passed over.
+        for step in 0..u64::from(PASSED_OVER_STEPS) {
+            let mut candidates = a.to_vec();
+            candidates.push(prompt(100 + step, "x", 200));
+            let plan = s.plan(&candidates);
+            assert_eq!(rows_of(&plan)[..2], [(1, 1), (100 + step, 100)]);
+            assert_eq!(plan.picks.len(), 2, "a's prompts get none: {:?}", rows_of(&plan));
+            computed(&mut s, &plan, group_of);
+        }
+        // Tenant v's first prompt arrives: its rows come in the very next step, not
+        // after a's passed-over prompts (which would take the whole step).
+        let mut candidates = a.to_vec();
+        candidates.push(prompt(9, "v", 15));
+        let plan = s.plan(&candidates);
+        assert_eq!(rows_of(&plan)[..2], [(1, 1), (9, 15)]);
     }
 
     #[test]

@@ -388,6 +388,12 @@ impl Steps {
             rolled_back: result.is_err() && !yielded,
             yielded,
         };
+        // Each member's group and rows, for finding out who waited on whom.
+        tracing::trace!(
+            rows = ?shares.iter().map(|s| (&self.members[&s.id].group, s.rows.len())).collect::<Vec<_>>(),
+            ms = elapsed.as_secs_f64() * 1e3,
+            "batch step"
+        );
         if let Some(observe) = &self.policy.observer {
             observe(&report);
         }
