@@ -21,7 +21,6 @@ Attacks (each from 4 addresses, 127.0.0.2-5, with the attacker's key, closed loo
 Image chats are not in this run (they need a vision projector the bench does not load).
 """
 
-import argparse
 import http.client
 import json
 import os
@@ -34,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from server_bench import pct as nearest_rank  # noqa: E402
-from tenant_bench import Server, cpu_name  # noqa: E402
+from tenant_bench import Server, cpu_name, serve_arguments  # noqa: E402
 
 KEYS = {"victim": "sk-bench-victim-0123456789", "attacker": "sk-bench-attacker-0123456789"}
 WORDS = ("river stone light cloud paper garden window music forest silver harbor winter "
@@ -184,15 +183,8 @@ def window(port, seconds, attack_name=None):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--llamabox", required=True)
-    p.add_argument("--plugin", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--window", type=float, default=30)
-    p.add_argument("--threads", default=f"1,{os.cpu_count()}")
-    p.add_argument("--attacks", default=",".join(ATTACKS))
-    p.add_argument("--out", default="bench/ATTACKS.md")
-    args = p.parse_args()
+    args = serve_arguments(window=30.0, threads=f"1,{os.cpu_count()}", attacks=",".join(ATTACKS),
+                           out="bench/ATTACKS.md")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     t0 = time.monotonic()
     lines = ["# Fairness under attack", "",

@@ -310,6 +310,17 @@ def stream_chat(port, body, close_after=None, close_after_pieces=None, timeout=1
     return r
 
 
+def stop_process(proc):
+    """Stops `proc` by its PID: SIGTERM, then SIGKILL if it has not exited in 15 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -360,13 +371,8 @@ class Server:
         self.getter = Getter("127.0.0.1", self.port, timeout=60, tries=3)
 
     def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            stop_process(self.proc)
 
     def cpu_seconds(self):
         with open(f"/proc/{self.proc.pid}/stat") as f:

@@ -28,6 +28,9 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from server_bench import stop_process  # noqa: E402
+
 KEYS = {"light": "sk-bench-light-0123456789", "heavy": "sk-bench-heavy-0123456789"}
 
 
@@ -90,13 +93,19 @@ class Server:
         raise RuntimeError("the server did not become ready")
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
+
+
+def serve_arguments(**defaults):
+    """The command line of a bench that starts `llamabox serve`: the binary, the openai
+    plugin and the model, then the bench's own options (`defaults`: name -> default,
+    typed by the default)."""
+    p = argparse.ArgumentParser()
+    for name in ("llamabox", "plugin", "model"):
+        p.add_argument(f"--{name}", required=True)
+    for name, default in defaults.items():
+        p.add_argument(f"--{name}", type=type(default), default=default)
+    return p.parse_args()
 
 
 def weights(server, clients, seconds):
@@ -148,15 +157,7 @@ def isolation(server, rounds):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--llamabox", required=True)
-    p.add_argument("--plugin", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--seconds", type=int, default=60)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--out", default="bench/TENANTS.md")
-    args = p.parse_args()
+    args = serve_arguments(clients=8, seconds=60, rounds=10, out="bench/TENANTS.md")
     ncpu = os.cpu_count()
     lines = [f"# Tenants under load\n",
              f"`make bench-tenants` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}): "

@@ -4,11 +4,13 @@
 # is not there yet, and prints that folder: its commands are in node_modules/.bin.
 # Install scripts do not run (--ignore-scripts); the platform's optional packages (a
 # CLI's native binary) are installed as npm picks them. A failed install fails this
-# script (and leaves no half-installed folder).
-# Usage: scripts/npm-tool.sh NAME VERSION   (e.g. @openai/codex 0.171.0)
+# script (and leaves no half-installed folder). Any PACKAGE@VERSION after them is
+# installed beside it: a peer the tool needs but does not declare.
+# Usage: scripts/npm-tool.sh NAME VERSION [PACKAGE@VERSION ...]   (e.g. @openai/codex 0.171.0)
 set -euo pipefail
-name="${1:?usage: npm-tool.sh NAME VERSION}"
-version="${2:?usage: npm-tool.sh NAME VERSION}"
+name="${1:?usage: npm-tool.sh NAME VERSION [PACKAGE@VERSION ...]}"
+version="${2:?usage: npm-tool.sh NAME VERSION [PACKAGE@VERSION ...]}"
+shift 2
 cache="${LLAMABOX_CACHE:-$HOME/.cache/llamabox}/toolchains"
 folder="${name#@}"
 tool="$cache/${folder//\//+}-$version"
@@ -21,7 +23,7 @@ if [ ! -e "$tool/.installed" ]; then
   # A package.json of its own, so that npm installs here and not into a parent project.
   echo '{"name": "llamabox-toolchain", "private": true}' >"$tool.partial/package.json"
   npm install --ignore-scripts --no-audit --no-fund --loglevel=error \
-    --prefix "$tool.partial" "$name@$version" >&2
+    --prefix "$tool.partial" "$name@$version" "$@" >&2
   touch "$tool.partial/.installed"
   mv "$tool.partial" "$tool"
 fi

@@ -173,13 +173,7 @@ fn run(
 /// Polls of a chunked generation of `prompt`: its prefill, and each generated token's decode.
 fn generation_polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
     common::prefill_and_token_polls(|max_tokens, counter| {
-        let request = GenerateRequest {
-            prompt: prompt.to_vec(),
-            seq: 0,
-            max_tokens,
-            stop: Vec::new(),
-            logprobs: None,
-        };
+        let request = GenerateRequest::new(prompt.to_vec(), max_tokens);
         run(&mut chunked(model), &request, counter).0.unwrap();
     })
 }
@@ -187,13 +181,7 @@ fn generation_polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
 #[test]
 fn a_generation_on_the_device_stops_at_boundary_k_and_keeps_exactly_the_delivered_tokens() {
     let model = on_gpu(common::tiny_model());
-    let request = GenerateRequest {
-        prompt: prompt(&model, 20),
-        seq: 0,
-        max_tokens: 8,
-        stop: Vec::new(),
-        logprobs: None,
-    };
+    let request = GenerateRequest::new(prompt(&model, 20), 8);
     let (outcome, reference) = run(&mut chunked(&model), &request, &CancelFlag::new());
     assert_eq!(outcome.unwrap().usage.generated_tokens, 8);
     let (prefill, per_token) = generation_polls(&model, &request.prompt);
@@ -212,13 +200,7 @@ fn a_generation_on_the_device_stops_at_boundary_k_and_keeps_exactly_the_delivere
             "memory: the prompt and the delivered tokens"
         );
         // Continue from memory with the token that was in flight: greedy picks the rest.
-        let next = GenerateRequest {
-            prompt: vec![reference[k]],
-            seq: 0,
-            max_tokens: 3,
-            stop: Vec::new(),
-            logprobs: None,
-        };
+        let next = GenerateRequest::new(vec![reference[k]], 3);
         let (outcome, rest) = run(&mut ctx, &next, &CancelFlag::new());
         outcome.unwrap();
         assert_eq!(

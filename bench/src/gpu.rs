@@ -173,22 +173,22 @@ pub fn report(
     let _ = writeln!(out, "| what | cancels | median ms (min–max) | p90 ms | target |");
     let _ = writeln!(out, "|---|---|---|---|---|");
     let target_ms = DEFAULT_LATENCY_TARGET.as_secs_f64() * 1e3;
-    let _ = writeln!(
-        out,
-        "| {}-token decode | {} | {} | {:.2} | {target_ms:.0} ms + one chunk |",
-        shape.prompt_tokens,
-        latency.len(),
-        latency.ms(),
-        latency.quantile(0.9) * 1e3
-    );
-    let _ = writeln!(
-        out,
-        "| generation ({} tokens) | {} | {} | {:.2} | one token's decode |",
-        shape.gen_tokens,
-        generations.len(),
-        generations.ms(),
-        generations.quantile(0.9) * 1e3
-    );
+    let rows = [
+        (
+            format!("{}-token decode", shape.prompt_tokens),
+            &latency,
+            format!("{target_ms:.0} ms + one chunk"),
+        ),
+        (
+            format!("generation ({} tokens)", shape.gen_tokens),
+            &generations,
+            "one token's decode".into(),
+        ),
+    ];
+    for (what, samples, target) in rows {
+        let (n, p90) = (samples.len(), samples.quantile(0.9) * 1e3);
+        let _ = writeln!(out, "| {what} | {n} | {} | {p90:.2} | {target} |", samples.ms());
+    }
     let _ = writeln!(
         out,
         "\n{} decodes finished before their cancel came. After the cancels, the next decode's logits {} those of an uncancelled one.\n",

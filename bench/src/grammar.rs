@@ -84,14 +84,9 @@ impl LlamaGrammar {
     }
 
     fn sample(&mut self, logits: &[f32]) -> Option<Token> {
+        let data = |(id, &logit): (Token, &f32)| sys::llama_token_data { id, logit, p: 0.0 };
         self.candidates.clear();
-        self.candidates.extend(
-            logits.iter().enumerate().map(|(id, &logit)| sys::llama_token_data {
-                id: id as Token,
-                logit,
-                p: 0.0,
-            }),
-        );
+        self.candidates.extend((0..).zip(logits).map(data));
         let mut array = sys::llama_token_data_array {
             data: self.candidates.as_mut_ptr(),
             size: self.candidates.len(),

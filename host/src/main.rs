@@ -45,9 +45,7 @@ enum Command {
         #[arg(long = "projector", value_name = "NAME=PATH", value_parser = parse_named)]
         projectors: Vec<(String, PathBuf)>,
         #[command(flatten)]
-        registry: RegistryFlags,
-        #[command(flatten)]
-        grant: GrantFlag,
+        source: SourceFlags,
         #[command(flatten)]
         offload: OffloadFlags,
         /// Stop the plugin, native work included, after this many milliseconds.
@@ -83,9 +81,7 @@ enum Command {
         /// :TAG), pulled and verified as `run` does.
         plugin: PathBuf,
         #[command(flatten)]
-        registry: RegistryFlags,
-        #[command(flatten)]
-        grant: GrantFlag,
+        source: SourceFlags,
         #[command(flatten)]
         cache: CacheFlags,
     },
@@ -182,9 +178,7 @@ struct ServeArgs {
     #[command(flatten)]
     batch: llamabox::serve::BatchConfig,
     #[command(flatten)]
-    registry: RegistryFlags,
-    #[command(flatten)]
-    grant: GrantFlag,
+    source: SourceFlags,
     #[command(flatten)]
     offload: OffloadFlags,
     #[command(flatten)]
@@ -213,9 +207,12 @@ impl OffloadFlags {
     }
 }
 
-/// `--grant`, one flag for `run`, `inspect` and `serve`.
+/// Where a plugin comes from and what it is granted: the same flags for `run`, `inspect`
+/// and `serve`.
 #[derive(clap::Args, Clone)]
-struct GrantFlag {
+struct SourceFlags {
+    #[command(flatten)]
+    registry: RegistryFlags,
     /// The llamabox interfaces a plugin may import: NAME,NAME (llm, generate,
     /// embeddings, media, cancel, async-calls), all or none, or requested: what a
     /// pulled plugin's artifact asks for. Default: all for a file, none for an oci://
@@ -389,8 +386,7 @@ impl ServeArgs {
             metrics_listen,
             idle_contexts,
             batch,
-            registry,
-            grant,
+            source: SourceFlags { registry, grant },
             offload,
             cache,
             requests,
@@ -431,7 +427,7 @@ impl ServeArgs {
             plugin.threads = request_threads.unwrap_or(plugin.threads);
             plugin.deadline_ms = deadline_ms.unwrap_or(plugin.deadline_ms);
             plugin.env.extend(plugin_env.iter().cloned());
-            plugin.grant = grant.grant.or(plugin.grant);
+            plugin.grant = grant.or(plugin.grant);
         }
         config.gpu_layers = offload.gpu_layers.or(config.gpu_layers);
         config.device = offload.device.clone().or(config.device.take());
@@ -503,8 +499,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Inspect {
             plugin,
-            registry: registry_flags,
-            grant: GrantFlag { grant },
+            source: SourceFlags { registry: registry_flags, grant },
             cache,
         } => {
             use sha2::{Digest as _, Sha256};
@@ -566,8 +561,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             models,
             projectors,
             limits: limit_flags,
-            registry: registry_flags,
-            grant: GrantFlag { grant },
+            source: SourceFlags { registry: registry_flags, grant },
             offload,
             deadline_ms,
             cache,

@@ -641,7 +641,7 @@ impl Context {
         self.check_seq(seq)?;
         self.drop_leftover();
         self.all_or_nothing(&[seq], |ctx| {
-            ctx.embeddings_in(embd, seq, non_causal, logits_last, stop)
+            ctx.embeddings_in(seq, embd, non_causal, logits_last, stop)
         })
     }
 
@@ -697,10 +697,10 @@ impl Context {
                 match piece {
                     PromptPiece::Tokens(tokens) => {
                         let skip = if i == 0 { reused } else { 0 };
-                        ctx.tokens_in(&tokens[skip..], seq, logits_last, stop)
+                        ctx.tokens_in(seq, &tokens[skip..], logits_last, stop)
                     }
                     PromptPiece::Embeddings { embd, non_causal } => {
-                        ctx.embeddings_in(embd, seq, *non_causal, logits_last, stop)
+                        ctx.embeddings_in(seq, embd, *non_causal, logits_last, stop)
                     }
                 }
             })
@@ -718,8 +718,8 @@ impl Context {
     /// its own.
     fn tokens_in(
         &mut self,
-        tokens: &[Token],
         seq: i32,
+        tokens: &[Token],
         logits_last: bool,
         stop: Option<Stop<'_>>,
     ) -> Result<()> {
@@ -749,8 +749,8 @@ impl Context {
     /// of its own.
     fn embeddings_in(
         &mut self,
-        embd: &[f32],
         seq: i32,
+        embd: &[f32],
         non_causal: bool,
         logits_last: bool,
         stop: Option<Stop<'_>>,

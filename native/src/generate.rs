@@ -43,6 +43,14 @@ pub struct GenerateRequest {
     pub logprobs: Option<u32>,
 }
 
+impl GenerateRequest {
+    /// `max_tokens` after `prompt` in sequence 0, with no stop strings and no logprobs:
+    /// the plain request, which the others start from (`GenerateRequest { stop, ..new() }`).
+    pub fn new(prompt: Vec<Token>, max_tokens: u32) -> Self {
+        Self { prompt, seq: 0, max_tokens, stop: Vec::new(), logprobs: None }
+    }
+}
+
 /// One step of output: the tokens delivered and the text released with them.
 ///
 /// `text` is always whole UTF-8: bytes of a character split across tokens, and text

@@ -50,10 +50,6 @@ fn run(
     (outcome, pieces)
 }
 
-fn request(prompt: Vec<Token>, max_tokens: u32) -> GenerateRequest {
-    GenerateRequest { prompt, seq: 0, max_tokens, stop: Vec::new(), logprobs: None }
-}
-
 fn tokens_of(pieces: &[Piece]) -> Vec<Token> {
     pieces.iter().flat_map(|p| p.tokens.iter().copied()).collect()
 }
@@ -96,7 +92,7 @@ fn greedy_generation_equals_the_plain_greedy_loop() {
             let (outcome, pieces) = run(
                 &mut ctx,
                 &SamplerParams::greedy(),
-                &request(prompt.clone(), 24),
+                &GenerateRequest::new(prompt.clone(), 24),
                 &CancelFlag::new(),
             );
             let outcome = outcome.unwrap();
@@ -140,7 +136,7 @@ fn logprobs_are_the_models_own_distribution_at_each_delivered_token() {
     let model = load(common::tiny_model());
     let prompt = prompt(&model);
     let mut ctx = Context::new(model.clone(), params()).unwrap();
-    let asked = GenerateRequest { logprobs: Some(4), ..request(prompt.clone(), 24) };
+    let asked = GenerateRequest { logprobs: Some(4), ..GenerateRequest::new(prompt.clone(), 24) };
     let (outcome, pieces) = run(&mut ctx, &seeded(&model, 5), &asked, &CancelFlag::new());
     outcome.unwrap();
     let delivered = tokens_of(&pieces);
@@ -172,11 +168,15 @@ fn logprobs_are_the_models_own_distribution_at_each_delivered_token() {
     assert!(below_the_top > 0, "every drawn token was the model's favourite");
     // Not asked for: no entries.
     let mut ctx = Context::new(model.clone(), params()).unwrap();
-    let (_, plain) =
-        run(&mut ctx, &seeded(&model, 5), &request(prompt.clone(), 4), &CancelFlag::new());
+    let (_, plain) = run(
+        &mut ctx,
+        &seeded(&model, 5),
+        &GenerateRequest::new(prompt.clone(), 4),
+        &CancelFlag::new(),
+    );
     assert!(plain.iter().all(|p| p.logprobs.is_empty()));
     // Over the bound: refused before anything runs.
-    let over = GenerateRequest { logprobs: Some(21), ..request(prompt, 4) };
+    let over = GenerateRequest { logprobs: Some(21), ..GenerateRequest::new(prompt, 4) };
     assert!(matches!(
         run(&mut ctx, &SamplerParams::greedy(), &over, &CancelFlag::new()).0,
         Err(Error::InvalidArgument(_))
@@ -195,8 +195,12 @@ fn seeded_sampling_is_reproducible_and_seeds_differ() {
     let model = load(common::tiny_model());
     let generate_with = |seed| {
         let mut ctx = Context::new(model.clone(), params()).unwrap();
-        let (outcome, pieces) =
-            run(&mut ctx, &seeded(&model, seed), &request(prompt(&model), 32), &CancelFlag::new());
+        let (outcome, pieces) = run(
+            &mut ctx,
+            &seeded(&model, seed),
+            &GenerateRequest::new(prompt(&model), 32),
+            &CancelFlag::new(),
+        );
         outcome.unwrap();
         tokens_of(&pieces)
     };
@@ -219,7 +223,7 @@ fn a_digits_only_grammar_yields_only_digits() {
         let sampler = SamplerParams { grammar: Some(grammar.clone()), ..seeded(&model, seed) };
         let mut ctx = Context::new(model.clone(), params()).unwrap();
         let (outcome, pieces) =
-            run(&mut ctx, &sampler, &request(prompt(&model), 12), &CancelFlag::new());
+            run(&mut ctx, &sampler, &GenerateRequest::new(prompt(&model), 12), &CancelFlag::new());
         assert_eq!(outcome.unwrap().usage.generated_tokens, 12);
         let text = text_of(&pieces);
         assert!(
@@ -233,8 +237,12 @@ fn a_digits_only_grammar_yields_only_digits() {
 fn a_stop_string_ends_generation_and_is_not_delivered() {
     let model = load(common::tiny_model());
     let mut ctx = Context::new(model.clone(), params()).unwrap();
-    let (_, reference) =
-        run(&mut ctx, &SamplerParams::greedy(), &request(prompt(&model), 24), &CancelFlag::new());
+    let (_, reference) = run(
+        &mut ctx,
+        &SamplerParams::greedy(),
+        &GenerateRequest::new(prompt(&model), 24),
+        &CancelFlag::new(),
+    );
     let full = text_of(&reference);
     // A stop string from the middle of the greedy text, crossing token boundaries.
     let chars: Vec<char> = full.chars().collect();
@@ -244,7 +252,7 @@ fn a_stop_string_ends_generation_and_is_not_delivered() {
 
     let mut ctx = Context::new(model.clone(), params()).unwrap();
     let stops = vec!["never appears".to_string(), stop.clone()];
-    let req = GenerateRequest { stop: stops, ..request(prompt(&model), 24) };
+    let req = GenerateRequest { stop: stops, ..GenerateRequest::new(prompt(&model), 24) };
     let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &req, &CancelFlag::new());
     let outcome = outcome.unwrap();
     assert_eq!(outcome.finish, FinishReason::Stop { index: 1 });
@@ -262,9 +270,14 @@ fn a_stop_string_ends_generation_and_is_not_delivered() {
 fn polls(model: &Arc<Model>, prompt: &[Token]) -> (u64, u64) {
     common::prefill_and_token_polls(|max_tokens, counter| {
         let mut ctx = Context::new(model.clone(), params()).unwrap();
-        run(&mut ctx, &SamplerParams::greedy(), &request(prompt.to_vec(), max_tokens), counter)
-            .0
-            .unwrap();
+        run(
+            &mut ctx,
+            &SamplerParams::greedy(),
+            &GenerateRequest::new(prompt.to_vec(), max_tokens),
+            counter,
+        )
+        .0
+        .unwrap();
     })
 }
 
@@ -281,7 +294,7 @@ fn a_cancel_in_the_prefill_leaves_memory_as_before_and_the_next_generation_as_if
     // Cancelled inside the second of the prefill's three decodes.
     let token = CancelFlag::new();
     token.trip_after(per_decode + 5);
-    let request = GenerateRequest { prompt: long.clone(), ..request(Vec::new(), 8) };
+    let request = GenerateRequest { prompt: long.clone(), ..GenerateRequest::new(Vec::new(), 8) };
     let (outcome, pieces) = run(&mut ctx, &SamplerParams::greedy(), &request, &token);
     let outcome = outcome.unwrap();
     assert_eq!(outcome.finish, FinishReason::Cancelled);
@@ -309,8 +322,12 @@ fn a_cancel_in_generation_keeps_exactly_the_delivered_tokens() {
         let token = CancelFlag::new();
         // In the middle of the decode of generated token k (0-based).
         token.trip_after(prefill + k as u64 * per_token + per_token / 2);
-        let (outcome, pieces) =
-            run(&mut ctx, &SamplerParams::greedy(), &request(prompt.clone(), 12), &token);
+        let (outcome, pieces) = run(
+            &mut ctx,
+            &SamplerParams::greedy(),
+            &GenerateRequest::new(prompt.clone(), 12),
+            &token,
+        );
         let outcome = outcome.unwrap();
         assert_eq!(outcome.finish, FinishReason::Cancelled);
         assert_eq!(tokens_of(&pieces), reference[..k], "tokens delivered before the cancel");
@@ -325,7 +342,7 @@ fn a_cancel_in_generation_keeps_exactly_the_delivered_tokens() {
         let (outcome, pieces) = run(
             &mut ctx,
             &SamplerParams::greedy(),
-            &request(vec![reference[k]], 4),
+            &GenerateRequest::new(vec![reference[k]], 4),
             &CancelFlag::new(),
         );
         outcome.unwrap();
@@ -352,7 +369,7 @@ fn a_sink_that_refuses_a_piece_cancels_and_the_token_is_not_kept() {
     let outcome = generate(
         &mut ctx,
         &mut sampler,
-        &request(prompt.clone(), 12),
+        &GenerateRequest::new(prompt.clone(), 12),
         Stop::on(&CancelFlag::new()),
         &mut sink,
     )
@@ -428,7 +445,7 @@ fn bad_sampler_parameters_and_grammars_are_named_errors() {
     let (outcome, pieces) = run(
         &mut ctx,
         &SamplerParams { grammar: Some(Grammar { text: chain, root: None }), ..d() },
-        &request(prompt(&model), 4),
+        &GenerateRequest::new(prompt(&model), 4),
         &CancelFlag::new(),
     );
     outcome.unwrap();
@@ -604,8 +621,12 @@ fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
     );
 
     // Generation still works on the same context afterwards (embedding output is off).
-    let (outcome, pieces) =
-        run(&mut ctx, &SamplerParams::greedy(), &request(prompt(&model), 6), &CancelFlag::new());
+    let (outcome, pieces) = run(
+        &mut ctx,
+        &SamplerParams::greedy(),
+        &GenerateRequest::new(prompt(&model), 6),
+        &CancelFlag::new(),
+    );
     outcome.unwrap();
     assert_eq!(tokens_of(&pieces), greedy_loop(&model, &prompt(&model), 6));
 
@@ -715,15 +736,20 @@ fn an_empty_prompt_continues_after_a_media_prompt() {
         logit_bias: vec![(model.eos().unwrap(), f32::NEG_INFINITY)],
         ..SamplerParams::default()
     };
-    let (outcome, pieces) = run(&mut ctx, &eos_banned, &request(Vec::new(), 8), &CancelFlag::new());
+    let (outcome, pieces) =
+        run(&mut ctx, &eos_banned, &GenerateRequest::new(Vec::new(), 8), &CancelFlag::new());
     let outcome = outcome.unwrap();
     assert_eq!(tokens_of(&pieces), expected);
     assert_eq!(outcome.usage.prompt_tokens, 0);
     assert_eq!(ctx.seq_pos_max(0).unwrap(), n_past + outcome.usage.generated_tokens as i32 - 1);
 
     let mut empty = Context::new(model.clone(), params()).unwrap();
-    let (outcome, _) =
-        run(&mut empty, &SamplerParams::greedy(), &request(Vec::new(), 8), &CancelFlag::new());
+    let (outcome, _) = run(
+        &mut empty,
+        &SamplerParams::greedy(),
+        &GenerateRequest::new(Vec::new(), 8),
+        &CancelFlag::new(),
+    );
     assert!(matches!(outcome, Err(Error::InvalidArgument(m)) if m.contains("no logits")));
 }
 
@@ -935,7 +961,8 @@ fn a_json_schema_constrains_generation_to_valid_json() {
             ..SamplerParams::default()
         };
         let mut ctx = Context::new(model.clone(), params()).unwrap();
-        let (outcome, pieces) = run(&mut ctx, &p, &request(prompt(&model), 48), &CancelFlag::new());
+        let (outcome, pieces) =
+            run(&mut ctx, &p, &GenerateRequest::new(prompt(&model), 48), &CancelFlag::new());
         assert_eq!(
             outcome.unwrap().finish,
             FinishReason::EndOfGeneration,

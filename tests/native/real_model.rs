@@ -101,13 +101,7 @@ fn host_generation_on_the_real_model_equals_the_greedy_loop() {
         pieces.push(p);
         true
     };
-    let request = GenerateRequest {
-        prompt: prompt.clone(),
-        seq: 0,
-        max_tokens: 32,
-        stop: Vec::new(),
-        logprobs: None,
-    };
+    let request = GenerateRequest::new(prompt.clone(), 32);
     let outcome =
         generate(&mut ctx, &mut sampler, &request, Stop::on(&CancelFlag::new()), &mut sink)
             .unwrap();
@@ -132,13 +126,7 @@ fn a_cancel_in_generation_on_the_real_model_keeps_exactly_the_delivered_tokens()
             tokens.extend(p.tokens);
             true
         };
-        let request = GenerateRequest {
-            prompt: prompt.to_vec(),
-            seq: 0,
-            max_tokens,
-            stop: Vec::new(),
-            logprobs: None,
-        };
+        let request = GenerateRequest::new(prompt.to_vec(), max_tokens);
         let outcome = generate(ctx, &mut sampler, &request, Stop::on(token), &mut sink).unwrap();
         (outcome, tokens)
     };

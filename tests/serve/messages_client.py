@@ -10,14 +10,9 @@ Prints `ok: NAME` for each check that passes and `FAIL: NAME: why` for each that
 does not; exits 1 if any failed (2 on bad usage or a missing package).
 """
 
-import sys
+import checks
 
-try:
-    import anthropic
-    import jsonschema
-except ImportError as e:
-    print(f"FAIL: import: {e} (python3 -m pip install anthropic jsonschema)", file=sys.stderr)
-    sys.exit(2)
+anthropic, jsonschema = checks.imports("anthropic", "jsonschema")
 
 # Greedy sampling. This SDK's `create` has no `temperature` parameter: the field goes
 # in the body as the API takes it.
@@ -166,20 +161,11 @@ def errors(client, model, _vision, _png):
 
 
 def main():
-    if len(sys.argv) != 5:
-        print(__doc__, file=sys.stderr)
-        sys.exit(2)
-    base_url, model, vision, png = sys.argv[1:]
+    base_url, model, vision, png = checks.arguments(__doc__, 4)
     client = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
-    failed = 0
-    for check in (models, create_then_stream, system_and_stop_sequence, count_tokens, tool_round_trip,
-                  image_block, errors):
-        try:
-            print(f"ok: {check.__name__}: {check(client, model, vision, png)}")
-        except Exception as e:  # noqa: BLE001 - every failure is reported
-            failed += 1
-            print(f"FAIL: {check.__name__}: {type(e).__name__}: {e}")
-    sys.exit(1 if failed else 0)
+    every = (models, create_then_stream, system_and_stop_sequence, count_tokens, tool_round_trip,
+             image_block, errors)
+    checks.run(every, client, model, vision, png)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,9 @@ import math
 import sys
 import time
 
-try:
-    import jsonschema
-    import openai
-except ImportError as e:
-    print(f"FAIL: import: {e} (python3 -m pip install openai jsonschema)", file=sys.stderr)
-    sys.exit(2)
+import checks
+
+jsonschema, openai = checks.imports("jsonschema", "openai")
 
 # Structured output: everything bounded, so a greedy answer always ends inside max_tokens.
 LLAMA_SCHEMA = {
@@ -59,10 +56,7 @@ def check_usage(usage, max_completion):
 
 
 def main():
-    if len(sys.argv) != 3:
-        print(__doc__, file=sys.stderr)
-        sys.exit(2)
-    base_url, model = sys.argv[1], sys.argv[2]
+    base_url, model = checks.arguments(__doc__, 2)
     client = openai.OpenAI(base_url=base_url, api_key="llamabox", max_retries=0, timeout=300)
     failures = []
     found = {}

@@ -10,13 +10,10 @@ does not; exits 1 if any failed (2 on bad usage or a missing `openai` package).
 """
 
 import json
-import sys
 
-try:
-    import openai
-except ImportError as e:
-    print(f"FAIL: import: {e} (python3 -m pip install openai)", file=sys.stderr)
-    sys.exit(2)
+import checks
+
+(openai,) = checks.imports("openai")
 
 
 def check_response(r, max_output):
@@ -136,19 +133,9 @@ def refused(client, model):
 
 
 def main():
-    if len(sys.argv) != 3:
-        print(__doc__, file=sys.stderr)
-        sys.exit(2)
-    base_url, model = sys.argv[1], sys.argv[2]
+    base_url, model = checks.arguments(__doc__, 2)
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
-    failed = 0
-    for check in (plain, instructions, streamed, json_object, function_tools, refused):
-        try:
-            print(f"ok: {check.__name__}: {check(client, model)}")
-        except Exception as e:  # noqa: BLE001 - every failure is reported
-            failed += 1
-            print(f"FAIL: {check.__name__}: {type(e).__name__}: {e}")
-    sys.exit(1 if failed else 0)
+    checks.run((plain, instructions, streamed, json_object, function_tools, refused), client, model)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,15 @@ impl Rng {
         (!items.is_empty()).then(|| &items[self.below(items.len() as u64) as usize])
     }
 
+    /// A name from `names`, or one in `one_in` times (and whenever `names` is empty) a
+    /// name nobody registered, `missing`.
+    fn name(&mut self, names: &[String], one_in: u64, missing: &str) -> String {
+        match self.pick(names) {
+            Some(name) if !self.chance(one_in) => name.clone(),
+            _ => missing.to_string(),
+        }
+    }
+
     /// Remove a random element (a drop, in whatever order the dice say).
     fn take<T>(&mut self, items: &mut Vec<T>) -> Option<T> {
         (!items.is_empty()).then(|| items.swap_remove(self.below(items.len() as u64) as usize))
@@ -317,12 +326,7 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
     let n_vocab = held.models.first().map_or(300, |m| m.n_vocab() as i64);
     match rng.below(24) {
         0 | 1 => {
-            let name = if rng.chance(5) {
-                "no-such-model".to_string()
-            } else {
-                rng.pick(&o.models).cloned().unwrap_or_default()
-            };
-            let model = Model::open(&name);
+            let model = Model::open(&rng.name(&o.models, 5, "no-such-model"));
             tally.record(&model);
             held.models.extend(model.ok());
         }
@@ -350,24 +354,16 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
             held.contexts.extend(ctx.ok());
         }
         7 | 8 => {
-            let Some(i) =
-                (!held.contexts.is_empty()).then(|| rng.below(held.contexts.len() as u64) as usize)
-            else {
-                return;
-            };
-            let b = batch(rng, n_vocab, Some(&held.contexts[i]));
+            let Some(ctx) = rng.pick(&held.contexts) else { return };
+            let b = batch(rng, n_vocab, Some(ctx));
             let t = token(rng, &held.capabilities, tally);
-            tally.record(&held.contexts[i].decode(&b, &t));
+            tally.record(&ctx.decode(&b, &t));
         }
         9 => {
-            let Some(i) =
-                (!held.contexts.is_empty()).then(|| rng.below(held.contexts.len() as u64) as usize)
-            else {
-                return;
-            };
-            let b = batch(rng, n_vocab, Some(&held.contexts[i]));
+            let Some(ctx) = rng.pick(&held.contexts) else { return };
+            let b = batch(rng, n_vocab, Some(ctx));
             let t = token(rng, &held.capabilities, tally);
-            let pending = held.contexts[i].start_decode(&b, &t);
+            let pending = ctx.start_decode(&b, &t);
             tally.record(&pending);
             held.decodes.extend(pending.ok());
             if rng.chance(2) {
@@ -420,12 +416,11 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
             }
         }
         13 => {
-            let cap = if rng.chance(3) {
-                "0123456789abcdef0123456789abcdef".into()
-            } else {
-                rng.pick(&held.capabilities).cloned().unwrap_or_default()
-            };
-            let t = CancelToken::open_shared(&cap);
+            let t = CancelToken::open_shared(&rng.name(
+                &held.capabilities,
+                3,
+                "0123456789abcdef0123456789abcdef",
+            ));
             tally.record(&t);
             if let Ok(t) = t {
                 if rng.chance(2) {
@@ -435,12 +430,7 @@ fn step(o: &Options, rng: &mut Rng, held: &mut Held, tally: &mut Tally) {
         }
         14 => {
             let Some(model) = rng.pick(&held.models) else { return };
-            let name = if rng.chance(6) {
-                "no-such-projector".to_string()
-            } else {
-                rng.pick(&o.projectors).cloned().unwrap_or_default()
-            };
-            let media = MediaContext::open(&name, model);
+            let media = MediaContext::open(&rng.name(&o.projectors, 6, "no-such-projector"), model);
             tally.record(&media);
             held.media.extend(media.ok());
         }

@@ -676,6 +676,21 @@ pub(crate) struct Ended {
     pub calls: Vec<Call>,
 }
 
+#[cfg(test)]
+impl Ended {
+    /// An end for the answer-shape tests: no stop string; 10 prompt tokens (4 of them
+    /// cached) and 3 generated.
+    pub fn test(text: &str, reason: &'static str, calls: &[Call]) -> Self {
+        let usage = Usage {
+            prompt_tokens: 10,
+            completion_tokens: 3,
+            total_tokens: 13,
+            prompt_tokens_details: crate::api::PromptTokensDetails { cached_tokens: 4 },
+        };
+        Self { text: text.into(), reason, stop: None, usage, calls: calls.to_vec() }
+    }
+}
+
 /// An API's answer written as server-sent events while its one run is decoded
 /// (`POST /v1/responses`, `POST /v1/messages`): each returns the events to send.
 pub(crate) trait Events {

@@ -845,26 +845,11 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("temperature"));
     }
 
-    fn usage() -> Usage {
-        Usage {
-            prompt_tokens: 10,
-            completion_tokens: 3,
-            total_tokens: 13,
-            prompt_tokens_details: crate::api::PromptTokensDetails { cached_tokens: 4 },
-        }
-    }
-
     #[test]
     fn answers_in_anthropic_shape() {
         let mut answer = Answer::new("m".into(), vec!["STOP".into()]);
         let calls = [Call { name: "weather".into(), arguments: r#"{"city":"Lima"}"#.into() }];
-        let ended = Ended {
-            text: "".into(),
-            reason: "tool_calls",
-            stop: None,
-            usage: usage(),
-            calls: calls.to_vec(),
-        };
+        let ended = Ended::test("", "tool_calls", &calls);
         let message = answer.message(Some(&ended));
         assert_eq!(message["stop_reason"], "tool_use");
         assert_eq!(message["content"][0]["type"], "tool_use");
@@ -874,29 +859,16 @@ mod tests {
             message["usage"],
             json!({"input_tokens": 6, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4, "output_tokens": 3})
         );
-        let stopped = Ended {
-            text: "hi".into(),
-            reason: "stop",
-            stop: Some(0),
-            usage: usage(),
-            calls: vec![],
-        };
+        let stopped = Ended { stop: Some(0), ..Ended::test("hi", "stop", &[]) };
         let message = answer.message(Some(&stopped));
         assert_eq!(
             (message["stop_reason"].clone(), message["stop_sequence"].clone()),
             (json!("stop_sequence"), json!("STOP"))
         );
         assert_eq!(message["content"], json!([{"type": "text", "text": "hi"}]));
-        let long = Ended {
-            text: "hi".into(),
-            reason: "length",
-            stop: None,
-            usage: usage(),
-            calls: vec![],
-        };
+        let long = Ended::test("hi", "length", &[]);
         assert_eq!(answer.message(Some(&long))["stop_reason"], "max_tokens");
-        let done =
-            Ended { text: "hi".into(), reason: "stop", stop: None, usage: usage(), calls: vec![] };
+        let done = Ended::test("hi", "stop", &[]);
         assert_eq!(answer.message(Some(&done))["stop_reason"], "end_turn");
     }
 
@@ -904,13 +876,7 @@ mod tests {
     fn stream_events_come_in_anthropic_order() {
         let mut answer = Answer::new("m".into(), vec![]);
         let calls = [Call { name: "f".into(), arguments: r#"{"a":1}"#.into() }];
-        let ended = Ended {
-            text: "Hi".into(),
-            reason: "tool_calls",
-            stop: None,
-            usage: usage(),
-            calls: calls.to_vec(),
-        };
+        let ended = Ended::test("Hi", "tool_calls", &calls);
         let all =
             answer.opening(10) + &answer.text("H") + &answer.text("i") + &answer.closing(&ended);
         let events: Vec<(String, Value)> = all
@@ -973,13 +939,7 @@ mod tests {
             Call { name: "f".into(), arguments: "{\"a\":1}".into() },
             Call { name: "g".into(), arguments: "{}".into() },
         ];
-        let ended = Ended {
-            text: "".into(),
-            reason: "tool_calls",
-            stop: None,
-            usage: usage(),
-            calls: calls.to_vec(),
-        };
+        let ended = Ended::test("", "tool_calls", &calls);
         all += &answer.closing(&ended);
         let events: Vec<Value> = all
             .split("\n\n")

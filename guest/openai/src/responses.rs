@@ -1016,7 +1016,7 @@ mod tests {
         let (_, echo) =
             mapped(r#"{"model":"m","input":"x","reasoning":{"effort":"high","summary":null}}"#)
                 .unwrap();
-        let r = Answer::new(echo).response(Some(&ended("Hi", "stop", &[])));
+        let r = Answer::new(echo).response(Some(&Ended::test("Hi", "stop", &[])));
         assert_eq!(r["reasoning"], json!({"effort": "high", "summary": null}));
         // Only hosted or custom tools: the model answers without tools.
         let (chat, _) = mapped(
@@ -1075,19 +1075,6 @@ mod tests {
         Answer::new(echo)
     }
 
-    fn usage() -> Usage {
-        Usage {
-            prompt_tokens: 5,
-            completion_tokens: 3,
-            total_tokens: 8,
-            prompt_tokens_details: api::PromptTokensDetails { cached_tokens: 2 },
-        }
-    }
-
-    fn ended(text: &str, reason: &'static str, calls: &[Call]) -> Ended {
-        Ended { text: text.into(), reason, stop: None, usage: usage(), calls: calls.to_vec() }
-    }
-
     #[test]
     fn function_tools_and_items_map_to_chat_tools_and_messages() {
         let (chat, echo) = mapped(
@@ -1140,7 +1127,7 @@ mod tests {
     fn calls_are_output_items() {
         let calls = [Call { name: "f".into(), arguments: "{}".into() }];
         let mut a = answer();
-        let r = a.response(Some(&ended("", "tool_calls", &calls)));
+        let r = a.response(Some(&Ended::test("", "tool_calls", &calls)));
         assert_eq!(r["output"].as_array().unwrap().len(), 1);
         let call = &r["output"][0];
         assert_eq!(
@@ -1154,27 +1141,22 @@ mod tests {
         assert!(call["id"].as_str().unwrap().starts_with("fc_"));
         assert!(call["call_id"].as_str().unwrap().starts_with("call_"));
         // Streamed: no message without text; the call's events; its ids as in the end.
-        let all = [a.opening(0), a.closing(&ended("", "tool_calls", &calls))].concat();
-        let events = parse(&all);
-        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                "response.created",
-                "response.in_progress",
+        let all = [a.opening(0), a.closing(&Ended::test("", "tool_calls", &calls))].concat();
+        let events = framed(
+            &all,
+            &[
                 "response.output_item.added",
                 "response.function_call_arguments.delta",
                 "response.function_call_arguments.done",
                 "response.output_item.done",
-                "response.completed",
-            ]
+            ],
         );
         assert_eq!(events[2].1["item"]["id"], call["id"]);
         assert_eq!(events[6].1["response"]["output"][0]["call_id"], call["call_id"]);
         // Text and a call: the message first, the call at output_index 1.
         let mut a = answer();
-        let all =
-            [a.opening(0), a.text("t"), a.closing(&ended("t", "tool_calls", &calls))].concat();
+        let all = [a.opening(0), a.text("t"), a.closing(&Ended::test("t", "tool_calls", &calls))]
+            .concat();
         let events = parse(&all);
         assert_eq!(events[2].1["item"]["type"], "message");
         let call_added = events.iter().find(|(n, d)| {
@@ -1186,7 +1168,7 @@ mod tests {
     #[test]
     fn response_shapes() {
         let mut a = answer();
-        let r = a.response(Some(&ended("Hi", "stop", &[])));
+        let r = a.response(Some(&Ended::test("Hi", "stop", &[])));
         assert!(r["id"].as_str().unwrap().starts_with("resp_"));
         assert_eq!(
             (r["object"].clone(), r["status"].clone()),
@@ -1212,12 +1194,23 @@ mod tests {
         );
         assert_eq!(
             r["usage"],
-            json!({"input_tokens":5,"input_tokens_details":{"cached_tokens":2},"output_tokens":3,
-                   "output_tokens_details":{"reasoning_tokens":0},"total_tokens":8})
+            json!({"input_tokens":10,"input_tokens_details":{"cached_tokens":4},"output_tokens":3,
+                   "output_tokens_details":{"reasoning_tokens":0},"total_tokens":13})
         );
-        let r = a.response(Some(&ended("Hi", "length", &[])));
+        let r = a.response(Some(&Ended::test("Hi", "length", &[])));
         assert_eq!(r["status"], "incomplete");
         assert_eq!(r["incomplete_details"], json!({"reason":"max_output_tokens"}));
+    }
+
+    /// The events of stream `all`, checked to be created, in progress, `middle` and
+    /// completed, in that order.
+    fn framed(all: &str, middle: &[&str]) -> Vec<(String, Value)> {
+        let events = parse(all);
+        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+        let framed =
+            [&["response.created", "response.in_progress"], middle, &["response.completed"]];
+        assert_eq!(names, framed.concat());
+        events
     }
 
     /// The events of a stream, as (name, data).
@@ -1238,14 +1231,11 @@ mod tests {
     fn stream_events_come_in_openai_order() {
         let mut a = answer();
         let all =
-            [a.opening(0), a.text("H"), a.text("i"), a.closing(&ended("Hi", "stop", &[]))].concat();
-        let events = parse(&all);
-        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                "response.created",
-                "response.in_progress",
+            [a.opening(0), a.text("H"), a.text("i"), a.closing(&Ended::test("Hi", "stop", &[]))]
+                .concat();
+        let events = framed(
+            &all,
+            &[
                 "response.output_item.added",
                 "response.content_part.added",
                 "response.output_text.delta",
@@ -1253,8 +1243,7 @@ mod tests {
                 "response.output_text.done",
                 "response.content_part.done",
                 "response.output_item.done",
-                "response.completed",
-            ]
+            ],
         );
         for (i, (_, data)) in events.iter().enumerate() {
             assert_eq!(data["sequence_number"], i as u64);
@@ -1266,7 +1255,7 @@ mod tests {
         assert_eq!(events[6].1["text"], "Hi");
         assert_eq!(events[9].1["response"]["output"][0]["content"][0]["text"], "Hi");
         assert_eq!(events[9].1["response"]["id"], events[0].1["response"]["id"]);
-        let last = a.closing(&ended("Hi", "length", &[]));
+        let last = a.closing(&Ended::test("Hi", "length", &[]));
         assert!(last.contains("event: response.incomplete\n"));
 
         // A call streamed as it is decoded: its item added when named, its arguments
@@ -1283,23 +1272,18 @@ mod tests {
             a.call(&delta(Some("f"), "")),
             a.call(&delta(None, r#"{"a":"#)),
             a.call(&delta(None, "1}")),
-            a.closing(&ended("", "tool_calls", &calls)),
+            a.closing(&Ended::test("", "tool_calls", &calls)),
         ]
         .concat();
-        let events = parse(&all);
-        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                "response.created",
-                "response.in_progress",
+        let events = framed(
+            &all,
+            &[
                 "response.output_item.added",
                 "response.function_call_arguments.delta",
                 "response.function_call_arguments.delta",
                 "response.function_call_arguments.done",
                 "response.output_item.done",
-                "response.completed",
-            ]
+            ],
         );
         assert_eq!(events[2].1["item"]["name"], "f");
         assert_eq!(events[3].1["item_id"], events[2].1["item"]["id"]);

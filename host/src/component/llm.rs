@@ -102,8 +102,10 @@ impl LlamaCtxView<'_> {
         params: ContextParams,
         model: &Model,
     ) -> Result<native::ContextParams, Error> {
-        let limits = &self.ctx.limits;
-        let cap = |name: &str, value: u32, limit: &str, max: u32| {
+        let (p, c) = (params, &self.ctx.limits.context);
+        // `asked`, or `default` when the plugin left it out, unless it is above `max`.
+        let cap = |name: &str, asked: Option<u32>, default: u32, limit: &str, max: u32| {
+            let value = asked.unwrap_or(default);
             if value > max {
                 Err(Error::LimitExceeded(format!(
                     "{name} {value} is above this host's limit {max} ({limit})"
@@ -112,33 +114,13 @@ impl LlamaCtxView<'_> {
                 Ok(value)
             }
         };
-        let n_ctx_default = model.n_ctx_train().clamp(1, 4096).min(limits.context.max_n_ctx);
-        let n_ctx = cap(
-            "n-ctx",
-            params.n_ctx.unwrap_or(n_ctx_default),
-            "max-n-ctx",
-            limits.context.max_n_ctx,
-        )?;
-        let n_batch = cap(
-            "n-batch",
-            params.n_batch.unwrap_or(n_ctx.min(512)),
-            "max-n-batch",
-            limits.context.max_n_batch,
-        )?;
-        let n_ubatch = cap(
-            "n-ubatch",
-            params.n_ubatch.unwrap_or(n_batch.min(512)),
-            "max-n-batch",
-            limits.context.max_n_batch,
-        )?;
-        let n_seq_max =
-            cap("n-seq-max", params.n_seq_max.unwrap_or(1), "max-n-seq", limits.context.max_n_seq)?;
-        let n_threads = cap(
-            "n-threads",
-            params.n_threads.unwrap_or(limits.context.default_threads),
-            "max-threads",
-            limits.context.max_threads,
-        )?;
+        let n_ctx_default = model.n_ctx_train().clamp(1, 4096).min(c.max_n_ctx);
+        let n_ctx = cap("n-ctx", p.n_ctx, n_ctx_default, "max-n-ctx", c.max_n_ctx)?;
+        let n_batch = cap("n-batch", p.n_batch, n_ctx.min(512), "max-n-batch", c.max_n_batch)?;
+        let n_ubatch = cap("n-ubatch", p.n_ubatch, n_batch.min(512), "max-n-batch", c.max_n_batch)?;
+        let n_seq_max = cap("n-seq-max", p.n_seq_max, 1, "max-n-seq", c.max_n_seq)?;
+        let n_threads =
+            cap("n-threads", p.n_threads, c.default_threads, "max-threads", c.max_threads)?;
         Ok(native::ContextParams { n_ctx, n_batch, n_ubatch, n_seq_max, n_threads })
     }
 }

@@ -268,45 +268,37 @@ impl LlamaCtx {
 
     /// Count `held` against this store's limits, or name the limit it would exceed.
     pub(crate) fn admit(&mut self, held: Charge) -> Result<(), Error> {
-        let (u, l) = (&mut self.usage, &self.limits);
+        let (u, l) = (&self.usage, &self.limits);
         let over = |name: &str, max: String| {
             Err(Error::LimitExceeded(format!("{name}: this plugin already holds {max}")))
         };
+        // Resources counted one by one: (limit, held now, most).
+        let counted = match held {
+            Charge::Context { .. } => Some(("max-contexts", u.contexts, l.context.max_contexts)),
+            Charge::MediaContext => {
+                Some(("max-media-contexts", u.media_contexts, l.media.max_media_contexts))
+            }
+            Charge::Token => Some(("max-tokens", u.tokens, l.cancel.max_tokens)),
+            Charge::Share => Some(("max-shares", u.shares, l.cancel.max_shares)),
+            Charge::Sampler => Some(("max-samplers", u.samplers, l.sampler.max_samplers)),
+            Charge::Chunks { .. } => None,
+        };
+        if let Some((name, _, max)) = counted.filter(|&(_, now, max)| now >= max) {
+            return over(name, max.to_string());
+        }
+        // Resources counted by size.
         match held {
-            Charge::Context { .. } if u.contexts >= l.context.max_contexts => {
-                return over("max-contexts", l.context.max_contexts.to_string())
-            }
             Charge::Context { kv_cells } if u.kv_cells + kv_cells > l.context.max_kv_cells => {
-                return over(
-                    "max-kv-cells",
-                    format!(
-                        "{} of {} KV cells (n-ctx x layers)",
-                        u.kv_cells, l.context.max_kv_cells
-                    ),
-                )
-            }
-            Charge::MediaContext if u.media_contexts >= l.media.max_media_contexts => {
-                return over("max-media-contexts", l.media.max_media_contexts.to_string())
-            }
-            Charge::Token if u.tokens >= l.cancel.max_tokens => {
-                return over("max-tokens", l.cancel.max_tokens.to_string())
-            }
-            Charge::Share if u.shares >= l.cancel.max_shares => {
-                return over("max-shares", l.cancel.max_shares.to_string())
+                let (now, max) = (u.kv_cells, l.context.max_kv_cells);
+                return over("max-kv-cells", format!("{now} of {max} KV cells (n-ctx x layers)"));
             }
             Charge::Chunks { bytes }
                 if u.chunk_bytes.saturating_add(bytes) > l.media.max_chunk_bytes =>
             {
-                return over(
-                    "max-chunk-bytes",
-                    format!(
-                        "{} of {} bytes in media chunks (this needs {bytes} more)",
-                        u.chunk_bytes, l.media.max_chunk_bytes
-                    ),
-                )
-            }
-            Charge::Sampler if u.samplers >= l.sampler.max_samplers => {
-                return over("max-samplers", l.sampler.max_samplers.to_string())
+                let (now, max) = (u.chunk_bytes, l.media.max_chunk_bytes);
+                let what =
+                    format!("{now} of {max} bytes in media chunks (this needs {bytes} more)");
+                return over("max-chunk-bytes", what);
             }
             _ => {}
         }

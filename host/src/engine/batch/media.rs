@@ -12,18 +12,18 @@ use crate::native::Pieces;
 use crate::native::{self, Error, PromptPiece};
 
 impl Steps {
-    /// `pieces` evaluated into `seq` part by part: a token piece in parts of about a step
-    /// target ([`Pacer`]), a media piece whole, each alone on the cores; between parts,
-    /// the other members' calls go on one step, and calls they sent meanwhile start. So
-    /// a long media prompt (a document with an image) holds neither the batch's streams
-    /// nor its newcomers for its whole evaluation. The end position.
-    pub(super) fn eval_in_parts(
+    /// `pieces` evaluated into bound member `id`'s sequence part by part: a token piece in
+    /// parts of about a step target ([`Pacer`]), a media piece whole, each alone on the
+    /// cores; between parts, the other members' calls go on one step, and calls they sent
+    /// meanwhile start. So a long media prompt (a document with an image) holds neither
+    /// the batch's streams nor its newcomers for its whole evaluation. The end position.
+    fn eval_in_parts(
         &mut self,
         id: u64,
         pieces: &[PromptPiece],
-        seq: i32,
         caller: &Caller<i32>,
     ) -> native::Result<i32> {
+        let seq = self.members[&id].slot.expect("bound") as i32;
         if pieces.is_empty() {
             // Nothing to evaluate: the sequence's end, as `Context::eval` answers it.
             return self.ctx.eval(pieces, seq, Some(caller.stop()));
@@ -131,7 +131,7 @@ impl Steps {
         self.member(id).logits.clear();
         let start = self.ctx.seq_pos_max(slot as i32).map_or(0, |end| end + 1);
         self.evaluating = Some(id);
-        let result = self.eval_in_parts(id, pieces, slot as i32, caller);
+        let result = self.eval_in_parts(id, pieces, caller);
         self.evaluating = None;
         if result.is_err() {
             // The parts evaluated before the one that failed (that one rolled itself

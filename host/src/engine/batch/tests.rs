@@ -399,10 +399,6 @@ fn greedy() -> native::SamplerParams {
     native::SamplerParams::default()
 }
 
-fn request(prompt: Vec<Token>, max_tokens: u32) -> GenerateRequest {
-    GenerateRequest { prompt, seq: 0, max_tokens, stop: Vec::new(), logprobs: None }
-}
-
 /// Tokens a generation on a context of its own picks.
 fn solo_generation(prompt: &[Token], max_tokens: u32) -> Vec<Token> {
     let params =
@@ -418,7 +414,7 @@ fn solo_generation(prompt: &[Token], max_tokens: u32) -> Vec<Token> {
     native::generate(
         &mut ctx,
         &mut sampler,
-        &request(prompt.to_vec(), max_tokens),
+        &GenerateRequest::new(prompt.to_vec(), max_tokens),
         Stop::on(&token),
         &mut sink,
     )
@@ -444,7 +440,10 @@ async fn generations_on_seats_batch_their_tokens_and_pick_what_a_context_of_its_
     for (seat, p) in seats.iter().zip(&prompts) {
         let (tx, rx) = pieces::channel(64);
         let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
-        runs.push((seat.generate(sampler, request(p.clone(), 16), CancelFlag::new(), tx), rx));
+        runs.push((
+            seat.generate(sampler, GenerateRequest::new(p.clone(), 16), CancelFlag::new(), tx),
+            rx,
+        ));
     }
     drop(gate);
     for ((call, rx), p) in runs.into_iter().zip(&prompts) {
@@ -487,7 +486,10 @@ async fn generations_of_a_group_whose_token_rows_take_turns_pick_what_they_would
     for (seat, p) in std::iter::once(&light).chain(&heavy).zip(&prompts) {
         let (tx, rx) = pieces::channel(64);
         let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
-        runs.push((seat.generate(sampler, request(p.clone(), 12), CancelFlag::new(), tx), rx));
+        runs.push((
+            seat.generate(sampler, GenerateRequest::new(p.clone(), 12), CancelFlag::new(), tx),
+            rx,
+        ));
     }
     drop(gate);
     for ((call, rx), p) in runs.into_iter().zip(&prompts) {
@@ -505,9 +507,19 @@ async fn a_reader_that_stops_reading_holds_back_only_its_own_generation() {
     let (slow, fast) = (f.seat().await, f.seat().await);
     let sampler = || Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
     let (slow_tx, slow_rx) = pieces::channel(1);
-    let slow_call = slow.generate(sampler(), request(prompt(5, 8), 32), CancelFlag::new(), slow_tx);
+    let slow_call = slow.generate(
+        sampler(),
+        GenerateRequest::new(prompt(5, 8), 32),
+        CancelFlag::new(),
+        slow_tx,
+    );
     let (fast_tx, fast_rx) = pieces::channel(64);
-    let fast_call = fast.generate(sampler(), request(prompt(6, 8), 24), CancelFlag::new(), fast_tx);
+    let fast_call = fast.generate(
+        sampler(),
+        GenerateRequest::new(prompt(6, 8), 24),
+        CancelFlag::new(),
+        fast_tx,
+    );
     assert_eq!(read_all(fast_rx).await.len(), 24);
     assert_eq!(
         fast_call.await.unwrap().unwrap().finish,
@@ -549,7 +561,8 @@ async fn a_media_prompt_on_a_seat_lets_the_others_step_between_its_parts() {
     let before = *steps_seen.lock().unwrap();
     let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
     let (tx, rx) = pieces::channel(64);
-    let generation = generating.generate(sampler, request(prompt(9, 4), 24), CancelFlag::new(), tx);
+    let generation =
+        generating.generate(sampler, GenerateRequest::new(prompt(9, 4), 24), CancelFlag::new(), tx);
     let long = prompt(10, 120);
     let eval = prompting.eval(vec![PromptPiece::Tokens(long.clone())], 0, CancelFlag::new());
     drop(gate);
@@ -611,7 +624,8 @@ async fn a_prompt_chunked_over_steps_never_keeps_a_generation_waiting_more_than_
     let (generating, prefilling) = (f.seat().await, f.seat().await);
     let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
     let (tx, rx) = pieces::channel(64);
-    let generation = generating.generate(sampler, request(prompt(7, 4), 12), CancelFlag::new(), tx);
+    let generation =
+        generating.generate(sampler, GenerateRequest::new(prompt(7, 4), 12), CancelFlag::new(), tx);
     let long = prompt(8, 200);
     let gate = pause(&generating);
     let decode = prefilling.decode(Batch::sequence(&long, 0, 0), CancelFlag::new());
@@ -882,7 +896,8 @@ async fn a_step_with_a_generation_in_it_never_yields() {
     let (tx, rx) = pieces::channel(64);
     let gate = pause(&generating);
     generating.batcher.ops.send(Op::YieldAt(1)).unwrap();
-    let generation = generating.generate(sampler, request(prompt(7, 4), 8), CancelFlag::new(), tx);
+    let generation =
+        generating.generate(sampler, GenerateRequest::new(prompt(7, 4), 8), CancelFlag::new(), tx);
     let decode = prefilling.decode(Batch::sequence(&prompt(8, 100), 0, 0), CancelFlag::new());
     drop(gate);
     decode.await.unwrap().unwrap();
@@ -901,8 +916,12 @@ async fn a_long_prompt_beside_a_generation_runs_only_on_time_it_earned() {
     let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
     let (tx, rx) = pieces::channel(256);
     let gate = pause(&generating);
-    let generation =
-        generating.generate(sampler, request(prompt(9, 4), 120), CancelFlag::new(), tx);
+    let generation = generating.generate(
+        sampler,
+        GenerateRequest::new(prompt(9, 4), 120),
+        CancelFlag::new(),
+        tx,
+    );
     let decode = prefilling.decode(Batch::sequence(&prompt(10, 250), 0, 0), CancelFlag::new());
     drop(gate);
     decode.await.unwrap().unwrap();
@@ -991,7 +1010,10 @@ async fn survivors_cost_of_a_cancelled_step() {
             let prompt: Vec<Token> = (0..16)
                 .map(|j| (trial * 131 + i as i32 * 17 + j * 7).rem_euclid(n_vocab))
                 .collect();
-            runs.push((g.generate(sampler, request(prompt, 64), CancelFlag::new(), tx), rx));
+            runs.push((
+                g.generate(sampler, GenerateRequest::new(prompt, 64), CancelFlag::new(), tx),
+                rx,
+            ));
         }
         tokio::time::sleep(Duration::from_millis(30)).await;
         steps.lock().unwrap().clear();
@@ -1133,7 +1155,8 @@ async fn work_beside_a_streaming_batch_gets_short_turns() {
     let seat = f.seat().await;
     let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
     let (tx, rx) = pieces::channel(64);
-    let generation = seat.generate(sampler, request(prompt(3, 8), 4), CancelFlag::new(), tx);
+    let generation =
+        seat.generate(sampler, GenerateRequest::new(prompt(3, 8), 4), CancelFlag::new(), tx);
     assert_eq!(read_all(rx).await.len(), 4);
     generation.await.unwrap().unwrap();
     seat.decode(Batch::sequence(&prompt(4, 8), 12, 0), CancelFlag::new()).await.unwrap().unwrap();
