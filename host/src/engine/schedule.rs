@@ -26,7 +26,9 @@
 //!    yield to an arrival, and what a yield threw away is made good before the next;
 //! 4. while several groups generate, none of them keeps more than its weight's part of
 //!    what the lightest of them costs, by count and by time ([`Scheduler::share_rows`]):
-//!    its last prompt rows are cut first, then its tokens, whose seats take turns;
+//!    its last prompt rows are cut first, then its tokens, whose seats take turns; a
+//!    group with prompts only is held to that part too while it is ahead of a
+//!    generating group in fair share;
 //! 5. a group whose cancels keep rolling back steps shared with others is quarantined:
 //!    its rows run in steps of their own, at most one in `QUARANTINE_WAIT + 1` while
 //!    others have rows, each as short as the others' last step.
@@ -354,7 +356,8 @@ impl Scheduler {
             budget -= rows;
             picks.push(Pick { id: c.id, rows, long });
         }
-        self.share_rows(&mut picks, &candidates, &streaming);
+        let (held, freed) = self.share_rows(&mut picks, &candidates, &streaming);
+        self.refill(&mut picks, &prompts, &held, freed, long_may);
         let any_long = prompts.iter().any(|&(_, _, long)| long);
         self.long_waiting = any_long && others;
         if !any_long {
@@ -382,27 +385,46 @@ impl Scheduler {
     /// sixteen streams and their prompts beside another's lone stream make that
     /// stream's steps about twice its own, not seventeen rows long; on a GPU nothing is
     /// cut. A group's picks are cut from its last: prompt rows first, then the tokens
-    /// taken most recently, so its seats take turns. Groups with prompts only are left
-    /// to the prompt order and the step target (a tail of a prompt must not cut a
-    /// stream's neighbours to its few rows).
-    fn share_rows(
+    /// taken most recently, so its seats take turns.
+    ///
+    /// A group with prompts only is held to the same part while it is ahead of a
+    /// generating group in fair share: a flood of prompts (or of hang-ups at the first
+    /// token) beside another tenant's stream costs that stream's steps no more than its
+    /// weight's part either. A group that is not ahead (a newcomer's first prompt, a
+    /// group that has had less) keeps the prompt order's rows, and never sets the part
+    /// (a prompt's tail must not cut a stream's neighbours to its few rows).
+    ///
+    /// Returns the groups it cut, and how many prompt rows it cut.
+    fn share_rows<'c>(
         &mut self,
         picks: &mut Vec<Pick>,
-        candidates: &[&Candidate<'_>],
+        candidates: &[&Candidate<'c>],
         streaming: &HashSet<&str>,
-    ) {
-        let of: HashMap<u64, &Candidate<'_>> = candidates.iter().map(|c| (c.id, *c)).collect();
-        // Each generating group's (rows, weight at least 1, class).
+    ) -> (HashSet<&'c str>, usize) {
+        let of: HashMap<u64, &Candidate<'c>> = candidates.iter().map(|c| (c.id, *c)).collect();
+        let (mut held, mut freed) = (HashSet::new(), 0);
+        // Each group's (rows, weight at least 1, class) in this step.
         let mut groups: HashMap<&str, (usize, u32, u8)> = HashMap::new();
-        for p in picks.iter().filter(|p| streaming.contains(of[&p.id].group)) {
+        for p in picks.iter() {
             let c = of[&p.id];
             let g = groups.entry(c.group).or_insert((0, 1, 0));
             *g = (g.0 + p.rows, g.1.max(c.claim.weight), g.2.max(c.claim.priority));
         }
-        let top = groups.values().map(|g| g.2).max().unwrap_or(0);
-        let light = (groups.values())
-            .filter(|g| g.2 == top)
-            .map(|&(rows, weight, _)| (rows, weight as usize))
+        let generating = |group: &&str| streaming.contains(group);
+        let top = (groups.iter()).filter(|(g, _)| generating(g)).map(|(_, g)| g.2).max();
+        let top = top.unwrap_or(0);
+        let served = |group: &str| self.served.get(group).copied().unwrap_or(0.0);
+        // The share of the generating group furthest behind, of the top class.
+        let behind = (groups.iter())
+            .filter(|(g, v)| generating(g) && v.2 == top)
+            .map(|(g, _)| served(g))
+            .reduce(f64::min);
+        groups.retain(|g, v| {
+            generating(g) || (v.2 <= top && behind.is_some_and(|least| served(g) > least))
+        });
+        let light = (groups.iter())
+            .filter(|(g, v)| generating(g) && v.2 == top)
+            .map(|(_, &(rows, weight, _))| (rows, weight as usize))
             .min_by(|a, b| (a.0 * b.1).cmp(&(b.0 * a.1)));
         if let (Some((light_rows, light_weight)), true) = (light, groups.len() > 1) {
             let cost = self.cost.fit();
@@ -420,7 +442,14 @@ impl Scheduler {
                 })
                 .collect();
             for p in picks.iter_mut() {
-                if let Some(left) = room.get_mut(of[&p.id].group) {
+                let c = of[&p.id];
+                if let Some(left) = room.get_mut(c.group) {
+                    if p.rows > *left {
+                        held.insert(c.group);
+                        if let Want::Prompt(_) = c.want {
+                            freed += p.rows - *left;
+                        }
+                    }
                     p.rows = p.rows.min(*left);
                     *left -= p.rows;
                 }
@@ -436,6 +465,39 @@ impl Scheduler {
             if of[&p.id].want == Want::Token {
                 self.tokens_taken += 1;
                 self.turns.entry(p.id).or_default().token_served = self.tokens_taken;
+            }
+        }
+        (held, freed)
+    }
+
+    /// The `free` prompt rows [`Scheduler::share_rows`] cut from the groups it `held` to
+    /// their part go to the prompts of the other groups, in prompt order: a cut must not
+    /// leave a step short while a group under its part has rows waiting.
+    fn refill(
+        &mut self,
+        picks: &mut Vec<Pick>,
+        prompts: &[(&Candidate<'_>, usize, bool)],
+        held: &HashSet<&str>,
+        mut free: usize,
+        long_may: bool,
+    ) {
+        for &(c, left, long) in prompts {
+            if free == 0 {
+                return;
+            }
+            if held.contains(c.group) || (long && !long_may) {
+                continue;
+            }
+            let taken = picks.iter().position(|p| p.id == c.id);
+            let more = (left - taken.map_or(0, |i| picks[i].rows)).min(free);
+            if more == 0 {
+                continue;
+            }
+            free -= more;
+            self.turns.entry(c.id).or_default().passed_over = 0;
+            match taken {
+                Some(i) => picks[i].rows += more,
+                None => picks.push(Pick { id: c.id, rows: more, long }),
             }
         }
     }
@@ -694,11 +756,13 @@ mod tests {
             _ => "a",
         };
         let a = [token(1, "a"), prompt(2, "a", 40), prompt(3, "a", 40), prompt(4, "a", 40)];
-        // Tenant a streams and has three prompts waiting; newcomers of tenant x take
-        // every step's prompt rows until all of a's prompts have been passed over.
+        // Tenant a streams and has three prompts waiting; newcomers of tenant x, a higher
+        // class, take every step's prompt rows until all of a's prompts have been passed
+        // over.
+        let x = |id| Candidate { claim: Claim::new(1, 1, None), ..prompt(id, "x", 200) };
         for step in 0..u64::from(PASSED_OVER_STEPS) {
             let mut candidates = a.to_vec();
-            candidates.push(prompt(100 + step, "x", 200));
+            candidates.push(x(100 + step));
             let plan = s.plan(&candidates);
             assert_eq!(rows_of(&plan)[..2], [(1, 1), (100 + step, 100)]);
             assert_eq!(plan.picks.len(), 2, "a's prompts get none: {:?}", rows_of(&plan));
@@ -915,8 +979,29 @@ mod tests {
         assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 30), (11, 70)]);
     }
 
+    /// A group with prompts only that is ahead in fair share is held to a generating
+    /// group's part beside its stream (a flood of prompts, or of hang-ups at the first
+    /// token); one that is behind, as a newcomer's prompt is, keeps its rows.
+    #[test]
+    fn a_prompt_only_group_ahead_of_a_stream_is_held_to_its_part() {
+        let mut s = scheduler();
+        let member =
+            |group, rows| Stepped { group, weight: 1, rows, long: false, cancelled: false };
+        // The attacker has computed more rows than the victim.
+        s.stepped(&[member("attacker", 80), member("victim", 10)], 90 * MS, StepEnd::Computed);
+        let step = [token(1, "victim"), prompt(11, "attacker", 90), prompt(12, "attacker", 90)];
+        assert_eq!(rows_of(&s.plan(&step)), [(1, 1), (11, 1)]);
+        // The victim's next prompt, behind in share, beside the attacker's streams.
+        let step = [token(10, "attacker"), token(11, "attacker"), prompt(1, "victim", 60)];
+        assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (11, 1), (1, 60)]);
+        // What the cut frees goes to the prompts of a group it did not hold back.
+        let step = [token(1, "victim"), prompt(2, "victim", 30), prompt(11, "attacker", 90)];
+        assert_eq!(rows_of(&s.plan(&step)), [(1, 1), (11, 11), (2, 30)]);
+    }
+
     /// A group whose streams run waits with its next prompt behind a group with none,
-    /// whatever their shares: the victim of a capped flood gets its first token first.
+    /// whatever their shares: the victim of a capped flood gets its first token first
+    /// (though, being ahead in share here, no more rows than the streaming group's part).
     #[test]
     fn a_group_with_no_stream_gets_its_prompt_before_a_streaming_groups() {
         let mut s = scheduler();
@@ -925,7 +1010,7 @@ mod tests {
             |group, rows| Stepped { group, weight: 1, rows, long: false, cancelled: false };
         s.stepped(&[member("victim", 80), member("attacker", 10)], 90 * MS, StepEnd::Computed);
         let step = [token(10, "attacker"), prompt(11, "attacker", 60), prompt(1, "victim", 60)];
-        assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 60), (11, 40)]);
+        assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 41), (11, 59)]);
     }
 
     /// The time rule: where a row costs next to nothing beside a step's fixed part (a
