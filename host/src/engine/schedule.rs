@@ -27,8 +27,9 @@
 //! 4. while several groups generate, none of them keeps more than its weight's part of
 //!    what the lightest of them costs, by count and by time ([`Scheduler::share_rows`]):
 //!    its last prompt rows are cut first, then its tokens, whose seats take turns; a
-//!    group with prompts only is held to that part too while it is ahead of a
-//!    generating group in fair share;
+//!    group with prompts only is held to that part too while it is ahead of another in
+//!    fair share, and one that is not (a newcomer's first prompt) may set the part;
+//!    rows a cut frees go to the prompts of groups it did not hold;
 //! 5. a group whose cancels keep rolling back steps shared with others is quarantined:
 //!    its rows run in steps of their own, at most one in `QUARANTINE_WAIT + 1` while
 //!    others have rows, each as short as the others' last step.
@@ -154,6 +155,13 @@ pub(super) const QUARANTINE_WAIT: u32 = 3;
 /// Fewest prompt rows a step offers (when it has room): below this a step's fixed cost
 /// (a graph, the weights read once more) outweighs its rows, and the estimate is noise.
 const MIN_CHUNK_ROWS: usize = 16;
+
+/// A newcomer (or a group back from a pause) starts this many rows per weight below the
+/// least share of the groups that kept waiting: of equals it goes first, and as the one
+/// behind it sets the part of a step the others are held to (`share_rows`), so its first
+/// prompt's step is not filled with another tenant's prompt rows. One row: idling banks
+/// nothing worth leaving for.
+const NEWCOMER_LEAD: f64 = 1.0;
 
 /// Groups whose share is remembered while they have no rows: beyond this (an open
 /// server's many addresses), only the groups waiting now are kept.
@@ -387,12 +395,13 @@ impl Scheduler {
     /// cut. A group's picks are cut from its last: prompt rows first, then the tokens
     /// taken most recently, so its seats take turns.
     ///
-    /// A group with prompts only is held to the same part while it is ahead of a
-    /// generating group in fair share: a flood of prompts (or of hang-ups at the first
-    /// token) beside another tenant's stream costs that stream's steps no more than its
-    /// weight's part either. A group that is not ahead (a newcomer's first prompt, a
-    /// group that has had less) keeps the prompt order's rows, and never sets the part
-    /// (a prompt's tail must not cut a stream's neighbours to its few rows).
+    /// A group with prompts only is held to the same part while it is ahead of another
+    /// group in fair share: a flood of prompts (or of hang-ups at the first token) beside
+    /// another tenant's stream costs that stream's steps no more than its weight's part
+    /// either. A group with prompts only that is not ahead (a newcomer's first prompt, a
+    /// group that has had less) keeps the prompt order's rows, and may set the part
+    /// itself: a newcomer's first step is not filled with another tenant's prompt rows,
+    /// which is most of what it waits for its first token.
     ///
     /// Returns the groups it cut, and how many prompt rows it cut.
     fn share_rows<'c>(
@@ -410,23 +419,23 @@ impl Scheduler {
             let g = groups.entry(c.group).or_insert((0, 1, 0));
             *g = (g.0 + p.rows, g.1.max(c.claim.weight), g.2.max(c.claim.priority));
         }
-        let generating = |group: &&str| streaming.contains(group);
-        let top = (groups.iter()).filter(|(g, _)| generating(g)).map(|(_, g)| g.2).max();
-        let top = top.unwrap_or(0);
+        let generating = |group: &str| streaming.contains(group);
+        let top = groups.values().map(|g| g.2).max().unwrap_or(0);
         let served = |group: &str| self.served.get(group).copied().unwrap_or(0.0);
-        // The share of the generating group furthest behind, of the top class.
-        let behind = (groups.iter())
-            .filter(|(g, v)| generating(g) && v.2 == top)
-            .map(|(g, _)| served(g))
-            .reduce(f64::min);
-        groups.retain(|g, v| {
-            generating(g) || (v.2 <= top && behind.is_some_and(|least| served(g) > least))
-        });
+        // The share of the top class's group furthest behind.
+        let least = (groups.iter()).filter(|(_, v)| v.2 == top).map(|(g, _)| served(g));
+        let least = least.reduce(f64::min).unwrap_or(0.0);
+        // Ahead by more than float noise: groups at the same share are equals.
+        let ahead = |group: &str| served(group) > least + 0.5;
+        // The part is set by the lightest generating group, or group not ahead in share
+        // (a newcomer's first prompt), of the top class.
         let light = (groups.iter())
-            .filter(|(g, v)| generating(g) && v.2 == top)
+            .filter(|(g, v)| v.2 == top && (generating(g) || !ahead(g)))
             .map(|(_, &(rows, weight, _))| (rows, weight as usize))
             .min_by(|a, b| (a.0 * b.1).cmp(&(b.0 * a.1)));
-        if let (Some((light_rows, light_weight)), true) = (light, groups.len() > 1) {
+        // Held to it: the generating groups, and the groups ahead in share.
+        groups.retain(|g, _| generating(g) || ahead(g));
+        if let Some((light_rows, light_weight)) = light {
             let cost = self.cost.fit();
             let mut room: HashMap<&str, usize> = (groups.iter())
                 .map(|(&group, &(rows, weight, _))| {
@@ -568,8 +577,9 @@ impl Scheduler {
     }
 
     /// Start-time fair queuing's floor: every waiting group's share is at least the least
-    /// share of the groups that kept waiting since the last plan (a newcomer, or a group
-    /// back after a pause, starts there), and shares are kept relative to it.
+    /// share of the groups that kept waiting since the last plan, and shares are kept
+    /// relative to it. A newcomer, or a group back after a pause, starts
+    /// [`NEWCOMER_LEAD`] below it.
     fn share_floor(&mut self, candidates: &[&Candidate<'_>]) {
         let now: HashSet<&str> = candidates.iter().map(|c| c.group).collect();
         let floor = (now.iter())
@@ -579,8 +589,10 @@ impl Scheduler {
             .reduce(f64::min)
             .unwrap_or(0.0);
         for g in &now {
-            let share = self.served.entry((*g).to_string()).or_insert(floor);
-            *share = share.max(floor);
+            let share = self.served.entry((*g).to_string()).or_insert(f64::MIN);
+            if *share < floor {
+                *share = floor - NEWCOMER_LEAD;
+            }
         }
         self.served.retain(|g, share| {
             *share -= floor;
@@ -964,8 +976,10 @@ mod tests {
     }
 
     /// A generating group's prompt rows count too: beside another group's lone stream
-    /// it keeps one row, its token; groups with prompts only are not cut (a victim's
-    /// prompt beside streams, or a prompt's tail, keeps the prompt order's rows).
+    /// it keeps one row, its token. A group with prompts only that is not ahead in share
+    /// is not cut (a newcomer's prompt keeps the prompt order's rows) and sets the part
+    /// of those that are held: the newcomer's first step is not filled by another
+    /// tenant's prompt rows.
     #[test]
     fn a_generating_groups_prompt_rows_count_in_its_part() {
         let mut s = scheduler();
@@ -976,7 +990,7 @@ mod tests {
         assert_eq!(rows_of(&s.plan(&step)), [(1, 1), (11, 90)]);
         let mut s = scheduler();
         let step = [prompt(1, "victim", 30), token(10, "attacker"), prompt(11, "attacker", 90)];
-        assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 30), (11, 70)]);
+        assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 30), (11, 29)]);
     }
 
     /// A group with prompts only that is ahead in fair share is held to a generating
@@ -997,6 +1011,22 @@ mod tests {
         // What the cut frees goes to the prompts of a group it did not hold back.
         let step = [token(1, "victim"), prompt(2, "victim", 30), prompt(11, "attacker", 90)];
         assert_eq!(rows_of(&s.plan(&step)), [(1, 1), (11, 11), (2, 30)]);
+    }
+
+    /// A newcomer's first prompt sets the part of its step: another tenant's prompts,
+    /// which kept waiting, take no more of it than the newcomer's own rows.
+    #[test]
+    fn a_newcomers_first_step_is_not_filled_with_another_tenants_prompt_rows() {
+        let mut s = scheduler();
+        let group_of = |id: u64| if id < 100 { "victim" } else { "attacker" };
+        let flood: Vec<Candidate<'_>> = (101..105).map(|id| prompt(id, "attacker", 150)).collect();
+        for _ in 0..3 {
+            let plan = s.plan(&flood);
+            computed(&mut s, &plan, group_of);
+        }
+        let mut step = flood.clone();
+        step.push(prompt(1, "victim", 15));
+        assert_eq!(rows_of(&s.plan(&step)), [(1, 15), (101, 15)]);
     }
 
     /// A group whose streams run waits with its next prompt behind a group with none,
