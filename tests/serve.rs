@@ -33,19 +33,8 @@ use serde_json::{json, Value};
 /// The `openai` Python package and `jsonschema` (which checks structured output),
 /// installed once outside the clone: a PYTHONPATH.
 fn openai_python_path() -> String {
-    let install = |name: &str, version: &str| {
-        let out = Command::new(common::repo_root().join("scripts/pip-tool.sh"))
-            .args([name, version])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "installing {name} from PyPI: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
-    };
-    format!("{}:{}", install("openai", "3.51.0"), install("jsonschema", "4.23.0"))
+    let pip = common::pip_tool;
+    format!("{}:{}", pip("openai", "3.51.0"), pip("jsonschema", "4.23.0"))
 }
 
 /// Run tests/serve/SCRIPT (an official-SDK client's checks) against `server`: it must
@@ -140,16 +129,12 @@ fn the_chat_page_streams_and_its_stop_button_stops_the_native_work() {
         page.contains("<title>llamabox chat</title>") && !page.contains("src=\"http"),
         "the page loads nothing from elsewhere"
     );
-    let websocket = Command::new(common::repo_root().join("scripts/pip-tool.sh"))
-        .args(["websocket-client", "1.9.2"])
-        .output()
-        .unwrap();
-    assert!(websocket.status.success(), "{}", String::from_utf8_lossy(&websocket.stderr));
+    let websocket = common::pip_tool("websocket-client", "1.9.2");
     let shot = common::repo_root().join("target/chat-page.png");
     let out = Command::new("python3")
         .arg(common::repo_root().join("tests/serve/chat_page.py"))
         .args([server.url("/"), shot.display().to_string()])
-        .env("PYTHONPATH", String::from_utf8(websocket.stdout).unwrap().trim())
+        .env("PYTHONPATH", websocket)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -78,30 +78,23 @@ pub fn slow_chat_model() -> &'static Path {
 
 fn generated_projector(
     name: &str,
-    spec: ProjectorSpec,
+    spec: fn(u32) -> ProjectorSpec,
     cell: &'static OnceLock<PathBuf>,
 ) -> &'static Path {
+    let spec = spec(TextModelSpec::tiny().n_embd);
     cell.get_or_init(|| generated_file(name, &spec, |p| spec.write(p).unwrap()))
 }
 
 /// A vision projector (LLaVA `mlp`) for `tiny_model`.
 pub fn tiny_vision() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    generated_projector(
-        "tiny-vision",
-        ProjectorSpec::tiny_vision(TextModelSpec::tiny().n_embd),
-        &CELL,
-    )
+    generated_projector("tiny-vision", ProjectorSpec::tiny_vision, &CELL)
 }
 
 /// An audio projector (`qwen2a`, whisper) for `tiny_model`.
 pub fn tiny_audio() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    generated_projector(
-        "tiny-audio",
-        ProjectorSpec::tiny_audio(TextModelSpec::tiny().n_embd),
-        &CELL,
-    )
+    generated_projector("tiny-audio", ProjectorSpec::tiny_audio, &CELL)
 }
 
 /// A `width`×`height` RGB gradient.
@@ -122,17 +115,29 @@ pub fn tone(n: usize) -> Vec<f32> {
 /// `scripts/fetch-model.sh` (CI runs it before the tests). Fails if it can't be had.
 pub fn real_model() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    CELL.get_or_init(|| {
-        let out = Command::new(repo_root().join("scripts/fetch-model.sh"))
-            .output()
-            .expect("running fetch-model.sh");
-        assert!(
-            out.status.success(),
-            "the real model could not be fetched: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-    })
+    CELL.get_or_init(|| script_path("fetch-model.sh", &[]))
+}
+
+/// What `scripts/SCRIPT ARGS` prints: the path of what it fetched or installed (once,
+/// into a cache outside the clone). Fails the test with the script's stderr if it fails.
+pub fn script_path(script: &str, args: &[&str]) -> PathBuf {
+    let out = Command::new(repo_root().join("scripts").join(script))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running {script}: {e}"));
+    assert!(
+        out.status.success(),
+        "{script} {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// Python package `name==version` installed once outside the clone (scripts/pip-tool.sh):
+/// a folder for PYTHONPATH.
+pub fn pip_tool(name: &str, version: &str) -> String {
+    script_path("pip-tool.sh", &[name, version]).display().to_string()
 }
 
 /// The demo plugin, built for wasm32-wasip2 (once per test process; cargo makes
@@ -182,11 +187,7 @@ fn guests_dir() -> &'static Path {
 /// A vision projector for `tiny_model` whose encode takes long enough to cancel in flight.
 pub fn slow_vision() -> &'static Path {
     static CELL: OnceLock<PathBuf> = OnceLock::new();
-    generated_projector(
-        "slow-vision",
-        ProjectorSpec::slow_vision(TextModelSpec::tiny().n_embd),
-        &CELL,
-    )
+    generated_projector("slow-vision", ProjectorSpec::slow_vision, &CELL)
 }
 
 /// Run the demo plugin with `args` against `models` (name, path); returns its stdout

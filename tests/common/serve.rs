@@ -351,16 +351,7 @@ pub fn read_until(socket: &mut TcpStream, until: Option<&str>, patience: Duratio
 /// Install npm package `name@version` (a client CLI) into the toolchain cache once
 /// (scripts/npm-tool.sh) and return its folder.
 pub fn npm_tool(name: &str, version: &str) -> PathBuf {
-    let out = Command::new(crate::common::repo_root().join("scripts/npm-tool.sh"))
-        .args([name, version])
-        .output()
-        .expect("running npm-tool.sh");
-    assert!(
-        out.status.success(),
-        "installing {name}@{version} from npm: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    crate::common::script_path("npm-tool.sh", &[name, version])
 }
 
 /// What a bounded run of a client program gave: its status (`None` if it ran past its

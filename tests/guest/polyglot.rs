@@ -213,15 +213,7 @@ fn the_plugin_guides_quote_the_tested_guests() {
 /// command export, in every language.
 #[test]
 fn wasm_tools_shows_each_plugins_interface() {
-    let out = Command::new(common::repo_root().join("scripts/wasm-tools.sh"))
-        .output()
-        .expect("running scripts/wasm-tools.sh");
-    assert!(
-        out.status.success(),
-        "wasm-tools could not be installed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let wasm_tools = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    let wasm_tools = common::script_path("wasm-tools.sh", &[]);
     for plugin in [common::demo_plugin(), python_plugin(), js_plugin(), c_plugin()] {
         let out = Command::new(&wasm_tools)
             .args(["component", "wit"])

@@ -24,14 +24,7 @@ fn the_anthropic_sdk_creates_streams_calls_tools_counts_tokens_and_sees_images()
         &[("smollm2", common::real_model()), ("tiny", common::tiny_model())],
         &["--threads", "2", "--projector", &projector, "--plugin-env", "LLAMABOX_VISION=tiny=eyes"],
     );
-    let pip = |name: &str, version: &str| {
-        let out = Command::new(common::repo_root().join("scripts/pip-tool.sh"))
-            .args([name, version])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
-    };
+    let pip = common::pip_tool;
     let path = format!("{}:{}", pip("anthropic", "2.16.0"), pip("jsonschema", "4.23.0"));
     let image = super::base64(&super::png(8, 8, &common::gradient(8, 8)));
     let out = Command::new("python3")

@@ -297,13 +297,7 @@ fn codex_rewrite(first: bool, fields: &mut serde_json::Map<String, Value>) {
 /// made was a 200.
 #[test]
 fn codex_exec_runs_a_tool_and_answers_through_responses() {
-    let out = Command::new(common::repo_root().join("scripts/npm-tool.sh"))
-        .args([CODEX.0, CODEX.1])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "installing Codex: {}", String::from_utf8_lossy(&out.stderr));
-    let codex =
-        Path::new(String::from_utf8(out.stdout).unwrap().trim()).join("node_modules/.bin/codex");
+    let codex = npm_tool(CODEX.0, CODEX.1).join("node_modules/.bin/codex");
     let server = Server::start(
         &[("smollm2", common::real_model())],
         &["--threads", "2", "--deadline-ms", "400000"],

@@ -699,6 +699,11 @@ mod tests {
         plan.picks.iter().map(|p| (p.id, p.rows)).collect()
     }
 
+    /// `rows` of `group` (weight 1) in a step that ran.
+    fn member(group: &str, rows: usize) -> Stepped<'_> {
+        Stepped { group, weight: 1, rows, long: false, cancelled: false }
+    }
+
     /// Run `plan`'s step as computed in `elapsed`, every member in `group_of` its group.
     fn computed(s: &mut Scheduler, plan: &Plan, group_of: impl Fn(u64) -> &'static str) {
         let weight = 1;
@@ -919,14 +924,13 @@ mod tests {
     #[test]
     fn many_quarantined_members_get_one_short_step_in_four_beside_a_stream() {
         let mut s = scheduler();
-        let member =
-            |group, rows, cancelled| Stepped { group, weight: 1, rows, long: false, cancelled };
         for _ in 0..2 {
-            let members = [member("victim", 20, false), member("attacker", 20, true)];
+            let members =
+                [member("victim", 20), Stepped { cancelled: true, ..member("attacker", 20) }];
             s.stepped(&members, 10 * MS, StepEnd::RolledBack);
         }
         // The pace: a row a millisecond.
-        s.stepped(&[member("victim", 100, false)], 100 * MS, StepEnd::Computed);
+        s.stepped(&[member("victim", 100)], 100 * MS, StepEnd::Computed);
         let mut candidates = vec![token(1, "victim")];
         candidates.extend((10..18).map(|id| prompt(id, "attacker", 50)));
         let mut pattern = String::new();
@@ -935,12 +939,12 @@ mod tests {
             let picks = rows_of(&plan);
             if picks == [(1, 1)] {
                 pattern.push('v');
-                s.stepped(&[member("victim", 1, false)], 4 * MS, StepEnd::Computed);
+                s.stepped(&[member("victim", 1)], 4 * MS, StepEnd::Computed);
             } else {
                 assert_eq!(picks.len(), 1, "one quarantined member alone: {picks:?}");
                 assert!(picks[0].1 <= 4, "no longer than the stream's 4 ms step: {picks:?}");
                 pattern.push('a');
-                s.stepped(&[member("attacker", picks[0].1, false)], 4 * MS, StepEnd::Computed);
+                s.stepped(&[member("attacker", picks[0].1)], 4 * MS, StepEnd::Computed);
             }
         }
         assert_eq!(pattern, "vvvavvvavvva");
@@ -999,8 +1003,6 @@ mod tests {
     #[test]
     fn a_prompt_only_group_ahead_of_a_stream_is_held_to_its_part() {
         let mut s = scheduler();
-        let member =
-            |group, rows| Stepped { group, weight: 1, rows, long: false, cancelled: false };
         // The attacker has computed more rows than the victim.
         s.stepped(&[member("attacker", 80), member("victim", 10)], 90 * MS, StepEnd::Computed);
         let step = [token(1, "victim"), prompt(11, "attacker", 90), prompt(12, "attacker", 90)];
@@ -1036,8 +1038,6 @@ mod tests {
     fn a_group_with_no_stream_gets_its_prompt_before_a_streaming_groups() {
         let mut s = scheduler();
         // The victim has computed more rows than the attacker.
-        let member =
-            |group, rows| Stepped { group, weight: 1, rows, long: false, cancelled: false };
         s.stepped(&[member("victim", 80), member("attacker", 10)], 90 * MS, StepEnd::Computed);
         let step = [token(10, "attacker"), prompt(11, "attacker", 60), prompt(1, "victim", 60)];
         assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 41), (11, 59)]);
@@ -1052,9 +1052,8 @@ mod tests {
         for (fixed_us, per_row_us, picked) in [(20_000, 100, 17), (5_000, 8_000, 2)] {
             let mut s = scheduler();
             for rows in (1..=64).step_by(3) {
-                let member = Stepped { group: "x", weight: 1, rows, long: false, cancelled: false };
                 let elapsed = Duration::from_micros(fixed_us + per_row_us * rows as u64);
-                s.stepped(&[member], elapsed, StepEnd::Computed);
+                s.stepped(&[member("x", rows)], elapsed, StepEnd::Computed);
             }
             let (fixed, per_row) = s.cost.fit().expect("a fit from steps of 1 to 64 rows");
             assert!((fixed * 1e6 - fixed_us as f64).abs() < 1.0, "{fixed}");
