@@ -10,7 +10,8 @@
 //! What a step takes:
 //! 1. one row for every generating seat (its next token);
 //! 2. prompt rows, within the step's row budget (the rows of about `step_target`, from
-//!    the measured speed of earlier steps), in this order:
+//!    the measured speed of earlier steps): each group of the top class first up to its
+//!    weight's part of the budget, then what they leave, both in this order:
 //!    - the higher priority class first ([`Claim::priority`]);
 //!    - short prompts before long ones (more than `long_prompt_rows` rows left);
 //!    - a group with no stream running before groups whose streams run;
@@ -78,6 +79,13 @@ pub(super) enum Want {
     Token,
     /// A prompt (a decode's batch, a generation's prompt) with this many rows left.
     Prompt(usize),
+}
+
+impl Want {
+    /// A prompt with more than `long_prompt_rows` rows left.
+    fn is_long(self, long_prompt_rows: usize) -> bool {
+        matches!(self, Want::Prompt(left) if left > long_prompt_rows)
+    }
 }
 
 /// A member with rows to compute, as the scheduler sees it.
@@ -353,19 +361,44 @@ impl Scheduler {
         let long_may = !others
             || self.long_credit >= self.step_target.as_secs_f64()
             || self.long_prompt_share >= 1.0;
-        for &(c, left, long) in &prompts {
-            let turns = self.turns.entry(c.id).or_default();
-            if budget == 0 || (long && !long_may) {
-                turns.passed_over += 1;
-                continue;
+        // Of the top class, each group with prompts first takes at most its weight's part
+        // of the budget, so that the one first in order (the furthest behind in share,
+        // catching up) cannot leave another group's prompt no row for seconds; what they
+        // leave goes in prompt order.
+        let mut part = Self::parts(&prompts, budget);
+        let first = picks.len();
+        for capped in [true, false] {
+            for &(c, left, long) in &prompts {
+                if budget == 0 || (long && !long_may) {
+                    continue;
+                }
+                let at = picks[first..].iter().position(|p| p.id == c.id).map(|i| first + i);
+                let taken = at.map_or(0, |i| picks[i].rows);
+                let most = if capped { part.get(c.group).copied().unwrap_or(0) } else { budget };
+                let rows = (left - taken).min(budget).min(most);
+                if rows == 0 {
+                    continue;
+                }
+                budget -= rows;
+                if let Some(left) = part.get_mut(c.group) {
+                    *left = left.saturating_sub(rows);
+                }
+                match at {
+                    Some(i) => picks[i].rows += rows,
+                    None => picks.push(Pick { id: c.id, rows, long }),
+                }
             }
-            turns.passed_over = 0;
-            let rows = left.min(budget);
-            budget -= rows;
-            picks.push(Pick { id: c.id, rows, long });
+        }
+        for &(c, _, _) in &prompts {
+            let picked = picks[first..].iter().any(|p| p.id == c.id);
+            let turns = self.turns.entry(c.id).or_default();
+            turns.passed_over = if picked { 0 } else { turns.passed_over + 1 };
         }
         let (held, freed) = self.share_rows(&mut picks, &candidates, &streaming);
         self.refill(&mut picks, &prompts, &held, freed, long_may);
+        if !long_may {
+            self.bank_no_throttled_share(&picks, &candidates);
+        }
         let any_long = prompts.iter().any(|&(_, _, long)| long);
         self.long_waiting = any_long && others;
         if !any_long {
@@ -373,6 +406,42 @@ impl Scheduler {
             self.yield_debt = 0.0;
         }
         Plan { yields: yields && !picks.is_empty(), picks }
+    }
+
+    /// A group whose only rows are long prompts held back for time not yet earned waits
+    /// by design, and banks no share for it: it is kept level with the least of the
+    /// groups in the step. Otherwise, once its prompt's tail is short, it would be so far
+    /// behind that it took whole steps beside the others' streams until it caught up.
+    fn bank_no_throttled_share(&mut self, picks: &[Pick], candidates: &[&Candidate<'_>]) {
+        let picked: HashSet<u64> = picks.iter().map(|p| p.id).collect();
+        let in_step: HashSet<&str> =
+            candidates.iter().filter(|c| picked.contains(&c.id)).map(|c| c.group).collect();
+        let level = (in_step.iter()).filter_map(|g| self.served.get(*g)).copied().reduce(f64::min);
+        let Some(level) = level else { return };
+        for c in candidates.iter().filter(|c| !in_step.contains(c.group)) {
+            if c.want.is_long(self.long_prompt_rows) {
+                let share = self.served.entry(c.group.to_string()).or_default();
+                *share = share.max(level);
+            }
+        }
+    }
+
+    /// Each group's part of a step's `budget` of prompt rows, by weight, among the groups
+    /// of the highest class with prompts waiting (a lower class gets only what they leave).
+    fn parts<'c>(
+        prompts: &[(&Candidate<'c>, usize, bool)],
+        budget: usize,
+    ) -> HashMap<&'c str, usize> {
+        let top = prompts.iter().map(|(c, _, _)| c.claim.priority).max().unwrap_or(0);
+        let mut weights: HashMap<&'c str, usize> = HashMap::new();
+        for (c, _, _) in prompts.iter().filter(|(c, _, _)| c.claim.priority == top) {
+            let w = weights.entry(c.group).or_insert(1);
+            *w = (*w).max(c.claim.weight as usize);
+        }
+        let total: usize = weights.values().sum();
+        (weights.into_iter())
+            .map(|(g, w)| (g, budget.saturating_mul(w).div_ceil(total.max(1))))
+            .collect()
     }
 
     /// One token row for every generating member, the one whose token was taken
@@ -546,6 +615,9 @@ impl Scheduler {
             .map(|c| c.id)
             .collect();
         let others = candidates.iter().any(|c| !quarantined.contains(&c.id));
+        if !quarantined.is_empty() {
+            tracing::trace!(members = quarantined.len(), others, "quarantined members wait");
+        }
         self.alone_beside_others = false;
         if quarantined.is_empty() || !others {
             // Nobody to keep apart: the quarantined (if any) run together.
@@ -1012,7 +1084,36 @@ mod tests {
         assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (11, 1), (1, 60)]);
         // What the cut frees goes to the prompts of a group it did not hold back.
         let step = [token(1, "victim"), prompt(2, "victim", 30), prompt(11, "attacker", 90)];
-        assert_eq!(rows_of(&s.plan(&step)), [(1, 1), (11, 11), (2, 30)]);
+        assert_eq!(rows_of(&s.plan(&step)), [(1, 1), (11, 31), (2, 30)]);
+    }
+
+    /// A group far behind in share (a long prompt's tenant that waited on earned time,
+    /// its tail now short) catches up by weight, not by taking every row: another
+    /// group's prompt beside it gets its part of each step. (Traced: a victim's chat
+    /// waited 4 s beside the tail of an attacker's 1551-token prompt.)
+    #[test]
+    fn a_group_catching_up_leaves_the_others_their_part_of_each_step() {
+        let mut s = scheduler();
+        // The victim has computed far more rows than the attacker.
+        s.stepped(&[member("victim", 900), member("attacker", 10)], 900 * MS, StepEnd::Computed);
+        let step = [prompt(1, "victim", 15), prompt(11, "attacker", 180)];
+        assert_eq!(rows_of(&s.plan(&step)), [(11, 85), (1, 15)]);
+    }
+
+    /// A long prompt held back for time it has not earned banks no share: when its tail
+    /// is short it is level with the others, not so far behind that it takes whole steps
+    /// beside their streams.
+    #[test]
+    fn a_throttled_long_prompt_banks_no_share() {
+        let mut s = scheduler();
+        let group_of = |id: u64| if id < 100 { "victim" } else { "attacker" };
+        for _ in 0..20 {
+            let plan = s.plan(&[token(1, "victim"), prompt(101, "attacker", 1000)]);
+            assert_eq!(rows_of(&plan), [(1, 1)], "the long prompt waits for earned time");
+            computed(&mut s, &plan, group_of);
+        }
+        let (victim, attacker) = (s.served["victim"], s.served["attacker"]);
+        assert!(attacker >= victim - 1.0, "victim {victim}, attacker {attacker}");
     }
 
     /// A newcomer's first prompt sets the part of its step: another tenant's prompts,
@@ -1033,14 +1134,15 @@ mod tests {
 
     /// A group whose streams run waits with its next prompt behind a group with none,
     /// whatever their shares: the victim of a capped flood gets its first token first
-    /// (though, being ahead in share here, no more rows than the streaming group's part).
+    /// (though no more than its weight's part of the step's prompt rows while the other
+    /// has prompts waiting too).
     #[test]
     fn a_group_with_no_stream_gets_its_prompt_before_a_streaming_groups() {
         let mut s = scheduler();
         // The victim has computed more rows than the attacker.
         s.stepped(&[member("victim", 80), member("attacker", 10)], 90 * MS, StepEnd::Computed);
         let step = [token(10, "attacker"), prompt(11, "attacker", 60), prompt(1, "victim", 60)];
-        assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 41), (11, 59)]);
+        assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 50), (11, 50)]);
     }
 
     /// The time rule: where a row costs next to nothing beside a step's fixed part (a

@@ -257,9 +257,11 @@ impl BatchPool {
         match batcher.reservations.reserve(ask.clone(), may_wait) {
             Reserved::Now => {}
             Reserved::Later(ticket, granted) => {
+                tracing::trace!(group, cells = n_ctx, "seat lease waits for its cells");
                 if !batcher.reservations.wait(ticket, granted).await {
                     return None;
                 }
+                tracing::trace!(group, cells = n_ctx, "seat lease granted");
             }
             Reserved::No => return None,
         }

@@ -157,11 +157,19 @@ impl Steps {
                     queue: VecDeque::new(),
                     running: None,
                 };
+                tracing::trace!(seat = id, group = %member.group, "seat joined");
                 self.members.insert(id, member);
             }
             // A seat that left has no calls (its ops would drop unanswered).
             Op::Seat { id, op } => {
                 if let Some(m) = self.members.get_mut(&id) {
+                    tracing::trace!(
+                        seat = id,
+                        group = %m.group,
+                        computes = op.computes(),
+                        queued = m.queue.len(),
+                        "call arrived"
+                    );
                     m.queue.push_back(op);
                 }
             }
@@ -392,6 +400,7 @@ impl Steps {
         tracing::trace!(
             rows = ?shares.iter().map(|s| (&self.members[&s.id].group, s.rows.len())).collect::<Vec<_>>(),
             ms = elapsed.as_secs_f64() * 1e3,
+            ?end,
             "batch step"
         );
         if let Some(observe) = &self.policy.observer {
