@@ -175,6 +175,19 @@ const NEWCOMER_LEAD: f64 = 1.0;
 /// server's many addresses), only the groups waiting now are kept.
 const MAX_IDLE_GROUPS: usize = 1024;
 
+/// Up to `most` more of prompt `id`'s rows (`left` in all) in `picks`, added to its pick or
+/// as a new one; how many were added.
+fn add_rows(picks: &mut Vec<Pick>, id: u64, left: usize, long: bool, most: usize) -> usize {
+    let at = picks.iter().position(|p| p.id == id);
+    let rows = (left - at.map_or(0, |i| picks[i].rows)).min(most);
+    match at {
+        _ if rows == 0 => {}
+        Some(i) => picks[i].rows += rows,
+        None => picks.push(Pick { id, rows, long }),
+    }
+    rows
+}
+
 /// The speed of earlier steps, in rows per second, for the next step's row budget.
 /// Steps too small to time well are left out; each timed one moves the estimate
 /// halfway, so one disturbed by a busy machine does not swing it.
@@ -366,31 +379,22 @@ impl Scheduler {
         // catching up) cannot leave another group's prompt no row for seconds; what they
         // leave goes in prompt order.
         let mut part = Self::parts(&prompts, budget);
-        let first = picks.len();
         for capped in [true, false] {
             for &(c, left, long) in &prompts {
                 if budget == 0 || (long && !long_may) {
                     continue;
                 }
-                let at = picks[first..].iter().position(|p| p.id == c.id).map(|i| first + i);
-                let taken = at.map_or(0, |i| picks[i].rows);
                 let most = if capped { part.get(c.group).copied().unwrap_or(0) } else { budget };
-                let rows = (left - taken).min(budget).min(most);
-                if rows == 0 {
-                    continue;
-                }
+                let rows = add_rows(&mut picks, c.id, left, long, most.min(budget));
                 budget -= rows;
                 if let Some(left) = part.get_mut(c.group) {
                     *left = left.saturating_sub(rows);
                 }
-                match at {
-                    Some(i) => picks[i].rows += rows,
-                    None => picks.push(Pick { id: c.id, rows, long }),
-                }
             }
         }
+        // (Token picks are other members: a prompt's id is among the prompt picks only.)
         for &(c, _, _) in &prompts {
-            let picked = picks[first..].iter().any(|p| p.id == c.id);
+            let picked = picks.iter().any(|p| p.id == c.id);
             let turns = self.turns.entry(c.id).or_default();
             turns.passed_over = if picked { 0 } else { turns.passed_over + 1 };
         }
@@ -566,16 +570,10 @@ impl Scheduler {
             if held.contains(c.group) || (long && !long_may) {
                 continue;
             }
-            let taken = picks.iter().position(|p| p.id == c.id);
-            let more = (left - taken.map_or(0, |i| picks[i].rows)).min(free);
-            if more == 0 {
-                continue;
-            }
-            free -= more;
-            self.turns.entry(c.id).or_default().passed_over = 0;
-            match taken {
-                Some(i) => picks[i].rows += more,
-                None => picks.push(Pick { id: c.id, rows: more, long }),
+            let more = add_rows(picks, c.id, left, long, free);
+            if more > 0 {
+                free -= more;
+                self.turns.entry(c.id).or_default().passed_over = 0;
             }
         }
     }

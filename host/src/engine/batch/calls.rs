@@ -162,7 +162,7 @@ impl Steps {
                 reply.send(Ok(()));
             }
             SeatOp::Eval { pieces, seq, caller } => {
-                let result = self.eval(id, &pieces, seq, &caller);
+                let result = check_seq(seq).and_then(|()| self.eval(id, &pieces, &caller));
                 caller.reply.send(result);
             }
             SeatOp::Decode { batch, caller } => match self.check_decode(id, &batch) {

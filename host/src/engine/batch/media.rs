@@ -4,7 +4,6 @@
 
 use std::time::Instant;
 
-use super::calls::check_seq;
 use super::seat::{Caller, SeatOp};
 use super::thread::Steps;
 use crate::engine::Pacer;
@@ -12,7 +11,7 @@ use crate::native::Pieces;
 use crate::native::{self, Error, PromptPiece};
 
 impl Steps {
-    /// `pieces` evaluated into bound member `id`'s sequence part by part: a token piece in
+    /// `pieces` evaluated into member `id`'s sequence `seq` part by part: a token piece in
     /// parts of about a step target ([`Pacer`]), a media piece whole, each alone on the
     /// cores; between parts, the other members' calls go on one step, and calls they sent
     /// meanwhile start. So a long media prompt (a document with an image) holds neither
@@ -20,10 +19,10 @@ impl Steps {
     fn eval_in_parts(
         &mut self,
         id: u64,
+        seq: i32,
         pieces: &[PromptPiece],
         caller: &Caller<i32>,
     ) -> native::Result<i32> {
-        let seq = self.members[&id].slot.expect("bound") as i32;
         if pieces.is_empty() {
             // Nothing to evaluate: the sequence's end, as `Context::eval` answers it.
             return self.ctx.eval(pieces, seq, Some(caller.stop()));
@@ -107,15 +106,14 @@ impl Steps {
         }
     }
 
-    /// A media prompt: `Context::eval` into the seat's sequence, in parts.
+    /// A media prompt: `Context::eval` into the seat's sequence (checked by the caller),
+    /// in parts.
     pub(super) fn eval(
         &mut self,
         id: u64,
         pieces: &[PromptPiece],
-        seq: i32,
         caller: &Caller<i32>,
     ) -> native::Result<i32> {
-        check_seq(seq)?;
         let rows: usize = pieces
             .iter()
             .map(|p| match p {
@@ -131,7 +129,7 @@ impl Steps {
         self.member(id).logits.clear();
         let start = self.ctx.seq_pos_max(slot as i32).map_or(0, |end| end + 1);
         self.evaluating = Some(id);
-        let result = self.eval_in_parts(id, pieces, caller);
+        let result = self.eval_in_parts(id, slot as i32, pieces, caller);
         self.evaluating = None;
         if result.is_err() {
             // The parts evaluated before the one that failed (that one rolled itself
