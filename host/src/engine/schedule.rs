@@ -112,8 +112,22 @@ pub(super) struct Pick {
 #[derive(Debug, Default)]
 pub(super) struct Plan {
     pub picks: Vec<Pick>,
-    /// Long prompts alone, up to `step_rows`: a newcomer's call ends the step in flight.
-    pub yields: bool,
+    /// Whose call, arriving while the step computes, ends it (rolled back, to run again
+    /// after the newcomer's rows).
+    pub yields: YieldTo,
+}
+
+/// Whose arrival a step in flight yields to.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) enum YieldTo {
+    /// Nobody's: it runs to its end.
+    #[default]
+    Nobody,
+    /// Anyone's: long prompts alone, in big steps.
+    Anyone,
+    /// The call of a group that would go before the step's rows: any group but these
+    /// (those in the step, those ahead of them in fair share, the quarantined).
+    AllBut(HashSet<String>),
 }
 
 /// How a planned step ended.
@@ -148,7 +162,8 @@ pub(super) struct Stepped<'a> {
 pub(super) const PASSED_OVER_STEPS: u32 = 8;
 
 /// Whoever rolls back shared steps pays for it. A group's cancels that roll back a
-/// step with another group's rows in it add 1 each to its score, which fades by this
+/// step while another group's rows waited (in it, or left out of it: a newcomer's
+/// first step is its own) add 1 each to its score, which fades by this
 /// factor every step (half of it gone after ~69 steps). Above 1 (a second such
 /// rollback before the first has faded) the group is *quarantined*: its rows run only
 /// in steps no other group has rows in, so its next hang-up rolls back its own work
@@ -291,6 +306,8 @@ pub(super) struct Scheduler {
     served: HashMap<String, f64>,
     /// The groups that had rows in the last plan.
     waiting: HashSet<String>,
+    /// The groups in this plan that had no rows in the last one.
+    newcomers: HashSet<String>,
     /// Each group's score of shared steps it rolled back (see [`ROLLBACK_FADE`]).
     rollbacks: HashMap<String, f64>,
     /// Seconds of step time long prompts have earned while they waited for others
@@ -302,6 +319,13 @@ pub(super) struct Scheduler {
     /// time they compute for good is at least the time arrivals made them lose (a flood
     /// of calls, even ones that fail, costs a long prompt at most half its speed).
     yield_debt: f64,
+    /// Seconds of steps thrown away by yields to another group's arrival and not yet
+    /// made good by steps computed since: while above 0, no step yields to one, so a
+    /// flood of arrivals (many addresses, calls that fail) costs the others at most half
+    /// their time.
+    arrival_debt: f64,
+    /// The last plan yields to another group's arrival (not to anyone's).
+    yields_to_others: bool,
     /// The last plan left a long prompt waiting beside other work.
     long_waiting: bool,
     /// Steps of the others since quarantined members last had one of their own.
@@ -327,9 +351,12 @@ impl Scheduler {
             turns: HashMap::new(),
             served: HashMap::new(),
             waiting: HashSet::new(),
+            newcomers: HashSet::new(),
             rollbacks: HashMap::new(),
             long_credit: 0.0,
             yield_debt: 0.0,
+            arrival_debt: 0.0,
+            yields_to_others: false,
             long_waiting: false,
             since_alone: 0,
             alone_beside_others: false,
@@ -364,8 +391,8 @@ impl Scheduler {
         let others = generating > 0 || prompts.iter().any(|&(_, _, long)| !long);
         // Long prompts alone run in big steps that a newcomer ends; anything else, and
         // long prompts making good what a yield threw away, get one target's worth.
-        let yields = !others && self.yield_debt <= 0.0;
-        let budget = if yields { self.step_rows } else { self.pace.rows(self.step_target) };
+        let alone_yields = !others && self.yield_debt <= 0.0;
+        let budget = if alone_yields { self.step_rows } else { self.pace.rows(self.step_target) };
         let mut budget = budget.min(self.step_rows.saturating_sub(generating));
         if let (true, Some(shared)) = (self.alone_beside_others, self.shared_step) {
             // As long as the others' step, not a step target: they wait for it.
@@ -409,7 +436,39 @@ impl Scheduler {
             // What a yield cost a prompt that has ended (or got short) is not the next one's.
             self.yield_debt = 0.0;
         }
-        Plan { yields: yields && !picks.is_empty(), picks }
+        let yields = if picks.is_empty() {
+            YieldTo::Nobody
+        } else if alone_yields {
+            YieldTo::Anyone
+        } else if prompts.iter().any(|(c, _, _)| picks.iter().any(|p| p.id == c.id))
+            && self.arrival_debt <= 0.0
+            && self.yield_debt <= 0.0
+        {
+            // A step with prompt rows (one of tokens alone is short) yields to a group
+            // that would go first: its first token does not wait for the step in flight.
+            YieldTo::AllBut(self.first_in_line(&picks, &candidates))
+        } else {
+            YieldTo::Nobody
+        };
+        self.yields_to_others = matches!(yields, YieldTo::AllBut(_));
+        Plan { yields, picks }
+    }
+
+    /// The groups whose arrival a step of `picks` does not yield to: those in it, those
+    /// ahead of the least of them in fair share (the rows in flight are as much theirs to
+    /// wait for), and the quarantined (whose hang-ups must not cost others' steps).
+    fn first_in_line(&self, picks: &[Pick], candidates: &[&Candidate<'_>]) -> HashSet<String> {
+        let picked: HashSet<u64> = picks.iter().map(|p| p.id).collect();
+        let in_step: HashSet<&str> =
+            candidates.iter().filter(|c| picked.contains(&c.id)).map(|c| c.group).collect();
+        let least = (in_step.iter()).filter_map(|g| self.served.get(*g)).copied().reduce(f64::min);
+        let least = least.unwrap_or(0.0);
+        let ahead = self.served.iter().filter(|(_, &share)| share > least + 0.5).map(|(g, _)| g);
+        let quarantined = self.rollbacks.iter().filter(|(_, &score)| score > 1.0).map(|(g, _)| g);
+        (in_step.into_iter().map(str::to_string))
+            .chain(ahead.cloned())
+            .chain(quarantined.cloned())
+            .collect()
     }
 
     /// A group whose only rows are long prompts held back for time not yet earned waits
@@ -500,14 +559,22 @@ impl Scheduler {
         let least = least.reduce(f64::min).unwrap_or(0.0);
         // Ahead by more than float noise: groups at the same share are equals.
         let ahead = |group: &str| served(group) > least + 0.5;
-        // The part is set by the lightest generating group, or group not ahead in share
-        // (a newcomer's first prompt), of the top class.
+        // A newcomer's first step (a group with no rows in the last plan, prompts only,
+        // not ahead): the groups ahead of it get no prompt rows beside it, only their
+        // tokens (within their part), so its first token waits for its own rows.
+        let first = |group: &str, &(_, _, class): &(usize, u32, u8)| {
+            class == top && !generating(group) && !ahead(group) && self.newcomers.contains(group)
+        };
+        let first_step = groups.iter().any(|(g, v)| first(g, v));
+        // The part is set by the lightest generating group, or newcomer's first step, of
+        // the top class.
         let light = (groups.iter())
-            .filter(|(g, v)| v.2 == top && (generating(g) || !ahead(g)))
+            .filter(|(g, v)| v.2 == top && (generating(g) || first(g, v)))
             .map(|(_, &(rows, weight, _))| (rows, weight as usize))
             .min_by(|a, b| (a.0 * b.1).cmp(&(b.0 * a.1)));
-        // Held to it: the generating groups, and the groups ahead in share.
-        groups.retain(|g, _| generating(g) || ahead(g));
+        // Held to it: every other group. One behind in share catches up by its part of
+        // each step, not in a step that stalls another's stream.
+        groups.retain(|g, v| !first(g, v));
         if let Some((light_rows, light_weight)) = light {
             let cost = self.cost.fit();
             let mut room: HashMap<&str, usize> = (groups.iter())
@@ -525,10 +592,14 @@ impl Scheduler {
                 .collect();
             for p in picks.iter_mut() {
                 let c = of[&p.id];
+                let mut no_room = 0;
                 if let Some(left) = room.get_mut(c.group) {
+                    let prompt = matches!(c.want, Want::Prompt(_));
+                    let left =
+                        if first_step && prompt && ahead(c.group) { &mut no_room } else { left };
                     if p.rows > *left {
                         held.insert(c.group);
-                        if let Want::Prompt(_) = c.want {
+                        if prompt {
                             freed += p.rows - *left;
                         }
                     }
@@ -671,7 +742,9 @@ impl Scheduler {
         if self.served.len() > MAX_IDLE_GROUPS {
             self.served.retain(|g, _| now.contains(g.as_str()));
         }
-        self.waiting = now.into_iter().map(str::to_string).collect();
+        let now: HashSet<String> = now.into_iter().map(str::to_string).collect();
+        self.newcomers = now.difference(&self.waiting).cloned().collect();
+        self.waiting = now;
     }
 
     /// Settle what the step planned last did: its pace, the groups' shares, the long
@@ -687,8 +760,12 @@ impl Scheduler {
         let long_time = elapsed.as_secs_f64() * long_rows as f64 / rows as f64;
         self.account_long(long_time, elapsed);
         match end {
+            StepEnd::Yielded if self.yields_to_others => {
+                self.arrival_debt += elapsed.as_secs_f64()
+            }
             StepEnd::Yielded => self.yield_debt += elapsed.as_secs_f64(),
             StepEnd::Computed => {
+                self.arrival_debt = (self.arrival_debt - elapsed.as_secs_f64()).max(0.0);
                 if !self.alone_beside_others {
                     self.shared_step = Some(elapsed);
                 }
@@ -705,8 +782,10 @@ impl Scheduler {
     }
 
     /// Fade every group's rollback score by a step, and charge the groups whose cancel
-    /// rolled back a step that another group had rows in. (A yield is the newcomer's,
-    /// and `yield_debt` settles it.)
+    /// rolled back a step while another group had rows waiting (in it or not: the
+    /// others waited for it either way). A quarantined member's step of its own is not
+    /// charged: the others were left out of its plan. (A yield is the newcomer's, and
+    /// the yield debts settle it.)
     fn charge_rollbacks(&mut self, members: &[Stepped<'_>], rolled_back: bool) {
         self.rollbacks.retain(|_, score| {
             *score *= ROLLBACK_FADE;
@@ -717,7 +796,8 @@ impl Scheduler {
         }
         let culprits: HashSet<&str> =
             members.iter().filter(|m| m.cancelled).map(|m| m.group).collect();
-        if members.iter().any(|m| !culprits.contains(m.group)) {
+        let others_in_step = members.iter().any(|m| !culprits.contains(m.group));
+        if others_in_step || self.waiting.iter().any(|g| !culprits.contains(g.as_str())) {
             for culprit in culprits {
                 *self.rollbacks.entry(culprit.to_string()).or_default() += 1.0;
             }
@@ -798,7 +878,8 @@ mod tests {
         assert_eq!(rows_of(&plan), [(2, 1), (3, 30), (1, 60)]);
         let plan = s.plan(&[prompt(1, "a", 90), token(2, "a"), prompt(3, "a", 30)]);
         assert_eq!(rows_of(&plan), [(2, 1), (3, 30), (1, 70)]);
-        assert!(!plan.yields, "a step with a generation in it never yields");
+        let own: HashSet<String> = ["a".to_string()].into();
+        assert_eq!(plan.yields, YieldTo::AllBut(own), "only another group's arrival ends it");
     }
 
     #[test]
@@ -922,7 +1003,7 @@ mod tests {
         let mut s = scheduler();
         let long = prompt(1, "a", 1000);
         let plan = s.plan(&[long]);
-        assert!(plan.yields, "long prompts alone yield to arrivals");
+        assert_eq!(plan.yields, YieldTo::Anyone, "long prompts alone yield to arrivals");
         assert_eq!(plan.picks[0].rows, s.step_rows);
         // Beside a generation: nothing until a quarter of the others' time is earned
         // (100 ms target at share 0.25: 300 ms of others' steps).
@@ -954,7 +1035,7 @@ mod tests {
         }];
         s.stepped(&member, 40 * MS, StepEnd::Yielded);
         let plan = s.plan(&[long]);
-        assert!(!plan.yields);
+        assert_eq!(plan.yields, YieldTo::Nobody);
         assert_eq!(plan.picks[0].rows, 100, "one target's rows while in debt");
     }
 
@@ -987,6 +1068,34 @@ mod tests {
             StepEnd::RolledBack,
         );
         assert!(s.rollbacks["attacker"] < before);
+    }
+
+    /// A step with prompt rows yields to the arrival of a group that would go first (a
+    /// newcomer), not to its own, to a group ahead of it in share or to a quarantined
+    /// one; and what a yield threw away is made good before the next.
+    #[test]
+    fn a_step_of_prompts_yields_only_to_a_group_that_would_go_first() {
+        let mut s = scheduler();
+        for _ in 0..2 {
+            let members =
+                [member("victim", 20), Stepped { cancelled: true, ..member("hangups", 20) }];
+            s.stepped(&members, 10 * MS, StepEnd::RolledBack);
+        }
+        s.stepped(&[member("ahead", 50), member("victim", 10)], 60 * MS, StepEnd::Computed);
+        let step = [prompt(1, "victim", 30)];
+        let mut except: HashSet<String> =
+            ["victim", "ahead", "hangups"].into_iter().map(str::to_string).collect();
+        assert_eq!(s.plan(&step).yields, YieldTo::AllBut(except.clone()));
+        assert_eq!(s.plan(&[token(1, "victim")]).yields, YieldTo::Nobody, "tokens alone");
+        assert_eq!(s.plan(&step).yields, YieldTo::AllBut(except.clone()));
+        s.stepped(&[member("victim", 30)], 40 * MS, StepEnd::Yielded);
+        for made_good in [20, 30] {
+            assert_eq!(s.plan(&step).yields, YieldTo::Nobody, "in debt");
+            s.stepped(&[member("victim", 30)], made_good * MS, StepEnd::Computed);
+        }
+        // The victim has now computed more than "ahead": its arrival would go first.
+        except.remove("ahead");
+        assert_eq!(s.plan(&step).yields, YieldTo::AllBut(except));
     }
 
     /// Many quarantined members beside a stream: one step of their own in every
@@ -1077,9 +1186,14 @@ mod tests {
         s.stepped(&[member("attacker", 80), member("victim", 10)], 90 * MS, StepEnd::Computed);
         let step = [token(1, "victim"), prompt(11, "attacker", 90), prompt(12, "attacker", 90)];
         assert_eq!(rows_of(&s.plan(&step)), [(1, 1), (11, 1)]);
-        // The victim's next prompt, behind in share, beside the attacker's streams.
+        // The victim's next chat, behind in share, beside the attacker's streams: its
+        // first step is its own rows and the attacker's tokens.
+        s.plan(&[token(10, "attacker"), token(11, "attacker")]);
         let step = [token(10, "attacker"), token(11, "attacker"), prompt(1, "victim", 60)];
         assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (11, 1), (1, 60)]);
+        // Its first step only: a group behind catches up by its part of each step
+        // beside another's streams (here, as many rows as the attacker's two).
+        assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (11, 1), (1, 2)]);
         // What the cut frees goes to the prompts of a group it did not hold back.
         let step = [token(1, "victim"), prompt(2, "victim", 30), prompt(11, "attacker", 90)];
         assert_eq!(rows_of(&s.plan(&step)), [(1, 1), (11, 31), (2, 30)]);
@@ -1095,6 +1209,8 @@ mod tests {
         // The victim has computed far more rows than the attacker.
         s.stepped(&[member("victim", 900), member("attacker", 10)], 900 * MS, StepEnd::Computed);
         let step = [prompt(1, "victim", 15), prompt(11, "attacker", 180)];
+        // Both have waited (not newcomers, whose first step is their own).
+        s.plan(&step);
         assert_eq!(rows_of(&s.plan(&step)), [(11, 85), (1, 15)]);
     }
 
@@ -1127,7 +1243,9 @@ mod tests {
         }
         let mut step = flood.clone();
         step.push(prompt(1, "victim", 15));
-        assert_eq!(rows_of(&s.plan(&step)), [(1, 15), (101, 15)]);
+        assert_eq!(rows_of(&s.plan(&step)), [(1, 15)]);
+        // Its first step only: then each gets its part of the budget (no stream to stall).
+        assert_eq!(rows_of(&s.plan(&[prompt(1, "victim", 15), flood[0]])), [(1, 15), (101, 85)]);
     }
 
     /// A group whose streams run waits with its next prompt behind a group with none,

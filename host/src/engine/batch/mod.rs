@@ -31,6 +31,7 @@
 //! `sequences.rs` (which sequence a seat gets, prefix reuse); the policy of what each
 //! step takes is the engine's scheduler (`engine/schedule.rs`).
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
@@ -291,15 +292,34 @@ impl BatchPool {
     }
 }
 
+/// Where seats signal their calls that compute, for the step in flight to yield to
+/// (`schedule::YieldTo`). The thread puts a fresh flag here, counting everyone's calls,
+/// before it takes what was sent, and says whose count once the step is planned.
+#[derive(Default)]
+pub(super) struct Arrivals {
+    /// Set by a call that counts.
+    pub flag: CancelFlag,
+    /// The groups whose calls do not count (`None`: everyone's counts).
+    pub except: Option<HashSet<String>>,
+}
+
+impl Arrivals {
+    /// A call of `group`'s seat that computes was sent.
+    fn arrive(&self, group: &str) {
+        if !self.except.as_ref().is_some_and(|except| except.contains(group)) {
+            self.flag.cancel();
+        }
+    }
+}
+
 /// One shared native context and its thread. The thread ends when the pool and every
 /// seat have let go of it (the op channel closes).
 struct Batcher {
     ops: mpsc::Sender<Op>,
     /// The policy it was made under.
     policy: BatchPolicy,
-    /// Set when a seat sends a call that computes: a step of long prompts alone then
-    /// yields to it. The thread puts a fresh flag here before it takes what was sent.
-    arrived: Arc<Mutex<CancelFlag>>,
+    /// Where a seat's call that computes is signalled, for a step that yields to it.
+    arrived: Arc<Mutex<Arrivals>>,
     step_rows: u32,
     /// Seats and cells leased and not yet dropped, and who waits for them.
     reservations: Reservations,
@@ -316,7 +336,7 @@ impl Batcher {
         // the cores at most a step target while the batch waits.
         policy.cores.set_turn(policy.step_target);
         let (ops, ops_rx) = mpsc::channel();
-        let arrived: Arc<Mutex<CancelFlag>> = Arc::default();
+        let arrived: Arc<Mutex<Arrivals>> = Arc::default();
         let thread_arrived = arrived.clone();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let capacity = Capacity::new(

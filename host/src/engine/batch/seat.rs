@@ -34,7 +34,8 @@ impl Seat {
         if computes {
             // After the send: a flag put in place before it is set; one put after it
             // belongs to a loop that takes the op first.
-            self.batcher.arrived.lock().unwrap_or_else(PoisonError::into_inner).cancel();
+            let arrivals = self.batcher.arrived.lock().unwrap_or_else(PoisonError::into_inner);
+            arrivals.arrive(&self.ask.group);
         }
         call
     }

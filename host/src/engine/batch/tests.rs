@@ -306,9 +306,10 @@ async fn a_cancel_at_node_n_of_a_three_member_step_stops_only_that_member() {
     );
 }
 
-/// A group whose cancels roll back steps it shares is quarantined after the second:
-/// its rows then run only in steps of their own, so its next hang-up costs nobody
-/// else anything. One hang-up costs nothing (the first round's next call shares).
+/// A group whose cancels roll back steps while another group's rows wait is quarantined
+/// after the second: its rows then run only in steps of their own, after the others',
+/// so its next hang-up costs nobody else anything. One hang-up costs nothing (the first
+/// round's next call is planned as before: as a newcomer's first step, its own).
 #[tokio::test]
 async fn a_group_that_keeps_rolling_back_shared_steps_runs_in_steps_of_its_own() {
     let f = Fixture::new(512);
@@ -330,9 +331,11 @@ async fn a_group_that_keeps_rolling_back_shared_steps_runs_in_steps_of_its_own()
         assert_eq!(v.await.unwrap(), Ok(()));
         assert_eq!(a.await.unwrap(), Err(Error::Cancelled));
         let steps = f.steps();
+        // Round 0: both newcomers share a step. Round 1: the attacker, behind, has its
+        // first step to itself while the victim's rows wait.
         assert!(
-            steps[before].seats == 2 && steps[before].rolled_back,
-            "round {seed}: the hang-up shared a step and rolled it back: {steps:?}"
+            steps[before].seats == 2 - seed as usize && steps[before].rolled_back,
+            "round {seed}: the hang-up rolled back a step the victim waited for: {steps:?}"
         );
         pos += 20;
     }
@@ -888,8 +891,39 @@ async fn a_flood_of_arrivals_costs_a_long_prompt_at_most_half_its_time() {
     assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), 239);
 }
 
+/// A step with prompt rows yields to a call of a group that would go first (a newcomer),
+/// not to one of its own group: the newcomer's first token does not wait for the step
+/// in flight, and its first step is its own rows.
 #[tokio::test]
-async fn a_step_with_a_generation_in_it_never_yields() {
+async fn a_step_of_prompts_yields_to_another_groups_arrival_not_to_its_own() {
+    let f = Fixture::new(512);
+    let a = f.seat_in("a", Arc::default()).await;
+    let a2 = f.seat_in("a", Arc::default()).await;
+    let b = f.seat_in("b", Arc::default()).await;
+    for (arrival, yields) in [(&a2, false), (&b, true)] {
+        let before = f.steps().len();
+        let held = f.policy.cores.turn();
+        let first = a.decode(Batch::sequence(&prompt(1, 64), 0, 0), CancelFlag::new());
+        // The step of a's prompt is planned, and waits for the cores.
+        turns_asked(&f.policy.cores, 2).await;
+        let second = arrival.decode(Batch::sequence(&prompt(2, 8), 0, 0), CancelFlag::new());
+        drop(held);
+        first.await.unwrap().unwrap();
+        second.await.unwrap().unwrap();
+        let steps = f.steps().split_off(before);
+        let rows: Vec<(usize, bool)> = steps.iter().map(|s| (s.rows, s.yielded)).collect();
+        if yields {
+            assert_eq!(rows, [(64, true), (8, false), (64, false)], "{steps:?}");
+        } else {
+            assert_eq!(rows, [(64, false), (8, false)], "{steps:?}");
+        }
+        a.clear().await.unwrap().unwrap();
+    }
+    assert_eq!(b.seq_pos_max(0).await.unwrap().unwrap(), 7);
+}
+
+#[tokio::test]
+async fn a_step_with_a_generation_in_it_never_yields_to_just_any_arrival() {
     let f = long_prompt_fixture(1.0, Duration::from_millis(50));
     let (generating, prefilling) = (f.seat().await, f.seat().await);
     let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();

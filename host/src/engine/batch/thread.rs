@@ -11,8 +11,10 @@ use std::time::{Duration, Instant};
 use super::calls::{Member, Running};
 use super::seat::{Op, SeatOp};
 use super::sequences::{Sequences, MAX_LEFTOVERS};
-use super::{BatchPolicy, StepReport};
-use crate::engine::schedule::{Candidate, Pick, Plan, Scheduler, StepEnd, Stepped, Want};
+use super::{Arrivals, BatchPolicy, StepReport};
+use crate::engine::schedule::{
+    Candidate, Pick, Plan, Scheduler, StepEnd, Stepped, Want, YieldTo,
+};
 use crate::native::{self, Batch, CancelFlag, Context, Error, Stop, TokenLoop};
 
 /// How long the thread sleeps when every member waits for its reader.
@@ -39,7 +41,7 @@ pub(super) struct Steps {
     pub(super) evaluating: Option<u64>,
     pub(super) deferred_leaves: Vec<u64>,
     /// Where seats signal an arrival (`Batcher::arrived`), and the flag of this loop.
-    pub(super) arrived_slot: Arc<Mutex<CancelFlag>>,
+    pub(super) arrived_slot: Arc<Mutex<Arrivals>>,
     pub(super) arrived: CancelFlag,
     /// Test hook: every step that may yield does so at this node (as if a call arrived
     /// then: a flood of arrivals).
@@ -60,7 +62,7 @@ impl Steps {
     pub(super) fn new(
         ctx: Context,
         policy: BatchPolicy,
-        arrived_slot: Arc<Mutex<CancelFlag>>,
+        arrived_slot: Arc<Mutex<Arrivals>>,
     ) -> Self {
         Self {
             ctx,
@@ -89,7 +91,7 @@ impl Steps {
             // sets it, and one sent before is taken below.
             self.arrived = CancelFlag::new();
             *self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner) =
-                self.arrived.clone();
+                Arrivals { flag: self.arrived.clone(), except: None };
             if self.receive() {
                 return self.close();
             }
@@ -244,7 +246,7 @@ impl Steps {
 
     /// The scheduler's plan for the next step, as each member's rows in ascending
     /// sequence ids (the same members give the same batch, whoever was picked first),
-    /// and whether the step may yield to a newcomer.
+    /// and whether the step may yield to a newcomer (whose calls count are set here).
     pub(super) fn plan(&mut self) -> (Vec<Share>, bool) {
         let candidates: Vec<Candidate<'_>> = (self.members.iter())
             .filter_map(|(&id, m)| {
@@ -254,7 +256,18 @@ impl Steps {
         let Plan { picks, yields } = self.scheduler.plan(&candidates);
         let mut shares: Vec<Share> = picks.into_iter().map(|pick| self.share(pick)).collect();
         shares.sort_by_key(|s| s.slot);
-        (shares, yields)
+        #[cfg(test)]
+        if let (YieldTo::Anyone, Some(node)) = (&yields, self.yield_at) {
+            self.arrived.trip_after(node);
+        }
+        let listens = yields != YieldTo::Nobody;
+        if let YieldTo::AllBut(except) = yields {
+            // Calls sent since the fresh flag and taken already may have set it: the
+            // step then stops at its first node, and is planned again with them.
+            self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner).except =
+                Some(except);
+        }
+        (shares, listens)
     }
 
     /// What a member would compute in the next step: a generation's next token
@@ -335,10 +348,6 @@ impl Steps {
             batch.positions.extend(&share.rows.positions);
             batch.seq_ids.extend(&share.rows.seq_ids);
             batch.logits.extend(&share.rows.logits);
-        }
-        #[cfg(test)]
-        if let (true, Some(node)) = (yields, self.yield_at) {
-            self.arrived.trip_after(node);
         }
         let (result, elapsed, cancelled) = {
             let mut stops: Vec<Stop<'_>> = shares
