@@ -25,12 +25,15 @@
 //! 3. long prompts get rows beside other work only on time they earned
 //!    (`long_prompt_share` of the others' step time); alone they run in big steps that
 //!    yield to an arrival, and what a yield threw away is made good before the next;
+//!    any other step with prompt rows yields to the arrival of a group that would go
+//!    first in share ([`YieldTo::AllBut`]), within a debt of its own;
 //! 4. while several groups generate, none of them keeps more than its weight's part of
 //!    what the lightest of them costs, by count and by time ([`Scheduler::share_rows`]):
 //!    its last prompt rows are cut first, then its tokens, whose seats take turns; a
-//!    group with prompts only is held to that part too while it is ahead of another in
-//!    fair share, and one that is not (a newcomer's first prompt) may set the part;
-//!    rows a cut frees go to the prompts of groups it did not hold;
+//!    group with prompts only is held to that part too, except a newcomer's first step
+//!    (no rows in the last plan, not ahead in share), which sets the part while the
+//!    groups ahead of it get no prompt rows beside it; rows a cut frees go to the
+//!    prompts of groups it did not hold;
 //! 5. a group whose cancels keep rolling back steps shared with others is quarantined:
 //!    its rows run in steps of their own, at most one in `QUARANTINE_WAIT + 1` while
 //!    others have rows, each as short as the others' last step.
@@ -527,13 +530,13 @@ impl Scheduler {
     /// cut. A group's picks are cut from its last: prompt rows first, then the tokens
     /// taken most recently, so its seats take turns.
     ///
-    /// A group with prompts only is held to the same part while it is ahead of another
-    /// group in fair share: a flood of prompts (or of hang-ups at the first token) beside
-    /// another tenant's stream costs that stream's steps no more than its weight's part
-    /// either. A group with prompts only that is not ahead (a newcomer's first prompt, a
-    /// group that has had less) keeps the prompt order's rows, and may set the part
-    /// itself: a newcomer's first step is not filled with another tenant's prompt rows,
-    /// which is most of what it waits for its first token.
+    /// A group with prompts only is held to the same part: a flood of prompts (or of
+    /// hang-ups at the first token) beside another tenant's stream costs that stream's
+    /// steps no more than its weight's part either, and a group behind in share catches
+    /// up by its part of each step. Except in a newcomer's first step (a group with no
+    /// rows in the last plan, prompts only, not ahead): it sets the part, and the groups
+    /// ahead of it get no prompt rows beside it, which is most of what it would wait for
+    /// its first token.
     ///
     /// Returns the groups it cut, and how many prompt rows it cut.
     fn share_rows<'c>(
@@ -760,9 +763,7 @@ impl Scheduler {
         let long_time = elapsed.as_secs_f64() * long_rows as f64 / rows as f64;
         self.account_long(long_time, elapsed);
         match end {
-            StepEnd::Yielded if self.yields_to_others => {
-                self.arrival_debt += elapsed.as_secs_f64()
-            }
+            StepEnd::Yielded if self.yields_to_others => self.arrival_debt += elapsed.as_secs_f64(),
             StepEnd::Yielded => self.yield_debt += elapsed.as_secs_f64(),
             StepEnd::Computed => {
                 self.arrival_debt = (self.arrival_debt - elapsed.as_secs_f64()).max(0.0);
@@ -1230,8 +1231,8 @@ mod tests {
         assert!(attacker >= victim - 1.0, "victim {victim}, attacker {attacker}");
     }
 
-    /// A newcomer's first prompt sets the part of its step: another tenant's prompts,
-    /// which kept waiting, take no more of it than the newcomer's own rows.
+    /// A newcomer's first step is its own: another tenant's prompts, which kept waiting
+    /// and are ahead in share, take no row of it.
     #[test]
     fn a_newcomers_first_step_is_not_filled_with_another_tenants_prompt_rows() {
         let mut s = scheduler();

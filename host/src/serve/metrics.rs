@@ -320,7 +320,7 @@ impl Metrics {
         );
         registry.register(
             "batch_step_yields",
-            "Batched steps of long prompts alone stopped in flight for a newcomer's call, rolled back and re-run after it",
+            "Batched steps stopped in flight for a newcomer's call (long prompts alone: anyone's; steps with prompt rows: a tenant first in fair share), rolled back and re-run after it",
             batch.yields.clone(),
         );
         Self {

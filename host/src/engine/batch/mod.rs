@@ -86,7 +86,9 @@ pub(crate) struct SeatRequest<'a> {
 ///   taking at most `long_prompt_share` of the time while anyone else has work;
 /// - a step of long prompts alone runs up to `step_rows` rows, and yields in flight when
 ///   another seat's call arrives: it is rolled back, and the next step takes the
-///   newcomer first; what a yield threw away is made good before the next may yield.
+///   newcomer first; what a yield threw away is made good before the next may yield;
+/// - a step with prompt rows yields in flight to the call of a group that would go
+///   first in fair share (a newcomer), whose first step is then its own rows.
 ///
 /// `#[non_exhaustive]`: start from [`BatchPolicy::new`] and set fields.
 #[derive(Clone)]

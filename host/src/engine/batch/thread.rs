@@ -12,9 +12,7 @@ use super::calls::{Member, Running};
 use super::seat::{Op, SeatOp};
 use super::sequences::{Sequences, MAX_LEFTOVERS};
 use super::{Arrivals, BatchPolicy, StepReport};
-use crate::engine::schedule::{
-    Candidate, Pick, Plan, Scheduler, StepEnd, Stepped, Want, YieldTo,
-};
+use crate::engine::schedule::{Candidate, Pick, Plan, Scheduler, StepEnd, Stepped, Want, YieldTo};
 use crate::native::{self, Batch, CancelFlag, Context, Error, Stop, TokenLoop};
 
 /// How long the thread sleeps when every member waits for its reader.
@@ -264,8 +262,7 @@ impl Steps {
         if let YieldTo::AllBut(except) = yields {
             // Calls sent since the fresh flag and taken already may have set it: the
             // step then stops at its first node, and is planned again with them.
-            self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner).except =
-                Some(except);
+            self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner).except = Some(except);
         }
         (shares, listens)
     }
