@@ -14,8 +14,7 @@ use super::pending::{finished, Pending};
 use super::{CancelToken, Charge, Error, LlamaCtxView, LlamaResult};
 use crate::engine::Lease;
 use crate::native::{
-    self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, SharedCores, Stop,
-    Token,
+    self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token,
 };
 use crate::worker::{Call, Worker};
 
@@ -105,7 +104,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
         let handle = self.table.get(&model)?;
         let (model, cores) = (
             handle.model.clone(),
-            handle.opened.policy.as_ref().map(|p| p.cores.clone() as Arc<dyn SharedCores>),
+            handle.opened.policy.as_ref().map(|p| p.cores_for(&self.ctx.group)),
         );
         let Ok(path) = self.ctx.registry.projector_path(&projector) else {
             return Err(Error::ModelNotFound(projector).into());

@@ -3,28 +3,54 @@
 //! computing at once would run more ggml threads than there are cores. ggml's threads
 //! meet at a spinning barrier after every graph node; oversubscribed, each barrier waits
 //! for a descheduled thread, and one step can take a hundred times as long. So each
-//! native computation takes the cores for its duration, in turn: first come, first
-//! served, which alternates whoever is busy at once and lets one alone take every turn.
+//! native computation takes the cores for its duration, in turn.
+//!
+//! Turns go round the flows that wait, one turn each per round ([`Flow`]: a batch's
+//! steps, or one tenant's work beside the batches), first come first served within a
+//! round. So a tenant that runs several contexts of its own at once (two long embedding
+//! inputs) gets one turn per round between a batch's steps, not one per context, and a
+//! stream in the batch waits for one turn per other tenant. One flow alone takes every
+//! turn.
 //!
 //! A long computation (a whole embedding input, an image encode, a big decode of a
 //! context of its own) does not keep its turn for its whole length: at the boundaries
 //! of its graph (`eval_scope`) it passes the cores to whoever waits once it has held
-//! them for the turn length its owner set ([`Cores::set_turn`], a batch's step target),
+//! them for the turn length its owner set ([`Cores::set_turn`], from a batch's step),
 //! and queues again behind them. So a batch beside it waits about one turn, not the
 //! computation. A long input is also cut into decodes of about a turn each ([`Pacer`]).
 //!
 //! Native contexts see these through `native`'s [`SharedCores`] trait: the policy lives
 //! here, native code only takes its turns.
 
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::native::{CoreTurn, Pieces, SharedCores};
 
-/// Turns on the cores, first come first served (a ticket lock).
+/// Whose turns these are: the cores serve the flows that wait in rounds, one turn each.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Flow {
+    /// One batch's steps, whichever tenants' rows they hold (its scheduler shares
+    /// those out).
+    Batch(u64),
+    /// One tenant's computations beside the batches: contexts of their own (embeddings
+    /// included) and media encodes.
+    Tenant(Arc<str>),
+}
+
+impl Flow {
+    /// A flow of its own for a new batch.
+    pub(crate) fn new_batch() -> Self {
+        static BATCHES: AtomicU64 = AtomicU64::new(0);
+        Flow::Batch(BATCHES.fetch_add(1, Relaxed))
+    }
+}
+
+/// Turns on the cores, by rounds of flows.
 pub struct Cores {
-    tickets: Mutex<Tickets>,
+    queue: Mutex<Queue>,
     served: Condvar,
     /// Nanoseconds a computation keeps the cores at most while someone waits.
     turn_nanos: AtomicU64,
@@ -34,21 +60,68 @@ impl Default for Cores {
     /// Turns of at most 250 ms while someone waits (a batch's default step target).
     fn default() -> Self {
         let turn_nanos = AtomicU64::new(Duration::from_millis(250).as_nanos() as u64);
-        Self { tickets: Mutex::default(), served: Condvar::new(), turn_nanos }
+        Self { queue: Mutex::default(), served: Condvar::new(), turn_nanos }
     }
 }
 
+/// Who holds the cores and who waits: start-time fair queueing with a turn as the unit.
+/// A turn asked for goes in its flow's next round (the one after its flow's last turn),
+/// and not before the round being served; the least round goes first, and within a
+/// round the turn asked first. So a flow that queues several turns at once books one per
+/// round, and a flow asking again after its turn (a batch between steps) joins the
+/// round being served. A turn asked with no flow joins the round being served.
 #[derive(Default)]
-struct Tickets {
-    /// The next ticket to hand out.
-    next: u64,
-    /// The ticket whose turn it is.
-    serving: u64,
+struct Queue {
+    next_ticket: u64,
+    /// The ticket whose turn it is, if any.
+    serving: Option<u64>,
+    /// The round of the turn being served, or of the last one.
+    round: u64,
+    /// Turns asked for and not begun, as (round, ticket).
+    waiting: BTreeSet<(u64, u64)>,
+    /// The next round of each flow whose next round is later than `round`; any other
+    /// flow's next turn goes in `round`. Bounded by `waiting` and the one served.
+    next_round: HashMap<Flow, u64>,
+}
+
+impl Queue {
+    /// Queue a turn for `flow`, and begin it if the cores are free. Returns its ticket.
+    fn ask(&mut self, flow: Option<&Flow>) -> u64 {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        let next = flow.and_then(|f| self.next_round.get(f)).copied().unwrap_or(0);
+        let round = next.max(self.round);
+        if let Some(flow) = flow {
+            self.next_round.insert(flow.clone(), round + 1);
+        }
+        self.waiting.insert((round, ticket));
+        self.begin_next();
+        ticket
+    }
+
+    /// The turn being served ends: the next one begins.
+    fn end(&mut self) {
+        self.serving = None;
+        self.begin_next();
+    }
+
+    fn begin_next(&mut self) {
+        if self.serving.is_some() {
+            return;
+        }
+        if let Some((round, ticket)) = self.waiting.pop_first() {
+            self.serving = Some(ticket);
+            self.round = round;
+            self.next_round.retain(|_, next| *next > round);
+        }
+    }
 }
 
 /// The cores, held until dropped.
 pub struct Turn<'a> {
     cores: &'a Cores,
+    /// Whose turn: a pass queues again as this flow.
+    flow: Option<Flow>,
     /// When this turn (or its last pass) began.
     since: Instant,
     /// Time spent waiting for others in passes (not computing).
@@ -56,13 +129,21 @@ pub struct Turn<'a> {
 }
 
 impl Cores {
-    /// Wait for the cores, behind everyone who asked before.
+    /// Wait for the cores as a flow of its own (first come, first served).
     pub fn turn(&self) -> Turn<'_> {
-        let mut tickets = self.lock();
-        let ticket = tickets.next;
-        tickets.next += 1;
-        self.wait_for(tickets, ticket);
-        Turn { cores: self, since: Instant::now(), waited: Duration::ZERO }
+        self.take(None)
+    }
+
+    /// Wait for the cores as `flow`: behind the flows whose round comes first.
+    pub(crate) fn turn_as(&self, flow: &Flow) -> Turn<'_> {
+        self.take(Some(flow.clone()))
+    }
+
+    fn take(&self, flow: Option<Flow>) -> Turn<'_> {
+        let mut queue = self.lock();
+        let ticket = queue.ask(flow.as_ref());
+        self.wait_for(queue, ticket);
+        Turn { cores: self, flow, since: Instant::now(), waited: Duration::ZERO }
     }
 
     /// How long a computation keeps the cores while someone waits, from now on.
@@ -75,46 +156,47 @@ impl Cores {
         Duration::from_nanos(self.turn_nanos.load(Relaxed))
     }
 
-    fn wait_for(&self, mut tickets: MutexGuard<'_, Tickets>, ticket: u64) {
-        while tickets.serving != ticket {
-            tickets = self.served.wait(tickets).unwrap_or_else(|p| p.into_inner());
+    fn wait_for(&self, mut queue: MutexGuard<'_, Queue>, ticket: u64) {
+        while queue.serving != Some(ticket) {
+            queue = self.served.wait(queue).unwrap_or_else(|p| p.into_inner());
         }
     }
 
     /// Turns asked for and not yet ended (the one held included).
     #[cfg(test)]
     pub fn waiting(&self) -> u64 {
-        let tickets = self.lock();
-        tickets.next - tickets.serving
+        let queue = self.lock();
+        queue.waiting.len() as u64 + u64::from(queue.serving.is_some())
     }
 
-    fn lock(&self) -> MutexGuard<'_, Tickets> {
-        // A panic while holding the lock leaves the counters whole (two plain adds).
-        self.tickets.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        // A panic while holding the lock leaves the queue whole: no method of it panics
+        // between its changes.
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
 impl Turn<'_> {
     /// At a boundary of a computation: if it has held the cores for a turn and someone
-    /// waits, let everyone waiting go first, then go on. Returns whether it passed.
+    /// waits, queue again as its flow and let whoever comes first go, then go on.
+    /// Returns whether it passed.
     pub fn pass_if_due(&mut self) -> bool {
         let turn = Duration::from_nanos(self.cores.turn_nanos.load(Relaxed));
         if self.since.elapsed() < turn {
             return false;
         }
-        let mut tickets = self.cores.lock();
-        if tickets.next - tickets.serving <= 1 {
+        let mut queue = self.cores.lock();
+        if queue.waiting.is_empty() {
             self.since = Instant::now(); // nobody waits: a fresh turn, asked again later
             return false;
         }
-        // End this turn and take the next ticket in one step under the lock, so that
-        // exactly the ones waiting now go first.
-        tickets.serving += 1;
-        let ticket = tickets.next;
-        tickets.next += 1;
+        // Queue again and end this turn in one step under the lock, so that exactly the
+        // ones whose round comes first go before it.
+        let ticket = queue.ask(self.flow.as_ref());
+        queue.end();
         self.cores.served.notify_all();
         let asked = Instant::now();
-        self.cores.wait_for(tickets, ticket);
+        self.cores.wait_for(queue, ticket);
         self.since = Instant::now();
         self.waited += self.since - asked;
         true
@@ -124,6 +206,29 @@ impl Turn<'_> {
     /// computation leaves out.
     pub fn waited(&self) -> Duration {
         self.waited
+    }
+}
+
+/// The cores as one flow's computations take them (a tenant's contexts of their own and
+/// media encodes): what native contexts are given to share.
+pub(crate) struct FlowCores {
+    cores: Arc<Cores>,
+    flow: Flow,
+}
+
+impl FlowCores {
+    pub(crate) fn new(cores: Arc<Cores>, flow: Flow) -> Arc<dyn SharedCores> {
+        Arc::new(Self { cores, flow })
+    }
+}
+
+impl SharedCores for FlowCores {
+    fn turn(&self) -> Box<dyn CoreTurn + '_> {
+        Box::new(self.cores.turn_as(&self.flow))
+    }
+
+    fn pieces(&self, most: usize) -> Box<dyn Pieces> {
+        Box::new(Pacer::new(most, self.cores.turn_length()))
     }
 }
 
@@ -149,7 +254,7 @@ impl CoreTurn for Turn<'_> {
 
 impl Drop for Turn<'_> {
     fn drop(&mut self) {
-        self.cores.lock().serving += 1;
+        self.cores.lock().end();
         self.cores.served.notify_all();
     }
 }
@@ -219,6 +324,59 @@ mod tests {
         let mut pieces = SharedCores::pieces(&cores, 512);
         pieces.observe(32, Duration::from_millis(32)); // 1 ms a row: a 100 ms turn
         assert_eq!(pieces.rows(), 100);
+    }
+
+    /// Turns served on `queue` while computations go on: each served one named in
+    /// `passes` passes (queues again as its flow, then ends); any other ends, then asks
+    /// again as its flow (a batch between steps). `who` names a ticket's computation.
+    fn served(
+        queue: &mut Queue,
+        mut who: HashMap<u64, (&'static str, Flow)>,
+        passes: &[&str],
+        turns: usize,
+    ) -> String {
+        let mut order = String::new();
+        for _ in 0..turns {
+            let ticket = queue.serving.expect("someone holds the cores");
+            let (name, flow) = who.remove(&ticket).unwrap();
+            order += name;
+            let again = if passes.contains(&name) {
+                let again = queue.ask(Some(&flow));
+                queue.end();
+                again
+            } else {
+                queue.end();
+                queue.ask(Some(&flow))
+            };
+            who.insert(again, (name, flow));
+        }
+        order
+    }
+
+    #[test]
+    fn a_tenant_with_two_computations_gets_one_turn_between_a_batchs_steps() {
+        let (tenant, batch) = (Flow::Tenant("attacker".into()), Flow::new_batch());
+        let mut queue = Queue::default();
+        let mut who = HashMap::new();
+        who.insert(queue.ask(Some(&tenant)), ("a", tenant.clone()));
+        who.insert(queue.ask(Some(&tenant)), ("A", tenant.clone()));
+        who.insert(queue.ask(Some(&batch)), ("b", batch.clone()));
+        // First come, first served would give the batch one turn in three: "aAbaAbaAbaAb".
+        assert_eq!(served(&mut queue, who, &["a", "A"], 12), "abAbabAbabAb");
+        assert!(queue.next_round.len() <= 2, "only flows with a turn queued are kept");
+    }
+
+    #[test]
+    fn turns_go_round_the_flows_that_wait() {
+        let flows = [Flow::new_batch(), Flow::Tenant("x".into()), Flow::Tenant("y".into())];
+        let mut queue = Queue::default();
+        let mut who = HashMap::new();
+        // Tenant x asks for three turns at once, y for one: x books one per round.
+        for (name, flow) in [("b", 0), ("x", 1), ("X", 1), ("z", 1), ("y", 2)] {
+            who.insert(queue.ask(Some(&flows[flow])), (name, flows[flow].clone()));
+        }
+        // Rounds of one turn per flow: "bxy", "Xby", "zby", "xby".
+        assert_eq!(served(&mut queue, who, &["x", "X", "z", "y"], 12), "bxyXbyzbyxby");
     }
 
     #[test]

@@ -16,7 +16,7 @@ use super::schedule::Claim;
 use super::Meter;
 use crate::native::{
     self, Batch, CancelFlag, Context, ContextParams, Error, GenerateRequest, Outcome, Piece,
-    Pooling, PromptPiece, Sampler, SharedCores, Stop, Token,
+    Pooling, PromptPiece, Sampler, Stop, Token,
 };
 use crate::worker::{Call, Tracker, Worker};
 
@@ -70,7 +70,7 @@ impl Opened {
         }
         let (model, cores, meter, params) = (
             self.model.clone(),
-            self.policy.as_ref().map(|p| p.cores.clone() as Arc<dyn SharedCores>),
+            self.policy.as_ref().map(|p| p.cores_for(want.group)),
             want.meter,
             want.params,
         );

@@ -14,7 +14,7 @@ mod registry;
 pub mod schedule;
 
 pub use batch::{BatchPolicy, StepObserver, StepReport};
-pub(crate) use cores::{Cores, Pacer};
+pub(crate) use cores::{Cores, Flow, FlowCores, Pacer};
 pub(crate) use lease::{Lease, LeaseRequest};
 pub(crate) use meter::Meter;
 pub use registry::{ModelRegistry, OpenError, Opened};

@@ -37,8 +37,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use super::schedule::Claim;
-use crate::engine::{Cores, Meter};
-use crate::native::{CancelFlag, Context, ContextParams, Error, Model};
+use crate::engine::{Cores, Flow, FlowCores, Meter};
+use crate::native::{CancelFlag, Context, ContextParams, Error, Model, SharedCores};
 use crate::worker::Tracker;
 
 mod calls;
@@ -190,6 +190,13 @@ impl BatchPolicy {
             observer: None,
             cores: Arc::default(),
         }
+    }
+
+    /// The cores as `group`'s computations beside the batches take them (its contexts
+    /// of their own and media encodes): one flow per tenant, so that its turns come
+    /// once a round between the batches' steps however many it runs at once.
+    pub(crate) fn cores_for(&self, group: &str) -> Arc<dyn SharedCores> {
+        FlowCores::new(self.cores.clone(), Flow::Tenant(group.into()))
     }
 }
 

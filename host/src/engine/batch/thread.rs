@@ -13,6 +13,7 @@ use super::seat::{Op, SeatOp};
 use super::sequences::{Sequences, MAX_LEFTOVERS};
 use super::{Arrivals, BatchPolicy, StepReport};
 use crate::engine::schedule::{Candidate, Pick, Plan, Scheduler, StepEnd, Stepped, Want, YieldTo};
+use crate::engine::Flow;
 use crate::native::{self, Batch, CancelFlag, Context, Error, Stop, TokenLoop};
 
 /// How long the thread sleeps when every member waits for its reader.
@@ -41,6 +42,8 @@ pub(super) struct Steps {
     /// Where seats signal an arrival (`Batcher::arrived`), and the flag of this loop.
     pub(super) arrived_slot: Arc<Mutex<Arrivals>>,
     pub(super) arrived: CancelFlag,
+    /// This batch's turns on the cores, one a round beside the tenants' own work.
+    pub(super) flow: Flow,
     /// Test hook: every step that may yield does so at this node (as if a call arrived
     /// then: a flood of arrivals).
     #[cfg(test)]
@@ -73,6 +76,7 @@ impl Steps {
             deferred_leaves: Vec::new(),
             arrived_slot,
             arrived: CancelFlag::new(),
+            flow: Flow::new_batch(),
             #[cfg(test)]
             yield_at: None,
         }
@@ -359,7 +363,7 @@ impl Steps {
             if yields {
                 stops.push(Stop::on(&self.arrived));
             }
-            let _turn = self.policy.cores.turn();
+            let _turn = self.policy.cores.turn_as(&self.flow);
             let started = Instant::now();
             let stop = Stop::Any(&stops);
             let result =
