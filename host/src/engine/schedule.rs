@@ -392,10 +392,20 @@ impl Scheduler {
         prompts.sort_by(|a, b| self.order(a, b, &streaming));
 
         let others = generating > 0 || prompts.iter().any(|&(_, _, long)| !long);
-        // Long prompts alone run in big steps that a newcomer ends; anything else, and
-        // long prompts making good what a yield threw away, get one target's worth.
+        // Long prompts alone run in big steps that a newcomer ends; long prompts making
+        // good what a yield threw away get that much time and no more (whoever arrives
+        // meanwhile waits for it: a whole target's worth kept a chat that came after its
+        // own last turn waiting ~250 ms for its first token); anything else gets one
+        // target's worth.
         let alone_yields = !others && self.yield_debt <= 0.0;
-        let budget = if alone_yields { self.step_rows } else { self.pace.rows(self.step_target) };
+        let budget = if alone_yields {
+            self.step_rows
+        } else if !others {
+            let debt = Duration::from_secs_f64(self.yield_debt).min(self.step_target);
+            self.pace.rows_within(debt)
+        } else {
+            self.pace.rows(self.step_target)
+        };
         let mut budget = budget.min(self.step_rows.saturating_sub(generating));
         if let (true, Some(shared)) = (self.alone_beside_others, self.shared_step) {
             // As long as the others' step, not a step target: they wait for it.
@@ -1037,7 +1047,12 @@ mod tests {
         s.stepped(&member, 40 * MS, StepEnd::Yielded);
         let plan = s.plan(&[long]);
         assert_eq!(plan.yields, YieldTo::Nobody);
-        assert_eq!(plan.picks[0].rows, 100, "one target's rows while in debt");
+        assert_eq!(plan.picks[0].rows, 40, "the debt's rows, not a target's");
+        let member = [Stepped { group: "a", weight: 1, rows: 40, long: true, cancelled: false }];
+        s.stepped(&member, 40 * MS, StepEnd::Computed);
+        let plan = s.plan(&[long]);
+        assert_eq!(plan.yields, YieldTo::Anyone, "paid: a big step again");
+        assert_eq!(plan.picks[0].rows, s.step_rows);
     }
 
     #[test]
