@@ -28,10 +28,13 @@ impl Seat {
     fn send<R: Send + 'static>(&self, make: impl FnOnce(Reply<R>) -> SeatOp) -> Call<R> {
         let (call, reply) = Call::channel();
         let op = make(reply);
-        let computes = op.computes();
+        // A long prompt's rows wait for time earned beside others' work: a step thrown
+        // away for its arrival would buy nobody an earlier token.
+        let long = op.prompt_rows() > self.batcher.policy.long_prompt_rows as usize;
+        let arrives = op.computes() && !long;
         // If the thread is gone, the op (and its reply) drops: the call resolves to `None`.
         let _ = self.batcher.ops.send(Op::Seat { id: self.id, op });
-        if computes {
+        if arrives {
             // After the send: a flag put in place before it is set; one put after it
             // belongs to a loop that takes the op first.
             let arrivals = self.batcher.arrived.lock().unwrap_or_else(PoisonError::into_inner);
@@ -191,5 +194,20 @@ impl SeatOp {
     /// long prompts alone).
     pub(super) fn computes(&self) -> bool {
         matches!(self, SeatOp::Decode { .. } | SeatOp::Generate { .. } | SeatOp::Eval { .. })
+    }
+
+    /// The prompt tokens it brings (before any reuse of a prefix; media not counted).
+    fn prompt_rows(&self) -> usize {
+        match self {
+            SeatOp::Decode { batch, .. } => batch.len(),
+            SeatOp::Generate { request, .. } => request.prompt.len(),
+            SeatOp::Eval { pieces, .. } => (pieces.iter())
+                .map(|p| match p {
+                    PromptPiece::Tokens(tokens) => tokens.len(),
+                    _ => 0,
+                })
+                .sum(),
+            _ => 0,
+        }
     }
 }

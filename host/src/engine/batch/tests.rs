@@ -892,30 +892,33 @@ async fn a_flood_of_arrivals_costs_a_long_prompt_at_most_half_its_time() {
 }
 
 /// A step with prompt rows yields to a call of a group that would go first (a newcomer),
-/// not to one of its own group: the newcomer's first token does not wait for the step
-/// in flight, and its first step is its own rows.
+/// not to one of its own group, nor to a long prompt (whose rows would wait for earned
+/// time anyway): the newcomer's first token does not wait for the step in flight, and
+/// its first step is its own rows.
 #[tokio::test]
 async fn a_step_of_prompts_yields_to_another_groups_arrival_not_to_its_own() {
-    let f = Fixture::new(512);
+    let mut f = Fixture::new(512);
+    f.policy.long_prompt_rows = 100;
     let a = f.seat_in("a", Arc::default()).await;
     let a2 = f.seat_in("a", Arc::default()).await;
     let b = f.seat_in("b", Arc::default()).await;
-    for (arrival, yields) in [(&a2, false), (&b, true)] {
+    let c = f.seat_in("c", Arc::default()).await;
+    for (arrival, rows, yields) in [(&a2, 8, false), (&c, 120, false), (&b, 8, true)] {
         let before = f.steps().len();
         let held = f.policy.cores.turn();
         let first = a.decode(Batch::sequence(&prompt(1, 64), 0, 0), CancelFlag::new());
         // The step of a's prompt is planned, and waits for the cores.
         turns_asked(&f.policy.cores, 2).await;
-        let second = arrival.decode(Batch::sequence(&prompt(2, 8), 0, 0), CancelFlag::new());
+        let second = arrival.decode(Batch::sequence(&prompt(2, rows), 0, 0), CancelFlag::new());
         drop(held);
         first.await.unwrap().unwrap();
         second.await.unwrap().unwrap();
         let steps = f.steps().split_off(before);
-        let rows: Vec<(usize, bool)> = steps.iter().map(|s| (s.rows, s.yielded)).collect();
+        let got: Vec<(usize, bool)> = steps.iter().map(|s| (s.rows, s.yielded)).collect();
         if yields {
-            assert_eq!(rows, [(64, true), (8, false), (64, false)], "{steps:?}");
+            assert_eq!(got, [(64, true), (rows, false), (64, false)], "{steps:?}");
         } else {
-            assert_eq!(rows, [(64, false), (8, false)], "{steps:?}");
+            assert_eq!(got, [(64, false), (rows, false)], "{steps:?}");
         }
         a.clear().await.unwrap().unwrap();
     }
