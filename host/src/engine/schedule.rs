@@ -307,6 +307,10 @@ pub(super) struct Scheduler {
     /// Each group's rows computed per unit of weight, less the least of the groups that
     /// waited (see `share_floor`).
     served: HashMap<String, f64>,
+    /// Each group's time per token row spent outside the decode (sampling: a grammar's
+    /// masks, say), in seconds, from its last token rows; kept for the groups in
+    /// `served`.
+    sampling: HashMap<String, f64>,
     /// The groups that had rows in the last plan.
     waiting: HashSet<String>,
     /// The groups in this plan that had no rows in the last one.
@@ -353,6 +357,7 @@ impl Scheduler {
             tokens_taken: 0,
             turns: HashMap::new(),
             served: HashMap::new(),
+            sampling: HashMap::new(),
             waiting: HashSet::new(),
             newcomers: HashSet::new(),
             rollbacks: HashMap::new(),
@@ -583,24 +588,32 @@ impl Scheduler {
         // the top class.
         let light = (groups.iter())
             .filter(|(g, v)| v.2 == top && (generating(g) || first(g, v)))
-            .map(|(_, &(rows, weight, _))| (rows, weight as usize))
+            .map(|(&g, &(rows, weight, _))| (rows, weight as usize, g))
             .min_by(|a, b| (a.0 * b.1).cmp(&(b.0 * a.1)));
         // Held to it: every other group. One behind in share catches up by its part of
         // each step, not in a step that stalls another's stream.
         groups.retain(|g, v| !first(g, v));
-        if let Some((light_rows, light_weight)) = light {
+        if let Some((light_rows, light_weight, light_group)) = light {
             let cost = self.cost.fit();
+            let sampling = |group: &str| self.sampling.get(group).copied().unwrap_or(0.0);
             let mut room: HashMap<&str, usize> = (groups.iter())
                 .map(|(&group, &(rows, weight, _))| {
                     let weight = weight as usize;
                     let by_count = (light_rows * weight).div_ceil(light_weight);
-                    // Rows of the time the lightest's rows and a step's fixed part take.
+                    // Rows of the time the lightest's rows (sampling included) and a
+                    // step's fixed part take, at this group's time per row.
                     let by_time = cost.map_or(0, |(fixed, per_row)| {
-                        let light_time_rows = fixed / per_row + light_rows as f64;
-                        (light_time_rows * weight as f64 / light_weight as f64).min(rows as f64)
-                            as usize
+                        let light_time =
+                            fixed + light_rows as f64 * (per_row + sampling(light_group));
+                        let row_time = per_row + sampling(group);
+                        (light_time * weight as f64 / light_weight as f64 / row_time)
+                            .min(rows as f64) as usize
                     });
-                    (group, by_count.max(by_time).clamp(1, rows))
+                    // A group whose rows cost more than the lightest's (a grammar's masks
+                    // on each token) is held to the lightest's time, not its row count.
+                    let heavier = cost.is_some() && sampling(group) > 2.0 * sampling(light_group);
+                    let room = if heavier { by_time } else { by_count.max(by_time) };
+                    (group, room.clamp(1, rows))
                 })
                 .collect();
             for p in picks.iter_mut() {
@@ -755,9 +768,24 @@ impl Scheduler {
         if self.served.len() > MAX_IDLE_GROUPS {
             self.served.retain(|g, _| now.contains(g.as_str()));
         }
+        self.sampling.retain(|g, _| self.served.contains_key(g));
         let now: HashSet<String> = now.into_iter().map(str::to_string).collect();
         self.newcomers = now.difference(&self.waiting).cloned().collect();
         self.waiting = now;
+    }
+
+    /// One of `group`'s token rows took `took` after the decode (its sampling): what its
+    /// next token rows will cost beside others, on top of the decode. Each moves the
+    /// estimate halfway.
+    pub fn sampled(&mut self, group: &str, took: Duration) {
+        let took = took.as_secs_f64();
+        match self.sampling.get_mut(group) {
+            Some(cost) => *cost = (*cost + took) / 2.0,
+            None if self.served.contains_key(group) => {
+                self.sampling.insert(group.to_string(), took);
+            }
+            None => {}
+        }
     }
 
     /// Settle what the step planned last did: its pace, the groups' shares, the long
@@ -1294,6 +1322,25 @@ mod tests {
             assert!((per_row * 1e6 - per_row_us as f64).abs() < 0.1, "{per_row}");
             assert_eq!(s.plan(&candidates).picks.len(), picked, "fixed {fixed_us} us");
         }
+    }
+
+    /// Sampling runs after the decode (a grammar's masks on each token): a group whose
+    /// token rows cost more there is held to the time of the lightest's rows, so its
+    /// streams cannot make another's steps several times that stream's own.
+    #[test]
+    fn a_group_whose_tokens_cost_more_to_sample_is_held_to_the_lightests_time() {
+        let mut candidates = vec![token(1, "light")];
+        candidates.extend((10..26).map(|id| token(id, "heavy")));
+        let mut s = scheduler();
+        for rows in (1..=64).step_by(3) {
+            let elapsed = Duration::from_micros(20_000 + 100 * rows as u64);
+            s.stepped(&[member("x", rows)], elapsed, StepEnd::Computed);
+        }
+        assert_eq!(s.plan(&candidates).picks.len(), 17, "rows are cheap to decode: no cut");
+        s.sampled("light", Duration::from_micros(50));
+        s.sampled("heavy", 5 * MS);
+        // The light's step, 20.15 ms, at 5.1 ms a heavy row: 3 of them.
+        assert_eq!(s.plan(&candidates).picks.len(), 4);
     }
 
     #[test]
