@@ -217,7 +217,7 @@ pub(crate) struct FlowCores {
 }
 
 impl FlowCores {
-    pub(crate) fn new(cores: Arc<Cores>, flow: Flow) -> Arc<dyn SharedCores> {
+    pub(crate) fn shared(cores: Arc<Cores>, flow: Flow) -> Arc<dyn SharedCores> {
         Arc::new(Self { cores, flow })
     }
 }

@@ -196,7 +196,7 @@ impl BatchPolicy {
     /// of their own and media encodes): one flow per tenant, so that its turns come
     /// once a round between the batches' steps however many it runs at once.
     pub(crate) fn cores_for(&self, group: &str) -> Arc<dyn SharedCores> {
-        FlowCores::new(self.cores.clone(), Flow::Tenant(group.into()))
+        FlowCores::shared(self.cores.clone(), Flow::Tenant(group.into()))
     }
 }
 
