@@ -1120,11 +1120,7 @@ mod tests {
     #[test]
     fn a_step_of_prompts_yields_only_to_a_group_that_would_go_first() {
         let mut s = scheduler();
-        for _ in 0..2 {
-            let members =
-                [member("victim", 20), Stepped { cancelled: true, ..member("hangups", 20) }];
-            s.stepped(&members, 10 * MS, StepEnd::RolledBack);
-        }
+        quarantine(&mut s, "victim", "hangups");
         s.stepped(&[member("ahead", 50), member("victim", 10)], 60 * MS, StepEnd::Computed);
         let step = [prompt(1, "victim", 30)];
         let mut except: HashSet<String> =
@@ -1142,16 +1138,21 @@ mod tests {
         assert_eq!(s.plan(&step).yields, YieldTo::AllBut(except));
     }
 
+    /// Two of `culprit`'s hang-ups rolled back steps with `victim`'s rows in them: it is
+    /// quarantined.
+    fn quarantine(s: &mut Scheduler, victim: &str, culprit: &str) {
+        for _ in 0..2 {
+            let members = [member(victim, 20), Stepped { cancelled: true, ..member(culprit, 20) }];
+            s.stepped(&members, 10 * MS, StepEnd::RolledBack);
+        }
+    }
+
     /// Many quarantined members beside a stream: one step of their own in every
     /// `QUARANTINE_WAIT + 1`, one member at a time, no longer than the stream's step.
     #[test]
     fn many_quarantined_members_get_one_short_step_in_four_beside_a_stream() {
         let mut s = scheduler();
-        for _ in 0..2 {
-            let members =
-                [member("victim", 20), Stepped { cancelled: true, ..member("attacker", 20) }];
-            s.stepped(&members, 10 * MS, StepEnd::RolledBack);
-        }
+        quarantine(&mut s, "victim", "attacker");
         // The pace: a row a millisecond.
         s.stepped(&[member("victim", 100)], 100 * MS, StepEnd::Computed);
         let mut candidates = vec![token(1, "victim")];
