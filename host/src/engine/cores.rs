@@ -129,7 +129,9 @@ pub struct Turn<'a> {
 }
 
 impl Cores {
-    /// Wait for the cores as a flow of its own (first come, first served).
+    /// Wait for the cores as a flow of its own (first come, first served): what tests
+    /// hold to stand for someone else's computation.
+    #[cfg(test)]
     pub fn turn(&self) -> Turn<'_> {
         self.take(None)
     }
@@ -232,6 +234,8 @@ impl SharedCores for FlowCores {
     }
 }
 
+/// The cores as anonymous computations take them (tests: each turn a flow of its own).
+#[cfg(test)]
 impl SharedCores for Cores {
     fn turn(&self) -> Box<dyn CoreTurn + '_> {
         Box::new(Cores::turn(self))

@@ -192,6 +192,10 @@ const NEWCOMER_LEAD: f64 = 1.0;
 /// Groups whose share is remembered while they have no rows: beyond this (an open
 /// server's many addresses), only the groups waiting now are kept.
 const MAX_IDLE_GROUPS: usize = 1024;
+/// How many times the lightest group's sampling time per token row another group's must
+/// be for its rows to count as heavier (held to the lightest's time, not row count):
+/// above the noise of timing a plain sampler's fraction of a millisecond.
+const HEAVIER_SAMPLING: f64 = 2.0;
 
 /// Up to `most` more of prompt `id`'s rows (`left` in all) in `picks`, added to its pick or
 /// as a new one; how many were added.
@@ -611,7 +615,8 @@ impl Scheduler {
                     });
                     // A group whose rows cost more than the lightest's (a grammar's masks
                     // on each token) is held to the lightest's time, not its row count.
-                    let heavier = cost.is_some() && sampling(group) > 2.0 * sampling(light_group);
+                    let heavier = cost.is_some()
+                        && sampling(group) > HEAVIER_SAMPLING * sampling(light_group);
                     let room = if heavier { by_time } else { by_count.max(by_time) };
                     (group, room.clamp(1, rows))
                 })

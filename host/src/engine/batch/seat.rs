@@ -30,8 +30,8 @@ impl Seat {
         let op = make(reply);
         // A long prompt's rows wait for time earned beside others' work: a step thrown
         // away for its arrival would buy nobody an earlier token.
-        let long = op.prompt_rows() > self.batcher.policy.long_prompt_rows as usize;
-        let arrives = op.computes() && !long;
+        let arrives =
+            op.computes() && op.prompt_rows() <= self.batcher.policy.long_prompt_rows as usize;
         // If the thread is gone, the op (and its reply) drops: the call resolves to `None`.
         let _ = self.batcher.ops.send(Op::Seat { id: self.id, op });
         if arrives {

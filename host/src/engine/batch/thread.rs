@@ -420,14 +420,13 @@ impl Steps {
             Ok(()) => {
                 let mut row = 0;
                 for share in shares {
-                    let n = share.rows.len();
+                    let (n, id) = (share.rows.len(), share.id);
                     // A token row's sampling is computed here, after the decode: the
                     // scheduler counts it in what the member's group costs a step.
-                    let token_row = (n == 1).then(|| self.members[&share.id].group.clone());
                     let started = Instant::now();
                     self.decoded(share, row);
-                    if let Some(group) = token_row {
-                        self.scheduler.sampled(&group, started.elapsed());
+                    if let Some(member) = self.members.get(&id).filter(|_| n == 1) {
+                        self.scheduler.sampled(&member.group, started.elapsed());
                     }
                     row += n;
                 }
