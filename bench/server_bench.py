@@ -34,6 +34,7 @@ Usage: python3 bench/server_bench.py --llamabox BIN --plugin OPENAI.wasm --llama
 """
 
 import argparse
+import dataclasses
 import datetime
 import hashlib
 import http.client
@@ -151,24 +152,25 @@ class ChunkedDecoder:
                 return out
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Result:
-    __slots__ = ("status", "t_send", "t_first_byte", "t_first_token", "t_end", "t_close", "text", "pieces",
-                 "piece_times", "completion_tokens", "prompt_tokens", "cached", "finish", "done", "error",
-                 "hung_up")
-
-    def __init__(self):
-        self.status = None
-        self.t_send = self.t_first_byte = self.t_first_token = self.t_end = self.t_close = None
-        self.text = ""
-        self.pieces = 0
-        self.piece_times = []
-        self.completion_tokens = None
-        self.prompt_tokens = None
-        self.cached = None
-        self.finish = None
-        self.done = False
-        self.error = None
-        self.hung_up = False
+    """One streamed request: its times (time.monotonic()) and what came back."""
+    status: int | None = None
+    t_send: float | None = None
+    t_first_byte: float | None = None
+    t_first_token: float | None = None
+    t_end: float | None = None
+    t_close: float | None = None
+    text: str = ""
+    pieces: int = 0
+    piece_times: list[float] = dataclasses.field(default_factory=list)
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached: float | None = None
+    finish: str | None = None
+    done: bool = False
+    error: str | None = None
+    hung_up: bool = False
 
     @property
     def ok(self):
@@ -1107,6 +1109,12 @@ def main():
     print(f"wrote {args.out} ({(finished_at - started_at).total_seconds():.0f} s); server logs in {tmp}")
 
 
+def table_head(w, *columns):
+    """Writes a Markdown table's header row and its separator, one cell per column."""
+    w("| " + " | ".join(columns) + " |")
+    w("|" + " --- |" * len(columns))
+
+
 def render(args, results, argv, started_at, finished_at, load_start, load_end, busy_seen, slots, two, builds):
     model_name, flags = cpu_info()
     simd = [f for f in flags if re.match(r"(sse|ssse|avx|fma|f16c|bmi|amx)", f)]
@@ -1184,8 +1192,8 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
           f"flight, rolls it back for every seat and re-runs the others). {args.threads} threads in all on each, "
           "no per-request thread setting. Columns as in the unbatched table below; medians of the rounds (min–max).")
         w("")
-        w("| concurrency = slots | server | requests | p50 s | p99 s | TTFT p50 s | ms/token | tokens/s | failed | other load, cores |")
-        w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        table_head(w, "concurrency = slots", "server", "requests", "p50 s", "p99 s", "TTFT p50 s", "ms/token",
+                   "tokens/s", "failed", "other load, cores")
         bsum = {}
         levels = sorted({c for c, _ in results["batched"]})
         for c in levels:
@@ -1202,9 +1210,8 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
                   f"{failed}{' (' + '; '.join(errs) + ')' if errs else ''} | {spread([r['other_cpu'] / r['wall'] for r in runs])} |")
                 bsum[(c, name)] = {k: med([r[k] for r in runs]) for k in ("p50", "ttft", "tps", "per_token")}
         w("")
-        w("| concurrency = slots | tokens/s llamabox / llama-server | TTFT p50 llamabox / llama-server | "
-          "p50 latency llamabox / llama-server | ms/token llamabox / llama-server |")
-        w("| --- | --- | --- | --- | --- |")
+        table_head(w, "concurrency = slots", "tokens/s llamabox / llama-server", "TTFT p50 llamabox / llama-server",
+                   "p50 latency llamabox / llama-server", "ms/token llamabox / llama-server")
         for c in levels:
             a, b = bsum.get((c, "llamabox")), bsum.get((c, "llama-server"))
             if a and b:
@@ -1216,8 +1223,7 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
               "prompt, the client closes 0.5 s after sending it). Close → idle from outside, median (min–max); prompt "
               "rows computed in the trial:")
             w("")
-            w("| server | trials | close → idle s | prompt rows computed |")
-            w("| --- | --- | --- | --- |")
+            table_head(w, "server", "trials", "close → idle s", "prompt rows computed")
             idle = {}
             for name in ("llamabox", "llama-server"):
                 trials = [t for t in results["batched_disconnect"].get(name, []) if "error" not in t]
@@ -1234,8 +1240,8 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
             w("B beside A's hang-up at the batched concurrency-4 servers (B alone, then B while A hangs up mid-prefill "
               "beside it; greedy, 64 tokens):")
             w("")
-            w("| server | rounds | B whole | B's text as alone | B's latency beside / alone | B's TTFT beside / alone |")
-            w("| --- | --- | --- | --- | --- | --- |")
+            table_head(w, "server", "rounds", "B whole", "B's text as alone", "B's latency beside / alone",
+                       "B's TTFT beside / alone")
             for name in ("llamabox", "llama-server"):
                 rounds = results["batched_isolation"].get(name, [])
                 if not rounds:
@@ -1249,8 +1255,7 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
             w(f"Goodput under hang-ups at the batched concurrency-4 servers ({args.goodput_seconds:.0f} s, 4 clients, 3 of "
               "every 10 requests hang up 0.3 s into a ~1510-token prefill):")
             w("")
-            w("| server | completed / minute | failed | late |")
-            w("| --- | --- | --- | --- |")
+            table_head(w, "server", "completed / minute", "failed", "late")
             for name in ("llamabox", "llama-server"):
                 g = results["batched_goodput"].get(name)
                 if g:
@@ -1274,8 +1279,8 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
       "llama-server's prompt cache skips recomputing it; every other row's requests are unique from their "
       "first message on.")
     w("")
-    w("| concurrency | slots | server | requests | p50 s | p99 s | TTFT p50 s | ms/token | tokens/s | prompt (cached) | failed | other load, cores |")
-    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    table_head(w, "concurrency", "slots", "server", "requests", "p50 s", "p99 s", "TTFT p50 s", "ms/token",
+               "tokens/s", "prompt (cached)", "failed", "other load, cores")
     rows = [("1slot", 1, 1), ("1slot-shared", 1, 1), ("slots", 1, slots), ("slots", 4, slots), ("slots", 8, slots)]
     summary = {}
     for cfg, c, n_slots in rows:
@@ -1297,9 +1302,8 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
               f"{failed}{' (' + '; '.join(errs) + ')' if errs else ''} | {spread([r['other_cpu'] / r['wall'] for r in runs])} |")
             summary[(cfg, c, name)] = {k: med([r[k] for r in runs]) for k in ("p50", "p99", "ttft", "tps", "cpu", "per_token")}
     w("")
-    w("| concurrency | slots | tokens/s llamabox / llama-server | p50 latency llamabox / llama-server | "
-      "TTFT llamabox / llama-server | ms/token llamabox / llama-server |")
-    w("| --- | --- | --- | --- | --- | --- |")
+    table_head(w, "concurrency", "slots", "tokens/s llamabox / llama-server", "p50 latency llamabox / llama-server",
+               "TTFT llamabox / llama-server", "ms/token llamabox / llama-server")
     for cfg, c, n_slots in rows:
         a, b = summary.get((cfg, c, "llamabox")), summary.get((cfg, c, "llama-server"))
         if a and b:
@@ -1322,9 +1326,8 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
       "close: tokens generated in the trial less the text events the client had received (approximate: an "
       "event is a token here). Median (min–max) of the trials.")
     w("")
-    w("| during | server | trials | close → idle s | server's own close → stop s | "
-      "prompt rows computed | generated after the close | note |")
-    w("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    table_head(w, "during", "server", "trials", "close → idle s", "server's own close → stop s",
+               "prompt rows computed", "generated after the close", "note")
     dsum = {}
     for phase in ("prefill", "generation"):
         for name in ("llamabox", "llama-server"):
@@ -1359,9 +1362,8 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
       "(greedy). To keep llama-server's prompt cache from serving B's repeat, its B requests carry "
       "`cache_prompt: false`. Medians (min–max) of the rounds.")
     w("")
-    w("| server | rounds | B whole and identical | B latency alone s | B latency beside A s | change | "
-      "B TTFT alone s | B TTFT beside A s |")
-    w("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    table_head(w, "server", "rounds", "B whole and identical", "B latency alone s", "B latency beside A s", "change",
+               "B TTFT alone s", "B TTFT beside A s")
     isum = {}
     for name in ("llamabox", "llama-server"):
         rs = results["isolation"].get(name, [])
@@ -1384,9 +1386,9 @@ def render(args, results, argv, started_at, finished_at, load_start, load_end, b
       "Completed: normal chats answered whole within the window. CPU: "
       "the server process's CPU time from the window's start until its last request ended (wall: that time).")
     w("")
-    w("| server | requests sent | hung up | completed | completed / minute | finished after the window | "
-      "failed (first at s) | p50 latency of completed s | CPU s / wall s | other load, cores | queue depth once idle |")
-    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    table_head(w, "server", "requests sent", "hung up", "completed", "completed / minute",
+               "finished after the window", "failed (first at s)", "p50 latency of completed s", "CPU s / wall s",
+               "other load, cores", "queue depth once idle")
     for name in ("llamabox", "llama-server"):
         g = results["goodput"].get(name)
         if not g:
