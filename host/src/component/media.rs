@@ -2,6 +2,7 @@
 //! a chunk list into a text context.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use wasmtime::component::Resource;
 use wasmtime_wasi::p2::DynPollable;
@@ -12,11 +13,9 @@ use super::bindings::llamabox::inference::media::{
 use super::llm::{ContextHandle, ModelHandle};
 use super::pending::{finished, Pending};
 use super::{CancelToken, Charge, Error, LlamaCtxView, LlamaResult};
-use crate::engine::Lease;
-use crate::native::{
-    self, CancelFlag, Chunk, MediaContext, MediaContextId, MediaInput, Model, Stop, Token,
-};
-use crate::worker::{Call, Worker};
+use crate::engine::{EncodePace, MediaLease, MediaRequest};
+use crate::native::{self, Chunk, MediaContext, MediaInput, Model, Token};
+use crate::worker::Call;
 
 pub struct ChunkHandle {
     chunk: Arc<Chunk>,
@@ -30,13 +29,8 @@ impl ChunkHandle {
 }
 
 pub struct MediaContextHandle {
-    worker: Worker<MediaContext>,
-    id: MediaContextId,
+    lease: MediaLease,
     model: Arc<Model>,
-    vision: bool,
-    audio: bool,
-    sample_rate: Option<u32>,
-    mrope: bool,
 }
 
 /// An encode started with `start-encode-chunk`.
@@ -56,11 +50,7 @@ impl LlamaCtxView<'_> {
     ) -> LlamaResult<Call<native::Result<Vec<f32>>>> {
         let token = self.table.get(token)?.flag.clone();
         let chunk = self.table.get(chunk)?.chunk.clone();
-        let media = self.media(media)?;
-        native::check_owner(media.id, &chunk)?;
-        Ok(media
-            .worker
-            .call(move |m, abandoned| m.encode(&chunk, Some(Stop::on_either(&token, abandoned)))))
+        Ok(self.media(media)?.lease.encode(chunk, token)?)
     }
 }
 
@@ -101,80 +91,57 @@ impl HostMediaContext for LlamaCtxView<'_> {
         projector: String,
         model: Resource<ModelHandle>,
     ) -> LlamaResult<Resource<MediaContextHandle>> {
-        let handle = self.table.get(&model)?;
-        let (model, cores) = (
-            handle.model.clone(),
-            handle.opened.policy.as_ref().map(|p| p.cores_for(&self.ctx.group)),
-        );
-        let Ok(path) = self.ctx.registry.projector_path(&projector) else {
+        let model = self.table.get(&model)?;
+        let (opened, model) = (model.opened.clone(), model.model.clone());
+        let Ok(projector_path) = self.ctx.registry.projector_path(&projector) else {
             return Err(Error::ModelNotFound(projector).into());
         };
         self.ctx.admit(Charge::MediaContext)?;
-        let threads = self.ctx.limits.context.default_threads;
         let media = &self.ctx.limits.media;
-        let latency = std::time::Duration::from_millis(media.encode_cancel_latency_ms);
-        let fixed = media.encode_fixed_chunk_work;
-        let (worker_model, meter) = (model.clone(), self.ctx.meter().clone());
-        let started = Worker::start("llamabox-media", &self.ctx.workers, move || {
-            let mut media = MediaContext::new(&path, worker_model, threads)?;
-            media.set_tally(meter);
-            // Beside batches, it encodes in turns with them (their steps use every core).
-            media.share_cores(cores);
-            match fixed {
-                0 => media.set_latency_target(latency),
-                units => media.set_chunk_work(units),
-            }
-            Ok::<_, native::Error>(media)
-        })
-        .await;
-        let worker = match started {
-            Ok(worker) => worker,
+        let pace = match media.encode_fixed_chunk_work {
+            0 => EncodePace::Latency(Duration::from_millis(media.encode_cancel_latency_ms)),
+            units => EncodePace::Work(units),
+        };
+        let want = MediaRequest {
+            projector: projector_path,
+            threads: self.ctx.limits.context.default_threads,
+            pace,
+            group: &self.ctx.group,
+            meter: self.ctx.meter().clone(),
+            tracker: &self.ctx.workers,
+        };
+        match opened.lease_media(want).await {
+            Ok(lease) => Ok(self.table.push(MediaContextHandle { lease, model })?),
             Err(e) => {
                 self.ctx.release(Charge::MediaContext);
                 tracing::error!("opening projector {projector:?}: {e}");
-                return Err(Error::Backend(format!(
+                Err(Error::Backend(format!(
                     "projector {projector:?} could not be loaded for this model"
                 ))
-                .into());
+                .into())
             }
-        };
-        let probe = worker.call(|m, _| {
-            (m.id(), m.supports_vision(), m.supports_audio(), m.audio_sample_rate(), m.uses_mrope())
-        });
-        let Some((id, vision, audio, sample_rate, mrope)) = probe.await else {
-            self.ctx.release(Charge::MediaContext);
-            return Err(Error::Backend("media worker stopped".into()).into());
-        };
-        Ok(self.table.push(MediaContextHandle {
-            worker,
-            id,
-            model,
-            vision,
-            audio,
-            sample_rate,
-            mrope,
-        })?)
+        }
     }
 
     async fn supports_vision(
         &mut self,
         media: Resource<MediaContextHandle>,
     ) -> wasmtime::Result<bool> {
-        Ok(self.media(&media)?.vision)
+        Ok(self.media(&media)?.lease.vision)
     }
 
     async fn supports_audio(
         &mut self,
         media: Resource<MediaContextHandle>,
     ) -> wasmtime::Result<bool> {
-        Ok(self.media(&media)?.audio)
+        Ok(self.media(&media)?.lease.audio)
     }
 
     async fn audio_sample_rate(
         &mut self,
         media: Resource<MediaContextHandle>,
     ) -> wasmtime::Result<Option<u32>> {
-        Ok(self.media(&media)?.sample_rate)
+        Ok(self.media(&media)?.lease.sample_rate)
     }
 
     async fn marker(&mut self, _media: Resource<MediaContextHandle>) -> wasmtime::Result<String> {
@@ -207,8 +174,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
             })
             .collect();
         let budget = self.ctx.chunk_bytes_left();
-        let call =
-            self.media(&media)?.worker.call(move |m, _| m.tokenize(&prompt, &inputs, caps, budget));
+        let call = self.media(&media)?.lease.tokenize(prompt, inputs, caps, budget);
         let chunks = finished(call.await)?;
         let bytes = chunks.iter().map(|c| c.native_bytes() as u64).sum();
         self.ctx.admit(Charge::Chunks { bytes })?;
@@ -264,8 +230,8 @@ impl HostMediaContext for LlamaCtxView<'_> {
             )
             .into());
         }
-        chunks.iter().try_for_each(|c| native::check_owner(media.id, c))?;
-        if media.mrope && chunks.iter().any(|c| c.kind() != native::ChunkKind::Text) {
+        chunks.iter().try_for_each(|c| native::check_owner(media.lease.id, c))?;
+        if media.lease.mrope && chunks.iter().any(|c| c.kind() != native::ChunkKind::Text) {
             return Err(Error::InvalidArgument(
                 "projectors with multi-dimensional positions (M-RoPE) are not supported yet".into(),
             )
@@ -278,34 +244,16 @@ impl HostMediaContext for LlamaCtxView<'_> {
         if n_tokens > context.n_ctx() as usize {
             return Err(Error::ContextFull.into());
         }
-        Ok(eval_chunks(&media.worker, &context.lease, chunks, seq, &token).await?)
+        Ok(media.lease.eval_into(&context.lease, chunks, seq, token).await?)
     }
 
     async fn drop(&mut self, media: Resource<MediaContextHandle>) -> wasmtime::Result<()> {
         // Stops its running encode, then waits for the projector to be freed.
         let handle = self.table.delete(media)?;
-        handle.worker.stop().await;
+        handle.lease.give_back().await;
         self.ctx.release(Charge::MediaContext);
         Ok(())
     }
-}
-
-/// Media chunks are encoded on the media worker, then the whole list is evaluated by
-/// `native::Context::eval` on the context's worker (or its batch's thread): one
-/// all-or-nothing call, each stage stoppable by `token`.
-async fn eval_chunks(
-    media: &Worker<MediaContext>,
-    context: &Lease,
-    chunks: Vec<Arc<Chunk>>,
-    seq: i32,
-    token: &CancelFlag,
-) -> Result<i32, Error> {
-    let encode_token = token.clone();
-    let encoded = media.call(move |m, abandoned| {
-        m.encode_for_eval(&chunks, Some(Stop::on_either(&encode_token, abandoned)))
-    });
-    let pieces = finished(encoded.await)?;
-    finished(context.eval(pieces, seq, token.clone()).await)
 }
 
 impl HostPendingEncode for LlamaCtxView<'_> {
