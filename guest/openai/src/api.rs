@@ -499,24 +499,26 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// A completion's prompt: text, or token ids.
+/// A completion's `prompt` or an embedding's `input`: one text or token list, or a list
+/// of them.
 #[derive(Deserialize)]
 #[serde(untagged)]
-pub enum Prompt {
+pub enum Inputs {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<i32>),
     TokenLists(Vec<Vec<i32>>),
 }
 
-/// Embedding input: one text or token list, or a list of them.
-#[derive(Deserialize)]
-#[serde(untagged)]
-pub enum EmbeddingInput {
-    Text(String),
-    Texts(Vec<String>),
-    Tokens(Vec<i32>),
-    TokenLists(Vec<Vec<i32>>),
+impl Inputs {
+    /// How many inputs: 1 for a lone text or token list.
+    pub fn count(&self) -> usize {
+        match self {
+            Inputs::Text(_) | Inputs::Tokens(_) => 1,
+            Inputs::Texts(texts) => texts.len(),
+            Inputs::TokenLists(lists) => lists.len(),
+        }
+    }
 }
 
 #[derive(Serialize, Clone, Copy)]
@@ -605,18 +607,18 @@ pub struct ChatLogprobs {
 
 #[derive(Serialize)]
 pub struct ChatTokenLogprob {
-    pub token: String,
-    pub logprob: f32,
-    /// The token's UTF-8 bytes (its text may be part of a character).
-    pub bytes: Vec<u8>,
+    /// The generated token, its fields inline.
+    #[serde(flatten)]
+    pub chosen: TokenLogprob,
     /// The most likely tokens at this position, most likely first (`top_logprobs` of them).
-    pub top_logprobs: Vec<TopLogprob>,
+    pub top_logprobs: Vec<TokenLogprob>,
 }
 
 #[derive(Serialize)]
-pub struct TopLogprob {
+pub struct TokenLogprob {
     pub token: String,
     pub logprob: f32,
+    /// The token's UTF-8 bytes (its text may be part of a character).
     pub bytes: Vec<u8>,
 }
 

@@ -401,9 +401,9 @@ fn floor(logprob: f32) -> f32 {
 
 /// Chat's `logprobs.content`: each token with its bytes and its alternatives.
 fn chat_logprobs(model: &Model, all: &[Logprobs]) -> Result<api::ChatLogprobs, ApiError> {
-    let entry = |token: i32, logprob: f32| -> Result<api::TopLogprob, ApiError> {
+    let entry = |token: i32, logprob: f32| -> Result<api::TokenLogprob, ApiError> {
         let (token, bytes) = token_text(model, token)?;
-        Ok(api::TopLogprob { token, logprob: floor(logprob), bytes })
+        Ok(api::TokenLogprob { token, logprob: floor(logprob), bytes })
     };
     let content = all
         .iter()
@@ -411,12 +411,7 @@ fn chat_logprobs(model: &Model, all: &[Logprobs]) -> Result<api::ChatLogprobs, A
             let chosen = entry(l.chosen.token, l.chosen.logprob)?;
             let top_logprobs =
                 l.top.iter().map(|t| entry(t.token, t.logprob)).collect::<Result<_, _>>()?;
-            Ok(api::ChatTokenLogprob {
-                token: chosen.token,
-                logprob: chosen.logprob,
-                bytes: chosen.bytes,
-                top_logprobs,
-            })
+            Ok(api::ChatTokenLogprob { chosen, top_logprobs })
         })
         .collect::<Result<_, ApiError>>()?;
     Ok(api::ChatLogprobs { content, refusal: None })
@@ -857,6 +852,16 @@ mod tests {
         Format { chat, id: "x-1".into(), created: 7, model: "m".into() }
     }
 
+    /// Choice 0 alone, as a stream chunk.
+    fn chunk(
+        f: &Format,
+        text: Option<&str>,
+        logprobs: Option<TokenLogprobs>,
+        finish: Option<&'static str>,
+    ) -> String {
+        f.json(vec![f.choice(0, text, logprobs, finish, false)], None, false)
+    }
+
     #[test]
     fn chat_json_shapes() {
         let usage = Usage {
@@ -882,11 +887,11 @@ mod tests {
             r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":2,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#
         );
         assert_eq!(
-            f.json(vec![f.choice(0, Some("hi"), None, None, false)], None, false),
+            chunk(&f, Some("hi"), None, None),
             r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":null}]}"#
         );
         assert_eq!(
-            f.json(vec![f.choice(0, None, None, Some("length"), false)], None, false),
+            chunk(&f, None, None, Some("length")),
             r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"length"}]}"#
         );
         assert_eq!(
@@ -924,29 +929,19 @@ mod tests {
         };
         let f = format(false);
         assert_eq!(
-            f.json(
-                vec![f.choice(0, Some("a"), Some(TokenLogprobs::Text(text)), None, false)],
-                None,
-                false
-            ),
+            chunk(&f, Some("a"), Some(TokenLogprobs::Text(text)), None),
             r#"{"id":"x-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"a","logprobs":{"tokens":["a"],"token_logprobs":[-0.5],"top_logprobs":[{"b":-0.5,"a":-1.0}],"text_offset":[0]},"finish_reason":null}]}"#
         );
         let chat = api::ChatLogprobs {
             content: vec![api::ChatTokenLogprob {
-                token: "é".into(),
-                logprob: -0.1,
-                bytes: "é".into(),
+                chosen: api::TokenLogprob { token: "é".into(), logprob: -0.1, bytes: "é".into() },
                 top_logprobs: vec![],
             }],
             refusal: None,
         };
         let f = format(true);
         assert_eq!(
-            f.json(
-                vec![f.choice(0, Some("é"), Some(TokenLogprobs::Chat(chat)), None, false)],
-                None,
-                false
-            ),
+            chunk(&f, Some("é"), Some(TokenLogprobs::Chat(chat)), None),
             r#"{"id":"x-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":"é"},"logprobs":{"content":[{"token":"é","logprob":-0.1,"bytes":[195,169],"top_logprobs":[]}],"refusal":null},"finish_reason":null}]}"#
         );
     }

@@ -411,6 +411,21 @@ fn tokenize(
     model.tokenize(text, add_special, parse_special).map_err(|e| too_long(e, param))
 }
 
+/// `inputs` as token lists, one per input; `param` names them in errors. Texts are
+/// plain, as OpenAI reads them: special-token text is not parsed (send token ids for that).
+fn token_lists(model: &Model, inputs: api::Inputs, param: &str) -> Result<Vec<Vec<i32>>, ApiError> {
+    match inputs {
+        api::Inputs::Text(text) => Ok(vec![tokenize(model, &text, true, false, param)?]),
+        api::Inputs::Texts(texts) => {
+            texts.iter().map(|t| tokenize(model, t, true, false, param)).collect()
+        }
+        api::Inputs::Tokens(tokens) => Ok(vec![checked_tokens(model, tokens, param)?]),
+        api::Inputs::TokenLists(lists) => {
+            lists.into_iter().map(|t| checked_tokens(model, t, param)).collect()
+        }
+    }
+}
+
 /// A host limit on the request's own text is the request's fault: 400, not 503.
 fn too_long(e: HostError, param: &str) -> ApiError {
     match e {
@@ -625,27 +640,12 @@ pub(crate) fn completion(body: &Object) -> Result<Reply, ApiError> {
             Some("logprobs"),
         ));
     }
-    let prompt: api::Prompt = body.require("prompt")?;
+    let prompt: api::Inputs = body.require("prompt")?;
     let (name, model) = open_model(body)?;
-    let prompts = match prompt {
-        api::Prompt::Texts(texts) if texts.is_empty() => {
-            return Err(ApiError::invalid("'prompt' is an empty list", Some("prompt")))
-        }
-        api::Prompt::TokenLists(lists) if lists.is_empty() => {
-            return Err(ApiError::invalid("'prompt' is an empty list", Some("prompt")))
-        }
-        // Plain text, as OpenAI reads it: special-token text is not parsed (send token ids for that).
-        api::Prompt::Text(text) => vec![tokenize(&model, &text, true, false, "prompt")?],
-        api::Prompt::Texts(texts) => texts
-            .iter()
-            .map(|t| tokenize(&model, t, true, false, "prompt"))
-            .collect::<Result<_, _>>()?,
-        api::Prompt::Tokens(tokens) => vec![checked_tokens(&model, tokens, "prompt")?],
-        api::Prompt::TokenLists(lists) => lists
-            .into_iter()
-            .map(|t| checked_tokens(&model, t, "prompt"))
-            .collect::<Result<_, _>>()?,
-    };
+    if prompt.count() == 0 {
+        return Err(ApiError::invalid("'prompt' is an empty list", Some("prompt")));
+    }
+    let prompts = token_lists(&model, prompt, "prompt")?;
     let prompts: Vec<Prompt> = prompts.into_iter().map(Prompt::Tokens).collect();
     let format = Format { chat: false, id: new_id("cmpl"), created: now(), model: name };
     Choices::start(model, &prompts, &sampling, "prompt", format)?.finish()
@@ -654,7 +654,7 @@ pub(crate) fn completion(body: &Object) -> Result<Reply, ApiError> {
 /// `POST /v1/embeddings`.
 pub(crate) fn embed(body: &Object) -> Result<String, ApiError> {
     body.refuse_unknown(&["model", "input", "encoding_format", "dimensions", "user"])?;
-    let input: api::EmbeddingInput = body.require("input")?;
+    let input: api::Inputs = body.require("input")?;
     let base64 = match body.get::<String>("encoding_format")?.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
@@ -666,12 +666,7 @@ pub(crate) fn embed(body: &Object) -> Result<String, ApiError> {
         }
     };
     let dimensions: Option<u32> = body.get("dimensions")?;
-    let count = match &input {
-        api::EmbeddingInput::Text(_) | api::EmbeddingInput::Tokens(_) => 1,
-        api::EmbeddingInput::Texts(texts) => texts.len(),
-        api::EmbeddingInput::TokenLists(lists) => lists.len(),
-    };
-    priced(count, 0)?;
+    priced(input.count(), 0)?;
     let (name, model) = open_model(body)?;
     if dimensions.is_some_and(|d| d != model.n_embd()) {
         return Err(ApiError::invalid(
@@ -679,18 +674,7 @@ pub(crate) fn embed(body: &Object) -> Result<String, ApiError> {
             Some("dimensions"),
         ));
     }
-    let inputs = match input {
-        api::EmbeddingInput::Text(text) => vec![tokenize(&model, &text, true, false, "input")?],
-        api::EmbeddingInput::Texts(texts) => texts
-            .iter()
-            .map(|t| tokenize(&model, t, true, false, "input"))
-            .collect::<Result<_, _>>()?,
-        api::EmbeddingInput::Tokens(tokens) => vec![checked_tokens(&model, tokens, "input")?],
-        api::EmbeddingInput::TokenLists(lists) => lists
-            .into_iter()
-            .map(|t| checked_tokens(&model, t, "input"))
-            .collect::<Result<_, _>>()?,
-    };
+    let inputs = token_lists(&model, input, "input")?;
     if inputs.is_empty() || inputs.iter().any(Vec::is_empty) {
         return Err(ApiError::invalid(
             "'input' must be non-empty (and so must each of its items)",
