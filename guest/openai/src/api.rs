@@ -30,6 +30,18 @@ impl ApiError {
         }
     }
 
+    /// 400 for a field `path` whose value is none of `allowed`, listing them:
+    /// `'input[0].role' must be "user", "system" or "assistant"`.
+    pub fn not_one_of(path: &str, allowed: &[&str]) -> Self {
+        let quoted: Vec<String> = allowed.iter().map(|a| format!("\"{a}\"")).collect();
+        let choices = match quoted.split_last() {
+            Some((last, [])) => last.clone(),
+            Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+            None => String::new(),
+        };
+        Self::invalid(format!("'{path}' must be {choices}"), Some(path))
+    }
+
     pub fn with_code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
         self
@@ -371,6 +383,20 @@ impl Fields {
             }
             None => Ok(()),
         }
+    }
+}
+
+/// `object[key]` if it is one of the strings `allowed`, else [`ApiError::not_one_of`]
+/// naming `path.key`.
+pub fn one_of<'a>(
+    object: &'a Map<String, Value>,
+    key: &str,
+    allowed: &[&str],
+    path: &str,
+) -> Result<&'a str, ApiError> {
+    match object.get(key).and_then(Value::as_str) {
+        Some(value) if allowed.contains(&value) => Ok(value),
+        _ => Err(ApiError::not_one_of(&format!("{path}.{key}"), allowed)),
     }
 }
 
@@ -772,6 +798,19 @@ pub fn base64(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_of_lists_the_choices_it_takes() {
+        let object: Map<String, Value> = serde_json::from_str(r#"{"role": "tool"}"#).unwrap();
+        let error =
+            one_of(&object, "role", &["user", "system", "assistant"], "input[2]").unwrap_err();
+        assert_eq!(error.message, r#"'input[2].role' must be "user", "system" or "assistant""#);
+        assert_eq!(error.param.as_deref(), Some("input[2].role"));
+        assert_eq!(one_of(&object, "role", &["user", "tool"], "m").ok(), Some("tool"));
+        let two = ApiError::not_one_of("s.type", &["base64", "url"]).message;
+        assert_eq!(two, r#"'s.type' must be "base64" or "url""#);
+        assert_eq!(ApiError::not_one_of("t", &["text"]).message, r#"'t' must be "text""#);
+    }
 
     #[test]
     fn base64_pads_like_the_standard() {

@@ -294,8 +294,7 @@ fn context_management(body: &Object) -> Result<(), ApiError> {
 /// A text block's text (`system[i]`, a tool result's content).
 fn text_block(block: &Value, path: &str) -> Result<String, ApiError> {
     let Some(block) = block.as_object().filter(|b| b["type"] == "text") else {
-        let p = format!("{path}.type");
-        return Err(invalid(format!("'{p}' must be \"text\""), &p));
+        return Err(ApiError::not_one_of(&format!("{path}.type"), &["text"]));
     };
     refuse_fields(block, &["type", "text", "citations"], path)?;
     Ok(string(block, "text", path)?.to_string())
@@ -310,16 +309,7 @@ fn chat_message(out: &mut Vec<Value>, message: &Value, path: &str) -> Result<(),
     };
     refuse_fields(message, &["role", "content"], path)?;
     // A system message among the others (Claude Code sends them): text only.
-    let role = match message.get("role").and_then(Value::as_str) {
-        Some(role @ ("user" | "assistant" | "system")) => role,
-        _ => {
-            let p = format!("{path}.role");
-            return Err(invalid(
-                format!("'{p}' must be \"user\", \"assistant\" or \"system\""),
-                &p,
-            ));
-        }
-    };
+    let role = api::one_of(message, "role", &["user", "assistant", "system"], path)?;
     let blocks = match message.get("content") {
         Some(Value::String(text)) => {
             out.push(json!({"role": role, "content": text}));
@@ -405,10 +395,7 @@ fn image(block: &Map<String, Value>, path: &str) -> Result<Value, ApiError> {
             refuse_fields(source, &["type", "url"], &p)?;
             string(source, "url", &p)?.to_string()
         }
-        _ => {
-            let p = format!("{p}.type");
-            return Err(invalid(format!("'{p}' must be \"base64\" or \"url\""), &p));
-        }
+        _ => return Err(ApiError::not_one_of(&format!("{p}.type"), &["base64", "url"])),
     };
     Ok(json!({"type": "image_url", "image_url": {"url": url}}))
 }

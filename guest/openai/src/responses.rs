@@ -446,10 +446,7 @@ fn input_message(item: Value, path: &str) -> Result<Value, ApiError> {
         Some("message") => {}
         None if matches!(item.get("type"), None | Some(Value::Null))
             && item.contains_key("role") => {}
-        _ => {
-            let p = format!("{path}.type");
-            return Err(invalid(format!("'{p}' must be \"message\""), &p));
-        }
+        _ => return Err(ApiError::not_one_of(&format!("{path}.type"), &["message"])),
     }
     for name in item.keys() {
         // `id` and `status`: what the SDK writes back of an earlier answer's output.
@@ -458,16 +455,7 @@ fn input_message(item: Value, path: &str) -> Result<Value, ApiError> {
             return Err(unsupported(&p, "this field"));
         }
     }
-    let role = match item.get("role").and_then(Value::as_str) {
-        Some(role @ ("user" | "system" | "developer" | "assistant")) => role,
-        _ => {
-            let p = format!("{path}.role");
-            return Err(invalid(
-                format!("'{p}' must be \"user\", \"system\", \"developer\" or \"assistant\""),
-                &p,
-            ));
-        }
-    };
+    let role = api::one_of(&item, "role", &["user", "system", "developer", "assistant"], path)?;
     let content = match item.get("content") {
         Some(Value::String(text)) => json!(text),
         Some(Value::Array(parts)) => {
@@ -485,11 +473,9 @@ fn input_message(item: Value, path: &str) -> Result<Value, ApiError> {
                     }
                     _ => {
                         let p = format!("{p}.type");
-                        return Err(invalid(
-                            format!(
-                                "'{p}' must be \"input_text\", \"output_text\" or \"input_image\""
-                            ),
+                        return Err(ApiError::not_one_of(
                             &p,
+                            &["input_text", "output_text", "input_image"],
                         ));
                     }
                 };
