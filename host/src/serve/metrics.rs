@@ -7,7 +7,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 /// An answered request's plugin and HTTP status.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -130,6 +130,12 @@ impl EncodeLabelValue for Refusal {
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
+/// `metric`, registered under `name`: the registry keeps a clone, which shares its values.
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 /// The server's metrics, registered under the `llamabox_` prefix; each field is a
 /// handle the server updates, named after its metric.
 pub struct Metrics {
@@ -193,159 +199,136 @@ impl Metrics {
     /// Every metric registered, at zero.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("llamabox");
-        let requests = Family::default();
-        registry.register(
-            "requests",
-            "Requests answered, by plugin and HTTP status",
-            Family::clone(&requests),
-        );
-        let refused = Family::default();
-        registry.register(
-            "refused",
-            "Requests refused before a plugin saw them, by reason",
-            Family::clone(&refused),
-        );
-        let cancels = Family::default();
-        registry.register("cancels", "Runs a stop cut short (a native call cancelled or the body unfinished), by cause (plugin: calls a plugin cancelled)", Family::clone(&cancels));
-        let queue_depth = Gauge::default();
-        registry.register("queue_depth", "Requests waiting for a slot", queue_depth.clone());
-        let reading_bodies = Gauge::default();
-        registry.register(
-            "reading_bodies",
-            "Requests whose body is being read, before admission",
-            reading_bodies.clone(),
-        );
-        let in_flight = Gauge::default();
-        registry.register("in_flight", "Requests whose plugin is running", in_flight.clone());
-        let live_workers = Gauge::default();
-        registry.register(
-            "live_workers",
-            "Native threads working for plugin runs",
-            live_workers.clone(),
-        );
-        let idle_contexts = Gauge::default();
-        registry.register(
-            "idle_contexts",
-            "Contexts kept idle for later requests of their group",
-            idle_contexts.clone(),
-        );
-        let request_seconds: HistogramFamily<PluginLabels> =
-            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.005, 2.0, 16)));
-        registry.register(
-            "request_duration_seconds",
-            "Time from admission to the run's end",
-            request_seconds.clone(),
-        );
-        let tokens_generated = Family::default();
-        registry.register(
-            "tokens_generated",
-            "Tokens the host's generation delivered",
-            Family::clone(&tokens_generated),
-        );
-        let tokens_decoded = Family::default();
-        registry.register(
-            "tokens_decoded",
-            "Rows llama.cpp decoded (prompts and generated tokens)",
-            Family::clone(&tokens_decoded),
-        );
-        let tokens_reused = Family::default();
-        registry.register(
-            "tokens_reused",
-            "Prompt tokens an idle context already held from its group's last request, not decoded again",
-            Family::clone(&tokens_reused),
-        );
-        let generated_tokens_per_second: HistogramFamily<PluginLabels> =
-            Family::new_with_constructor(|| Histogram::new(exponential_buckets(4.0, 2.0, 10)));
-        registry.register(
-            "generated_tokens_per_second",
-            "Per request: generated tokens over the run's time",
-            generated_tokens_per_second.clone(),
-        );
-        let disconnect_stop_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
-        registry.register(
-            "disconnect_stop_seconds",
-            "From noticing a client hung up to its run's native work having stopped",
-            disconnect_stop_seconds.clone(),
-        );
-        let tenant_requests = Family::default();
-        registry.register(
-            "tenant_requests",
-            "Requests admitted to run, by tenant (anonymous: every client of an open server)",
-            Family::clone(&tenant_requests),
-        );
-        let tenant_tokens = Family::default();
-        registry.register(
-            "tenant_tokens",
-            "Tokens charged to each tenant's per-minute budget (prompt plus completion)",
-            Family::clone(&tenant_tokens),
-        );
-        let plugin_info = Family::default();
-        registry.register(
-            "plugin_info",
-            "The plugins served now (1 each), by digest and signer's key id",
-            Family::clone(&plugin_info),
-        );
-        let batch = BatchMetrics {
-            rows: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
-            seats: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
-            step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
-            seats_active: Gauge::default(),
-            rollbacks: Counter::default(),
-            yields: Counter::default(),
-        };
-        registry.register(
-            "batch_step_rows",
-            "Rows (tokens) one batched step decoded",
-            batch.rows.clone(),
-        );
-        registry.register(
-            "batch_step_seats",
-            "Requests' sequences with rows in one batched step",
-            batch.seats.clone(),
-        );
-        registry.register(
-            "batch_step_seconds",
-            "Time one batched step took",
-            batch.step_seconds.clone(),
-        );
-        registry.register(
-            "batch_seats_active",
-            "Sequences of batched contexts leased now",
-            batch.seats_active.clone(),
-        );
-        registry.register(
-            "batch_step_rollbacks",
-            "Batched steps stopped in flight by one member's cancel, rolled back for all and re-run without it",
-            batch.rollbacks.clone(),
-        );
-        registry.register(
-            "batch_step_yields",
-            "Batched steps stopped in flight for a newcomer's call (long prompts alone: anyone's; steps with prompt rows: a tenant first in fair share), rolled back and re-run after it",
-            batch.yields.clone(),
-        );
+        let r = &mut registry;
         Self {
+            requests: registered(
+                r,
+                "requests",
+                "Requests answered, by plugin and HTTP status",
+                Family::default(),
+            ),
+            refused: registered(
+                r,
+                "refused",
+                "Requests refused before a plugin saw them, by reason",
+                Family::default(),
+            ),
+            cancels: registered(r, "cancels", "Runs a stop cut short (a native call cancelled or the body unfinished), by cause (plugin: calls a plugin cancelled)", Family::default()),
+            queue_depth: registered(r, "queue_depth", "Requests waiting for a slot", Gauge::default()),
+            reading_bodies: registered(
+                r,
+                "reading_bodies",
+                "Requests whose body is being read, before admission",
+                Gauge::default(),
+            ),
+            in_flight: registered(r, "in_flight", "Requests whose plugin is running", Gauge::default()),
+            live_workers: registered(
+                r,
+                "live_workers",
+                "Native threads working for plugin runs",
+                Gauge::default(),
+            ),
+            idle_contexts: registered(
+                r,
+                "idle_contexts",
+                "Contexts kept idle for later requests of their group",
+                Gauge::default(),
+            ),
+            request_seconds: registered(
+                r,
+                "request_duration_seconds",
+                "Time from admission to the run's end",
+                Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.005, 2.0, 16))),
+            ),
+            tokens_generated: registered(
+                r,
+                "tokens_generated",
+                "Tokens the host's generation delivered",
+                Family::default(),
+            ),
+            tokens_decoded: registered(
+                r,
+                "tokens_decoded",
+                "Rows llama.cpp decoded (prompts and generated tokens)",
+                Family::default(),
+            ),
+            tokens_reused: registered(
+                r,
+                "tokens_reused",
+                "Prompt tokens an idle context already held from its group's last request, not decoded again",
+                Family::default(),
+            ),
+            generated_tokens_per_second: registered(
+                r,
+                "generated_tokens_per_second",
+                "Per request: generated tokens over the run's time",
+                Family::new_with_constructor(|| Histogram::new(exponential_buckets(4.0, 2.0, 10))),
+            ),
+            disconnect_stop_seconds: registered(
+                r,
+                "disconnect_stop_seconds",
+                "From noticing a client hung up to its run's native work having stopped",
+                Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            ),
+            tenant_requests: registered(
+                r,
+                "tenant_requests",
+                "Requests admitted to run, by tenant (anonymous: every client of an open server)",
+                Family::default(),
+            ),
+            tenant_tokens: registered(
+                r,
+                "tenant_tokens",
+                "Tokens charged to each tenant's per-minute budget (prompt plus completion)",
+                Family::default(),
+            ),
+            plugin_info: registered(
+                r,
+                "plugin_info",
+                "The plugins served now (1 each), by digest and signer's key id",
+                Family::default(),
+            ),
+            batch: BatchMetrics {
+                rows: registered(
+                    r,
+                    "batch_step_rows",
+                    "Rows (tokens) one batched step decoded",
+                    Histogram::new(exponential_buckets(1.0, 2.0, 11)),
+                ),
+                seats: registered(
+                    r,
+                    "batch_step_seats",
+                    "Requests' sequences with rows in one batched step",
+                    Histogram::new(exponential_buckets(1.0, 2.0, 9)),
+                ),
+                step_seconds: registered(
+                    r,
+                    "batch_step_seconds",
+                    "Time one batched step took",
+                    Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+                ),
+                seats_active: registered(
+                    r,
+                    "batch_seats_active",
+                    "Sequences of batched contexts leased now",
+                    Gauge::default(),
+                ),
+                rollbacks: registered(
+                    r,
+                    "batch_step_rollbacks",
+                    "Batched steps stopped in flight by one member's cancel, rolled back for all and re-run without it",
+                    Counter::default(),
+                ),
+                yields: registered(
+                    r,
+                    "batch_step_yields",
+                    "Batched steps stopped in flight for a newcomer's call (long prompts alone: anyone's; steps with prompt rows: a tenant first in fair share), rolled back and re-run after it",
+                    Counter::default(),
+                ),
+            },
             registry,
-            batch,
-            requests,
-            refused,
-            cancels,
-            queue_depth,
-            reading_bodies,
-            in_flight,
-            live_workers,
-            idle_contexts,
-            request_seconds,
-            tokens_generated,
-            tokens_decoded,
-            tokens_reused,
-            generated_tokens_per_second,
-            disconnect_stop_seconds,
-            tenant_requests,
-            tenant_tokens,
-            plugin_info,
         }
     }
-
     /// What a batch calls after every step (on its own thread: only atomic updates).
     pub fn batch_observer(&self) -> crate::StepObserver {
         let batch = self.batch.clone();
