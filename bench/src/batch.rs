@@ -14,11 +14,10 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context as _};
+use anyhow::{ensure, Context as _};
 use llamabox::{BatchPolicy, Limits, ModelRegistry, PluginHost, RunOutcome};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
@@ -44,10 +43,11 @@ impl BatchedBench {
     /// batch, then `tokens` steps of `n` rows; its total time (its `T s` column).
     fn run(&self, n: u32, tokens: u32, threads: u32) -> anyhow::Result<Duration> {
         let n_ctx = n * (GEN_PROMPT_TOKENS + tokens + 1);
-        let out = Command::new(&self.bin)
-            .arg("-m")
-            .arg(&self.model)
-            .args([
+        let stdout = crate::reference::tool_output(
+            "llama-batched-bench",
+            &self.bin,
+            &self.model,
+            &[
                 "-c",
                 &n_ctx.to_string(),
                 "-b",
@@ -56,26 +56,16 @@ impl BatchedBench {
                 "512",
                 "-t",
                 &threads.to_string(),
-            ])
-            .args([
                 "-npp",
                 &GEN_PROMPT_TOKENS.to_string(),
                 "-ntg",
                 &tokens.to_string(),
                 "-npl",
                 &n.to_string(),
-            ])
-            .output()
-            .with_context(|| format!("running {}", self.bin.display()))?;
-        if !out.status.success() {
-            bail!(
-                "llama-batched-bench failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
+            ],
+        )?;
         // |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
-        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stdout = String::from_utf8_lossy(&stdout);
         let row = stdout
             .lines()
             .map(|l| l.split('|').map(str::trim).filter(|c| !c.is_empty()).collect::<Vec<_>>())

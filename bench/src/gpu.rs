@@ -19,7 +19,7 @@ use llamabox_native::{chunker::DEFAULT_LATENCY_TARGET, Model};
 use crate::encode;
 use crate::native::Native;
 use crate::reference::LlamaBench;
-use crate::stats::{in_rounds, Samples};
+use crate::stats::{in_rounds, Runs, Samples};
 use crate::workload::{BenchModel, Shape};
 
 #[derive(Clone, Copy, PartialEq)]
@@ -124,39 +124,15 @@ pub fn report(
         "| row | way | tokens/s, median (min–max) | vs plain | vs llama-bench | polls per call |"
     );
     let _ = writeln!(out, "|---|---|---|---|---|---|");
-    let plain_pp = &pp[0].times;
-    let lb_pp = ways.iter().position(|w| *w == Way::LlamaBench).map(|i| &pp[i].times);
-    for (i, way) in ways.iter().enumerate() {
-        let polls = match way {
-            Way::Paced => paced_boundaries.to_string(),
-            Way::Dense => dense_boundaries.to_string(),
-            _ => "–".into(),
-        };
-        row(
-            &mut out,
-            &format!("pp{}", shape.prompt_tokens),
-            label(*way),
-            &pp[i].times,
-            plain_pp,
-            lb_pp,
-            shape.prompt_tokens,
-            &polls,
-        );
-    }
-    let plain_tg = &tg[0].times;
-    let lb_tg = gen_ways.iter().position(|w| *w == Way::LlamaBench).map(|i| &tg[i].times);
-    for (i, way) in gen_ways.iter().enumerate() {
-        row(
-            &mut out,
-            &format!("tg{}", shape.gen_tokens),
-            label(*way),
-            &tg[i].times,
-            plain_tg,
-            lb_tg,
-            shape.gen_tokens,
-            "–",
-        );
-    }
+    let polls = |way| match way {
+        Way::Paced => paced_boundaries.to_string(),
+        Way::Dense => dense_boundaries.to_string(),
+        _ => "–".into(),
+    };
+    let pp_name = format!("pp{}", shape.prompt_tokens);
+    rows(&mut out, &pp_name, &ways, &pp, shape.prompt_tokens, polls);
+    let tg_name = format!("tg{}", shape.gen_tokens);
+    rows(&mut out, &tg_name, &gen_ways, &tg, shape.gen_tokens, |_| "–".into());
     let _ = writeln!(
         out,
         "\nPolls: boundaries plus the abort callback's polls of the graph's CPU nodes. Chunked logits {} unchunked ones (every round's digest).\n",
@@ -217,23 +193,30 @@ fn label(way: Way) -> &'static str {
     WAYS.iter().find(|w| w.0 == way).map_or("?", |w| w.1)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn row(
+/// The rows of one measurement (`name`: pp512, tg128), one per way, each against the plain
+/// way (the first) and llama-bench where it ran.
+fn rows(
     out: &mut String,
     name: &str,
-    way: &str,
-    times: &Samples,
-    plain: &Samples,
-    llama_bench: Option<&Samples>,
+    ways: &[Way],
+    runs: &[Runs],
     tokens: u32,
-    polls: &str,
+    polls: impl Fn(Way) -> String,
 ) {
-    let vs = |base: &Samples| format!("{:+.1}%", (base.median() / times.median() - 1.0) * 100.0);
-    let _ = writeln!(
-        out,
-        "| {name} | {way} | {} | {} | {} | {polls} |",
-        times.rate(tokens as f64),
-        vs(plain),
-        llama_bench.map_or_else(|| "–".into(), vs),
-    );
+    let plain = &runs[0].times;
+    let llama_bench = ways.iter().position(|w| *w == Way::LlamaBench).map(|i| &runs[i].times);
+    for (&way, run) in ways.iter().zip(runs) {
+        let times = &run.times;
+        let vs =
+            |base: &Samples| format!("{:+.1}%", (base.median() / times.median() - 1.0) * 100.0);
+        let _ = writeln!(
+            out,
+            "| {name} | {} | {} | {} | {} | {} |",
+            label(way),
+            times.rate(tokens as f64),
+            vs(plain),
+            llama_bench.map_or_else(|| "–".into(), vs),
+            polls(way),
+        );
+    }
 }

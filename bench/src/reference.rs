@@ -30,29 +30,25 @@ impl LlamaBench {
     }
 
     fn once(&self, prompt: u32, gen: u32) -> anyhow::Result<Duration> {
-        let out = Command::new(&self.bin)
-            .arg("-m")
-            .arg(&self.model)
-            .args([
+        let stdout = tool_output(
+            "llama-bench",
+            &self.bin,
+            &self.model,
+            &[
                 "-p",
                 &prompt.to_string(),
                 "-n",
                 &gen.to_string(),
                 "-t",
                 &self.threads.to_string(),
-            ])
-            .args(["-r", "1", "-o", "json"])
-            .output()
-            .with_context(|| format!("running {}", self.bin.display()))?;
-        if !out.status.success() {
-            bail!(
-                "llama-bench failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
+                "-r",
+                "1",
+                "-o",
+                "json",
+            ],
+        )?;
         let tests: Vec<Value> =
-            serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON array")?;
+            serde_json::from_slice(&stdout).context("llama-bench printed no JSON array")?;
         let ns = tests
             .iter()
             .find(|t| t["n_prompt"] == prompt && t["n_gen"] == gen)
@@ -62,6 +58,26 @@ impl LlamaBench {
             })?;
         Ok(Duration::from_nanos(ns))
     }
+}
+
+/// Runs the llama.cpp tool `name` (at `bin`) on `model` with `args`, to its end: its
+/// stdout, or its stderr in the error.
+pub(crate) fn tool_output(
+    name: &str,
+    bin: &Path,
+    model: &Path,
+    args: &[&str],
+) -> anyhow::Result<Vec<u8>> {
+    let out = Command::new(bin)
+        .arg("-m")
+        .arg(model)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("{name} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(out.stdout)
 }
 
 /// Where a llama.cpp build came from, for the report.
