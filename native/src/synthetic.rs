@@ -93,8 +93,8 @@ impl TextModelSpec {
         file.kv_u32("llama.vocab_size", vocab.tokens.len() as u32);
         file.kv_str("tokenizer.ggml.model", "llama")?;
         file.kv_strs("tokenizer.ggml.tokens", &vocab.tokens);
-        file.kv_f32s("tokenizer.ggml.scores", &vocab.scores);
-        file.kv_i32s("tokenizer.ggml.token_type", &vocab.types);
+        file.kv_array("tokenizer.ggml.scores", &vocab.scores);
+        file.kv_array("tokenizer.ggml.token_type", &vocab.types);
         file.kv_u32("tokenizer.ggml.unknown_token_id", 0);
         file.kv_u32("tokenizer.ggml.bos_token_id", 1);
         file.kv_u32("tokenizer.ggml.eos_token_id", 2);
@@ -252,8 +252,8 @@ impl ProjectorSpec {
                 file.kv_str("clip.projector_type", "mlp")?;
                 file.kv_u32("clip.vision.image_size", image_size);
                 file.kv_u32("clip.vision.patch_size", patch_size);
-                file.kv_f32s("clip.vision.image_mean", &[0.5, 0.5, 0.5]);
-                file.kv_f32s("clip.vision.image_std", &[0.5, 0.5, 0.5]);
+                file.kv_array("clip.vision.image_mean", &[0.5_f32; 3]);
+                file.kv_array("clip.vision.image_std", &[0.5_f32; 3]);
                 tensors.push(("v.patch_embd.weight".into(), vec![p, p, 3, e]));
                 tensors.push(("v.position_embd.weight".into(), vec![e, patches]));
             }
@@ -375,6 +375,20 @@ impl SplitMix64 {
     }
 }
 
+/// A number type whose arrays gguf stores as they lie in memory.
+pub(crate) trait GgufNumber {
+    /// Its `GGUF_TYPE_*`, of the same size and layout.
+    const TYPE: sys::gguf_type;
+}
+
+impl GgufNumber for f32 {
+    const TYPE: sys::gguf_type = sys::GGUF_TYPE_FLOAT32;
+}
+
+impl GgufNumber for i32 {
+    const TYPE: sys::gguf_type = sys::GGUF_TYPE_INT32;
+}
+
 /// A GGUF file being assembled with ggml's gguf API. Tensor data stays in Rust vectors
 /// until `write`; ggml holds only the tensor headers.
 pub(crate) struct GgufFile {
@@ -435,26 +449,14 @@ impl GgufFile {
         unsafe { sys::gguf_set_val_bool(self.gguf, Self::key(key).as_ptr(), value) }
     }
 
-    pub(crate) fn kv_f32s(&mut self, key: &str, values: &[f32]) {
-        // SAFETY: as in `kv_u32`; gguf copies `values.len()` f32s from `values`, which has them.
+    pub(crate) fn kv_array<T: GgufNumber>(&mut self, key: &str, values: &[T]) {
+        // SAFETY: as in `kv_u32`; gguf copies `values.len()` elements of `T::TYPE`, which is
+        // `T`'s own layout, from `values`, which has them.
         unsafe {
             sys::gguf_set_arr_data(
                 self.gguf,
                 Self::key(key).as_ptr(),
-                sys::GGUF_TYPE_FLOAT32,
-                values.as_ptr().cast(),
-                values.len(),
-            )
-        }
-    }
-
-    pub(crate) fn kv_i32s(&mut self, key: &str, values: &[i32]) {
-        // SAFETY: as in `kv_u32`; gguf copies `values.len()` i32s from `values`, which has them.
-        unsafe {
-            sys::gguf_set_arr_data(
-                self.gguf,
-                Self::key(key).as_ptr(),
-                sys::GGUF_TYPE_INT32,
+                T::TYPE,
                 values.as_ptr().cast(),
                 values.len(),
             )
