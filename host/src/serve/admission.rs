@@ -178,17 +178,8 @@ struct QueuePlace<'a> {
 
 impl Drop for QueuePlace<'_> {
     fn drop(&mut self) {
-        if self.taken {
-            return;
-        }
-        let mut state = self.admission.lock();
-        if let Some(at) = state.queue.iter().position(|w| w.id == self.id) {
-            let waiter = state.queue.remove(at);
-            state.tenant_changed(&waiter.ask.tenant, |load| load.queued -= 1);
-        } else if let Some(ask) = state.granted.remove(&self.id) {
-            // Granted, but the wait was dropped before it took it.
-            state.give_back(&ask);
-            state.dispatch();
+        if !self.taken {
+            self.admission.lock().leave(self.id);
         }
     }
 }
@@ -223,6 +214,18 @@ impl State {
         self.free_threads += ask.threads;
         self.plugin_slots[ask.plugin] += 1;
         self.tenant_changed(&ask.tenant, |load| load.running -= 1);
+    }
+
+    /// Waiter `id` gives up its place: it leaves the queue, or, granted but gone before it
+    /// took the grant, gives the share back.
+    fn leave(&mut self, id: u64) {
+        if let Some(at) = self.queue.iter().position(|w| w.id == id) {
+            let waiter = self.queue.remove(at);
+            self.tenant_changed(&waiter.ask.tenant, |load| load.queued -= 1);
+        } else if let Some(ask) = self.granted.remove(&id) {
+            self.give_back(&ask);
+            self.dispatch();
+        }
     }
 
     /// Change a tenant's load; a tenant with nothing running or queued is forgotten.
@@ -358,6 +361,19 @@ mod tests {
         Arc::new(Admission::new(slots, threads, queue, Duration::from_millis(timeout_ms)))
     }
 
+    /// A server of one slot and one thread, its one plugin, and `tenant`'s request
+    /// running in the slot.
+    async fn one_running(
+        tenant: &str,
+        queue: u32,
+        timeout_ms: u64,
+    ) -> (Arc<Admission>, usize, Admitted) {
+        let server = server(1, 1, queue, timeout_ms);
+        let plugin = server.add_plugin(1);
+        let running = server.admit(ask(tenant, plugin, 1)).await.unwrap();
+        (server, plugin, running)
+    }
+
     #[tokio::test]
     async fn threads_bound_concurrency_and_the_queue_is_bounded() {
         // 2 threads, 2-thread requests: one at a time; one may wait.
@@ -395,9 +411,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_wait_that_is_dropped_gives_its_place_back() {
-        let server = server(1, 1, 1, 60_000);
-        let plugin = server.add_plugin(1);
-        let running = server.admit(ask("a", plugin, 1)).await.unwrap();
+        let (server, plugin, running) = one_running("a", 1, 60_000).await;
         for _ in 0..3 {
             // A client that hangs up while it waits: its wait is dropped.
             let waited =
@@ -412,9 +426,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_grant_whose_wait_was_dropped_goes_to_the_next() {
-        let server = server(1, 1, 4, 60_000);
-        let plugin = server.add_plugin(1);
-        let running = server.admit(ask("a", plugin, 1)).await.unwrap();
+        let (server, plugin, running) = one_running("a", 4, 60_000).await;
         // Two waiters: the first is granted when `running` ends but its future is
         // never polled again (dropped), so the grant must pass to the second.
         let mut first = Box::pin(server.admit(ask("b", plugin, 1)));
@@ -440,9 +452,7 @@ mod tests {
 
     #[tokio::test]
     async fn without_a_queue_a_free_slot_is_still_taken() {
-        let server = server(1, 1, 0, 50);
-        let plugin = server.add_plugin(1);
-        let running = server.admit(ask("a", plugin, 1)).await.unwrap();
+        let (server, plugin, running) = one_running("a", 0, 50).await;
         assert_eq!(server.admit(ask("a", plugin, 1)).await.err(), Some(Refused::QueueFull));
         drop(running);
         assert!(server.admit(ask("a", plugin, 1)).await.is_ok());
@@ -450,9 +460,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_tenant_holds_at_most_its_queue_places_and_others_keep_theirs() {
-        let server = server(1, 1, 8, 60_000);
-        let plugin = server.add_plugin(1);
-        let _running = server.admit(ask("flood", plugin, 1)).await.unwrap();
+        let (server, plugin, _running) = one_running("flood", 8, 60_000).await;
         let flood = Ask { max_queued: 2, ..ask("flood", plugin, 1) };
         let mut waits: Vec<_> = (0..2).map(|_| Box::pin(server.admit(flood.clone()))).collect();
         for wait in &mut waits {
