@@ -39,18 +39,14 @@ pub struct ServeConfig {
     /// The key `/metrics` asks for (`authorization: Bearer`). Without it (and without
     /// `metrics_listen`), `/metrics` is open on an open server and refused on a server
     /// with tenants.
-    #[serde(default)]
     pub metrics_key: Option<String>,
     /// The key `POST /admin/reload` asks for (`authorization: Bearer`). Without it, the
     /// config is reloaded only on SIGHUP.
-    #[serde(default)]
     pub admin_key: Option<String>,
     /// Serve `/metrics` (and the health checks) on this address instead, e.g. a
     /// cluster-internal port; the main address then answers 404 for it.
-    #[serde(default)]
     pub metrics_listen: Option<SocketAddr>,
     /// Compiled plugins are kept here between starts (see `HostOptions::compile_cache`).
-    #[serde(default)]
     pub compile_cache: Option<PathBuf>,
     /// How `oci://` plugins are pulled: size limit, plain-HTTP registries, their cache
     /// (`[registry]`, see `llamabox::source`).
@@ -62,7 +58,6 @@ pub struct ServeConfig {
     /// `ModelRegistry::keep_idle_contexts`). Each holds its KV cache and compute
     /// buffers. Default: `threads`, at most as many as could be busy at once; 0 frees
     /// every context after its request.
-    #[serde(default)]
     pub idle_contexts: Option<u32>,
     /// Limits of every plugin over the host's defaults, by group (`[limits.context]`,
     /// `[limits.media]`, ...: see `llamabox::LimitOverrides`); a plugin's
@@ -73,10 +68,8 @@ pub struct ServeConfig {
     #[serde(default)]
     pub batch: BatchConfig,
     /// Model layers on the GPU (default: all when there is one; 0: the CPU alone).
-    #[serde(default)]
     pub gpu_layers: Option<u32>,
     /// The GPU by ggml's device name (`llamabox info`; default: the first GPU).
-    #[serde(default)]
     pub device: Option<String>,
     /// Models by name, loaded once at start.
     #[serde(default)]
@@ -99,14 +92,12 @@ pub struct PluginConfig {
     pub path: PathBuf,
     /// The path prefix it serves, stripped before the plugin sees the request (default:
     /// `/` for the only plugin, else `/NAME`).
-    #[serde(default)]
     pub route: Option<String>,
     /// llama.cpp threads of each of its contexts, held from the server's `threads`
     /// while a request runs.
     #[serde(default = "one")]
     pub threads: u32,
     /// Its requests running at once (default: the server's `max_concurrent`).
-    #[serde(default)]
     pub max_concurrent: Option<u32>,
     /// Each request is stopped after this long (answered 504 if no response was
     /// started).
@@ -116,10 +107,8 @@ pub struct PluginConfig {
     /// group (and the same tenant) may reuse each other's prompts and open each other's
     /// shared cancel tokens. Default: the plugin's name, so nothing crosses plugins
     /// unless their config says so.
-    #[serde(default)]
     pub group: Option<String>,
     /// Models (and projectors) it may open (default: all).
-    #[serde(default)]
     pub models: Option<Vec<String>>,
     /// More environment for the plugin (it always gets `LLAMABOX_MODELS` and
     /// `LLAMABOX_MODELS_LOADED_AT`).
@@ -132,10 +121,8 @@ pub struct PluginConfig {
     /// `"none"`), or `"requested"`: what a pulled plugin's artifact asks for. Default:
     /// all for a file, none for an `oci://` plugin. A plugin that imports one it is not
     /// granted is refused at start, naming the import.
-    #[serde(default)]
     pub grant: Option<crate::source::GrantChoice>,
     /// Its signature policy, over `[registry] signatures` (`oci://` plugins only).
-    #[serde(default)]
     pub signatures: Option<crate::source::SignaturePolicy>,
 }
 

@@ -37,19 +37,14 @@ pub struct TenantConfig {
     pub name: String,
     /// The key itself (prefer `key_file` or `key_sha256`: a config file is often read by
     /// more people than a secret should be).
-    #[serde(default)]
     pub key: Option<String>,
     /// A file holding the key (surrounding whitespace ignored), e.g. a mounted Secret.
-    #[serde(default)]
     pub key_file: Option<PathBuf>,
     /// The key's SHA-256, in hex: the server never holds the key itself.
-    #[serde(default)]
     pub key_sha256: Option<String>,
     /// Plugins it may call, by name (default: all).
-    #[serde(default)]
     pub plugins: Option<Vec<String>>,
     /// Models and projectors its requests may open (default: all its plugins may).
-    #[serde(default)]
     pub models: Option<Vec<String>>,
     /// Its share against other waiting tenants (default 1): with weights 1 and 3, the
     /// second gets three requests in, and three prompt rows of a batch's steps, for
@@ -62,18 +57,14 @@ pub struct TenantConfig {
     pub priority: u8,
     /// Requests in progress at once (from the request head to the end of its run);
     /// one more: 429.
-    #[serde(default)]
     pub max_concurrent: Option<u32>,
     /// Places in the server's queue (default: a quarter of `max_queue`, at least 1);
     /// one more waiting request: 429.
-    #[serde(default)]
     pub max_queued: Option<u32>,
     /// Requests it may start per minute (a bucket that refills evenly); over it: 429.
-    #[serde(default)]
     pub requests_per_minute: Option<u32>,
     /// Tokens (prompt plus completion, counted when each request ends) per minute; while
     /// they are spent, new requests get 429.
-    #[serde(default)]
     pub tokens_per_minute: Option<u64>,
 }
 

@@ -39,7 +39,6 @@ pub struct RegistryOptions {
     pub insecure: Vec<String>,
     /// Pulled plugins by digest (default: `oci-plugins` beside the compile cache). Like the
     /// compile cache, it must be writable by the host's user only.
-    #[serde(default)]
     pub cache: Option<PathBuf>,
     /// The longest one pull (manifest and layer) may take.
     #[serde(default = "default_pull_timeout_ms")]
