@@ -39,11 +39,11 @@ macro_rules! knob_value {
 /// knob optional: a flag and a TOML key each, named as the knob, the doc its help).
 ///
 /// `$key` names the group's table; `$heading` is the flags' help heading; `$where` says
-/// where the overrides come from, for their doc.
+/// where the overrides come from, for their doc (a literal, or `concat!` of literals).
 macro_rules! knob_group {
     (
         $(#[doc = $group_doc:literal])*
-        $group:ident, $overrides:ident, $key:literal, $heading:literal, $where:literal {
+        $group:ident, $overrides:ident, $key:literal, $heading:literal, $where:expr, {
             $(
                 $(#[doc = $doc:literal])*
                 $field:ident: $ty:ty $(as $given:ty)? = $default:expr $(; $shown:literal)?,

@@ -2,21 +2,38 @@
 //! grouped by the interface they govern (as wasmtime-wasi keeps each interface's limits
 //! in its own context).
 //!
-//! Each group is declared once by `knob_group!` (crate::knobs): a knob's doc, type and
-//! default make the group's struct (what the host enforces), its overrides (`llamabox
-//! run`'s flag, serve.toml's key, the doc as the flag's help) and nothing else to keep in
-//! step.
+//! Each group is declared once by `limit_group!` (a `knob_group!` of crate::knobs): a
+//! knob's doc, type and default make the group's struct (what the host enforces), its
+//! overrides (`llamabox run`'s flag, serve.toml's key, the doc as the flag's help) and
+//! nothing else to keep in step.
 
 use serde::de::{Deserializer, MapAccess, Visitor};
+
+/// [`knob_group!`] for one group of plugin limits, its overrides read from `[limits.KEY]`
+/// and `[plugins.limits.KEY]`.
+macro_rules! limit_group {
+    (
+        $(#[doc = $doc:literal])*
+        $group:ident, $overrides:ident, $key:literal, $heading:literal { $($knobs:tt)* }
+    ) => {
+        knob_group! {
+            $(#[doc = $doc])*
+            $group, $overrides, $key, $heading,
+            concat!(
+                "`llamabox run`'s flags and serve.toml's `[limits.", $key,
+                "]` (or `[plugins.limits.", $key, "]`)"
+            ), { $($knobs)* }
+        }
+    };
+}
 
 fn all_cores() -> u32 {
     std::thread::available_parallelism().map_or(1, |n| n.get()) as u32
 }
 
-knob_group! {
+limit_group! {
     /// The `llm` interface: models' contexts and text.
-    ContextLimits, ContextOverrides, "context", "Context limits (llm)",
-        "`llamabox run`'s flags and serve.toml's `[limits.context]` (or `[plugins.limits.context]`)" {
+    ContextLimits, ContextOverrides, "context", "Context limits (llm)" {
         /// Largest n-ctx of one context: KV memory grows linearly with it.
         max_n_ctx: u32 = 8192,
         /// Largest n-batch: the compute buffer grows with it.
@@ -49,10 +66,9 @@ knob_group! {
     }
 }
 
-knob_group! {
+limit_group! {
     /// The `generate` interface's samplers, grammars included.
-    SamplerLimits, SamplerOverrides, "sampler", "Sampler limits (generate)",
-        "`llamabox run`'s flags and serve.toml's `[limits.sampler]` (or `[plugins.limits.sampler]`)" {
+    SamplerLimits, SamplerOverrides, "sampler", "Sampler limits (generate)" {
         /// Samplers alive at once: each holds n-vocab candidates (12 bytes per token)
         /// and possibly a parsed grammar.
         max_samplers: u32 = 16,
@@ -68,10 +84,9 @@ knob_group! {
     }
 }
 
-knob_group! {
+limit_group! {
     /// The `generate` interface's generations.
-    GenerateLimits, GenerateOverrides, "generate", "Generation limits (generate)",
-        "`llamabox run`'s flags and serve.toml's `[limits.generate]` (or `[plugins.limits.generate]`)" {
+    GenerateLimits, GenerateOverrides, "generate", "Generation limits (generate)" {
         /// Tokens one generation may produce: bounds how long one call holds its context
         /// (a cancel stops it sooner).
         max_generate_tokens: u32 = 4096,
@@ -82,10 +97,9 @@ knob_group! {
     }
 }
 
-knob_group! {
+limit_group! {
     /// The `embeddings` interface, counted over a store's life.
-    EmbeddingLimits, EmbeddingOverrides, "embeddings", "Embedding limits (embeddings)",
-        "`llamabox run`'s flags and serve.toml's `[limits.embeddings]` (or `[plugins.limits.embeddings]`)" {
+    EmbeddingLimits, EmbeddingOverrides, "embeddings", "Embedding limits (embeddings)" {
         /// Inputs embedded over a run (embed and embed-rows together), refused before
         /// anything is computed: each costs a call whatever its length (~15 ms for a
         /// one-token input with SmolLM2 on 2 cores).
@@ -96,10 +110,9 @@ knob_group! {
     }
 }
 
-knob_group! {
+limit_group! {
     /// The `media` interface: projectors, their chunks and encodes.
-    MediaLimits, MediaOverrides, "media", "Media limits (media)",
-        "`llamabox run`'s flags and serve.toml's `[limits.media]` (or `[plugins.limits.media]`)" {
+    MediaLimits, MediaOverrides, "media", "Media limits (media)" {
         /// Media contexts alive at once: each owns a thread and a projector's weights.
         max_media_contexts: u32 = 2,
         /// Native bytes held by its media chunks (estimated per chunk): a tiny image
@@ -122,10 +135,9 @@ knob_group! {
     }
 }
 
-knob_group! {
+limit_group! {
     /// The `cancel` interface's tokens and the capabilities shared from them.
-    CancelLimits, CancelOverrides, "cancel", "Cancel-token limits (cancel)",
-        "`llamabox run`'s flags and serve.toml's `[limits.cancel]` (or `[plugins.limits.cancel]`)" {
+    CancelLimits, CancelOverrides, "cancel", "Cancel-token limits (cancel)" {
         /// Cancel tokens alive at once (the resource table has no cap of its own).
         max_tokens: u32 = 1024,
         /// Capabilities its cancel tokens may be shared under at once, each an entry in
@@ -135,10 +147,9 @@ knob_group! {
     }
 }
 
-knob_group! {
+limit_group! {
     /// The plugin's wasm instance, for `Store::limiter`.
-    WasmLimits, WasmOverrides, "wasm", "Wasm limits",
-        "`llamabox run`'s flags and serve.toml's `[limits.wasm]` (or `[plugins.limits.wasm]`)" {
+    WasmLimits, WasmOverrides, "wasm", "Wasm limits" {
         /// Linear memory of one plugin instance, in MiB: a guest that grows past it gets
         /// a failed memory.grow (and usually a trap), never the host's memory.
         max_memory_mib: usize = 256,

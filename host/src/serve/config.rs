@@ -153,7 +153,7 @@ knob_group! {
     /// How the server takes requests in and bounds them (`[requests]`): how many run
     /// and wait, how long they may wait, and how large and how slow a client may be.
     RequestLimits, RequestOverrides, "requests", "Request limits",
-        "`llamabox serve`'s flags over serve.toml's `[requests]`" {
+        "`llamabox serve`'s flags over serve.toml's `[requests]`", {
         /// Requests running at once, all plugins together (with batching, at most one
         /// per seat).
         max_concurrent: u32 = 64,
