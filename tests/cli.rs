@@ -26,6 +26,13 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// Asserts that the command failed and its stderr says `says`.
+fn assert_fails_saying(out: &Output, says: &str) {
+    let log = stderr(out);
+    assert!(!out.status.success(), "it succeeded: {log}");
+    assert!(log.contains(says), "{says:?} not in {log}");
+}
+
 #[test]
 fn info_names_the_cpu_features_and_flags_ggml_was_built_for_and_the_devices() {
     let out = llamabox(&["info"]);
@@ -67,16 +74,12 @@ fn info_names_the_cpu_features_and_flags_ggml_was_built_for_and_the_devices() {
 #[test]
 fn an_offload_this_machine_cannot_do_is_refused_by_name_before_anything_runs() {
     let out = llamabox(&["run", "/nonexistent/plugin.wasm", "--device", "NoSuchGpu"]);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("no GPU named \"NoSuchGpu\""), "{}", stderr(&out));
+    assert_fails_saying(&out, "no GPU named \"NoSuchGpu\"");
     if llamabox_native::devices().iter().all(|d| !d.kind.is_gpu()) {
         let out = llamabox(&["run", "/nonexistent/plugin.wasm", "--gpu-layers", "4"]);
-        assert!(!out.status.success());
-        assert!(
-            stderr(&out)
-                .contains("GPU layers were asked for, but this build and machine have no GPU"),
-            "{}",
-            stderr(&out)
+        assert_fails_saying(
+            &out,
+            "GPU layers were asked for, but this build and machine have no GPU",
         );
     }
 }
@@ -106,8 +109,7 @@ fn inspect_prints_a_plugins_digest_size_imports_and_exports() {
     assert!(printed.contains("verdict   its imports are granted\n"), "{printed}");
     let bogus = common::repo_root().join("README.md");
     let out = llamabox(&["inspect", bogus.to_str().unwrap()]);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("is not a WebAssembly component"), "{}", stderr(&out));
+    assert_fails_saying(&out, "is not a WebAssembly component");
 }
 
 /// A grant narrower than what a plugin imports refuses it at load, naming the import,
@@ -121,38 +123,29 @@ fn a_plugin_that_imports_what_it_is_not_granted_is_refused_at_load() {
     let refusal = format!("plugin llamabox-demo.wasm: it imports llamabox:inference/media@{} but is not granted media (its grant: llm,generate,cancel)", llamabox::WIT_VERSION);
     assert!(log.contains(&refusal), "{log}");
     let out = llamabox(&["run", plugin.to_str().unwrap(), "--grant", "llm,network"]);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("\"network\" is no llamabox interface"), "{}", stderr(&out));
+    assert_fails_saying(&out, "\"network\" is no llamabox interface");
 }
 
 #[test]
 fn missing_plugin_file_is_named() {
     let out = llamabox(&["run", "/nonexistent/plugin.wasm"]);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("plugin /nonexistent/plugin.wasm not found"), "{}", stderr(&out));
+    assert_fails_saying(&out, "plugin /nonexistent/plugin.wasm not found");
 }
 
 #[test]
 fn a_file_that_is_not_a_component_is_refused() {
     let bogus = common::repo_root().join("README.md");
     let out = llamabox(&["run", bogus.to_str().unwrap()]);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("is not a valid WebAssembly component"), "{}", stderr(&out));
+    assert_fails_saying(&out, "is not a valid WebAssembly component");
 }
 
 #[test]
 fn model_flags_are_checked() {
     let plugin = common::demo_plugin().to_str().unwrap();
     let out = llamabox(&["run", plugin, "--model", "nameonly"]);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("expected NAME=PATH"), "{}", stderr(&out));
+    assert_fails_saying(&out, "expected NAME=PATH");
     let out = llamabox(&["run", plugin, "--model", "m=/nonexistent/model.gguf"]);
-    assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("model \"m\": file /nonexistent/model.gguf not found"),
-        "{}",
-        stderr(&out)
-    );
+    assert_fails_saying(&out, "model \"m\": file /nonexistent/model.gguf not found");
 }
 
 #[test]

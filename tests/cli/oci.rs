@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest as _, Sha256};
 
-use super::{common, stderr};
+use super::{assert_fails_saying, common, stderr};
 use llamabox::WIT_VERSION as WIT;
 
 const WASM_CONFIG: &str = "application/vnd.wasm.config.v0+json";
@@ -39,6 +39,13 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// A scratch folder `name`, and a registry keeping its storage there.
+fn scratch_with_registry(name: &str) -> (Scratch, Registry) {
+    let scratch = Scratch::new(name);
+    let registry = Registry::start(&scratch.0);
+    (scratch, registry)
 }
 
 /// `docker-registry serve` on a free loopback port, its storage in `dir`; killed (by its
@@ -136,28 +143,23 @@ fn sha256(bytes: &[u8]) -> String {
 /// An OCI image layout directory holding one image tagged `tag`: a config and one layer of
 /// the given media types. The manifest's digest.
 fn write_layout(dir: &Path, tag: &str, config: (&str, &[u8]), layer: (&str, &[u8])) -> String {
-    write_layout_annotated(dir, tag, config, layer, serde_json::Value::Null)
+    write_layout_annotated(dir, tag, config, layer, Annotations::default())
 }
 
-/// `write_layout` with `annotations` on the layer (none if null).
+/// An image's annotations: on its layer and on its manifest (none where null).
+#[derive(Default)]
+struct Annotations {
+    layer: serde_json::Value,
+    manifest: serde_json::Value,
+}
+
+/// `write_layout`, with `annotations`.
 fn write_layout_annotated(
     dir: &Path,
     tag: &str,
     config: (&str, &[u8]),
     layer: (&str, &[u8]),
-    annotations: serde_json::Value,
-) -> String {
-    write_layout_full(dir, tag, config, layer, annotations, serde_json::Value::Null)
-}
-
-/// `write_layout_annotated`, with `manifest_annotations` on the manifest (none if null).
-fn write_layout_full(
-    dir: &Path,
-    tag: &str,
-    config: (&str, &[u8]),
-    layer: (&str, &[u8]),
-    annotations: serde_json::Value,
-    manifest_annotations: serde_json::Value,
+    annotations: Annotations,
 ) -> String {
     let blobs = dir.join("blobs/sha256");
     std::fs::create_dir_all(&blobs).unwrap();
@@ -172,8 +174,8 @@ fn write_layout_full(
         d
     };
     let mut layer_descriptor = descriptor(layer.0, layer.1);
-    if !annotations.is_null() {
-        layer_descriptor["annotations"] = annotations;
+    if !annotations.layer.is_null() {
+        layer_descriptor["annotations"] = annotations.layer;
     }
     let manifest = serde_json::json!({
         "schemaVersion": 2,
@@ -183,8 +185,8 @@ fn write_layout_full(
         "layers": [layer_descriptor],
     });
     let mut manifest = manifest;
-    if !manifest_annotations.is_null() {
-        manifest["annotations"] = manifest_annotations;
+    if !annotations.manifest.is_null() {
+        manifest["annotations"] = annotations.manifest;
     }
     let manifest = serde_json::to_vec(&manifest).unwrap();
     let digest = sha256(&manifest);
@@ -249,7 +251,10 @@ impl Signer {
                 "application/vnd.dev.cosign.simplesigning.v1+json",
                 &std::fs::read(&payload_file).unwrap(),
             ),
-            serde_json::json!({ "dev.cosignproject.cosign/signature": signature.trim() }),
+            Annotations {
+                layer: serde_json::json!({ "dev.cosignproject.cosign/signature": signature.trim() }),
+                ..Annotations::default()
+            },
         );
         registry.push(&layout, &tag, repo);
     }
@@ -289,8 +294,7 @@ fn run_demo(plugin: &str, flags: &[&str]) -> (Output, Duration) {
 
 #[test]
 fn a_plugin_pulled_by_digest_or_tag_runs_and_starts_again_from_the_cache_without_the_registry() {
-    let scratch = Scratch::new("pull");
-    let registry = Registry::start(&scratch.0);
+    let (scratch, registry) = scratch_with_registry("pull");
     let layout = scratch.0.join("layout");
     let (digest, layer) = demo_layout(&layout);
     // skopeo keeps the Wasm artifact's manifest byte for byte.
@@ -359,8 +363,7 @@ fn a_plugin_pulled_by_digest_or_tag_runs_and_starts_again_from_the_cache_without
 
 #[test]
 fn a_registry_artifact_that_is_not_the_plugin_asked_for_is_refused_before_anything_runs() {
-    let scratch = Scratch::new("refuse");
-    let registry = Registry::start(&scratch.0);
+    let (scratch, registry) = scratch_with_registry("refuse");
     let host = registry.host();
     let layout = scratch.0.join("layout");
     let (digest, layer) = demo_layout(&layout);
@@ -462,8 +465,7 @@ fn serve_refuses_a_plugin_whose_registry_is_down_before_it_serves() {
 
 #[test]
 fn serve_pulls_its_plugin_from_the_registry_and_answers_with_it() {
-    let scratch = Scratch::new("serve-pull");
-    let registry = Registry::start(&scratch.0);
+    let (scratch, registry) = scratch_with_registry("serve-pull");
     let layout = scratch.0.join("layout");
     let wasm = std::fs::read(common::serve::openai_plugin()).unwrap();
     let config = br#"{"architecture":"wasm","os":"wasip2"}"#;
@@ -563,8 +565,7 @@ fn serve_pulls_its_plugin_from_the_registry_and_answers_with_it() {
 
 #[test]
 fn only_a_plugin_signed_by_a_trusted_key_runs_unless_unsigned_ones_are_allowed() {
-    let scratch = Scratch::new("signatures");
-    let registry = Registry::start(&scratch.0);
+    let (scratch, registry) = scratch_with_registry("signatures");
     let host = registry.host();
     let trusted = Signer::new(&scratch.0, "trusted");
     let stranger = Signer::new(&scratch.0, "stranger");
@@ -830,18 +831,19 @@ fn a_hostile_registry_is_cut_off_by_the_limits_and_the_server_keeps_serving() {
 /// `inspect` shows it, and it applies only when the operator's grant is `requested`.
 #[test]
 fn a_grant_the_artifact_requests_applies_only_when_the_operator_says_so() {
-    let scratch = Scratch::new("requested");
-    let registry = Registry::start(&scratch.0);
+    let (scratch, registry) = scratch_with_registry("requested");
     let host = registry.host();
     let wasm = std::fs::read(common::demo_plugin()).unwrap();
     let layout = scratch.0.join("asking");
-    let asking = write_layout_full(
+    let asking = write_layout_annotated(
         &layout,
         "v1",
         (WASM_CONFIG, br#"{"architecture":"wasm","os":"wasip2"}"#),
         (WASM_LAYER, &wasm),
-        serde_json::Value::Null,
-        serde_json::json!({ "dev.llamabox.grant": "cancel,llm,media,generate" }),
+        Annotations {
+            manifest: serde_json::json!({ "dev.llamabox.grant": "cancel,llm,media,generate" }),
+            ..Annotations::default()
+        },
     );
     assert_eq!(registry.push(&layout, "v1", "plugins/asking"), asking);
     let (plain, _) = demo_layout(&scratch.0.join("plain"));
@@ -873,6 +875,5 @@ fn a_grant_the_artifact_requests_applies_only_when_the_operator_says_so() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("generated-tokens: 16"));
     let out = run("plugins/plain", &plain, &["--grant", "requested"]);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("the plugin requests none"), "{}", stderr(&out));
+    assert_fails_saying(&out, "the plugin requests none");
 }
