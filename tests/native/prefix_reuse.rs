@@ -28,6 +28,20 @@ fn prompt(shared: &[i32], own: &[i32]) -> Vec<i32> {
     [shared, own].concat()
 }
 
+/// A common start of `shared` tokens and two prompts `(a, b)` that begin with it, with
+/// `own.0` and `own.1` tokens of their own; `salt` and the two after it pick the tokens.
+fn shared_and_two_prompts(
+    model: &Model,
+    shared: usize,
+    own: (usize, usize),
+    salt: usize,
+) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+    let start = tokens(model, shared, salt);
+    let a = prompt(&start, &tokens(model, own.0, salt + 1));
+    let b = prompt(&start, &tokens(model, own.1, salt + 2));
+    (start, a, b)
+}
+
 fn eval(ctx: &mut Context, prompt: &[i32]) -> Result<i32, Error> {
     ctx.eval(&[PromptPiece::Tokens(prompt.to_vec())], 0, None)
 }
@@ -85,8 +99,8 @@ fn a_parked_context_reads_as_new() {
 #[test]
 fn a_prompt_sharing_the_start_computes_only_the_rest() {
     let model = model();
-    let shared = tokens(&model, 100, 3); // past n-batch 64: reuse ends in the 2nd piece
-    let (a, b) = (prompt(&shared, &tokens(&model, 20, 4)), prompt(&shared, &tokens(&model, 30, 5)));
+    // 100 shared: past n-batch 64, reuse ends in the 2nd piece.
+    let (_, a, b) = shared_and_two_prompts(&model, 100, (20, 30), 3);
     let mut ctx = parked_after(&model, &a, &tokens(&model, 4, 6));
     let meter = metered(&mut ctx);
     assert_eq!(eval(&mut ctx, &b).unwrap(), b.len() as i32);
@@ -141,9 +155,7 @@ fn nothing_shared_nothing_reused() {
 #[test]
 fn a_cancelled_reusing_prompt_leaves_the_context_as_it_was() {
     let model = model();
-    let shared = tokens(&model, 70, 9);
-    let (a, b) =
-        (prompt(&shared, &tokens(&model, 10, 10)), prompt(&shared, &tokens(&model, 90, 11)));
+    let (shared, a, b) = shared_and_two_prompts(&model, 70, (10, 90), 9);
     let mut ctx = parked_after(&model, &a, &[]);
     let token = CancelFlag::new();
     token.trip_after(40); // in the second of the rest's two pieces
@@ -169,9 +181,7 @@ fn a_cancelled_reusing_prompt_leaves_the_context_as_it_was() {
 #[test]
 fn a_decode_from_the_start_reuses_up_to_its_first_logits_row() {
     let model = model();
-    let shared = tokens(&model, 40, 15);
-    let (a, b) =
-        (prompt(&shared, &tokens(&model, 10, 16)), prompt(&shared, &tokens(&model, 20, 17)));
+    let (shared, a, b) = shared_and_two_prompts(&model, 40, (10, 20), 15);
     let mut ctx = parked_after(&model, &a, &[]);
     let meter = metered(&mut ctx);
     let batch = Batch::sequence(&b, 0, 0);

@@ -17,6 +17,10 @@ fn model() -> Arc<Model> {
     Arc::new(Model::load(common::real_model()).unwrap())
 }
 
+fn params(n_ubatch: u32) -> ContextParams {
+    ContextParams { n_ctx: 512, n_batch: 128, n_ubatch, n_seq_max: 1, n_threads: 1 }
+}
+
 #[test]
 fn real_vocabulary_round_trips() {
     let model = model();
@@ -31,8 +35,7 @@ fn real_vocabulary_round_trips() {
 #[test]
 fn cancel_in_second_ubatch_restores_memory_on_the_real_model() {
     let model = model();
-    let params =
-        ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 32, n_seq_max: 1, n_threads: 1 };
+    let params = params(32);
     let prompt = model.tokenize(PROMPT, true, true).unwrap();
     let filler = model.tokenize(" Llamas live in the Andes and eat grass.", false, false).unwrap();
     let long: Vec<i32> = filler.iter().copied().cycle().take(96).collect();
@@ -54,10 +57,7 @@ fn cancel_in_second_ubatch_restores_memory_on_the_real_model() {
     assert_eq!(ctx.seq_pos_max(0).unwrap(), prompt.len() as i32 - 1);
     ctx.decode(&second, None).unwrap();
     let got = ctx.logits_ith(95).unwrap();
-    assert!(
-        got.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()),
-        "logits differ after a cancel"
-    );
+    assert!(common::bitwise_eq(got, &expected), "logits differ after a cancel");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,8 +71,7 @@ async fn guest_on_the_real_model_matches_native_logits() {
 #[test]
 fn host_generation_on_the_real_model_equals_the_greedy_loop() {
     let model = model();
-    let params =
-        ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 128, n_seq_max: 1, n_threads: 1 };
+    let params = params(128);
     let messages = [ChatMessage { role: "user".into(), content: "What is a llama?".into() }];
     assert!(model.chat_template().is_some(), "SmolLM2 ships a chat template");
     assert_eq!(model.apply_chat_template(&ChatTemplate::Model, &messages, true).unwrap(), PROMPT);
@@ -115,8 +114,7 @@ fn host_generation_on_the_real_model_equals_the_greedy_loop() {
 #[test]
 fn a_cancel_in_generation_on_the_real_model_keeps_exactly_the_delivered_tokens() {
     let model = model();
-    let params =
-        ContextParams { n_ctx: 512, n_batch: 128, n_ubatch: 128, n_seq_max: 1, n_threads: 1 };
+    let params = params(128);
     let prompt = model.tokenize(PROMPT, true, true).unwrap();
     let greedy = SamplerParams::greedy;
     let run = |ctx: &mut Context, prompt: &[i32], max_tokens: u32, token: &CancelFlag| {
