@@ -196,6 +196,11 @@ pub async fn run_demo(models: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, S
     run_demo_with(models, &[], args).await
 }
 
+/// `run_demo` for the test plugin (`test_plugin`).
+pub async fn run_test_plugin(models: &[(&str, &Path)], args: &[&str]) -> (RunOutcome, String) {
+    run_plugin(test_plugin(), models, &[], args).await
+}
+
 /// `run_demo` with projectors registered too.
 pub async fn run_demo_with(
     models: &[(&str, &Path)],

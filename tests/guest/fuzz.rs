@@ -19,6 +19,15 @@ fn env(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
+/// The fuzz plugin, loaded on a host over `registry` whose contexts run one thread each.
+fn fuzz_plugin(registry: ModelRegistry) -> (PluginHost, llamabox::Plugin) {
+    let mut limits = Limits::default();
+    (limits.context.max_threads, limits.context.default_threads) = (1, 1);
+    let host = PluginHost::new(registry, limits).unwrap();
+    let plugin = host.load(&common::guest_plugin("llamabox-fuzz.wasm")).unwrap();
+    (host, plugin)
+}
+
 /// Run the fuzz plugin once; its output.
 async fn fuzz_run(
     host: &PluginHost,
@@ -71,10 +80,7 @@ async fn random_wit_call_sequences_through_a_real_guest_never_crash_the_host() {
     // Each seed's run leaves contexts for the next one: their calls meet parked
     // contexts with leftover tokens (reused, cut or removed by whatever comes first).
     registry.keep_idle_contexts(4);
-    let mut limits = Limits::default();
-    (limits.context.max_threads, limits.context.default_threads) = (1, 1);
-    let host = PluginHost::new(registry, limits).unwrap();
-    let plugin = host.load(&common::guest_plugin("llamabox-fuzz.wasm")).unwrap();
+    let (host, plugin) = fuzz_plugin(registry);
     let first = env("LLAMABOX_FUZZ_SEED", 1);
     let seeds = env("LLAMABOX_FUZZ_SEEDS", 6);
     let calls = env("LLAMABOX_FUZZ_CALLS", 150);
@@ -101,10 +107,7 @@ async fn random_wit_call_sequences_through_a_real_guest_never_crash_the_host() {
 async fn hostile_grammars_through_a_real_guest_are_bounded() {
     let registry = ModelRegistry::new();
     registry.register("tiny", common::tiny_model()).register("tiny-again", common::tiny_model());
-    let mut limits = Limits::default();
-    (limits.context.max_threads, limits.context.default_threads) = (1, 1);
-    let host = PluginHost::new(registry, limits).unwrap();
-    let plugin = host.load(&common::guest_plugin("llamabox-fuzz.wasm")).unwrap();
+    let (host, plugin) = fuzz_plugin(registry);
     let first = env("LLAMABOX_FUZZ_SEED", 1);
     let seeds = env("LLAMABOX_FUZZ_SEEDS", 2);
     let cases = env("LLAMABOX_FUZZ_GRAMMARS", 40).to_string();

@@ -26,10 +26,8 @@ async fn guest_generates_then_cancels_a_long_decode_in_flight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_guest_inputs_get_named_errors_and_the_host_keeps_serving() {
-    let (outcome, out) = common::run_plugin(
-        common::test_plugin(),
+    let (outcome, out) = common::run_test_plugin(
         &[("tiny", common::tiny_model())],
-        &[],
         &["bad-inputs", "--model", "tiny"],
     )
     .await;

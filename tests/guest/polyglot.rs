@@ -107,6 +107,11 @@ pub(crate) async fn rust_demo(model: &Path, generate: &str) -> String {
     out
 }
 
+/// Asserts that `out` prints the same `key` as `reference` (the Rust demo's output).
+pub(crate) fn assert_same_field(out: &str, reference: &str, key: &str, why: &str) {
+    assert_eq!(common::field(out, key), common::field(reference, key), "{why}");
+}
+
 /// What every language's plugin prints, checked the same way. Returns its output.
 async fn check_like_the_rust_demo(plugin: &Path) -> String {
     let model = common::slow_model();
@@ -124,10 +129,11 @@ async fn check_like_the_rust_demo(plugin: &Path) -> String {
     ];
     let out = run_twice(plugin, &[("slow", model)], &args).await;
     let rust = rust_demo(model, "8").await;
-    assert_eq!(
-        common::field(&out, "host-generated-ids"),
-        common::field(&rust, "host-generated-ids"),
-        "greedy output differs from the Rust demo's"
+    assert_same_field(
+        &out,
+        &rust,
+        "host-generated-ids",
+        "greedy output differs from the Rust demo's",
     );
     // Cancelled at once from the plugin's event loop (a 0 ms timer against a 512-token
     // decode, as in guest::plugin): `cancelled`, and memory untouched.
@@ -156,10 +162,11 @@ async fn c_plugin_does_what_the_rust_demo_does() {
     let out = check_like_the_rust_demo(c_plugin()).await;
     // Its own greedy loop in wasm too (decode, last-logits, argmax): the Rust demo's.
     let rust = rust_demo(common::slow_model(), "8").await;
-    assert_eq!(
-        common::field(&out, "generated-ids"),
-        common::field(&rust, "generated-ids"),
-        "the C argmax loop differs from the Rust demo's"
+    assert_same_field(
+        &out,
+        &rust,
+        "generated-ids",
+        "the C argmax loop differs from the Rust demo's",
     );
     assert_eq!(
         common::field(&out, "prompt-tokens").split(',').count().to_string(),

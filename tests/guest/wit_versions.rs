@@ -5,7 +5,7 @@
 use llamabox::{Error, Limits, ModelRegistry, PluginHost, RunOutcome};
 
 use crate::common;
-use crate::polyglot::PROMPT;
+use crate::polyglot::{assert_same_field, PROMPT};
 
 /// guest/compat-0.1.0 is built from wit/released/0.1.0: it imports `...@0.1.0`, which
 /// this host serves as 0.1.1. It generates exactly what the current demo does, and its
@@ -26,11 +26,8 @@ async fn a_plugin_built_against_the_previous_version_runs_unchanged() {
     let (outcome, out) = common::run_plugin(&plugin, &[("slow", model)], &[], &args).await;
     assert_eq!(outcome, RunOutcome::Success, "{out}");
     let demo = crate::polyglot::rust_demo(model, "8").await;
-    assert_eq!(
-        common::field(&out, "host-generated-ids"),
-        common::field(&demo, "host-generated-ids"),
-        "a 0.1.0 plugin generates what a current one does"
-    );
+    let why = "a 0.1.0 plugin generates what a current one does";
+    assert_same_field(&out, &demo, "host-generated-ids", why);
     assert_eq!(common::field(&out, "host-finish"), "max-tokens");
     assert_eq!(common::field(&out, "cancelled-decode"), "cancelled, seq-pos-max=-1");
 }

@@ -780,10 +780,8 @@ async fn guest_host_side_greedy_equals_its_own_greedy_loop_and_the_native_one() 
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_guest_that_stops_reading_pauses_the_generation_and_a_cancel_ends_it() {
-    let (outcome, out) = common::run_plugin(
-        common::test_plugin(),
+    let (outcome, out) = common::run_test_plugin(
         &[("tiny", common::tiny_model())],
-        &[],
         &["stall-generation", "--model", "tiny", "--cancel-after-ms", "200"],
     )
     .await;
