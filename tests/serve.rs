@@ -65,13 +65,9 @@ fn the_openai_client_and_curl_chat_stream_and_embed() {
     // was: on the context it left, reusing all of the prompt but its last token (see
     // openai_client.py).
     let question = "What is a llama? Answer in two sentences.";
-    let (status, first) = post(&server, "/v1/chat/completions", &chat(question, 32, false), &[]);
-    assert_eq!(status, 200, "{first}");
-    let (status, whole) = post(&server, "/v1/chat/completions", &chat(question, 32, false), &[]);
-    assert_eq!(status, 200, "{whole}");
-    let (status, streamed) =
-        post(&server, "/v1/chat/completions", &chat(question, 32, true), &["-N"]);
-    assert_eq!(status, 200, "{streamed}");
+    post_chat(&server, &chat(question, 32, false), &[]);
+    let whole = post_chat(&server, &chat(question, 32, false), &[]);
+    let streamed = post_chat(&server, &chat(question, 32, true), &["-N"]);
     assert_eq!(chat_text(&streamed, true), chat_text(&whole, false));
 
     // Bad input gets OpenAI-shaped errors from the plugin, unknown paths from the server.
@@ -322,13 +318,7 @@ fn later_requests_reuse_prompt_starts(batch: bool) {
         &["--threads", "2", "--batch", &batch.to_string()],
     );
     let send = |question: &str, id: &str| {
-        let (status, body) = post(
-            &server,
-            "/v1/chat/completions",
-            &ask(question),
-            &["-H", &format!("x-request-id: {id}")],
-        );
-        assert_eq!(status, 200, "{body}");
+        let body = post_chat(&server, &ask(question), &["-H", &format!("x-request-id: {id}")]);
         let (text, prompt_tokens, completion_tokens) = answer(&body);
         let report = server.run_report(id);
         println!("{report}");
@@ -464,13 +454,11 @@ fn hang_ups_stop_only_their_own_work(batch: bool) {
     ];
     let server = Server::start(&[("smollm2", common::real_model())], &flags);
     let question = "Name three animals that live in the Andes.";
-    let (status, alone) = post(&server, "/v1/chat/completions", &chat(question, 48, false), &[]);
-    assert_eq!(status, 200, "{alone}");
+    let alone = post_chat(&server, &chat(question, 48, false), &[]);
 
     // A streams while B hangs up mid-prefill of a ~3000-token prompt.
     let prompt = long_prompt(1000, "w");
-    let (status, counted) = post(&server, "/v1/chat/completions", &chat(&prompt, 1, false), &[]);
-    assert_eq!(status, 200, "{counted}");
+    let counted = post_chat(&server, &chat(&prompt, 1, false), &[]);
     let (_, prompt_tokens, _) = answer(&counted);
     let other = std::thread::scope(|s| {
         let other =
@@ -730,6 +718,18 @@ fn png(width: u32, height: u32, rgb: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A `side` × `side` gradient as a PNG, in base64.
+fn gradient_png_base64(side: u32) -> String {
+    base64(&png(side, side, &common::gradient(side, side)))
+}
+
+/// A server on the tiny model whose openai plugin sees images through `projector`.
+fn vision_server(projector: &std::path::Path) -> Server {
+    let projector = format!("eyes={}", projector.display());
+    let flags = ["--projector", &projector, "--plugin-env", "LLAMABOX_VISION=tiny=eyes"];
+    Server::start(&[("tiny", common::tiny_model())], &flags)
+}
+
 fn base64(bytes: &[u8]) -> String {
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     bytes
@@ -750,18 +750,14 @@ fn base64(bytes: &[u8]) -> String {
 
 #[test]
 fn a_hang_up_during_an_image_encode_stops_the_encode() {
-    let projector = format!("eyes={}", common::slow_vision().display());
-    let flags = ["--projector", &projector, "--plugin-env", "LLAMABOX_VISION=tiny=eyes"];
-    let server = Server::start(&[("tiny", common::tiny_model())], &flags);
-    let url = format!("data:image/png;base64,{}", base64(&png(64, 64, &common::gradient(64, 64))));
+    let server = vision_server(common::slow_vision());
+    let url = format!("data:image/png;base64,{}", gradient_png_base64(64));
     let ask = |stream: bool| {
         json!({"model": "tiny", "max_tokens": 8, "temperature": 0, "stream": stream, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]}]})
     };
     // Served whole: the image's embeddings are part of the prompt.
-    let (status, whole) =
-        post(&server, "/v1/chat/completions", &ask(false), &["-H", "x-request-id: image-whole"]);
-    assert_eq!(status, 200, "{whole}");
+    let whole = post_chat(&server, &ask(false), &["-H", "x-request-id: image-whole"]);
     let text_only = server.run_report("image-whole");
     let (_, prompt_tokens, _) = answer(&whole);
     assert!(
@@ -960,21 +956,17 @@ fn load_with_wrk_and_hang_ups_leaves_no_worker_and_accounts_for_every_request() 
 /// served whole, the image's embeddings and all.
 #[test]
 fn a_message_beside_an_image_cannot_spell_a_special_token() {
-    let projector = format!("eyes={}", common::tiny_vision().display());
-    let flags = ["--projector", &projector, "--plugin-env", "LLAMABOX_VISION=tiny=eyes"];
-    let server = Server::start(&[("tiny", common::tiny_model())], &flags);
-    let url = format!("data:image/png;base64,{}", base64(&png(8, 8, &common::gradient(8, 8))));
+    let server = vision_server(common::tiny_vision());
+    let url = format!("data:image/png;base64,{}", gradient_png_base64(8));
     let prompt_tokens = |text: &str| {
         let body = json!({"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": [
             {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]});
-        let (status, response) = post(&server, "/v1/chat/completions", &body, &[]);
-        assert_eq!(status, 200, "{response}");
+        let response = post_chat(&server, &body, &[]);
         answer(&response).1
     };
     let tokens = |text: &str, parse_special: bool| {
         let body = json!({"model": "tiny", "content": text, "parse_special": parse_special});
-        let (status, response) = post(&server, "/tokenize", &body, &[]);
-        assert_eq!(status, 200, "{response}");
+        let response = post_ok(&server, "/tokenize", &body, &[]);
         serde_json::from_str::<Value>(&response).unwrap()["tokens"].as_array().unwrap().len() as u64
     };
     assert_eq!(tokens("</s>", true), 1, "</s> is the tiny model's special token");

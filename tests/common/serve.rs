@@ -219,6 +219,18 @@ pub fn post(server: &Server, path: &str, body: &Value, extra: &[&str]) -> (u16, 
     post_to(&server.url(path), body, extra)
 }
 
+/// `post`, which must be answered 200: the answer's body.
+pub fn post_ok(server: &Server, path: &str, body: &Value, extra: &[&str]) -> String {
+    let (status, body) = post(server, path, body, extra);
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+/// `post_ok` to `/v1/chat/completions`.
+pub fn post_chat(server: &Server, body: &Value, extra: &[&str]) -> String {
+    post_ok(server, "/v1/chat/completions", body, extra)
+}
+
 /// The body goes on curl's stdin: an argument is at most 128 KiB (MAX_ARG_STRLEN).
 pub fn post_to(url: &str, body: &Value, extra: &[&str]) -> (u16, String) {
     let mut args = vec!["-H", "content-type: application/json", "--data-binary", "@-", url];

@@ -26,7 +26,7 @@ fn the_anthropic_sdk_creates_streams_calls_tools_counts_tokens_and_sees_images()
     );
     let pip = common::pip_tool;
     let path = format!("{}:{}", pip("anthropic", "2.16.0"), pip("jsonschema", "4.23.0"));
-    let image = super::base64(&super::png(8, 8, &common::gradient(8, 8)));
+    let image = super::gradient_png_base64(8);
     let out = Command::new("python3")
         .arg(common::repo_root().join("tests/serve/messages_client.py"))
         .args([&server.url(""), "smollm2", "tiny", &image])

@@ -364,8 +364,7 @@ fn the_hosts_embedding_budget_holds_whatever_the_plugin_checks() {
     let words = |n: usize| -> Vec<String> { (0..n).map(|i| format!("word{i}")).collect() };
     // Four inputs: within the budget, twice (each request is a run of its own).
     for _ in 0..2 {
-        let (status, body) = post(&server, "/v1/embeddings", &embeddings("tiny", &words(4)), &[]);
-        assert_eq!(status, 200, "{body}");
+        post_ok(&server, "/v1/embeddings", &embeddings("tiny", &words(4)), &[]);
     }
     let (status, body) = post(&server, "/v1/embeddings", &embeddings("tiny", &words(5)), &[]);
     assert_eq!(status, 400, "{body}");

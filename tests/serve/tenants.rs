@@ -223,13 +223,7 @@ fn prompts_are_reused_only_within_their_tenant() {
     );
     let server = config.serve();
     let send = |key: &str, question: &str| {
-        let (status, body) = post(
-            &server,
-            "/v1/chat/completions",
-            &ask(question),
-            &["-H", &format!("x-api-key: {key}")],
-        );
-        assert_eq!(status, 200, "{body}");
+        let body = post_chat(&server, &ask(question), &["-H", &format!("x-api-key: {key}")]);
         cached_tokens(&body)
     };
     assert_eq!(send(KEY_A, "What do llamas eat?"), 0, "nothing to reuse yet");
@@ -240,9 +234,7 @@ fn prompts_are_reused_only_within_their_tenant() {
     let salted = |salt: &str, question: &str| {
         let mut body = ask(question);
         body["cache_salt"] = json!(salt);
-        let (status, body) =
-            post(&server, "/v1/chat/completions", &body, &["-H", &format!("x-api-key: {KEY_A}")]);
-        assert_eq!(status, 200, "{body}");
+        let body = post_chat(&server, &body, &["-H", &format!("x-api-key: {KEY_A}")]);
         cached_tokens(&body)
     };
     assert_eq!(salted("s1", "What do llamas eat?"), 0, "another salt: nothing of a's own");
@@ -252,9 +244,7 @@ fn prompts_are_reused_only_within_their_tenant() {
 
     let open = Server::start(&[("smollm2", common::real_model())], &["--threads", "2"]);
     let from = |address: &str, question: &str| {
-        let (status, body) =
-            post(&open, "/v1/chat/completions", &ask(question), &["--interface", address]);
-        assert_eq!(status, 200, "{body}");
+        let body = post_chat(&open, &ask(question), &["--interface", address]);
         cached_tokens(&body)
     };
     assert_eq!(from("127.0.0.1", "What do llamas eat?"), 0);
