@@ -91,9 +91,7 @@ impl Steps {
         loop {
             // A fresh arrival flag before taking what was sent: a call sent from here on
             // sets it, and one sent before is taken below.
-            self.arrived = CancelFlag::new();
-            *self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner) =
-                Arrivals { flag: self.arrived.clone(), except: None };
+            self.fresh_arrivals();
             if self.receive() {
                 return self.close();
             }
@@ -122,6 +120,13 @@ impl Steps {
         }
     }
 
+    /// A new arrival flag, counting everyone's calls until the next plan says whose.
+    fn fresh_arrivals(&mut self) {
+        self.arrived = CancelFlag::new();
+        *self.arrived_slot.lock().unwrap_or_else(PoisonError::into_inner) =
+            Arrivals { flag: self.arrived.clone(), except: None };
+    }
+
     /// Take every op the seats have sent so far; whether nobody can send any more.
     pub(super) fn receive(&mut self) -> bool {
         loop {
@@ -145,6 +150,8 @@ impl Steps {
             #[cfg(test)]
             Op::Pause(gate) => {
                 let _ = gate.recv();
+                // What was sent meanwhile is taken next, before any step: not arrivals.
+                self.fresh_arrivals();
             }
             #[cfg(test)]
             Op::YieldAt(node) => self.yield_at = Some(node),
