@@ -16,7 +16,7 @@ use super::bindings::llamabox::inference::generate::{
 };
 use super::llm::{ContextHandle, ModelHandle};
 use super::pending::{finished, subscribe_shared};
-use super::{CancelToken, Charge, Error, LlamaCtxView, LlamaResult, PendingSlot};
+use super::{within, CancelToken, Charge, Error, LlamaCtxView, LlamaResult, PendingSlot};
 use crate::native::{self, CancelFlag, Model, Sampler, Token};
 use crate::worker::Call;
 
@@ -199,28 +199,12 @@ impl LlamaCtxView<'_> {
     }
 
     fn check_generate(&self, params: &GenerateParams) -> Result<(), Error> {
-        let l = &self.ctx.limits;
-        let over = |what: String| Err(Error::LimitExceeded(what));
-        if params.max_tokens > l.generate.max_generate_tokens {
-            return over(format!(
-                "max-tokens {} is above max-generate-tokens {}",
-                params.max_tokens, l.generate.max_generate_tokens
-            ));
-        }
-        if params.stop.len() > l.generate.max_stop_strings {
-            return over(format!(
-                "{} stop strings is above max-stop-strings {}",
-                params.stop.len(),
-                l.generate.max_stop_strings
-            ));
-        }
-        if let Some(s) = params.stop.iter().find(|s| s.len() > l.generate.max_stop_bytes) {
-            return over(format!(
-                "a stop string of {} bytes is above max-stop-bytes {}",
-                s.len(),
-                l.generate.max_stop_bytes
-            ));
-        }
+        let l = &self.ctx.limits.generate;
+        let (max, asked) = (l.max_generate_tokens as usize, params.max_tokens as usize);
+        within("max-generate-tokens", max, asked, "max-tokens")?;
+        within("max-stop-strings", l.max_stop_strings, params.stop.len(), "stop strings")?;
+        let longest_stop = params.stop.iter().map(String::len).max().unwrap_or(0);
+        within("max-stop-bytes", l.max_stop_bytes, longest_stop, "bytes of a stop string")?;
         if let Some(n) = params.logprobs.filter(|&n| n > native::MAX_TOP_LOGPROBS) {
             return Err(Error::InvalidArgument(format!(
                 "logprobs {n} is outside [0, {}]",

@@ -11,7 +11,7 @@ use super::bindings::llamabox::inference::llm::{
     Batch, ContextParams, Host, HostContext, HostModel, HostPendingDecode,
 };
 use super::pending::{finished, Pending};
-use super::{CancelToken, Charge, Error, LlamaCtxView, LlamaResult};
+use super::{within, CancelToken, Charge, Error, LlamaCtxView, LlamaResult};
 use crate::engine::{Lease, LeaseRequest, Opened};
 use crate::native::{self, CancelFlag, Model, Token};
 use crate::worker::Call;
@@ -152,13 +152,7 @@ impl HostModel for LlamaCtxView<'_> {
         } else {
             (limits.context.max_text_bytes, "max-text-bytes")
         };
-        if text.len() > max {
-            return Err(Error::LimitExceeded(format!(
-                "text of {} bytes is above {limit} {max}",
-                text.len()
-            ))
-            .into());
-        }
+        within(limit, max, text.len(), "bytes of text")?;
         let model = self.table.get(&model)?.model.clone();
         self.off_executor(move || model.tokenize(&text, add_special, parse_special)).await
     }
@@ -180,13 +174,7 @@ impl HostModel for LlamaCtxView<'_> {
         unparse_special: bool,
     ) -> LlamaResult<String> {
         let max = self.ctx.limits.context.max_detokenize_tokens;
-        if tokens.len() > max {
-            return Err(Error::LimitExceeded(format!(
-                "{} tokens is above max-detokenize-tokens {max}",
-                tokens.len()
-            ))
-            .into());
-        }
+        within("max-detokenize-tokens", max, tokens.len(), "tokens")?;
         let model = self.table.get(&model)?.model.clone();
         self.off_executor(move || model.detokenize(&tokens, remove_special, unparse_special)).await
     }

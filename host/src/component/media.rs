@@ -12,7 +12,7 @@ use super::bindings::llamabox::inference::media::{
 };
 use super::llm::{ContextHandle, ModelHandle};
 use super::pending::{finished, Pending};
-use super::{CancelToken, Charge, Error, LlamaCtxView, LlamaResult};
+use super::{within, CancelToken, Charge, Error, LlamaCtxView, LlamaResult};
 use crate::engine::{EncodePace, MediaLease, MediaRequest};
 use crate::native::{self, Chunk, MediaContext, MediaInput, Model, Token};
 use crate::worker::Call;
@@ -156,13 +156,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
     ) -> LlamaResult<Vec<Resource<ChunkHandle>>> {
         // mtmd parses special tokens in every prompt.
         let max = self.ctx.limits.context.max_special_text_bytes;
-        if prompt.len() > max {
-            return Err(Error::LimitExceeded(format!(
-                "prompt of {} bytes is above max-special-text-bytes {max}",
-                prompt.len()
-            ))
-            .into());
-        }
+        within("max-special-text-bytes", max, prompt.len(), "bytes of prompt")?;
         let caps = self.ctx.limits.media_caps();
         let inputs: Vec<MediaInput> = inputs
             .into_iter()

@@ -84,6 +84,16 @@ pub mod async_bindings {
 
 pub use bindings::llamabox::inference::types::Error;
 
+/// `limit-exceeded` for `n` of `what` above the host limit `limit` (`max`), else `Ok`:
+/// every size a call is checked for is refused in one wording, the limit's name first
+/// (as native limits are: `{limit}: {requested} is above {max}`).
+pub(crate) fn within(limit: &str, max: usize, n: usize, what: &str) -> Result<(), Error> {
+    if n > max {
+        return Err(Error::LimitExceeded(format!("{limit}: {n} {what} is above {max}")));
+    }
+    Ok(())
+}
+
 /// Why a host function failed: the WIT `error` the guest gets back, or a trap (a bad
 /// resource handle, a host invariant broken) that ends the guest. Both convert with
 /// `?`, as wasi-nn's and wasi's trappable errors do; `convert_error` below sorts them.
