@@ -851,7 +851,8 @@ async fn guest_chats_through_the_models_template_and_streams_the_answer() {
         .starts_with("invalid-argument: unknown chat template"));
     assert!(common::field(&out, "chat-bad-sampler").starts_with("invalid-argument: top-p"));
     assert!(common::field(&out, "chat-bad-grammar").starts_with("invalid-argument: grammar"));
-    assert!(common::field(&out, "chat-too-many-tokens").starts_with("limit-exceeded: max-tokens"));
+    assert!(common::field(&out, "chat-too-many-tokens")
+        .starts_with("limit-exceeded: max-generate-tokens: "));
 }
 
 #[tokio::test(flavor = "multi_thread")]
