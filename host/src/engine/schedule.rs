@@ -189,22 +189,9 @@ const MIN_CHUNK_ROWS: usize = 16;
 /// nothing worth leaving for.
 const NEWCOMER_LEAD: f64 = 1.0;
 
-/// Each plan, every group's lead or lag on the least share of the groups that waited
-/// fades by this factor: fair share is over the recent steps (half of a difference gone
-/// after ~7 steps), so one burst (a chat's prompt step) is not held against a stream for
-/// the rest of the chat, while a backlogged group still gets its weight's part.
-const SHARE_FADE: f64 = 0.9;
-
 /// Groups whose share is remembered while they have no rows: beyond this (an open
 /// server's many addresses), only the groups waiting now are kept.
 const MAX_IDLE_GROUPS: usize = 1024;
-/// How much each other group's rows may lengthen the lightest generating group's step,
-/// as a part of that step's own time (per unit of weight), where rows are cheap beside
-/// a step's fixed part; the count rule (as many rows per weight) holds anyway. Half, not
-/// all of it: what shares the cores beside a step (the others' host work, a KV cache
-/// their sequences spread, which every row's attention spans) stretches it further, and
-/// a stream's gaps are to stay within twice its own.
-const TIME_STRETCH: f64 = 0.5;
 /// How many times the lightest group's sampling time per token row another group's must
 /// be for its rows to count as heavier (held to the lightest's time, not row count):
 /// above the noise of timing a plain sampler's fraction of a millisecond.
@@ -556,10 +543,10 @@ impl Scheduler {
     /// and prompt rows) than its weight's part of what the lightest of them costs
     /// (fewest rows per weight, of the highest class): as many rows per weight, or more
     /// where the cost fitted from earlier steps says rows are cheap beside a step's
-    /// fixed part, up to [`TIME_STRETCH`] of the lightest's own step time. On a CPU,
-    /// where a row costs about a step's fixed part, one tenant's sixteen streams and
-    /// their prompts beside another's lone stream make that stream's steps about 1.5×
-    /// its own, not seventeen rows long; on a GPU little is cut. A group's picks are cut from its last: prompt rows first, then the tokens
+    /// fixed part. On a CPU, where a row costs about a step's fixed part, one tenant's
+    /// sixteen streams and their prompts beside another's lone stream make that
+    /// stream's steps about twice its own, not seventeen rows long; on a GPU nothing is
+    /// cut. A group's picks are cut from its last: prompt rows first, then the tokens
     /// taken most recently, so its seats take turns.
     ///
     /// A group with prompts only is held to the same part: a flood of prompts (or of
@@ -617,15 +604,14 @@ impl Scheduler {
                 .map(|(&group, &(rows, weight, _))| {
                     let weight = weight as usize;
                     let by_count = (light_rows * weight).div_ceil(light_weight);
-                    // Rows of the stretch of the time the lightest's rows (sampling
-                    // included) and a step's fixed part take, at this group's time per
-                    // row.
+                    // Rows of the time the lightest's rows (sampling included) and a
+                    // step's fixed part take, at this group's time per row.
                     let by_time = cost.map_or(0, |(fixed, per_row)| {
                         let light_time =
                             fixed + light_rows as f64 * (per_row + sampling(light_group));
-                        let stretch = TIME_STRETCH * light_time * weight as f64;
                         let row_time = per_row + sampling(group);
-                        (stretch / light_weight as f64 / row_time).min(rows as f64) as usize
+                        (light_time * weight as f64 / light_weight as f64 / row_time)
+                            .min(rows as f64) as usize
                     });
                     // A group whose rows cost more than the lightest's (a grammar's masks
                     // on each token) is held to the lightest's time, not its row count.
@@ -781,7 +767,7 @@ impl Scheduler {
             }
         }
         self.served.retain(|g, share| {
-            *share = (*share - floor) * SHARE_FADE;
+            *share -= floor;
             now.contains(g.as_str()) || *share > 0.0
         });
         if self.served.len() > MAX_IDLE_GROUPS {
@@ -1312,40 +1298,6 @@ mod tests {
         assert_eq!(rows_of(&s.plan(&[prompt(1, "victim", 15), flood[0]])), [(1, 15), (101, 85)]);
     }
 
-    /// A chat's prompt step puts its tenant ahead of the one whose streams ran beside it;
-    /// over the chat's tokens (a row each, beside one of the other's) that lead fades, so
-    /// its next chat's first step is its own rows again, not held to the other's part.
-    #[test]
-    fn a_prompt_steps_lead_fades_over_the_chat_so_the_next_first_step_is_whole() {
-        let mut s = scheduler();
-        let group_of = |id: u64| if id < 100 { "victim" } else { "attacker" };
-        let streams: Vec<Candidate<'_>> = (101..105).map(|id| token(id, "attacker")).collect();
-        let beside = |victim: Candidate<'static>| {
-            let mut step = streams.clone();
-            step.push(victim);
-            step
-        };
-        let victims_rows =
-            |plan: &Plan| rows_of(plan).iter().find(|(id, _)| *id < 100).map(|r| r.1);
-        for _ in 0..3 {
-            let plan = s.plan(&streams);
-            computed(&mut s, &plan, group_of);
-        }
-        for chat in 1..=3 {
-            let plan = s.plan(&beside(prompt(chat, "victim", 20)));
-            assert_eq!(victims_rows(&plan), Some(20), "chat {chat}: its first step is whole");
-            computed(&mut s, &plan, group_of);
-            for _ in 0..32 {
-                let plan = s.plan(&beside(token(chat, "victim")));
-                assert_eq!(plan.picks.len(), 2, "a row each");
-                computed(&mut s, &plan, group_of);
-            }
-            s.forget(chat);
-            let plan = s.plan(&streams);
-            computed(&mut s, &plan, group_of);
-        }
-    }
-
     /// A group whose streams run waits with its next prompt behind a group with none,
     /// whatever their shares: the victim of a capped flood gets its first token first
     /// (though no more than its weight's part of the step's prompt rows while the other
@@ -1365,10 +1317,7 @@ mod tests {
     fn token_rows_are_capped_where_rows_cost_and_not_where_they_are_cheap() {
         let mut candidates = vec![token(1, "light")];
         candidates.extend((10..26).map(|id| token(id, "heavy")));
-        // A CPU's cost as traced here (5 ms a step, 4.5 ms a row): the light's step is
-        // stretched by one row (its own cost halved is 4.75 ms), not two.
-        let cases = [(20_000, 100, 17), (5_000, 8_000, 2), (5_000, 4_500, 2), (6_000, 1_500, 3)];
-        for (fixed_us, per_row_us, picked) in cases {
+        for (fixed_us, per_row_us, picked) in [(20_000, 100, 17), (5_000, 8_000, 2)] {
             let mut s = scheduler();
             for rows in (1..=64).step_by(3) {
                 let elapsed = Duration::from_micros(fixed_us + per_row_us * rows as u64);
@@ -1396,11 +1345,7 @@ mod tests {
         assert_eq!(s.plan(&candidates).picks.len(), 17, "rows are cheap to decode: no cut");
         s.sampled("light", Duration::from_micros(50));
         s.sampled("heavy", 5 * MS);
-        // Half the light's step, 10.08 ms, at 5.1 ms a heavy row: 1 of them.
-        assert_eq!(s.plan(&candidates).picks.len(), 2);
-        s.sampled("heavy", 2 * MS);
-        s.sampled("heavy", 2 * MS);
-        // ... and at about 2.6 ms a row: 3 of them.
+        // The light's step, 20.15 ms, at 5.1 ms a heavy row: 3 of them.
         assert_eq!(s.plan(&candidates).picks.len(), 4);
     }
 
