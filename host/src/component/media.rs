@@ -224,13 +224,7 @@ impl HostMediaContext for LlamaCtxView<'_> {
             )
             .into());
         }
-        chunks.iter().try_for_each(|c| native::check_owner(media.lease.id, c))?;
-        if media.lease.mrope && chunks.iter().any(|c| c.kind() != native::ChunkKind::Text) {
-            return Err(Error::InvalidArgument(
-                "projectors with multi-dimensional positions (M-RoPE) are not supported yet".into(),
-            )
-            .into());
-        }
+        media.lease.check_chunks(&chunks)?;
         // More tokens than the whole context holds can never fit: known before anything
         // is encoded, without waiting for the context's worker (native `eval` checks the
         // sequence's own room again before it computes).

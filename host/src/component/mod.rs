@@ -87,7 +87,7 @@ pub use bindings::llamabox::inference::types::Error;
 /// `limit-exceeded` for `n` of `what` above the host limit `limit` (`max`), else `Ok`:
 /// every size a call is checked for is refused in one wording, the limit's name first
 /// (as native limits are: `{limit}: {requested} is above {max}`).
-pub(crate) fn within(limit: &str, max: usize, n: usize, what: &str) -> Result<(), Error> {
+fn within(limit: &str, max: usize, n: usize, what: &str) -> Result<(), Error> {
     if n > max {
         return Err(Error::LimitExceeded(format!("{limit}: {n} {what} is above {max}")));
     }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::{Lease, Meter, Opened};
 use crate::native::{
-    self, CancelFlag, Chunk, Error, MediaCaps, MediaContext, MediaContextId, MediaInput,
+    self, CancelFlag, Chunk, ChunkKind, Error, MediaCaps, MediaContext, MediaContextId, MediaInput,
     PromptPiece, Stop,
 };
 use crate::worker::{Call, Tracker, Worker};
@@ -40,12 +40,12 @@ pub(crate) struct MediaRequest<'a> {
 /// The native side of one plugin media context, and what it supports.
 pub(crate) struct MediaLease {
     worker: Worker<MediaContext>,
-    pub id: MediaContextId,
+    id: MediaContextId,
     pub vision: bool,
     pub audio: bool,
     pub sample_rate: Option<u32>,
     /// Positions of several dimensions (M-RoPE), which `eval` does not place yet.
-    pub mrope: bool,
+    mrope: bool,
 }
 
 impl Opened {
@@ -98,6 +98,19 @@ impl MediaLease {
         Ok(self
             .worker
             .call(move |m, abandoned| m.encode(&chunk, Some(Stop::on_either(&token, abandoned)))))
+    }
+
+    /// Whether [`MediaLease::eval_into`] can take `chunks`: all this context's, and no
+    /// media ones where its positions have several dimensions. Checked before anything
+    /// is encoded.
+    pub(crate) fn check_chunks(&self, chunks: &[Arc<Chunk>]) -> native::Result<()> {
+        chunks.iter().try_for_each(|c| native::check_owner(self.id, c))?;
+        if self.mrope && chunks.iter().any(|c| c.kind() != ChunkKind::Text) {
+            return Err(Error::InvalidArgument(
+                "projectors with multi-dimensional positions (M-RoPE) are not supported yet".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// `chunks` evaluated into `context`'s sequence `seq`: its media chunks encoded here,

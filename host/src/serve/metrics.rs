@@ -329,6 +329,7 @@ impl Metrics {
             registry,
         }
     }
+
     /// What a batch calls after every step (on its own thread: only atomic updates).
     pub fn batch_observer(&self) -> crate::StepObserver {
         let batch = self.batch.clone();
