@@ -621,6 +621,17 @@ impl Scheduler {
                     (group, room.clamp(1, rows))
                 })
                 .collect();
+            // What the part was set by and each group held to it, beside the step's own
+            // trace line ("batch step"): what a slow shared step is read from.
+            tracing::trace!(
+                light = light_group,
+                light_rows,
+                fixed_ms = cost.map(|(fixed, _)| fixed * 1e3),
+                per_row_ms = cost.map(|(_, per_row)| per_row * 1e3),
+                sampling_ms = ?(self.sampling.iter()).map(|(g, s)| (g, s * 1e3)).collect::<Vec<_>>(),
+                ?room,
+                "step shares"
+            );
             for p in picks.iter_mut() {
                 let c = of[&p.id];
                 let mut no_room = 0;
