@@ -146,8 +146,9 @@ def attack(name, port, source, n):
 ATTACKS = ["long-prompts", "hangup-prefill", "hangup-first-token", "embeddings", "n4-grammar", "unread-streams"]
 
 
-def window(port, seconds, attack_name=None):
-    """The victim's chats for `seconds`, beside `attack_name` if any."""
+def window(port, seconds, attack_name=None, think=0.0):
+    """The victim's chats for `seconds`, beside `attack_name` if any, `think` seconds
+    between one chat's end and the next."""
     stop_at = time.monotonic() + seconds
     statuses = {"victim": {}, "attacker": {}}
     lock = threading.Lock()
@@ -177,6 +178,7 @@ def window(port, seconds, attack_name=None):
             ttft.append(pieces[0] - t_send)
             itl.extend(b - a for a, b in zip(pieces, pieces[1:]))
         i += 1
+        time.sleep(min(think, max(0.0, stop_at - time.monotonic())))
     for t in clients:
         t.join()
     return {"ttft": ttft, "itl": itl, "statuses": statuses}
@@ -184,13 +186,14 @@ def window(port, seconds, attack_name=None):
 
 def main():
     args = serve_arguments(window=30.0, threads=f"1,{os.cpu_count()}", attacks=",".join(ATTACKS),
-                           out="bench/ATTACKS.md")
+                           out="bench/ATTACKS.md", think=0.0)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     t0 = time.monotonic()
     lines = ["# Fairness under attack", "",
              f"`make bench-attacks` ({started}): {cpu_name()}, {os.cpu_count()} cores; SmolLM2-135M Q4_1; "
              f"`llamabox serve` at its defaults but for two keyed tenants (victim, attacker). The victim streams one "
-             f"chat after another (32 tokens) for {args.window:.0f} s per row; the attacker runs from 4 loopback "
+             f"chat after another (32 tokens{f', {args.think:g} s between them' if args.think else ''}) "
+             f"for {args.window:.0f} s per row; the attacker runs from 4 loopback "
              "addresses (embeddings: 2). Times in ms; ratios against the victim alone in the same server. Targets: "
              "ITL p99 ≤ 2× solo and ≤ 250 ms + one step, TTFT p99 ≤ 1.5× solo, no refusal of the victim.", ""]
     workdir = tempfile.mkdtemp(prefix="llamabox-attack-bench.")
@@ -199,11 +202,11 @@ def main():
                         f"serve-{threads}")
         try:
             window(server.port, 5)  # warm up
-            solo = window(server.port, args.window)
+            solo = window(server.port, args.window, think=args.think)
             rows = [("alone", solo)]
             for name in [a for a in args.attacks.split(",") if a]:
                 print(f"{threads} thread(s): {name}", flush=True)
-                rows.append((name, window(server.port, args.window, name)))
+                rows.append((name, window(server.port, args.window, name, args.think)))
                 time.sleep(3)
         finally:
             server.stop()
