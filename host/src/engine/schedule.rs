@@ -28,7 +28,9 @@
 //!    any other step with prompt rows yields to the arrival of a group that would go
 //!    first in share ([`YieldTo::AllBut`]), within a debt of its own;
 //! 4. while several groups generate, none of them keeps more than its weight's part of
-//!    what the lightest of them costs, by count and by time ([`Scheduler::share_rows`]):
+//!    what the lightest of them costs, by count and by time ([`Scheduler::share_rows`];
+//!    the time its token rows take alone and what another's row adds beside them are
+//!    measured, one step in [`PROBE_EVERY`] running them alone):
 //!    its last prompt rows are cut first, then its tokens, whose seats take turns; a
 //!    group with prompts only is held to that part too, except a newcomer's first step
 //!    (no rows in the last plan, not ahead in share), which sets the part while the
@@ -44,7 +46,7 @@
 //! candidates. The batch's thread changes only if the policy needs new facts.
 
 use std::cmp::{Ordering, Reverse};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use super::batch::BatchPolicy;
@@ -285,6 +287,74 @@ impl StepCost {
     }
 }
 
+/// Every this many shared steps, the lightest generating group's token rows run in a
+/// step of their own (a *probe*), so that what others may add beside them is measured,
+/// not fitted: a line through steps of token rows and of prompt rows put the cost of
+/// another sequence's token row into its fixed part, and the time rule handed that part
+/// out (bench/ATTACKS.md). Costs the others' rows one step's wait in this many.
+const PROBE_EVERY: u32 = 32;
+/// Shared steps before a probe when the lightest's row count has not been measured
+/// alone yet: soon, but not at every change of it.
+const PROBE_GAP: u32 = 4;
+/// Row counts whose time alone is remembered (the lightest groups' few sizes).
+const SOLO_SIZES: usize = 8;
+
+/// What token rows of one group cost in a step of their own, and what a row of another
+/// group adds beside them, measured: from steps that held one group's token rows only
+/// (probes, and steps nobody else had rows for) and the shared steps after them.
+#[derive(Debug, Default)]
+struct SoloCost {
+    /// Decode seconds of a step of that many token rows of one group alone.
+    alone: BTreeMap<usize, f64>,
+    /// Decode seconds one row of another group adds to such a step.
+    marginal: Option<f64>,
+    /// Shared steps since the last step alone.
+    since: u32,
+}
+
+impl SoloCost {
+    /// Whether the next shared step with `rows` token rows of the lightest should be a
+    /// probe.
+    fn due(&self, rows: usize) -> bool {
+        self.since >= PROBE_EVERY || (self.since >= PROBE_GAP && !self.alone.contains_key(&rows))
+    }
+
+    /// A step of `rows` token rows of one group alone took `secs`.
+    fn alone(&mut self, rows: usize, secs: f64) {
+        let time = self.alone.entry(rows).or_insert(secs);
+        *time = (*time + secs) / 2.0;
+        self.since = 0;
+        while self.alone.len() > SOLO_SIZES {
+            let far = *(self.alone.keys()).max_by_key(|&&n| n.abs_diff(rows)).expect("not empty");
+            self.alone.remove(&far);
+        }
+    }
+
+    /// A step of the lightest's `rows` token rows and `others` rows of other groups took
+    /// `secs`: what each of those rows added, moving the estimate a quarter of the way.
+    fn beside(&mut self, rows: usize, others: usize, secs: f64) {
+        self.since += 1;
+        let Some(&alone) = self.alone.get(&rows) else { return };
+        let added = ((secs - alone) / others as f64).max(0.0);
+        self.marginal = Some(self.marginal.map_or(added, |m| 0.75 * m + 0.25 * added));
+    }
+
+    /// `(alone, marginal)` for a step beside `rows` token rows of the lightest, once
+    /// measured (the marginal falls back to `per_row`).
+    fn beside_cost(&self, rows: usize, per_row: Option<f64>) -> Option<(f64, f64)> {
+        Some((*self.alone.get(&rows)?, self.marginal.or(per_row)?))
+    }
+}
+
+/// What the last plan's step measures for [`SoloCost`].
+#[derive(Debug)]
+enum Measure {
+    /// One group's token rows alone, this many.
+    Alone(usize),
+    /// The lightest group's token rows (this many) beside other groups' rows.
+    Beside(String, usize),
+}
+
 /// A member's standing across steps.
 #[derive(Debug, Default)]
 struct Turns {
@@ -305,6 +375,9 @@ pub(super) struct Scheduler {
     long_prompt_share: f64,
     pace: StepPace,
     cost: StepCost,
+    solo: SoloCost,
+    /// What the step planned last measures, if anything.
+    measure: Option<Measure>,
     /// Token rows taken so far, for [`Turns::token_served`].
     tokens_taken: u64,
     turns: HashMap<u64, Turns>,
@@ -358,6 +431,8 @@ impl Scheduler {
             long_prompt_share: policy.long_prompt_share,
             pace: StepPace::default(),
             cost: StepCost::default(),
+            solo: SoloCost::default(),
+            measure: None,
             tokens_taken: 0,
             turns: HashMap::new(),
             served: HashMap::new(),
@@ -383,6 +458,7 @@ impl Scheduler {
 
     /// Which members' rows the next step takes, and how many (see the module's doc).
     pub fn plan(&mut self, candidates: &[Candidate<'_>]) -> Plan {
+        self.measure = None;
         let left_out = self.quarantine(candidates);
         let candidates: Vec<&Candidate<'_>> =
             candidates.iter().filter(|c| !left_out.contains(&c.id)).collect();
@@ -449,6 +525,7 @@ impl Scheduler {
         }
         let (held, freed) = self.share_rows(&mut picks, &candidates, &streaming);
         self.refill(&mut picks, &prompts, &held, freed, long_may);
+        self.measure_alone(&picks, &candidates);
         if !long_may {
             self.bank_no_throttled_share(&picks, &candidates);
         }
@@ -474,6 +551,19 @@ impl Scheduler {
         };
         self.yields_to_others = matches!(yields, YieldTo::AllBut(_));
         Plan { yields, picks }
+    }
+
+    /// A step of one group's token rows only measures what they cost alone
+    /// ([`SoloCost`]), whether a probe or nobody else had rows.
+    fn measure_alone(&mut self, picks: &[Pick], candidates: &[&Candidate<'_>]) {
+        let of = |id: u64| candidates.iter().find(|c| c.id == id);
+        let Some(first) = picks.first().and_then(|p| of(p.id)) else { return };
+        let alone = picks
+            .iter()
+            .all(|p| of(p.id).is_some_and(|c| c.group == first.group && c.want == Want::Token));
+        if alone {
+            self.measure = Some(Measure::Alone(picks.len()));
+        }
     }
 
     /// The groups whose arrival a step of `picks` does not yield to: those in it, those
@@ -542,8 +632,8 @@ impl Scheduler {
     /// While several groups generate, none of them keeps more rows in a step (tokens
     /// and prompt rows) than its weight's part of what the lightest of them costs
     /// (fewest rows per weight, of the highest class): as many rows per weight, or more
-    /// where the cost fitted from earlier steps says rows are cheap beside a step's
-    /// fixed part. On a CPU, where a row costs about a step's fixed part, one tenant's
+    /// where rows are cheap beside a step's fixed part: measured beside a stream
+    /// ([`SoloCost`]), else fitted from earlier steps. On a CPU, where a row costs about a step's fixed part, one tenant's
     /// sixteen streams and their prompts beside another's lone stream make that
     /// stream's steps about twice its own, not seventeen rows long; on a GPU nothing is
     /// cut. A group's picks are cut from its last: prompt rows first, then the tokens
@@ -600,22 +690,50 @@ impl Scheduler {
         if let Some((light_rows, light_weight, light_group)) = light {
             let cost = self.cost.fit();
             let sampling = |group: &str| self.sampling.get(group).copied().unwrap_or(0.0);
+            // The lightest streams (token rows only): what its rows cost alone and what
+            // another's row adds is measured (`SoloCost`), and now and then probed.
+            let light_tokens = generating(light_group)
+                && (picks.iter())
+                    .filter(|p| of[&p.id].group == light_group)
+                    .all(|p| of[&p.id].want == Want::Token);
+            let others = groups.keys().any(|&g| g != light_group);
+            let solo = (light_tokens && others)
+                .then(|| self.solo.beside_cost(light_rows, cost.map(|(_, per_row)| per_row)))
+                .flatten();
+            let probe = light_tokens
+                && others
+                && !first_step
+                && !self.alone_beside_others
+                && self.solo.due(light_rows);
+            if light_tokens && others && !probe {
+                self.measure = Some(Measure::Beside(light_group.to_string(), light_rows));
+            }
             let mut room: HashMap<&str, usize> = (groups.iter())
                 .map(|(&group, &(rows, weight, _))| {
+                    if probe && group != light_group {
+                        return (group, 0);
+                    }
                     let weight = weight as usize;
                     let by_count = (light_rows * weight).div_ceil(light_weight);
-                    // Rows of the time the lightest's rows (sampling included) and a
-                    // step's fixed part take, at this group's time per row.
-                    let by_time = cost.map_or(0, |(fixed, per_row)| {
-                        let light_time =
-                            fixed + light_rows as f64 * (per_row + sampling(light_group));
-                        let row_time = per_row + sampling(group);
-                        (light_time * weight as f64 / light_weight as f64 / row_time)
-                            .min(rows as f64) as usize
-                    });
+                    // Rows of the time the lightest's rows (sampling included) take alone
+                    // (a step's fixed part with them), at this group's time per row beside
+                    // them: measured where the lightest streams, else fitted.
+                    let (light_time, row_time) = match (solo, cost) {
+                        (Some((alone, marginal)), _) => (
+                            alone + light_rows as f64 * sampling(light_group),
+                            marginal + sampling(group),
+                        ),
+                        (None, Some((fixed, per_row))) => (
+                            fixed + light_rows as f64 * (per_row + sampling(light_group)),
+                            per_row + sampling(group),
+                        ),
+                        (None, None) => (0.0, 1.0),
+                    };
+                    let by_time = (light_time * weight as f64 / light_weight as f64 / row_time)
+                        .min(rows as f64) as usize;
                     // A group whose rows cost more than the lightest's (a grammar's masks
                     // on each token) is held to the lightest's time, not its row count.
-                    let heavier = cost.is_some()
+                    let heavier = (solo.is_some() || cost.is_some())
                         && sampling(group) > HEAVIER_SAMPLING * sampling(light_group);
                     let room = if heavier { by_time } else { by_count.max(by_time) };
                     (group, room.clamp(1, rows))
@@ -628,6 +746,9 @@ impl Scheduler {
                 light_rows,
                 fixed_ms = cost.map(|(fixed, _)| fixed * 1e3),
                 per_row_ms = cost.map(|(_, per_row)| per_row * 1e3),
+                alone_ms = solo.map(|(alone, _)| alone * 1e3),
+                beside_ms = solo.map(|(_, marginal)| marginal * 1e3),
+                probe,
                 sampling_ms = ?(self.sampling.iter()).map(|(g, s)| (g, s * 1e3)).collect::<Vec<_>>(),
                 ?room,
                 "step shares"
@@ -641,7 +762,7 @@ impl Scheduler {
                         if first_step && prompt && ahead(c.group) { &mut no_room } else { left };
                     if p.rows > *left {
                         held.insert(c.group);
-                        if prompt {
+                        if prompt && !probe {
                             freed += p.rows - *left;
                         }
                     }
@@ -807,6 +928,7 @@ impl Scheduler {
     /// Settle what the step planned last did: its pace, the groups' shares, the long
     /// prompts' account, a yield's debt and who rolled back whose work.
     pub fn stepped(&mut self, members: &[Stepped<'_>], elapsed: Duration, end: StepEnd) {
+        let measure = self.measure.take();
         let rows: usize = members.iter().map(|m| m.rows).sum();
         if rows == 0 {
             return;
@@ -827,12 +949,31 @@ impl Scheduler {
                 self.yield_debt = (self.yield_debt - long_time).max(0.0);
                 self.pace.observe(rows, elapsed);
                 self.cost.observe(rows, elapsed);
+                self.measured(measure, members, elapsed);
                 for m in members {
                     *self.served.entry(m.group.to_string()).or_default() +=
                         m.rows as f64 / f64::from(m.weight.max(1));
                 }
             }
             StepEnd::RolledBack | StepEnd::Failed => {}
+        }
+    }
+
+    /// What a computed step that the plan marked tells [`SoloCost`] (if it held what the
+    /// plan said: a member's rows may differ from the plan's only if its seat changed).
+    fn measured(&mut self, measure: Option<Measure>, members: &[Stepped<'_>], elapsed: Duration) {
+        let rows_of = |group: &str| -> usize {
+            members.iter().filter(|m| m.group == group).map(|m| m.rows).sum()
+        };
+        let all: usize = members.iter().map(|m| m.rows).sum();
+        match measure {
+            Some(Measure::Alone(rows)) if all == rows => {
+                self.solo.alone(rows, elapsed.as_secs_f64());
+            }
+            Some(Measure::Beside(light, rows)) if rows_of(&light) == rows && all > rows => {
+                self.solo.beside(rows, all - rows, elapsed.as_secs_f64());
+            }
+            _ => {}
         }
     }
 
@@ -1358,6 +1499,49 @@ mod tests {
         s.sampled("heavy", 5 * MS);
         // The light's step, 20.15 ms, at 5.1 ms a heavy row: 3 of them.
         assert_eq!(s.plan(&candidates).picks.len(), 4);
+    }
+
+    /// Beside a lone stream, what another group's rows may cost is measured, not fitted:
+    /// a probe step of the stream's row alone, then the shared steps after it. Where the
+    /// fit is biased (a line through steps of token rows and prompt rows puts another
+    /// sequence's token row into its fixed part, so the rule handed out four rows), the
+    /// measure holds the other group to one; where rows are cheap (a GPU) it keeps all.
+    #[test]
+    fn what_rows_cost_beside_a_stream_is_measured_by_a_probe_now_and_then() {
+        let mut candidates = vec![token(1, "light")];
+        candidates.extend((10..26).map(|id| token(id, "heavy")));
+        let group_of = |id: u64| if id == 1 { "light" } else { "heavy" };
+        for (fixed_us, per_row_us, first, after) in [(3_000, 9_000, 7, 2), (10_000, 100, 17, 17)] {
+            let mut s = scheduler();
+            // The fit's steps: few token rows and big prompt steps, a line that reads
+            // 25 ms fixed and 4.25 ms a row (CPU: 6 heavy rows beside the light one), or
+            // cheap rows (GPU).
+            for _ in 0..8 {
+                for (rows, us) in [(4, 42_000), (20, 110_000)] {
+                    let us = if per_row_us < 1_000 { fixed_us + per_row_us * rows } else { us };
+                    let elapsed = Duration::from_micros(us);
+                    s.stepped(&[member("x", rows as usize)], elapsed, StepEnd::Computed);
+                }
+            }
+            let mut sizes = Vec::new();
+            for _ in 0..3 * PROBE_EVERY {
+                let plan = s.plan(&candidates);
+                let rows: usize = plan.picks.iter().map(|p| p.rows).sum();
+                sizes.push(rows);
+                let members: Vec<Stepped<'_>> =
+                    (plan.picks.iter()).map(|p| member(group_of(p.id), p.rows)).collect();
+                let elapsed = Duration::from_micros(fixed_us + per_row_us * rows as u64);
+                s.stepped(&members, elapsed, StepEnd::Computed);
+            }
+            assert_eq!(sizes[0], first, "fitted, {per_row_us} us a row: {sizes:?}");
+            let probes = sizes.iter().filter(|&&n| n == 1).count();
+            assert!((3..=4).contains(&probes), "{probes} probes in {sizes:?}");
+            let shared: Vec<usize> = sizes[8..].iter().copied().filter(|&n| n > 1).collect();
+            assert!(
+                shared.iter().all(|&n| n == after),
+                "measured, {per_row_us} us a row: {sizes:?}"
+            );
+        }
     }
 
     #[test]
