@@ -33,9 +33,10 @@
 //!    measured, one step in [`PROBE_EVERY`] running them alone):
 //!    its last prompt rows are cut first, then its tokens, whose seats take turns; a
 //!    group with prompts only is held to that part too, except a newcomer's first step
-//!    (no rows in the last plan, not ahead in share), which sets the part while the
-//!    groups ahead of it get no prompt rows beside it; rows a cut frees go to the
-//!    prompts of groups it did not hold;
+//!    (no rows in the last plan, not ahead in share, and streaming what it asks for),
+//!    beside which the others' rows take at most half its rows' time and the groups
+//!    ahead of it get no prompt rows; rows a cut frees go to the prompts of groups it
+//!    did not hold;
 //! 5. a group whose cancels keep rolling back steps shared with others is quarantined:
 //!    its rows run in steps of their own, at most one in `QUARANTINE_WAIT + 1` while
 //!    others have rows, each as short as the others' last step.
@@ -190,6 +191,19 @@ const MIN_CHUNK_ROWS: usize = 16;
 /// prompt's step is not filled with another tenant's prompt rows. One row: idling banks
 /// nothing worth leaving for.
 const NEWCOMER_LEAD: f64 = 1.0;
+
+/// In a newcomer's first step the other groups' rows take at most this part of the time
+/// its own rows take: its first token comes in about 1.5× its prompt's own time (after
+/// the step in flight), however many streams the others run.
+const NEWCOMER_STRETCH: f64 = 0.5;
+/// A group is a newcomer (whose first step is its own) only while the token rows it had
+/// computed are at least this part of its prompt rows: a chat streams what it asked
+/// for; calls hung up at their first token, or streams never read, do not, and would
+/// otherwise come back as newcomers step after step beside another's stream.
+const STREAMED_PART: f64 = 0.1;
+/// How much the rows in [`Scheduler::asked`] fade with every later step (half gone
+/// after ~230 steps).
+const ASKED_FADE: f64 = 0.997;
 
 /// Groups whose share is remembered while they have no rows: beyond this (an open
 /// server's many addresses), only the groups waiting now are kept.
@@ -378,6 +392,12 @@ pub(super) struct Scheduler {
     solo: SoloCost,
     /// What the step planned last measures, if anything.
     measure: Option<Measure>,
+    /// Each group's token rows and prompt rows in the step planned last, to be added to
+    /// `asked` once it is computed.
+    last_rows: HashMap<String, (f64, f64)>,
+    /// Each group's token rows and prompt rows computed, fading by [`ASKED_FADE`] a
+    /// step: whether it streams what it asks for (see [`STREAMED_PART`]).
+    asked: HashMap<String, (f64, f64)>,
     /// Token rows taken so far, for [`Turns::token_served`].
     tokens_taken: u64,
     turns: HashMap<u64, Turns>,
@@ -433,6 +453,8 @@ impl Scheduler {
             cost: StepCost::default(),
             solo: SoloCost::default(),
             measure: None,
+            last_rows: HashMap::new(),
+            asked: HashMap::new(),
             tokens_taken: 0,
             turns: HashMap::new(),
             served: HashMap::new(),
@@ -526,6 +548,15 @@ impl Scheduler {
         let (held, freed) = self.share_rows(&mut picks, &candidates, &streaming);
         self.refill(&mut picks, &prompts, &held, freed, long_may);
         self.measure_alone(&picks, &candidates);
+        self.last_rows.clear();
+        for p in &picks {
+            let Some(c) = candidates.iter().find(|c| c.id == p.id) else { continue };
+            let rows = self.last_rows.entry(c.group.to_string()).or_default();
+            match c.want {
+                Want::Token => rows.0 += p.rows as f64,
+                Want::Prompt(_) => rows.1 += p.rows as f64,
+            }
+        }
         if !long_may {
             self.bank_no_throttled_share(&picks, &candidates);
         }
@@ -551,6 +582,11 @@ impl Scheduler {
         };
         self.yields_to_others = matches!(yields, YieldTo::AllBut(_));
         Plan { yields, picks }
+    }
+
+    /// Whether `group`'s computed rows stream what it asked for (no record: yes).
+    fn streams_what_it_asks(&self, group: &str) -> bool {
+        self.asked.get(group).is_none_or(|&(tokens, prompts)| tokens >= STREAMED_PART * prompts)
     }
 
     /// A step of one group's token rows only measures what they cost alone
@@ -675,13 +711,17 @@ impl Scheduler {
         // not ahead): the groups ahead of it get no prompt rows beside it, only their
         // tokens (within their part), so its first token waits for its own rows.
         let first = |group: &str, &(_, _, class): &(usize, u32, u8)| {
-            class == top && !generating(group) && !ahead(group) && self.newcomers.contains(group)
+            class == top
+                && !generating(group)
+                && !ahead(group)
+                && self.newcomers.contains(group)
+                && self.streams_what_it_asks(group)
         };
         let first_step = groups.iter().any(|(g, v)| first(g, v));
-        // The part is set by the lightest generating group, or newcomer's first step, of
-        // the top class.
+        // The part is set by the newcomer of a first step, else by the lightest
+        // generating group, of the top class.
         let light = (groups.iter())
-            .filter(|(g, v)| v.2 == top && (generating(g) || first(g, v)))
+            .filter(|(g, v)| v.2 == top && if first_step { first(g, v) } else { generating(g) })
             .map(|(&g, &(rows, weight, _))| (rows, weight as usize, g))
             .min_by(|a, b| (a.0 * b.1).cmp(&(b.0 * a.1)));
         // Held to it: every other group. One behind in share catches up by its part of
@@ -719,6 +759,17 @@ impl Scheduler {
                     // (a step's fixed part with them), at this group's time per row beside
                     // them: measured where the lightest streams, else fitted.
                     let (light_time, row_time) = match (solo, cost) {
+                        // A newcomer's first step: half its prompt rows' time, no fixed
+                        // part; another's token row as measured beside a stream.
+                        (_, Some((_, per_row))) if first_step => {
+                            let token = (picks.iter())
+                                .any(|p| of[&p.id].group == group && of[&p.id].want == Want::Token);
+                            let beside = self.solo.marginal.unwrap_or(per_row);
+                            (
+                                NEWCOMER_STRETCH * light_rows as f64 * per_row,
+                                if token { beside + sampling(group) } else { per_row },
+                            )
+                        }
                         (Some((alone, marginal)), _) => (
                             alone + light_rows as f64 * sampling(light_group),
                             marginal + sampling(group),
@@ -732,9 +783,11 @@ impl Scheduler {
                     let by_time = (light_time * weight as f64 / light_weight as f64 / row_time)
                         .min(rows as f64) as usize;
                     // A group whose rows cost more than the lightest's (a grammar's masks
-                    // on each token) is held to the lightest's time, not its row count.
+                    // on each token) is held to the lightest's time, not its row count;
+                    // so is every group beside a newcomer's first step.
                     let heavier = (solo.is_some() || cost.is_some())
-                        && sampling(group) > HEAVIER_SAMPLING * sampling(light_group);
+                        && (first_step
+                            || sampling(group) > HEAVIER_SAMPLING * sampling(light_group));
                     let room = if heavier { by_time } else { by_count.max(by_time) };
                     (group, room.clamp(1, rows))
                 })
@@ -906,6 +959,13 @@ impl Scheduler {
             self.served.retain(|g, _| now.contains(g.as_str()));
         }
         self.sampling.retain(|g, _| self.served.contains_key(g));
+        // A group's history outlives its share (a caller whose calls hang up falls
+        // behind the floor and out of `served` between two of them), until it fades.
+        self.asked
+            .retain(|g, &mut (tokens, prompts)| now.contains(g.as_str()) || tokens + prompts > 1.0);
+        if self.asked.len() > MAX_IDLE_GROUPS {
+            self.asked.retain(|g, _| now.contains(g.as_str()));
+        }
         let now: HashSet<String> = now.into_iter().map(str::to_string).collect();
         self.newcomers = now.difference(&self.waiting).cloned().collect();
         self.waiting = now;
@@ -950,6 +1010,13 @@ impl Scheduler {
                 self.pace.observe(rows, elapsed);
                 self.cost.observe(rows, elapsed);
                 self.measured(measure, members, elapsed);
+                for (tokens, prompts) in self.asked.values_mut() {
+                    (*tokens, *prompts) = (*tokens * ASKED_FADE, *prompts * ASKED_FADE);
+                }
+                for (group, (tokens, prompts)) in self.last_rows.drain() {
+                    let asked = self.asked.entry(group).or_default();
+                    (asked.0, asked.1) = (asked.0 + tokens, asked.1 + prompts);
+                }
                 for m in members {
                     *self.served.entry(m.group.to_string()).or_default() +=
                         m.rows as f64 / f64::from(m.weight.max(1));
@@ -1461,6 +1528,57 @@ mod tests {
         s.stepped(&[member("victim", 80), member("attacker", 10)], 90 * MS, StepEnd::Computed);
         let step = [token(10, "attacker"), prompt(11, "attacker", 60), prompt(1, "victim", 60)];
         assert_eq!(rows_of(&s.plan(&step)), [(10, 1), (1, 50), (11, 50)]);
+    }
+
+    /// Beside a newcomer's first step, another tenant's streams keep at most half its
+    /// prompt rows' time: its first token comes in about 1.5x its own. A caller whose
+    /// calls computed prompts and streamed (almost) nothing, as hang-ups at the first
+    /// token do, is no newcomer: its prompt is held to the stream's part.
+    #[test]
+    fn beside_a_newcomers_first_step_others_keep_half_its_time_unless_it_streams_nothing() {
+        let group_of = |id: u64| match id {
+            ..100 => "victim",
+            100..200 => "attacker",
+            _ => "hangup",
+        };
+        let streams: Vec<Candidate<'_>> = (100..116).map(|id| token(id, "attacker")).collect();
+        let mut s = scheduler();
+        // Steps of 1 ms a row: a fitted 1 ms a row, no fixed part.
+        for rows in [4, 16, 40, 16, 4, 40] {
+            s.stepped(&[member("x", rows)], rows as u32 * MS, StepEnd::Computed);
+        }
+        for _ in 0..3 {
+            let plan = s.plan(&streams);
+            computed(&mut s, &plan, group_of);
+        }
+        let mut step = streams.clone();
+        step.push(prompt(1, "victim", 20));
+        let plan = s.plan(&step);
+        let rows = |plan: &Plan, group: &str| -> usize {
+            plan.picks.iter().filter(|p| group_of(p.id) == group).map(|p| p.rows).sum()
+        };
+        // Half of 20 ms, at 1 ms an attacker's token row: 10 of its 16 streams.
+        assert_eq!((rows(&plan, "victim"), rows(&plan, "attacker")), (20, 10));
+
+        // The same arrival from a caller that streamed nothing of the 400 prompt rows it
+        // had computed: the stream's part, one row (a newcomer's would be all 20).
+        let mut s = scheduler();
+        for rows in [4, 16, 40, 16, 4, 40] {
+            s.stepped(&[member("x", rows)], rows as u32 * MS, StepEnd::Computed);
+        }
+        for id in 200..220 {
+            let plan = s.plan(&[prompt(id, "hangup", 20)]);
+            computed(&mut s, &plan, group_of);
+            s.forget(id);
+        }
+        // Long enough that the stream has computed more: the caller is not ahead.
+        for _ in 0..450 {
+            let plan = s.plan(&[token(1, "victim")]);
+            computed(&mut s, &plan, group_of);
+        }
+        assert!(!s.served.contains_key("hangup"), "behind, its share is not kept");
+        let plan = s.plan(&[token(1, "victim"), prompt(300, "hangup", 20)]);
+        assert_eq!((rows(&plan, "victim"), rows(&plan, "hangup")), (1, 1));
     }
 
     /// The time rule: where a row costs next to nothing beside a step's fixed part (a
