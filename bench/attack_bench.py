@@ -143,6 +143,7 @@ def attack(name, port, source, n):
     raise ValueError(name)
 
 
+MARKER = "<!-- Notes below are written by hand; `make bench-attacks` keeps them. -->"
 ATTACKS = ["long-prompts", "hangup-prefill", "hangup-first-token", "embeddings", "n4-grammar", "unread-streams"]
 
 
@@ -228,8 +229,14 @@ def main():
                 f"{refused or 'none'} | {r['statuses']['attacker'] or '–'} |")
         lines.append("")
     lines.append(f"Run time {(time.monotonic() - t0) / 60:.1f} minutes; server logs in {workdir}.")
+    notes = "\n"
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            old = f.read()
+        if MARKER in old:
+            notes = old.split(MARKER, 1)[1]
     with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines) + "\n\n" + MARKER + notes)
     print(f"wrote {args.out}")
 
 
