@@ -736,7 +736,9 @@ impl Scheduler {
                 && (picks.iter())
                     .filter(|p| of[&p.id].group == light_group)
                     .all(|p| of[&p.id].want == Want::Token);
-            let others = groups.keys().any(|&g| g != light_group);
+            // Another group streams beside the lightest (the measure is of token rows).
+            let others = (picks.iter())
+                .any(|p| of[&p.id].group != light_group && of[&p.id].want == Want::Token);
             let solo = (light_tokens && others)
                 .then(|| self.solo.beside_cost(light_rows, cost.map(|(_, per_row)| per_row)))
                 .flatten();
@@ -758,12 +760,17 @@ impl Scheduler {
                     // Rows of the time the lightest's rows (sampling included) take alone
                     // (a step's fixed part with them), at this group's time per row beside
                     // them: measured where the lightest streams, else fitted.
+                    let token = (picks.iter())
+                        .any(|p| of[&p.id].group == group && of[&p.id].want == Want::Token);
+                    // The measure is of streams beside a stream: a group with prompts only
+                    // (a long prompt on its earned time, an embedding) keeps the fitted
+                    // rule, under which its rows already run at most as long as the
+                    // stream's.
+                    let solo = solo.filter(|_| token);
                     let (light_time, row_time) = match (solo, cost) {
                         // A newcomer's first step: half its prompt rows' time, no fixed
                         // part; another's token row as measured beside a stream.
                         (_, Some((_, per_row))) if first_step => {
-                            let token = (picks.iter())
-                                .any(|p| of[&p.id].group == group && of[&p.id].want == Want::Token);
                             let beside = self.solo.marginal.unwrap_or(per_row);
                             (
                                 NEWCOMER_STRETCH * light_rows as f64 * per_row,
