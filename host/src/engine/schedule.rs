@@ -29,8 +29,9 @@
 //!    first in share ([`YieldTo::AllBut`]), within a debt of its own;
 //! 4. while several groups generate, none of them keeps more than its weight's part of
 //!    what the lightest of them costs, by count and by time ([`Scheduler::share_rows`];
-//!    the time its token rows take alone and what another's row adds beside them are
-//!    measured, one step in [`PROBE_EVERY`] running them alone):
+//!    where another group streams beside the lightest, what the lightest's token rows
+//!    take alone and what another's row adds are measured, one step in
+//!    [`PROBE_EVERY`] running them alone; prompt-only groups are held by the fit):
 //!    its last prompt rows are cut first, then its tokens, whose seats take turns; a
 //!    group with prompts only is held to that part too, except a newcomer's first step
 //!    (no rows in the last plan, not ahead in share, and streaming what it asks for),
@@ -668,8 +669,8 @@ impl Scheduler {
     /// While several groups generate, none of them keeps more rows in a step (tokens
     /// and prompt rows) than its weight's part of what the lightest of them costs
     /// (fewest rows per weight, of the highest class): as many rows per weight, or more
-    /// where rows are cheap beside a step's fixed part: measured beside a stream
-    /// ([`SoloCost`]), else fitted from earlier steps. On a CPU, where a row costs about a step's fixed part, one tenant's
+    /// where rows are cheap beside a step's fixed part: for a group that streams beside
+    /// the lightest's stream measured ([`SoloCost`]), else fitted from earlier steps. On a CPU, where a row costs about a step's fixed part, one tenant's
     /// sixteen streams and their prompts beside another's lone stream make that
     /// stream's steps about twice its own, not seventeen rows long; on a GPU nothing is
     /// cut. A group's picks are cut from its last: prompt rows first, then the tokens
