@@ -32,7 +32,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_bench import pct as nearest_rank  # noqa: E402
+from server_bench import pct as nearest_rank, write_keeping_notes  # noqa: E402
 from tenant_bench import Server, cpu_name, serve_arguments  # noqa: E402
 
 KEYS = {"victim": "sk-bench-victim-0123456789", "attacker": "sk-bench-attacker-0123456789"}
@@ -143,7 +143,6 @@ def attack(name, port, source, n):
     raise ValueError(name)
 
 
-MARKER = "<!-- Notes below are written by hand; `make bench-attacks` keeps them. -->"
 ATTACKS = ["long-prompts", "hangup-prefill", "hangup-first-token", "embeddings", "n4-grammar", "unread-streams"]
 
 
@@ -229,14 +228,7 @@ def main():
                 f"{refused or 'none'} | {r['statuses']['attacker'] or '–'} |")
         lines.append("")
     lines.append(f"Run time {(time.monotonic() - t0) / 60:.1f} minutes; server logs in {workdir}.")
-    notes = "\n"
-    if os.path.exists(args.out):
-        with open(args.out) as f:
-            old = f.read()
-        if MARKER in old:
-            notes = old.split(MARKER, 1)[1]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n\n" + MARKER + notes)
+    write_keeping_notes(args.out, "\n".join(lines) + "\n", "bench-attacks")
     print(f"wrote {args.out}")
 
 

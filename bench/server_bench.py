@@ -58,6 +58,21 @@ from disconnect import parse as prometheus  # noqa: E402
 
 SYSTEM = "You are a helpful assistant."
 MARKER = "<!-- Notes below are written by hand; `make bench-server` keeps them. -->"
+
+
+def write_keeping_notes(path, report, target):
+    """Writes `report` to `path`, then the marker naming `make target`, then whatever
+    `path` held below that marker (the notes written by hand)."""
+    marker = MARKER.replace("bench-server", target)
+    notes = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if marker in old:
+            notes = old.split(marker, 1)[1]
+    with open(path, "w") as f:
+        f.write(report + "\n" + marker + (notes or "\n"))
+
 BUSY_PATTERN = "rustc|cc1plus|cargo test|/deps/serve-"
 MODEL_NAME = "smollm2"
 
@@ -943,14 +958,8 @@ def main():
         finished_at = datetime.datetime.now(datetime.timezone.utc)
         with open(os.path.join(tmp, "serving.json"), "w") as f:
             json.dump({"|".join(map(str, k)): v for k, v in out.items()}, f, indent=1)
-        notes = ""
-        if os.path.exists(args.serving_out):
-            old = open(args.serving_out).read()
-            marker = MARKER.replace("bench-server", "bench-serving")
-            notes = old.split(marker, 1)[1] if marker in old else ""
-        with open(args.serving_out, "w") as f:
-            f.write(render_serving(args, out, argv, started_at, finished_at, builds) + "\n"
-                    + MARKER.replace("bench-server", "bench-serving") + (notes or "\n"))
+        write_keeping_notes(args.serving_out, render_serving(args, out, argv, started_at, finished_at, builds),
+                            "bench-serving")
         print(f"wrote {args.serving_out}; server logs in {tmp}")
         return
 
@@ -1099,13 +1108,7 @@ def main():
         json.dump({f"{name}|" + ("|".join(map(str, k)) if isinstance(k, tuple) else k): v
                    for name, part in results.items() for k, v in part.items()}, f, indent=1, default=str)
     report = render(args, results, argv, started_at, finished_at, load_start, os.getloadavg(), busy_seen, slots, two, builds)
-    notes = ""
-    if os.path.exists(args.out):
-        old = open(args.out).read()
-        if MARKER in old:
-            notes = old.split(MARKER, 1)[1]
-    with open(args.out, "w") as f:
-        f.write(report + "\n" + MARKER + (notes if notes else "\n"))
+    write_keeping_notes(args.out, report, "bench-server")
     print(f"wrote {args.out} ({(finished_at - started_at).total_seconds():.0f} s); server logs in {tmp}")
 
 

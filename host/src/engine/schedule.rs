@@ -548,16 +548,7 @@ impl Scheduler {
         }
         let (held, freed) = self.share_rows(&mut picks, &candidates, &streaming);
         self.refill(&mut picks, &prompts, &held, freed, long_may);
-        self.measure_alone(&picks, &candidates);
-        self.last_rows.clear();
-        for p in &picks {
-            let Some(c) = candidates.iter().find(|c| c.id == p.id) else { continue };
-            let rows = self.last_rows.entry(c.group.to_string()).or_default();
-            match c.want {
-                Want::Token => rows.0 += p.rows as f64,
-                Want::Prompt(_) => rows.1 += p.rows as f64,
-            }
-        }
+        self.note_rows(&picks, &candidates);
         if !long_may {
             self.bank_no_throttled_share(&picks, &candidates);
         }
@@ -590,16 +581,25 @@ impl Scheduler {
         self.asked.get(group).is_none_or(|&(tokens, prompts)| tokens >= STREAMED_PART * prompts)
     }
 
-    /// A step of one group's token rows only measures what they cost alone
-    /// ([`SoloCost`]), whether a probe or nobody else had rows.
-    fn measure_alone(&mut self, picks: &[Pick], candidates: &[&Candidate<'_>]) {
-        let of = |id: u64| candidates.iter().find(|c| c.id == id);
-        let Some(first) = picks.first().and_then(|p| of(p.id)) else { return };
-        let alone = picks
-            .iter()
-            .all(|p| of(p.id).is_some_and(|c| c.group == first.group && c.want == Want::Token));
-        if alone {
-            self.measure = Some(Measure::Alone(picks.len()));
+    /// Each group's token and prompt rows in the plan's `picks`, for `asked` once the
+    /// step is computed; and a step of one group's token rows only measures what they
+    /// cost alone ([`SoloCost`]), whether a probe or nobody else had rows.
+    fn note_rows(&mut self, picks: &[Pick], candidates: &[&Candidate<'_>]) {
+        let of: HashMap<u64, &Candidate<'_>> = candidates.iter().map(|c| (c.id, *c)).collect();
+        self.last_rows.clear();
+        for p in picks {
+            let c = of[&p.id];
+            let rows = self.last_rows.entry(c.group.to_string()).or_default();
+            match c.want {
+                Want::Token => rows.0 += p.rows as f64,
+                Want::Prompt(_) => rows.1 += p.rows as f64,
+            }
+        }
+        let mut groups = self.last_rows.values();
+        if let (Some(&(tokens, prompts)), None) = (groups.next(), groups.next()) {
+            if prompts == 0.0 {
+                self.measure = Some(Measure::Alone(tokens as usize));
+            }
         }
     }
 
@@ -670,9 +670,10 @@ impl Scheduler {
     /// and prompt rows) than its weight's part of what the lightest of them costs
     /// (fewest rows per weight, of the highest class): as many rows per weight, or more
     /// where rows are cheap beside a step's fixed part: for a group that streams beside
-    /// the lightest's stream measured ([`SoloCost`]), else fitted from earlier steps. On a CPU, where a row costs about a step's fixed part, one tenant's
-    /// sixteen streams and their prompts beside another's lone stream make that
-    /// stream's steps about twice its own, not seventeen rows long; on a GPU nothing is
+    /// the lightest's stream measured ([`SoloCost`]), else fitted from earlier steps. On
+    /// a CPU, where a row costs about a step's fixed part, one tenant's sixteen streams
+    /// and their prompts beside another's lone stream make that stream's steps about
+    /// twice its own, not seventeen rows long; on a GPU nothing is
     /// cut. A group's picks are cut from its last: prompt rows first, then the tokens
     /// taken most recently, so its seats take turns.
     ///
