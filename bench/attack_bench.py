@@ -146,9 +146,11 @@ def attack(name, port, source, n):
 ATTACKS = ["long-prompts", "hangup-prefill", "hangup-first-token", "embeddings", "n4-grammar", "unread-streams"]
 
 
-def window(port, seconds, attack_name=None, think=0.0):
+def window(port, seconds, tag, attack_name=None, think=0.0):
     """The victim's chats for `seconds`, beside `attack_name` if any, `think` seconds
-    between one chat's end and the next."""
+    between one chat's end and the next. Every chat's text is unique (window `tag`, chat
+    number) and as long in tokens as in every other window: the solo run is the yardstick
+    of each attack's row, so its prompts must cost what theirs do."""
     stop_at = time.monotonic() + seconds
     statuses = {"victim": {}, "attacker": {}}
     lock = threading.Lock()
@@ -172,7 +174,7 @@ def window(port, seconds, attack_name=None, think=0.0):
     i = 0
     while time.monotonic() < stop_at:
         status, pieces, t_send = post(port, "/v1/chat/completions", "victim",
-                                      chat_body(f"Victim {i} {attack_name}: tell me about llamas.", 32), stream=True)
+                                      chat_body(f"Victim {tag:02d}-{i:04d}: tell me about llamas.", 32), stream=True)
         count("victim", status)
         if status == 200 and pieces:
             ttft.append(pieces[0] - t_send)
@@ -201,12 +203,12 @@ def main():
         server = Server(args.llamabox, attack_config(args.plugin, args.model, threads), workdir,
                         f"serve-{threads}")
         try:
-            window(server.port, 5)  # warm up
-            solo = window(server.port, args.window, think=args.think)
+            window(server.port, 5, 0)  # warm up
+            solo = window(server.port, args.window, 1, think=args.think)
             rows = [("alone", solo)]
-            for name in [a for a in args.attacks.split(",") if a]:
+            for tag, name in enumerate([a for a in args.attacks.split(",") if a], start=2):
                 print(f"{threads} thread(s): {name}", flush=True)
-                rows.append((name, window(server.port, args.window, name, args.think)))
+                rows.append((name, window(server.port, args.window, tag, name, args.think)))
                 time.sleep(3)
         finally:
             server.stop()
