@@ -1205,6 +1205,36 @@ async fn work_beside_a_streaming_batch_gets_short_turns() {
     assert!(turns[1..5].iter().all(|&t| t >= MIN_TURN && t < hour), "{turns:?}");
 }
 
+/// A step that a token waits for (a chat's prompt) shortens the turn of work beside the
+/// batch as soon as it asks for the cores, though the batch was idle (a step target's
+/// turn); a long prompt's step leaves the target's turn.
+#[tokio::test]
+async fn a_chats_step_shortens_the_turn_of_work_beside_an_idle_batch() {
+    let hour = Duration::from_secs(3600);
+    let mut f = Fixture::new(512);
+    f.policy.step_target = hour;
+    f.policy.long_prompt_rows = 100;
+    let cores = f.policy.cores.clone();
+    let seat = f.seat().await;
+    seat.decode(Batch::sequence(&prompt(1, 8), 0, 0), CancelFlag::new()).await.unwrap().unwrap();
+    assert_eq!(cores.turn_length(), hour, "idle: a target's turn");
+    for (rows, short) in [(120, false), (8, true)] {
+        seat.clear().await.unwrap().unwrap();
+        // Someone else's work holds the cores; the batch's step waits for them.
+        let held = cores.turn();
+        let decode = seat.decode(Batch::sequence(&prompt(2, rows), 0, 0), CancelFlag::new());
+        turns_asked(&cores, 2).await;
+        let turn = cores.turn_length();
+        drop(held);
+        decode.await.unwrap().unwrap();
+        if short {
+            assert!((MIN_TURN..hour).contains(&turn), "a chat's prompt waits: {turn:?}");
+        } else {
+            assert_eq!(turn, hour, "a long prompt alone waits a target's turn");
+        }
+    }
+}
+
 /// At most `MAX_LEFTOVERS` leftovers stay in the pool (each widens every step's
 /// attention): the most recently left are kept for their next turn, older ones go.
 #[tokio::test]
