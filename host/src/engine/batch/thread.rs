@@ -414,11 +414,7 @@ impl Steps {
             .collect();
         self.scheduler.stepped(&stepped, elapsed, end);
         self.last_step = elapsed;
-        let streaming = self
-            .members
-            .values()
-            .any(|m| matches!(&m.running, Some(Running::Generate(g)) if g.tokens.is_some()));
-        self.set_turn(streaming);
+        self.set_turn(self.streaming());
         let report = StepReport {
             seats: shares.len(),
             rows: batch.len(),
@@ -464,6 +460,12 @@ impl Steps {
                 }
             }
         }
+    }
+
+    /// Whether a member streams (its generation's tokens go out as they come).
+    fn streaming(&self) -> bool {
+        (self.members.values())
+            .any(|m| matches!(&m.running, Some(Running::Generate(g)) if g.tokens.is_some()))
     }
 
     /// How long work beside the batch (a context of its own, a media encode) keeps the
