@@ -53,8 +53,10 @@ impl Opened {
     pub(crate) async fn lease_media(&self, want: MediaRequest<'_>) -> native::Result<MediaLease> {
         let MediaRequest { projector, threads, pace, group, meter, tracker } = want;
         let model = self.model.clone();
-        // Beside batches, it encodes in turns with them (their steps use every core).
+        // Beside batches, it encodes in turns with them that hold every core, so on
+        // their threads (`Opened::lease` says why).
         let cores = self.policy.as_ref().map(|p| p.cores_for(group));
+        let threads = self.policy.as_ref().map_or(threads, |p| p.threads);
         let worker = Worker::start("llamabox-media", tracker, move || {
             let mut media = MediaContext::new(&projector, model, threads)?;
             media.set_tally(meter);
