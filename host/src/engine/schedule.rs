@@ -509,15 +509,19 @@ impl Scheduler {
         prompts.sort_by(|a, b| self.order(a, b, &streaming));
 
         let others = generating > 0 || prompts.iter().any(|&(_, _, long)| !long);
-        // Long prompts alone run in big steps that a newcomer ends; long prompts making
-        // good what a yield threw away get that much time and no more (whoever arrives
-        // meanwhile waits for it: a whole target's worth kept a chat that came after its
-        // own last turn waiting ~250 ms for its first token); anything else gets one
-        // target's worth.
+        // Long prompts alone run in big steps that a newcomer ends; so does one chat's
+        // prompt alone, which is all its owner waits for (it yields as a chat's does):
+        // a 500-row tail of a 2000-token prompt in 30-row steps of a target each took
+        // twice the time per row, as below 64 query rows ggml's CPU attention is untiled.
+        // Prompts alone making good what a yield threw away get that much time and no
+        // more (whoever arrives meanwhile waits for it: a whole target's worth kept a
+        // chat that came after its own last turn waiting ~250 ms for its first token);
+        // anything else gets one target's worth.
+        let alone = !others || (generating == 0 && prompts.len() == 1);
         let alone_yields = !others && self.yield_debt <= 0.0;
-        let budget = if alone_yields {
+        let budget = if alone && self.yield_debt <= 0.0 {
             self.step_rows
-        } else if !others {
+        } else if alone {
             let most = self.step_target.mul_f64(REPAY_STEP_PART);
             self.pace.rows_within(Duration::from_secs_f64(self.yield_debt).min(most))
         } else {
@@ -1289,6 +1293,22 @@ mod tests {
             computed(&mut s, &plan, group_of);
         }
         assert!((a as f64 / (a + b) as f64 - 0.5).abs() < 0.1, "a {a} rows, b {b} rows");
+    }
+
+    /// One chat's prompt alone runs in a step as big as a long prompt's, since its owner
+    /// waits for all of it, and yields as a chat's step does; beside a stream or another
+    /// prompt it gets a target's worth (100 rows at 1 ms a row).
+    #[test]
+    fn a_chats_prompt_alone_runs_in_big_steps_and_beside_others_in_target_ones() {
+        let chat = prompt(1, "a", 180); // under the 200 rows of a long prompt
+        let plan = scheduler().plan(&[chat]);
+        assert_eq!(rows_of(&plan), [(1, 180)]);
+        assert!(matches!(plan.yields, YieldTo::AllBut(_)), "{:?}", plan.yields);
+        for beside in [token(2, "b"), prompt(2, "b", 180)] {
+            let plan = scheduler().plan(&[chat, beside]);
+            let rows = plan.picks.iter().find(|p| p.id == 1).map_or(0, |p| p.rows);
+            assert!((1..=100).contains(&rows), "beside {beside:?}: {rows} rows");
+        }
     }
 
     #[test]
