@@ -68,9 +68,16 @@ impl Pace {
 
     /// Units between boundaries for the next encode.
     pub fn budget(&self) -> u64 {
+        self.budget_within(self.target)
+    }
+
+    /// Units between boundaries that come at most `most` apart (and the target).
+    pub fn budget_within(&self, most: Duration) -> u64 {
         match self.units_per_sec {
             None => CHUNK_WORK,
-            Some(rate) => ((rate * self.target.as_secs_f64()) as u64).max(MIN_BUDGET),
+            Some(rate) => {
+                ((rate * self.target.min(most).as_secs_f64()) as u64).max(MIN_BUDGET)
+            }
         }
     }
 
@@ -250,6 +257,8 @@ mod tests {
         assert_eq!(pace.budget(), CHUNK_WORK, "before any encode");
         pace.observe(4_000_000_000, Duration::from_secs(1));
         assert_eq!(pace.budget(), 40_000_000, "4e9 units/s x 10 ms");
+        assert_eq!(pace.budget_within(Duration::from_millis(2)), 8_000_000, "x 2 ms");
+        assert_eq!(pace.budget_within(Duration::from_secs(1)), 40_000_000, "never past 10 ms");
         pace.observe(2_000_000_000, Duration::from_secs(1));
         assert_eq!(pace.budget(), 30_000_000, "halfway to the new speed");
         pace.observe(5, Duration::from_micros(10));

@@ -25,6 +25,10 @@ pub trait CoreTurn {
     /// How long the passes waited for others: what a pace measuring the computation
     /// leaves out.
     fn waited(&self) -> Duration;
+
+    /// How long a turn lasts while others wait (it may change as it goes): a
+    /// computation places its boundaries well within it, so that it passes on time.
+    fn length(&self) -> Duration;
 }
 
 /// The sizes of the decodes an input is cut into ([`SharedCores::pieces`]).

@@ -72,6 +72,10 @@ impl CoreTurn for FreeTurn {
     fn waited(&self) -> Duration {
         Duration::ZERO
     }
+
+    fn length(&self) -> Duration {
+        Duration::MAX
+    }
 }
 
 struct Fixed(usize);
