@@ -144,6 +144,12 @@ pub struct Context {
     /// How long the last decode computed, its waits for turns on shared cores left
     /// out: what sizes the next piece of a long input ([`super::Pieces::observe`]).
     computed: std::time::Duration,
+    /// Decodes read only the hidden states (per-row embeddings), so they end after them
+    /// ([`Chunker::hidden_states_only`]): the output head is never computed.
+    hidden_states_only: bool,
+    /// Whether embedding decodes may end after the hidden states (a test turns it off
+    /// to compare with the output head computed).
+    embeddings_end_early: bool,
     /// Declared last: the model must outlive the context.
     model: Arc<Model>,
 }
@@ -311,6 +317,8 @@ impl Context {
             pace: Pace::new(DEFAULT_LATENCY_TARGET),
             chunk_work: None,
             computed: std::time::Duration::ZERO,
+            hidden_states_only: false,
+            embeddings_end_early: true,
             model,
         })
     }
@@ -551,6 +559,13 @@ impl Context {
     /// cores. For tests and the bench's chunked-vs-unchunked rows.
     pub fn set_device_chunk_work(&mut self, units: Option<u64>) {
         self.chunk_work = units;
+    }
+
+    /// Compute the output head in embedding decodes too, as llama.cpp's graph has it:
+    /// the reference that ending them after the hidden states is checked against.
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub fn compute_head_in_embeddings(&mut self, on: bool) {
+        self.embeddings_end_early = !on;
     }
 
     /// Count work in this context's tally, if it has one.
@@ -908,9 +923,10 @@ impl Context {
         // caller's all-or-nothing rolls its memory back. Beside others on the cores (a
         // batch), the boundaries are also where this decode passes the cores to them once
         // it has held them a turn; on the CPU the abort callback still does the stopping.
+        // A decode of per-row embeddings ends after the hidden states, in a scope too.
         let on_device = self.model.device().is_some();
         let device_stop = on_device && stop.is_some();
-        let (ret, reason) = if device_stop || turn.is_some() {
+        let (ret, reason) = if device_stop || turn.is_some() || self.hidden_states_only {
             let none: [Stop<'_>; 0] = [];
             let scope_stop = stop.filter(|_| on_device).unwrap_or(Stop::Any(&none));
             // Beside others, boundaries come twice a turn, so it passes at most half a
@@ -918,8 +934,13 @@ impl Context {
             // cores 13 ms (p50) of a 4 ms turn between the stream's steps.
             let budget = self.chunk_work.unwrap_or_else(|| match &turn {
                 Some(turn) => self.pace.budget_within(turn.length() / 2),
-                None => self.pace.budget(),
+                None if device_stop => self.pace.budget(),
+                None => u64::MAX,
             });
+            let mut chunker = Chunker::with_budget(budget);
+            if self.hidden_states_only {
+                chunker = chunker.hidden_states_only();
+            }
             let mut pass = || {
                 if let Some(turn) = turn.as_mut() {
                     turn.pass_if_due();
@@ -927,7 +948,7 @@ impl Context {
             };
             let started = std::time::Instant::now();
             let (out, scope) =
-                in_eval_scope(scope_stop, Chunker::with_budget(budget), Some(&mut pass), decode);
+                in_eval_scope(scope_stop, chunker, Some(&mut pass), decode);
             let waited = turn.as_ref().map_or(std::time::Duration::ZERO, |t| t.waited());
             self.computed = started.elapsed().saturating_sub(waited);
             self.pace.observe(scope.units, self.computed);

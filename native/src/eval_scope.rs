@@ -102,7 +102,13 @@ pub(crate) unsafe extern "C" fn eval_callback(
             // SAFETY: by this function's contract, `t` is null or a live node of the graph
             // the scheduler is computing, with live or null sources.
             let node = unsafe { node_work(t) };
-            state.chunker.borrow_mut().ask(node, state.stop.is_set())
+            let mut chunker = state.chunker.borrow_mut();
+            // SAFETY: as above.
+            if chunker.ends_at_hidden_states() && unsafe { holds_hidden_states(t) } {
+                chunker.ask_hidden_states(node, state.stop.is_set())
+            } else {
+                chunker.ask(node, state.stop.is_set())
+            }
         } else {
             state.boundaries.set(state.boundaries.get() + 1);
             let cancelled = state.stop.requested();
@@ -117,6 +123,20 @@ pub(crate) unsafe extern "C" fn eval_callback(
             go_on
         }
     })
+}
+
+/// Whether `t` is the node llama.cpp's model graphs name `result_norm`: the final norm,
+/// whose output is the hidden states an embedding reads (`t_embd`); only the output
+/// head comes after it.
+///
+/// # Safety
+///
+/// `t` must be null or point at a tensor that is live and not written during the call.
+unsafe fn holds_hidden_states(t: *const sys::ggml_tensor) -> bool {
+    // SAFETY: null or live and unchanging (this function's contract).
+    let Some(t) = (unsafe { t.as_ref() }) else { return false };
+    let name = t.name.iter().take_while(|&&c| c != 0).map(|&c| c as u8);
+    name.eq(b"result_norm".iter().copied())
 }
 
 /// The work a graph node stands for, read from its shape and its first source's.

@@ -140,6 +140,19 @@ impl Model {
         self.meta(&format!("{arch}.attention.causal")).is_none_or(|v| v != "false")
     }
 
+    /// Whether llama.cpp's graph for this model computes nothing after its hidden
+    /// states (the node it names `result_norm`, which it reads embeddings from) but the
+    /// output head, so a decode of embeddings may end there. Read in the pinned
+    /// llama.cpp for these architectures only; some others name a `result_norm` that is
+    /// not what they read (a drafter's, a classifier's).
+    pub(crate) fn head_follows_hidden_states(&self) -> bool {
+        const READ: &[&str] = &[
+            "llama", "qwen2", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "phi3",
+            "granite", "olmo2", "smollm3", "mistral3",
+        ];
+        self.meta("general.architecture").is_some_and(|arch| READ.contains(&arch.as_str()))
+    }
+
     pub(crate) fn as_ptr(&self) -> *mut sys::llama_model {
         self.ptr.as_ptr()
     }

@@ -579,6 +579,42 @@ fn beside_a_batch_an_embedding_takes_the_cores_in_pieces() {
     }
 }
 
+/// An embedding's decodes end after the model's hidden states, which are all its rows
+/// are read from: bitwise the rows of a decode that computes the output head too, alone
+/// and in pieces beside a batch, and the context decodes as before afterwards.
+#[test]
+fn embeddings_end_at_the_hidden_states_with_the_rows_a_whole_graph_gives() {
+    let model = load(common::tiny_model());
+    let big =
+        ContextParams { n_ctx: 1024, n_batch: 1024, n_ubatch: 512, n_seq_max: 1, n_threads: 1 };
+    let words = (0..120).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+    let tokens = model.tokenize(&words, true, false).unwrap();
+    let bits = |rows: &[Vec<f32>]| rows.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for pieces in [None, Some(128)] {
+        let mut ctx = Context::new(model.clone(), big).unwrap();
+        ctx.share_cores(pieces.map(|rows| {
+            Arc::new(crate::share::CountedTurns::new(rows)) as Arc<dyn llamabox_native::SharedCores>
+        }));
+        let early = ctx.embed_rows(&tokens, false, None).unwrap();
+        ctx.compute_head_in_embeddings(true);
+        let whole = ctx.embed_rows(&tokens, false, None).unwrap();
+        assert_eq!((early.len(), whole.len()), (tokens.len(), tokens.len()));
+        let differ = |a: &[Vec<f32>]| bits(a).iter().zip(bits(&whole)).filter(|(x, y)| *x != y).count();
+        assert_eq!(differ(&early), 0, "values that differ, pieces of {pieces:?} rows");
+        ctx.compute_head_in_embeddings(false);
+        assert_eq!(differ(&ctx.embed_rows(&tokens, false, None).unwrap()), 0, "once more");
+        // Generation afterwards reads logits the head computed.
+        let (outcome, out) = run(
+            &mut ctx,
+            &SamplerParams::greedy(),
+            &GenerateRequest::new(prompt(&model), 6),
+            &CancelFlag::new(),
+        );
+        outcome.unwrap();
+        assert_eq!(tokens_of(&out), greedy_loop(&model, &prompt(&model), 6));
+    }
+}
+
 #[test]
 fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
     let model = load(common::tiny_model());

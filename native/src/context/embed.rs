@@ -194,6 +194,11 @@ impl Context {
             // floats; valid until the next decode, and copied out here.
             Ok(unsafe { std::slice::from_raw_parts(ptr, width) }.to_vec())
         };
+        // Rows are read from the hidden states: the decodes end there, no output head.
+        // (A pooled vector is computed after the head in llama.cpp's graph.)
+        self.hidden_states_only = pooled_seqs == 0
+            && self.embeddings_end_early
+            && self.model.head_follows_hidden_states();
         let in_turns = pooled_seqs == 0 && self.model.causal_attention();
         let pieces = self.cores.as_ref().filter(|_| in_turns);
         let pieces = pieces.map(|cores| cores.pieces(self.params.n_ubatch as usize));
@@ -208,6 +213,7 @@ impl Context {
         };
         // SAFETY: as above; embedding output off again, as `new` made the context.
         unsafe { sys::llama_set_embeddings(ctx, false) };
+        self.hidden_states_only = false;
         self.clear_all();
         rows
     }
