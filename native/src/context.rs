@@ -947,8 +947,7 @@ impl Context {
                 }
             };
             let started = std::time::Instant::now();
-            let (out, scope) =
-                in_eval_scope(scope_stop, chunker, Some(&mut pass), decode);
+            let (out, scope) = in_eval_scope(scope_stop, chunker, Some(&mut pass), decode);
             let waited = turn.as_ref().map_or(std::time::Duration::ZERO, |t| t.waited());
             self.computed = started.elapsed().saturating_sub(waited);
             self.pace.observe(scope.units, self.computed);

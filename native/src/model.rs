@@ -147,8 +147,8 @@ impl Model {
     /// not what they read (a drafter's, a classifier's).
     pub(crate) fn head_follows_hidden_states(&self) -> bool {
         const READ: &[&str] = &[
-            "llama", "qwen2", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "phi3",
-            "granite", "olmo2", "smollm3", "mistral3",
+            "llama", "qwen2", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "phi3", "granite",
+            "olmo2", "smollm3", "mistral3",
         ];
         self.meta("general.architecture").is_some_and(|arch| READ.contains(&arch.as_str()))
     }

@@ -599,20 +599,23 @@ fn embeddings_end_at_the_hidden_states_with_the_rows_a_whole_graph_gives() {
         ctx.compute_head_in_embeddings(true);
         let whole = ctx.embed_rows(&tokens, false, None).unwrap();
         assert_eq!((early.len(), whole.len()), (tokens.len(), tokens.len()));
-        let differ = |a: &[Vec<f32>]| bits(a).iter().zip(bits(&whole)).filter(|(x, y)| *x != y).count();
+        let differ =
+            |a: &[Vec<f32>]| bits(a).iter().zip(bits(&whole)).filter(|(x, y)| *x != y).count();
         assert_eq!(differ(&early), 0, "values that differ, pieces of {pieces:?} rows");
         ctx.compute_head_in_embeddings(false);
         assert_eq!(differ(&ctx.embed_rows(&tokens, false, None).unwrap()), 0, "once more");
         // Generation afterwards reads logits the head computed.
-        let (outcome, out) = run(
-            &mut ctx,
-            &SamplerParams::greedy(),
-            &GenerateRequest::new(prompt(&model), 6),
-            &CancelFlag::new(),
-        );
-        outcome.unwrap();
-        assert_eq!(tokens_of(&out), greedy_loop(&model, &prompt(&model), 6));
+        generates_as_a_greedy_loop(&mut ctx, &model);
     }
+}
+
+/// Six greedy tokens on `ctx` are those of a plain greedy loop: it decodes and
+/// samples as a fresh context would, whatever it computed before.
+fn generates_as_a_greedy_loop(ctx: &mut Context, model: &Arc<Model>) {
+    let request = GenerateRequest::new(prompt(model), 6);
+    let (outcome, pieces) = run(ctx, &SamplerParams::greedy(), &request, &CancelFlag::new());
+    outcome.unwrap();
+    assert_eq!(tokens_of(&pieces), greedy_loop(model, &prompt(model), 6));
 }
 
 #[test]
@@ -657,14 +660,7 @@ fn embeddings_are_deterministic_distinct_n_embd_wide_and_normalised() {
     );
 
     // Generation still works on the same context afterwards (embedding output is off).
-    let (outcome, pieces) = run(
-        &mut ctx,
-        &SamplerParams::greedy(),
-        &GenerateRequest::new(prompt(&model), 6),
-        &CancelFlag::new(),
-    );
-    outcome.unwrap();
-    assert_eq!(tokens_of(&pieces), greedy_loop(&model, &prompt(&model), 6));
+    generates_as_a_greedy_loop(&mut ctx, &model);
 
     // Cancelled in flight: cancelled, memory empty, the next call as before.
     let token = CancelFlag::new();

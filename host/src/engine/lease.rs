@@ -329,7 +329,8 @@ mod tests {
 
     #[test]
     fn a_context_of_its_own_beside_batches_runs_on_their_threads() {
-        let asked = ContextParams { n_ctx: 64, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 1 };
+        let asked =
+            ContextParams { n_ctx: 64, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 1 };
         let policy = BatchPolicy::new(4, 64, 3);
         assert_eq!(own_params(Some(&policy), asked), ContextParams { n_threads: 3, ..asked });
         assert_eq!(own_params(None, asked), asked, "unbatched, it keeps its share");
