@@ -284,13 +284,13 @@ pub(crate) struct Pacer {
 
 impl Pacer {
     /// Rows of the first piece.
-    const FIRST_ROWS: usize = 64;
-    /// Fewest rows of a piece: ggml's CPU attention takes its tiled path only for 64
-    /// query rows or more (`GGML_FA_TILE_Q`), and below that it is several times slower
-    /// at long positions (a 2000-token embedding in 16-to-40-row pieces took 38% longer
-    /// than in one decode). A piece's length does not hold others up: its decode passes
-    /// the cores at its graph's boundaries once its turn is due.
-    const MIN_ROWS: usize = 64;
+    const FIRST_ROWS: usize = 32;
+    /// Fewest rows of a later piece: below this a decode's fixed cost dominates. Not 64,
+    /// though ggml's CPU attention is untiled below 64 query rows (`GGML_FA_TILE_Q`) and
+    /// a 2000-token embedding alone took 38% longer in 16-to-40-row pieces than in one
+    /// decode: a piece's matmuls are nodes no boundary splits, and beside a stream at 1
+    /// thread 64-row pieces put its ITL p99 at 54-58 ms, 16-row ones at 34-36.
+    const MIN_ROWS: usize = 16;
 
     /// Pieces of at most `most` rows (the context's n-batch or n-ubatch), each about
     /// `target` of work.
@@ -320,13 +320,13 @@ mod tests {
     #[test]
     fn pieces_start_small_then_fit_the_target_within_bounds() {
         let mut pacer = Pacer::new(512, Duration::from_millis(250));
-        assert_eq!(pacer.rows(), 64);
-        pacer.observe(64, Duration::from_millis(64)); // 1 ms a row: 250 rows fit
+        assert_eq!(pacer.rows(), 32);
+        pacer.observe(32, Duration::from_millis(32)); // 1 ms a row: 250 rows fit
         assert_eq!(pacer.rows(), 250);
         pacer.observe(250, Duration::from_micros(250)); // fast: capped at n-batch
         assert_eq!(pacer.rows(), 512);
-        pacer.observe(512, Duration::from_secs(10)); // slow: never below attention's tile
-        assert_eq!(pacer.rows(), 64);
+        pacer.observe(512, Duration::from_secs(10)); // slow: never below 16
+        assert_eq!(pacer.rows(), 16);
         let short = Pacer::new(8, Duration::from_millis(250));
         assert_eq!(short.rows(), 8, "never past the context's own n-batch");
     }
@@ -336,7 +336,7 @@ mod tests {
         let cores = Cores::default();
         cores.set_turn(Duration::from_millis(100));
         let mut pieces = SharedCores::pieces(&cores, 512);
-        pieces.observe(64, Duration::from_millis(64)); // 1 ms a row: a 100 ms turn
+        pieces.observe(32, Duration::from_millis(32)); // 1 ms a row: a 100 ms turn
         assert_eq!(pieces.rows(), 100);
     }
 
