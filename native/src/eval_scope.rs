@@ -103,7 +103,8 @@ pub(crate) unsafe extern "C" fn eval_callback(
             // the scheduler is computing, with live or null sources.
             let node = unsafe { node_work(t) };
             let mut chunker = state.chunker.borrow_mut();
-            // SAFETY: as above.
+            // SAFETY: `t` is null or a live node the scheduler is not writing while it
+            // asks (this function's contract), as `holds_hidden_states` requires.
             if chunker.ends_at_hidden_states() && unsafe { holds_hidden_states(t) } {
                 chunker.ask_hidden_states(node, state.stop.is_set())
             } else {

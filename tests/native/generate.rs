@@ -538,13 +538,18 @@ fn chat_templates_from_the_model_or_by_name_and_named_errors() {
 /// run some of the attention through other ggml kernels, which round differently (about
 /// 0.4% of the scale at worst on this model), while a wrong position or a lost piece
 /// would change rows entirely.
+/// A context big enough to embed a long input, and an input of `words` words.
+fn long_input(model: &Model, words: usize) -> (ContextParams, Vec<Token>) {
+    let big =
+        ContextParams { n_ctx: 1024, n_batch: 1024, n_ubatch: 512, n_seq_max: 1, n_threads: 1 };
+    let words = (0..words).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+    (big, model.tokenize(&words, true, false).unwrap())
+}
+
 #[test]
 fn beside_a_batch_an_embedding_takes_the_cores_in_pieces() {
     let model = load(common::tiny_model());
-    let big =
-        ContextParams { n_ctx: 1024, n_batch: 1024, n_ubatch: 512, n_seq_max: 1, n_threads: 1 };
-    let words = (0..200).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
-    let tokens = model.tokenize(&words, true, false).unwrap();
+    let (big, tokens) = long_input(&model, 200);
     assert!(tokens.len() > 600, "{} tokens", tokens.len());
     let mut alone = Context::new(model.clone(), big).unwrap();
     let whole = alone.embed_rows(&tokens, false, None).unwrap();
@@ -585,10 +590,7 @@ fn beside_a_batch_an_embedding_takes_the_cores_in_pieces() {
 #[test]
 fn embeddings_end_at_the_hidden_states_with_the_rows_a_whole_graph_gives() {
     let model = load(common::tiny_model());
-    let big =
-        ContextParams { n_ctx: 1024, n_batch: 1024, n_ubatch: 512, n_seq_max: 1, n_threads: 1 };
-    let words = (0..120).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
-    let tokens = model.tokenize(&words, true, false).unwrap();
+    let (big, tokens) = long_input(&model, 120);
     let bits = |rows: &[Vec<f32>]| rows.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
     for pieces in [None, Some(128)] {
         let mut ctx = Context::new(model.clone(), big).unwrap();
