@@ -7,7 +7,6 @@ use tokio::sync::mpsc as pieces;
 
 use super::seat::Op;
 use super::sequences::MAX_LEFTOVERS;
-use super::thread::MIN_TURN;
 use super::*;
 use crate::engine::schedule::Claim;
 use crate::engine::{Cores, Meter};
@@ -18,6 +17,8 @@ use crate::native::{
 };
 use crate::worker::Call;
 use crate::worker::Tracker;
+
+const MIN_TURN: Duration = crate::engine::schedule::BesideTurn::MIN;
 
 fn model() -> Arc<Model> {
     static MODEL: std::sync::OnceLock<Arc<Model>> = std::sync::OnceLock::new();
@@ -1174,7 +1175,7 @@ async fn a_full_pool_evicts_the_oldest_leftover_and_keeps_the_newest() {
 }
 
 /// While a member streams, work beside the batch gets turns of half a step (at least
-/// `MIN_TURN`), so a stream's gaps stay near its pace alone; otherwise a step target.
+/// `BesideTurn::MIN`), so a stream's gaps stay near its pace alone; otherwise a step target.
 #[tokio::test]
 async fn work_beside_a_streaming_batch_gets_short_turns() {
     let turns: Arc<Mutex<Vec<Duration>>> = Arc::default();

@@ -12,16 +12,14 @@ use super::calls::{Member, Running};
 use super::seat::{Op, SeatOp};
 use super::sequences::{Sequences, MAX_LEFTOVERS};
 use super::{Arrivals, BatchPolicy, StepReport};
-use crate::engine::schedule::{Candidate, Pick, Plan, Scheduler, StepEnd, Stepped, Want, YieldTo};
+use crate::engine::schedule::{
+    BesideTurn, Candidate, Pick, Plan, Scheduler, StepEnd, Stepped, Want, YieldTo,
+};
 use crate::engine::Flow;
 use crate::native::{self, Batch, CancelFlag, Context, Error, Stop, TokenLoop};
 
 /// How long the thread sleeps when every member waits for its reader.
 const DELIVERY_POLL: Duration = Duration::from_millis(1);
-
-/// The shortest turn work beside a streaming batch gets: a pass costs a hand-over of
-/// the cores, so much shorter turns would spend more on passing than on computing.
-pub(super) const MIN_TURN: Duration = Duration::from_millis(2);
 
 /// The batch's thread: the shared context, its sequences, its scheduler and its members.
 pub(super) struct Steps {
@@ -44,8 +42,8 @@ pub(super) struct Steps {
     pub(super) arrived: CancelFlag,
     /// This batch's turns on the cores, one a round beside the tenants' own work.
     pub(super) flow: Flow,
-    /// How long the last step took: what sets the turn of work beside the batch.
-    pub(super) last_step: Duration,
+    /// The turn of work beside the batch, from the steps that computed tokens.
+    pub(super) beside: BesideTurn,
     /// Test hook: every step that may yield does so at this node (as if a call arrived
     /// then: a flood of arrivals).
     #[cfg(test)]
@@ -79,7 +77,7 @@ impl Steps {
             arrived_slot,
             arrived: CancelFlag::new(),
             flow: Flow::new_batch(),
-            last_step: Duration::ZERO,
+            beside: BesideTurn::default(),
             #[cfg(test)]
             yield_at: None,
         }
@@ -360,6 +358,9 @@ impl Steps {
             batch.seq_ids.extend(&share.rows.seq_ids);
             batch.logits.extend(&share.rows.logits);
         }
+        let tokens = shares.iter().any(|s| {
+            matches!(&self.members[&s.id].running, Some(Running::Generate(g)) if g.tokens.is_some())
+        });
         let (result, elapsed, cancelled) = {
             let mut stops: Vec<Stop<'_>> = shares
                 .iter()
@@ -413,7 +414,9 @@ impl Steps {
             })
             .collect();
         self.scheduler.stepped(&stepped, elapsed, end);
-        self.last_step = elapsed;
+        if end == StepEnd::Computed {
+            self.beside.stepped(elapsed, tokens);
+        }
         self.set_turn(self.streaming());
         let report = StepReport {
             seats: shares.len(),
@@ -468,19 +471,10 @@ impl Steps {
             .any(|m| matches!(&m.running, Some(Running::Generate(g)) if g.tokens.is_some()))
     }
 
-    /// How long work beside the batch (a context of its own, a media encode) keeps the
-    /// cores while the batch waits. While a token is `awaited` (a member streams, or a
-    /// step holds a chat's prompt), half the last step (at least `MIN_TURN`): a stream's
-    /// gap is its step plus one such turn, so about 1.5× its pace alone however long
-    /// the work beside it is, and that work still gets a third of the time. Otherwise
-    /// (long prompts alone, or nothing to do) a step target, as prompts get.
+    /// Set the turn of work beside the batch ([`BesideTurn`]): `awaited` whether a
+    /// token waits for the batch's steps.
     fn set_turn(&self, awaited: bool) {
-        let turn = if awaited {
-            (self.last_step / 2).max(MIN_TURN).min(self.policy.step_target)
-        } else {
-            self.policy.step_target
-        };
-        self.policy.cores.set_turn(turn);
+        self.policy.cores.set_turn(self.beside.length(awaited, self.policy.step_target));
     }
 
     /// A share of a successful step, whose rows started at `first_row` of the step.
