@@ -475,7 +475,8 @@ impl MediaContext {
                 let chunker = Chunker::with_budget(self.chunk_work());
                 let mut pass = || {
                     if let Some(turn) = turn.as_mut() {
-                        turn.pass_if_due();
+                        // mtmd's graphs start and join their own threads: none idle.
+                        turn.pass_if_due(&mut || {});
                     }
                 };
                 let started = Instant::now();

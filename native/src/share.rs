@@ -18,9 +18,14 @@ pub trait SharedCores: Send + Sync {
 
 /// A turn on shared cores, held until dropped.
 pub trait CoreTurn {
-    /// At a boundary of the computation: if the turn is due and someone waits, let them
-    /// go first and then go on. Returns whether it passed.
-    fn pass_if_due(&mut self) -> bool;
+    /// At a boundary of the computation: if the turn is due and someone waits, call
+    /// `hand_over` (what the computation does before others take the cores: its idle
+    /// threads rest), let them go first and then go on. Returns whether it passed.
+    fn pass_if_due(&mut self, hand_over: &mut dyn FnMut()) -> bool;
+
+    /// Whether someone waits for the cores: a computation ending its turn then rests
+    /// its idle threads rather than let them spin on the cores the next one needs.
+    fn others_wait(&self) -> bool;
 
     /// How long the passes waited for others: what a pace measuring the computation
     /// leaves out.

@@ -50,11 +50,41 @@ unsafe impl Send for ThreadPool {}
 
 impl ThreadPool {
     pub(crate) fn new(n_threads: i32) -> Result<Self> {
+        Self::with_cpus(n_threads, &[])
+    }
+
+    /// A team whose threads each keep to one CPU, if this process may run on exactly as
+    /// many CPUs as the team has threads; otherwise they go wherever the OS puts them.
+    ///
+    /// ggml's threads meet at a spinning barrier after every graph node. A team that
+    /// sleeps between turns on shared cores ([`ThreadPool::rest`]) is woken at its next
+    /// graph; the OS may queue the woken thread on the CPU its waker runs on while the
+    /// other CPU idles, and then each barrier waits out a scheduler slice: traced at
+    /// 2 threads (perf sched), an embedding's two threads took turns on one CPU in 4 ms
+    /// slices for 30-40 ms while the other CPU idled. One CPU a thread cannot do that.
+    /// Only where the team uses every allowed CPU: on fewer, pinning would stop the OS
+    /// from spreading several processes' teams over the rest.
+    pub(crate) fn pinned(n_threads: i32) -> Result<Self> {
+        let cpus = allowed_cpus();
+        Self::with_cpus(n_threads, if cpus.len() == n_threads as usize { &cpus } else { &[] })
+    }
+
+    fn with_cpus(n_threads: i32, cpus: &[usize]) -> Result<Self> {
         // SAFETY: start from ggml's defaults (the struct gains fields between versions);
         // ggml_threadpool_new copies the params.
         let ptr = unsafe {
             let mut params = sys::ggml_threadpool_params_default(n_threads);
             params.poll = idle_poll();
+            if !cpus.is_empty() && cpus.iter().all(|&cpu| cpu < params.cpumask.len()) {
+                for &cpu in cpus {
+                    params.cpumask[cpu] = true;
+                }
+                // One CPU a thread. Created paused: ggml pins the calling thread as
+                // thread 0 when it starts a paused team's graph, and would pin the
+                // creating thread here otherwise (not always the one that computes).
+                params.strict_cpu = true;
+                params.paused = true;
+            }
             sys::ggml_threadpool_new(&mut params)
         };
         NonNull::new(ptr).map(Self).ok_or_else(|| {
@@ -65,6 +95,16 @@ impl ThreadPool {
     pub(crate) fn as_ptr(&self) -> *mut sys::ggml_threadpool {
         self.0.as_ptr()
     }
+
+    /// Put the team's idle threads to sleep now, instead of spinning for the next graph
+    /// (see [`set_idle_poll`]): for when the cores go to someone else's computation, on
+    /// which a spinning thread would take a core from a team that needs every one.
+    /// The next graph wakes them: ggml resumes a resting team when it starts a graph.
+    pub(crate) fn rest(&self) {
+        // SAFETY: the team is live (owned by `self`); pausing takes the team's own mutex,
+        // and a graph in flight is not stopped by it (workers look only between graphs).
+        unsafe { sys::ggml_threadpool_pause(self.0.as_ptr()) }
+    }
 }
 
 impl Drop for ThreadPool {
@@ -72,5 +112,40 @@ impl Drop for ThreadPool {
         // SAFETY: the owner detaches (frees) its context before dropping the team, so
         // no graph runs on it; ggml stops and joins the team's threads.
         unsafe { sys::ggml_threadpool_free(self.0.as_ptr()) }
+    }
+}
+
+/// The CPUs this process may run on (Linux: `Cpus_allowed_list` of /proc/self/status);
+/// empty where that cannot be read.
+fn allowed_cpus() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"));
+    cpu_list(list.unwrap_or(""))
+}
+
+/// CPU ids of a kernel CPU list ("0-3,8,10-11"); empty if any part does not parse.
+fn cpu_list(list: &str) -> Vec<usize> {
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        let (first, last) = part.split_once('-').unwrap_or((part, part));
+        match (first.parse::<usize>(), last.parse::<usize>()) {
+            (Ok(first), Ok(last)) if first <= last => cpus.extend(first..=last),
+            _ => return Vec::new(),
+        }
+    }
+    cpus
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_list;
+
+    #[test]
+    fn cpu_lists_read_as_the_kernel_writes_them() {
+        assert_eq!(cpu_list("0-1\n"), [0, 1]);
+        assert_eq!(cpu_list("0,2-4,7"), [0, 2, 3, 4, 7]);
+        assert_eq!(cpu_list(""), Vec::<usize>::new());
+        assert_eq!(cpu_list("0-1,x"), Vec::<usize>::new(), "unreadable: no pinning at all");
+        assert_eq!(cpu_list("3-1"), Vec::<usize>::new());
     }
 }

@@ -584,6 +584,75 @@ fn beside_a_batch_an_embedding_takes_the_cores_in_pieces() {
     }
 }
 
+/// Beside others who always wait, an embedding on two threads passes the cores at its
+/// boundaries and rests its team's idle threads at each hand-over: ggml wakes them for
+/// the next graph, so the rows are bitwise those of free cores (a team left asleep
+/// would hang its next graph at the first barrier).
+#[test]
+fn an_embedding_that_hands_the_cores_over_rests_its_threads_and_goes_on() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let model = load(common::tiny_model());
+    let (big, tokens) = long_input(&model, 120);
+    let big = ContextParams { n_threads: 2, ..big };
+    let rows = |cores: Arc<crate::share::CountedTurns>| {
+        let mut ctx = Context::new(model.clone(), big).unwrap();
+        ctx.share_cores(Some(cores.clone() as Arc<dyn llamabox_native::SharedCores>));
+        let rows = ctx.embed_rows(&tokens, false, None).unwrap();
+        let passes = cores.passes.load(Relaxed);
+        generates_as_a_greedy_loop(&mut ctx, &model);
+        (rows, passes)
+    };
+    let (free, none) = rows(Arc::new(crate::share::CountedTurns::new(128)));
+    let (passed, passes) = rows(Arc::new(crate::share::CountedTurns::crowded(128)));
+    assert_eq!(none, 0);
+    assert!(passes > 0, "the embedding passed the cores at its boundaries");
+    assert_eq!(passed, free);
+}
+
+/// The CPUs the calling thread may run on (Linux), from /proc/thread-self/status.
+fn this_threads_cpus() -> Option<String> {
+    let status = std::fs::read_to_string("/proc/thread-self/status").ok()?;
+    status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|l| l.trim().to_string())
+}
+
+/// How many CPUs a kernel CPU list ("0-3,8") names.
+fn cpu_count(list: &str) -> usize {
+    (list.split(','))
+        .map(|part| match part.split_once('-') {
+            Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+            None => 1,
+        })
+        .sum()
+}
+
+/// A team that keeps one thread a CPU (where it has a thread for every CPU the process
+/// may run on) computes as a free one, and pins the thread that computes as its thread
+/// 0, not the one that created it (that may be any thread).
+#[test]
+fn a_pinned_team_computes_as_before_and_pins_only_the_thread_that_computes() {
+    let Some(all) = this_threads_cpus() else { return }; // not Linux: nothing is pinned
+    let (count, model) = (cpu_count(&all), load(common::tiny_model()));
+    let threads = count.min(8);
+    let params = ContextParams { n_threads: threads as u32, ..params() };
+    let (mut ctx, creator) = std::thread::scope(|s| {
+        (s.spawn(|| {
+            let mut ctx = Context::new(model.clone(), params).unwrap();
+            ctx.pin_threads().unwrap();
+            (ctx, this_threads_cpus())
+        }))
+        .join()
+        .unwrap()
+    });
+    assert_eq!(creator.as_deref(), Some(all.as_str()), "the creating thread is left free");
+    generates_as_a_greedy_loop(&mut ctx, &model);
+    let computing = this_threads_cpus().unwrap();
+    if threads == count {
+        assert_eq!(cpu_count(&computing), 1, "thread 0 keeps to one CPU: {computing} of {all}");
+    } else {
+        assert_eq!(computing, all, "fewer threads than CPUs: nothing pinned");
+    }
+}
+
 /// An embedding's decodes end after the model's hidden states, which are all its rows
 /// are read from: bitwise the rows of a decode that computes the output head too, alone
 /// and in pieces beside a batch, and the context decodes as before afterwards.

@@ -44,17 +44,25 @@ impl Tally for Counts {
     }
 }
 
-/// Cores that are always free: each turn is counted, and inputs are cut into pieces of
-/// `piece_rows` rows.
+/// Cores that never make anyone wait: each turn is counted, and inputs are cut into
+/// pieces of `piece_rows` rows. Free, nobody else wants them; crowded, someone always
+/// waits and every turn is due at once, so a computation passes at every boundary (the
+/// others' turns take no time), each pass counted.
 #[derive(Debug)]
 pub struct CountedTurns {
     pub piece_rows: usize,
+    pub crowded: bool,
     pub turns: AtomicU64,
+    pub passes: AtomicU64,
 }
 
 impl CountedTurns {
     pub fn new(piece_rows: usize) -> Self {
-        Self { piece_rows, turns: AtomicU64::new(0) }
+        Self { piece_rows, crowded: false, turns: AtomicU64::new(0), passes: AtomicU64::new(0) }
+    }
+
+    pub fn crowded(piece_rows: usize) -> Self {
+        Self { crowded: true, ..Self::new(piece_rows) }
     }
 
     pub fn turns(&self) -> u64 {
@@ -62,11 +70,19 @@ impl CountedTurns {
     }
 }
 
-struct FreeTurn;
+struct CountedTurn<'a>(&'a CountedTurns);
 
-impl CoreTurn for FreeTurn {
-    fn pass_if_due(&mut self) -> bool {
-        false
+impl CoreTurn for CountedTurn<'_> {
+    fn pass_if_due(&mut self, hand_over: &mut dyn FnMut()) -> bool {
+        if self.0.crowded {
+            hand_over();
+            self.0.passes.fetch_add(1, Relaxed);
+        }
+        self.0.crowded
+    }
+
+    fn others_wait(&self) -> bool {
+        self.0.crowded
     }
 
     fn waited(&self) -> Duration {
@@ -74,7 +90,11 @@ impl CoreTurn for FreeTurn {
     }
 
     fn length(&self) -> Duration {
-        Duration::MAX
+        if self.0.crowded {
+            Duration::ZERO
+        } else {
+            Duration::MAX
+        }
     }
 }
 
@@ -91,7 +111,7 @@ impl Pieces for Fixed {
 impl SharedCores for CountedTurns {
     fn turn(&self) -> Box<dyn CoreTurn + '_> {
         self.turns.fetch_add(1, Relaxed);
-        Box::new(FreeTurn)
+        Box::new(CountedTurn(self))
     }
 
     fn pieces(&self, _most: usize) -> Box<dyn Pieces> {

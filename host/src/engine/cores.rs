@@ -164,6 +164,12 @@ impl Cores {
         }
     }
 
+    /// Whether a turn is asked for and not begun: whoever ends a turn then rests its
+    /// idle threads, which would spin on the cores the next one needs.
+    pub(crate) fn others_wait(&self) -> bool {
+        !self.lock().waiting.is_empty()
+    }
+
     /// Turns asked for and not yet ended (the one held included).
     #[cfg(test)]
     pub fn waiting(&self) -> u64 {
@@ -180,9 +186,9 @@ impl Cores {
 
 impl Turn<'_> {
     /// At a boundary of a computation: if it has held the cores for a turn and someone
-    /// waits, queue again as its flow and let whoever comes first go, then go on.
-    /// Returns whether it passed.
-    pub fn pass_if_due(&mut self) -> bool {
+    /// waits, call `hand_over` (the computation's idle threads rest), queue again as its
+    /// flow and let whoever comes first go, then go on. Returns whether it passed.
+    pub fn pass_if_due(&mut self, hand_over: &mut dyn FnMut()) -> bool {
         let turn = Duration::from_nanos(self.cores.turn_nanos.load(Relaxed));
         if self.since.elapsed() < turn {
             return false;
@@ -194,6 +200,7 @@ impl Turn<'_> {
             // asked just after a due boundary wait a whole turn more).
             return false;
         }
+        hand_over();
         // Queue again and end this turn in one step under the lock, so that exactly the
         // ones whose round comes first go before it.
         let ticket = queue.ask(self.flow.as_ref());
@@ -249,8 +256,12 @@ impl SharedCores for Cores {
 }
 
 impl CoreTurn for Turn<'_> {
-    fn pass_if_due(&mut self) -> bool {
-        Turn::pass_if_due(self)
+    fn pass_if_due(&mut self, hand_over: &mut dyn FnMut()) -> bool {
+        Turn::pass_if_due(self, hand_over)
+    }
+
+    fn others_wait(&self) -> bool {
+        self.cores.others_wait()
     }
 
     fn waited(&self) -> Duration {
@@ -422,9 +433,12 @@ mod tests {
         let cores = Arc::new(Cores::default());
         cores.set_turn(Duration::from_secs(3600));
         let mut long = cores.turn();
-        assert!(!long.pass_if_due(), "not due: nobody goes first");
+        let mut handed_over = 0;
+        assert!(!long.pass_if_due(&mut || handed_over += 1), "not due: nobody goes first");
         cores.set_turn(Duration::ZERO);
-        assert!(!long.pass_if_due(), "due, but nobody waits");
+        assert!(!long.pass_if_due(&mut || handed_over += 1), "due, but nobody waits");
+        assert!(!cores.others_wait());
+        assert_eq!(handed_over, 0, "nothing to hand over to");
         let (order_tx, order) = mpsc::channel();
         let waiter = {
             let (mine, order_tx) = (cores.clone(), order_tx.clone());
@@ -436,7 +450,9 @@ mod tests {
         while cores.waiting() != 2 {
             std::thread::yield_now();
         }
-        assert!(long.pass_if_due(), "due and someone waits");
+        assert!(cores.others_wait());
+        assert!(long.pass_if_due(&mut || handed_over += 1), "due and someone waits");
+        assert_eq!(handed_over, 1, "rested its threads before the waiter's turn");
         // Back only once the waiter's turn ended.
         order_tx.send("long again").unwrap();
         waiter.join().unwrap();

@@ -78,7 +78,11 @@ impl Opened {
         let init = move || {
             let mut context = Context::new(model, params)?;
             context.set_tally(meter);
-            // Beside batches, it decodes in turns with them (their steps use every core).
+            // Beside batches, it decodes in turns with them (their steps use every core),
+            // on threads kept one a CPU as theirs are.
+            if cores.is_some() {
+                context.pin_threads()?;
+            }
             context.share_cores(cores);
             Ok::<_, Error>(context)
         };

@@ -368,7 +368,14 @@ impl Batcher {
                 };
                 // Only its creation is the creating run's: what later steps log carries
                 // their own members (`Steps::step`), not the first request's id.
-                match span.in_scope(|| Context::new_unified(model, params)) {
+                // Its steps take turns on the cores with contexts beside it: its
+                // threads keep one a CPU, as theirs do (`Context::pin_threads`).
+                let created = span.in_scope(|| {
+                    let mut ctx = Context::new_unified(model, params)?;
+                    ctx.pin_threads()?;
+                    Ok::<_, Error>(ctx)
+                });
+                match created {
                     Ok(ctx) => {
                         let _ = ready_tx.send(Ok(()));
                         Steps::new(ctx, policy, thread_arrived).run(ops_rx);

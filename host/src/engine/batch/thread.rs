@@ -386,6 +386,11 @@ impl Steps {
             let stop = Stop::Any(&stops);
             let result =
                 self.sequences.with_room(&mut self.ctx, |ctx| ctx.decode(&batch, Some(stop)));
+            // The cores go to someone else's work next: the team's idle threads sleep
+            // instead of spinning through its turn on the cores it needs.
+            if self.policy.cores.others_wait() {
+                self.ctx.rest_threads();
+            }
             (
                 result,
                 started.elapsed(),
