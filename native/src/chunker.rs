@@ -105,24 +105,22 @@ pub struct NodeWork {
 }
 
 impl NodeWork {
-    /// Work of a node: MUL_MAT is output elements × inner dimension (its multiply-adds);
-    /// views and no-ops are free; any other computed op costs its element count. `rows`
-    /// is the output's second dimension, `masked` whether a SOFT_MAX has a mask: where a
-    /// boundary may fall depends on both (the module doc says why).
-    pub fn of(
-        op: sys::ggml_op,
-        out_elements: u64,
-        rows: u64,
-        mul_mat_inner: u64,
-        masked: bool,
-    ) -> Self {
+    /// Work of a node: MUL_MAT and FLASH_ATTN_EXT are output elements × `inner`, the
+    /// multiply-adds of each (a matmul's inner dimension; attention's keys twice, for
+    /// Q·K and for the weights · V); views and no-ops are free; any other computed op
+    /// costs its element count. `rows` is the output's second dimension, `masked`
+    /// whether a SOFT_MAX has a mask: where a boundary may fall depends on both (the
+    /// module doc says why).
+    pub fn of(op: sys::ggml_op, out_elements: u64, rows: u64, inner: u64, masked: bool) -> Self {
         let units = match op {
             sys::GGML_OP_NONE
             | sys::GGML_OP_VIEW
             | sys::GGML_OP_RESHAPE
             | sys::GGML_OP_PERMUTE
             | sys::GGML_OP_TRANSPOSE => 0,
-            sys::GGML_OP_MUL_MAT => out_elements.saturating_mul(mul_mat_inner),
+            sys::GGML_OP_MUL_MAT | sys::GGML_OP_FLASH_ATTN_EXT => {
+                out_elements.saturating_mul(inner)
+            }
             _ => out_elements,
         };
         let boundary_allowed = match op {
@@ -210,6 +208,9 @@ mod tests {
     fn work_units_by_op() {
         assert_eq!(NodeWork::of(sys::GGML_OP_MUL_MAT, 100, 10, 64, false).units, 6400);
         assert_eq!(NodeWork::of(sys::GGML_OP_ADD, 100, 10, 64, false).units, 100);
+        // 16 queries of 9 heads of 64 over 2000 keys: 2 × 16 × 9 × 64 × 2000 multiply-adds.
+        let attention = NodeWork::of(sys::GGML_OP_FLASH_ATTN_EXT, 64 * 9 * 16, 9, 2 * 2000, false);
+        assert_eq!(attention.units, 2 * 16 * 9 * 64 * 2000);
         for view in [
             sys::GGML_OP_VIEW,
             sys::GGML_OP_RESHAPE,

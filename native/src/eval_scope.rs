@@ -140,20 +140,31 @@ unsafe fn holds_hidden_states(t: *const sys::ggml_tensor) -> bool {
     name.eq(b"result_norm".iter().copied())
 }
 
-/// The work a graph node stands for, read from its shape and its first source's.
+/// The work a graph node stands for, read from its shape and its sources'.
 ///
 /// # Safety
 ///
 /// `t` must be null or point at a tensor that is live and not written during the call,
-/// whose `src[0]` is null or such a tensor too.
+/// whose `src[0]` and `src[1]` are null or such tensors too.
 unsafe fn node_work(t: *const sys::ggml_tensor) -> NodeWork {
     // SAFETY: null or live and unchanging (this function's contract).
     let Some(t) = (unsafe { t.as_ref() }) else {
         return NodeWork { units: 0, boundary_allowed: false };
     };
     let elements = t.ne.iter().map(|&d| d.max(0) as u64).product::<u64>();
-    // SAFETY: `src[0]` is null or a live tensor (this function's contract).
-    let inner = unsafe { t.src[0].as_ref() }.map_or(0, |src| src.ne[0].max(0) as u64);
+    // Multiply-adds an output element costs: a matmul's inner dimension (its first
+    // source's rows), attention's keys (its second source, K: [head, keys, ...]) twice
+    // (a computed node all the same if it has none).
+    // Left out of the pace, attention at 2000 positions was ~40% of a layer's work that
+    // the budget between boundaries did not see.
+    let source = |i: usize| {
+        // SAFETY: `src[0]` and `src[1]` are null or live tensors (this function's contract).
+        unsafe { t.src[i].as_ref() }
+    };
+    let inner = match t.op {
+        sys::GGML_OP_FLASH_ATTN_EXT => source(1).map_or(1, |k| 2 * k.ne[1].max(0) as u64),
+        _ => source(0).map_or(0, |src| src.ne[0].max(0) as u64),
+    };
     // A SOFT_MAX's mask is its second source (only its presence is read).
     NodeWork::of(t.op, elements, t.ne[1].max(0) as u64, inner, !t.src[1].is_null())
 }
@@ -206,6 +217,25 @@ mod tests {
             "units: RMS_NORM and FLASH_ATTN_EXT, 4x4 each"
         );
         assert!(!call(&mut attn, true), "the scope is gone with its call");
+    }
+
+    #[test]
+    fn attention_counts_its_keys_twice_a_matmul_its_inner_dimension() {
+        let mut keys = node(sys::GGML_OP_NONE);
+        keys.ne = [4, 100, 1, 1];
+        let mut attn = node(sys::GGML_OP_FLASH_ATTN_EXT);
+        attn.src[1] = &mut keys;
+        let mut weights = node(sys::GGML_OP_NONE);
+        weights.ne = [50, 4, 1, 1];
+        let mut matmul = node(sys::GGML_OP_MUL_MAT);
+        matmul.src[0] = &mut weights;
+        let none: [Stop<'_>; 0] = [];
+        let ((), report) =
+            in_eval_scope(Stop::Any(&none), Chunker::with_budget(u64::MAX), None, || {
+                call(&mut attn, true);
+                call(&mut matmul, true);
+            });
+        assert_eq!(report.units, 16 * 2 * 100 + 16 * 50, "4x4 outputs each");
     }
 
     #[test]
