@@ -301,10 +301,13 @@ impl Lease {
 /// threads whatever share the run asked for: on fewer, the rest of the cores would idle
 /// through its turns (a 2000-token embedding at 2 threads took 25 s on one, 14 on two).
 fn own_params(policy: Option<&BatchPolicy>, params: ContextParams) -> ContextParams {
-    match policy {
-        Some(policy) => ContextParams { n_threads: policy.threads, ..params },
-        None => params,
-    }
+    ContextParams { n_threads: own_threads(policy, params.n_threads), ..params }
+}
+
+/// The threads a context of its own (text or media) computes on: the batches' beside
+/// them (`own_params` says why), else what the run asked for.
+pub(super) fn own_threads(policy: Option<&BatchPolicy>, asked: u32) -> u32 {
+    policy.map_or(asked, |policy| policy.threads)
 }
 
 /// Hand `piece` to the reader, waiting while its buffer is full (on the context's own

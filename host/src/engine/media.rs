@@ -54,9 +54,9 @@ impl Opened {
         let MediaRequest { projector, threads, pace, group, meter, tracker } = want;
         let model = self.model.clone();
         // Beside batches, it encodes in turns with them that hold every core, so on
-        // their threads (`Opened::lease` says why).
+        // their threads.
         let cores = self.policy.as_ref().map(|p| p.cores_for(group));
-        let threads = self.policy.as_ref().map_or(threads, |p| p.threads);
+        let threads = super::lease::own_threads(self.policy.as_ref(), threads);
         let worker = Worker::start("llamabox-media", tracker, move || {
             let mut media = MediaContext::new(&projector, model, threads)?;
             media.set_tally(meter);

@@ -54,9 +54,7 @@ impl Steps {
                     let result = self.sequences.with_room(&mut self.ctx, |ctx| {
                         ctx.eval(std::slice::from_ref(&part), seq, Some(caller.stop()))
                     });
-                    if self.policy.cores.others_wait() {
-                        self.ctx.rest_threads(); // as after a step (thread.rs)
-                    }
+                    self.rest_if_others_wait();
                     (result, started.elapsed())
                 };
                 self.members[&id].alive.add_busy(elapsed);

@@ -386,11 +386,7 @@ impl Steps {
             let stop = Stop::Any(&stops);
             let result =
                 self.sequences.with_room(&mut self.ctx, |ctx| ctx.decode(&batch, Some(stop)));
-            // The cores go to someone else's work next: the team's idle threads sleep
-            // instead of spinning through its turn on the cores it needs.
-            if self.policy.cores.others_wait() {
-                self.ctx.rest_threads();
-            }
+            self.rest_if_others_wait();
             (
                 result,
                 started.elapsed(),
@@ -474,6 +470,14 @@ impl Steps {
     fn streaming(&self) -> bool {
         (self.members.values())
             .any(|m| matches!(&m.running, Some(Running::Generate(g)) if g.tokens.is_some()))
+    }
+
+    /// At the end of a turn on the cores: if someone else's work goes next, the team's
+    /// idle threads sleep instead of spinning through its turn on the cores it needs.
+    pub(super) fn rest_if_others_wait(&self) {
+        if self.policy.cores.others_wait() {
+            self.ctx.rest_threads();
+        }
     }
 
     /// Set the turn of work beside the batch ([`BesideTurn`]): `awaited` whether a
