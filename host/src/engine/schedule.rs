@@ -1253,6 +1253,20 @@ mod tests {
         Stepped { group, weight: 1, rows, long: false, cancelled: false }
     }
 
+    /// [`scheduler`] after steps of 1 ms a row: a fitted 1 ms a row, no fixed part.
+    fn fitted_scheduler() -> Scheduler {
+        let mut s = scheduler();
+        for rows in [4, 16, 40, 16, 4, 40] {
+            s.stepped(&[member("x", rows)], rows as u32 * MS, StepEnd::Computed);
+        }
+        s
+    }
+
+    /// The rows `plan` gives `group`, every member in `group_of` its group.
+    fn group_rows(plan: &Plan, group_of: impl Fn(u64) -> &'static str, group: &str) -> usize {
+        plan.picks.iter().filter(|p| group_of(p.id) == group).map(|p| p.rows).sum()
+    }
+
     /// Run `plan`'s step as computed in `elapsed`, every member in `group_of` its group.
     fn computed(s: &mut Scheduler, plan: &Plan, group_of: impl Fn(u64) -> &'static str) {
         let weight = 1;
@@ -1694,11 +1708,7 @@ mod tests {
     #[test]
     fn a_newcomer_a_few_rows_ahead_keeps_its_first_step_and_the_others_catch_up_in_it() {
         let group_of = |id: u64| if id < 100 { "victim" } else { "attacker" };
-        let mut s = scheduler();
-        // Steps of 1 ms a row: a fitted 1 ms a row, no fixed part.
-        for rows in [4, 16, 40, 16, 4, 40] {
-            s.stepped(&[member("x", rows)], rows as u32 * MS, StepEnd::Computed);
-        }
+        let mut s = fitted_scheduler();
         // The victim's last chat left it 5 rows ahead of the attacker.
         s.stepped(&[member("victim", 4)], 4 * MS, StepEnd::Computed);
         let mut attacker: Vec<Candidate<'_>> = (100..104).map(|id| token(id, "attacker")).collect();
@@ -1707,9 +1717,7 @@ mod tests {
         let mut step = attacker.clone();
         step.push(prompt(1, "victim", 20));
         let plan = s.plan(&step);
-        let rows = |group: &str| -> usize {
-            plan.picks.iter().filter(|p| group_of(p.id) == group).map(|p| p.rows).sum()
-        };
+        let rows = |group: &str| group_rows(&plan, group_of, group);
         // Half of 20 ms at 1 ms a row, and the 5 rows it is behind.
         assert_eq!((rows("victim"), rows("attacker")), (20, 15));
     }
@@ -1719,16 +1727,11 @@ mod tests {
     #[test]
     fn a_newcomers_first_step_that_yielded_is_still_its_first() {
         let group_of = |id: u64| if id < 100 { "victim" } else { "attacker" };
-        let mut s = scheduler();
-        for rows in [4, 16, 40, 16, 4, 40] {
-            s.stepped(&[member("x", rows)], rows as u32 * MS, StepEnd::Computed);
-        }
+        let mut s = fitted_scheduler();
         let mut step: Vec<Candidate<'_>> = (100..116).map(|id| token(id, "attacker")).collect();
         s.plan(&step);
         step.push(prompt(1, "victim", 20));
-        let rows = |plan: &Plan, group: &str| -> usize {
-            plan.picks.iter().filter(|p| group_of(p.id) == group).map(|p| p.rows).sum()
-        };
+        let rows = |plan: &Plan, group: &str| group_rows(plan, group_of, group);
         let plan = s.plan(&step);
         assert_eq!((rows(&plan, "victim"), rows(&plan, "attacker")), (20, 10));
         let members: Vec<Stepped<'_>> =
@@ -1748,14 +1751,9 @@ mod tests {
     #[test]
     fn a_newcomers_first_step_is_not_caught_up_in_its_tenants_next_one() {
         let group_of = |id: u64| if id < 100 { "victim" } else { "attacker" };
-        let mut s = scheduler();
-        for rows in [4, 16, 40, 16, 4, 40] {
-            s.stepped(&[member("x", rows)], rows as u32 * MS, StepEnd::Computed);
-        }
+        let mut s = fitted_scheduler();
         let attacker: Vec<Candidate<'_>> = (100..116).map(|id| token(id, "attacker")).collect();
-        let rows = |plan: &Plan, group: &str| -> usize {
-            plan.picks.iter().filter(|p| group_of(p.id) == group).map(|p| p.rows).sum()
-        };
+        let rows = |plan: &Plan, group: &str| group_rows(plan, group_of, group);
         s.plan(&attacker);
         // Rows the victim's stream got ahead by (a probe step runs its row alone).
         let mut probes = 0;
@@ -1827,11 +1825,7 @@ mod tests {
             _ => "hangup",
         };
         let streams: Vec<Candidate<'_>> = (100..116).map(|id| token(id, "attacker")).collect();
-        let mut s = scheduler();
-        // Steps of 1 ms a row: a fitted 1 ms a row, no fixed part.
-        for rows in [4, 16, 40, 16, 4, 40] {
-            s.stepped(&[member("x", rows)], rows as u32 * MS, StepEnd::Computed);
-        }
+        let mut s = fitted_scheduler();
         for _ in 0..3 {
             let plan = s.plan(&streams);
             computed(&mut s, &plan, group_of);
@@ -1839,18 +1833,13 @@ mod tests {
         let mut step = streams.clone();
         step.push(prompt(1, "victim", 20));
         let plan = s.plan(&step);
-        let rows = |plan: &Plan, group: &str| -> usize {
-            plan.picks.iter().filter(|p| group_of(p.id) == group).map(|p| p.rows).sum()
-        };
+        let rows = |plan: &Plan, group: &str| group_rows(plan, group_of, group);
         // Half of 20 ms, at 1 ms an attacker's token row: 10 of its 16 streams.
         assert_eq!((rows(&plan, "victim"), rows(&plan, "attacker")), (20, 10));
 
         // The same arrival from a caller that streamed nothing of the 400 prompt rows it
         // had computed: the stream's part, one row (a newcomer's would be all 20).
-        let mut s = scheduler();
-        for rows in [4, 16, 40, 16, 4, 40] {
-            s.stepped(&[member("x", rows)], rows as u32 * MS, StepEnd::Computed);
-        }
+        let mut s = fitted_scheduler();
         for id in 200..220 {
             let plan = s.plan(&[prompt(id, "hangup", 20)]);
             computed(&mut s, &plan, group_of);
