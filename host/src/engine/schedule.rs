@@ -539,8 +539,17 @@ impl Scheduler {
         };
         let mut budget = budget.min(self.step_rows.saturating_sub(generating));
         if let (true, Some(shared)) = (self.alone_beside_others, self.shared_step) {
-            // As long as the others' step, not a step target: they wait for it.
-            budget = budget.min(self.pace.rows_within(shared));
+            // As long as the others' step, not a step target: they wait for it. Its
+            // rows by the fitted cost, fixed part included where one is measured: at the
+            // big steps' pace, 2-3 rows beside a stream's 10 ms step took 13-23 ms, the
+            // victim's ITL p99 (traced at 2 threads beside first-token hang-ups).
+            let rows = match self.cost.fit() {
+                Some((fixed, per_row)) if per_row > 0.0 => {
+                    ((shared.as_secs_f64() - fixed) / per_row).max(1.0) as usize
+                }
+                _ => self.pace.rows_within(shared),
+            };
+            budget = budget.min(rows);
         }
         let long_may = !others
             || self.long_credit >= self.step_target.as_secs_f64()
@@ -1578,6 +1587,32 @@ mod tests {
             }
         }
         assert_eq!(pattern, "vvvavvvavvva");
+    }
+
+    /// A quarantined member's step of its own is as long as the stream's step by the
+    /// fitted cost, its fixed part included: on a CPU (7 ms + 4 ms a row) one row beside
+    /// an 11 ms stream step, not the two or three the big steps' pace reads.
+    #[test]
+    fn a_quarantined_members_own_step_is_as_long_as_the_streams_by_its_cost() {
+        let mut s = scheduler();
+        for rows in [1, 4, 16, 40, 16, 4] {
+            s.stepped(&[member("x", rows)], (7 + 4 * rows as u32) * MS, StepEnd::Computed);
+        }
+        quarantine(&mut s, "victim", "attacker");
+        let mut candidates = vec![token(1, "victim")];
+        candidates.extend((10..18).map(|id| prompt(id, "attacker", 50)));
+        let mut own = Vec::new();
+        for _ in 0..8 {
+            let plan = s.plan(&candidates);
+            let picks = rows_of(&plan);
+            if picks == [(1, 1)] {
+                s.stepped(&[member("victim", 1)], 11 * MS, StepEnd::Computed);
+            } else {
+                own.push(picks[0].1);
+                s.stepped(&[member("attacker", picks[0].1)], 11 * MS, StepEnd::Computed);
+            }
+        }
+        assert_eq!(own, [1, 1], "one row, 11 ms");
     }
 
     /// One group's many streams beside another's one: each step takes as many of its
