@@ -1562,6 +1562,28 @@ mod tests {
         }
     }
 
+    /// `steps` plans of a stream (`token(1, "victim")`) beside eight quarantined prompts
+    /// of "attacker", every step computed in `step`: which ran ('v' the stream's, 'a' a
+    /// quarantined member's own, always one member alone) and the rows of each 'a'.
+    fn beside_quarantined(s: &mut Scheduler, steps: usize, step: Duration) -> (String, Vec<usize>) {
+        let mut candidates = vec![token(1, "victim")];
+        candidates.extend((10..18).map(|id| prompt(id, "attacker", 50)));
+        let (mut pattern, mut own) = (String::new(), Vec::new());
+        for _ in 0..steps {
+            let picks = rows_of(&s.plan(&candidates));
+            if picks == [(1, 1)] {
+                pattern.push('v');
+                s.stepped(&[member("victim", 1)], step, StepEnd::Computed);
+            } else {
+                assert_eq!(picks.len(), 1, "one quarantined member alone: {picks:?}");
+                pattern.push('a');
+                own.push(picks[0].1);
+                s.stepped(&[member("attacker", picks[0].1)], step, StepEnd::Computed);
+            }
+        }
+        (pattern, own)
+    }
+
     /// Many quarantined members beside a stream: one step of their own in every
     /// `QUARANTINE_WAIT + 1`, one member at a time, no longer than the stream's step.
     #[test]
@@ -1570,23 +1592,12 @@ mod tests {
         quarantine(&mut s, "victim", "attacker");
         // The pace: a row a millisecond.
         s.stepped(&[member("victim", 100)], 100 * MS, StepEnd::Computed);
-        let mut candidates = vec![token(1, "victim")];
-        candidates.extend((10..18).map(|id| prompt(id, "attacker", 50)));
-        let mut pattern = String::new();
-        for _ in 0..12 {
-            let plan = s.plan(&candidates);
-            let picks = rows_of(&plan);
-            if picks == [(1, 1)] {
-                pattern.push('v');
-                s.stepped(&[member("victim", 1)], 4 * MS, StepEnd::Computed);
-            } else {
-                assert_eq!(picks.len(), 1, "one quarantined member alone: {picks:?}");
-                assert!(picks[0].1 <= 4, "no longer than the stream's 4 ms step: {picks:?}");
-                pattern.push('a');
-                s.stepped(&[member("attacker", picks[0].1)], 4 * MS, StepEnd::Computed);
-            }
-        }
+        let (pattern, own) = beside_quarantined(&mut s, 12, 4 * MS);
         assert_eq!(pattern, "vvvavvvavvva");
+        assert!(
+            own.iter().all(|&rows| rows <= 4),
+            "no longer than the stream's 4 ms step: {own:?}"
+        );
     }
 
     /// A quarantined member's step of its own is as long as the stream's step by the
@@ -1599,19 +1610,7 @@ mod tests {
             s.stepped(&[member("x", rows)], (7 + 4 * rows as u32) * MS, StepEnd::Computed);
         }
         quarantine(&mut s, "victim", "attacker");
-        let mut candidates = vec![token(1, "victim")];
-        candidates.extend((10..18).map(|id| prompt(id, "attacker", 50)));
-        let mut own = Vec::new();
-        for _ in 0..8 {
-            let plan = s.plan(&candidates);
-            let picks = rows_of(&plan);
-            if picks == [(1, 1)] {
-                s.stepped(&[member("victim", 1)], 11 * MS, StepEnd::Computed);
-            } else {
-                own.push(picks[0].1);
-                s.stepped(&[member("attacker", picks[0].1)], 11 * MS, StepEnd::Computed);
-            }
-        }
+        let (_, own) = beside_quarantined(&mut s, 8, 11 * MS);
         assert_eq!(own, [1, 1], "one row, 11 ms");
     }
 
