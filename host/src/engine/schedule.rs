@@ -311,6 +311,13 @@ impl StepCost {
         let per_row = (self.xy / self.n - mean_x * mean_y) / variance;
         (per_row > 0.0).then(|| ((mean_y - per_row * mean_x).max(0.0), per_row))
     }
+
+    /// Rows of a step that takes about `time` by the fit, its fixed part included (at
+    /// least one), once there is a fit.
+    fn rows_within(&self, time: Duration) -> Option<usize> {
+        let (fixed, per_row) = self.fit()?;
+        Some(((time.as_secs_f64() - fixed) / per_row).max(1.0) as usize)
+    }
 }
 
 /// Every this many shared steps, the lightest generating group's token rows run in a
@@ -543,13 +550,8 @@ impl Scheduler {
             // rows by the fitted cost, fixed part included where one is measured: at the
             // big steps' pace, 2-3 rows beside a stream's 10 ms step took 13-23 ms, the
             // victim's ITL p99 (traced at 2 threads beside first-token hang-ups).
-            let rows = match self.cost.fit() {
-                Some((fixed, per_row)) if per_row > 0.0 => {
-                    ((shared.as_secs_f64() - fixed) / per_row).max(1.0) as usize
-                }
-                _ => self.pace.rows_within(shared),
-            };
-            budget = budget.min(rows);
+            let rows = self.cost.rows_within(shared);
+            budget = budget.min(rows.unwrap_or_else(|| self.pace.rows_within(shared)));
         }
         let long_may = !others
             || self.long_credit >= self.step_target.as_secs_f64()
@@ -640,10 +642,10 @@ impl Scheduler {
     /// newcomer's first step yielded to each hang-up of a tenant it had held to no
     /// rows), those still ahead in fair share of every group in it once it is computed
     /// (its rows are all owed to groups behind them, theirs to wait for), and the
-    /// quarantined (whose hang-ups must not cost others' steps). A group ahead by less than the step gives
-    /// does not wait for it: a saturating tenant's next chat waited for another's whole
-    /// 250 ms prompt step after each of its streams (traced at 2 threads beside n=4
-    /// grammars: 270 of its 400 ms to a first token).
+    /// quarantined (whose hang-ups must not cost others' steps). A group ahead by less
+    /// than the step gives does not wait for it: a saturating tenant's next chat waited
+    /// for another's whole 250 ms prompt step after each of its streams (traced at 2
+    /// threads beside n=4 grammars: 270 of its 400 ms to a first token).
     fn first_in_line(&self, picks: &[Pick], candidates: &[&Candidate<'_>]) -> HashSet<String> {
         let of: HashMap<u64, &Candidate<'_>> = candidates.iter().map(|c| (c.id, *c)).collect();
         let mut after: HashMap<&str, f64> = HashMap::new();
@@ -1644,8 +1646,8 @@ mod tests {
     }
 
     /// A generating group's prompt rows count too: beside another group's lone stream
-    /// it keeps one row, its token. A group with prompts only that is not ahead in share
-    /// is not cut (a newcomer's prompt keeps the prompt order's rows) and sets the part
+    /// it keeps one row, its token. A newcomer with prompts only (here level in share)
+    /// is not cut (its prompt keeps the prompt order's rows) and sets the part
     /// of those that are held: the newcomer's first step is not filled by another
     /// tenant's prompt rows.
     #[test]
