@@ -148,6 +148,35 @@ impl Cores {
         Turn { cores: self, flow, since: Instant::now(), waited: Duration::ZERO }
     }
 
+    /// Queue a turn for `flow` now and take it later ([`Cores::take_booked`]): a batch
+    /// books its next step's turn before its step's turn ends, so the work that goes
+    /// next passes back once it has held the cores a turn, whether or not the batch's
+    /// thread has had a core yet to ask. Beside an embedding at 2 threads, asking after
+    /// the step's sampling, that thread waited behind the embedding's spinning threads
+    /// (a step's end to its trace line: 2.9 ms p50 and 12.8 p99, 0.04 alone), and the
+    /// embedding held the cores 4.7 ms p50 of a 3.7 ms turn, 10.6 p99.
+    pub(crate) fn book(self: &Arc<Self>, flow: &Flow) -> Booking {
+        let ticket = self.lock().ask(Some(flow));
+        Booking { cores: self.clone(), flow: flow.clone(), ticket: Some(ticket) }
+    }
+
+    /// `flow`'s turn: the one it `booked`, if any, else one asked for now.
+    pub(crate) fn turn_of(&self, flow: &Flow, booked: Option<Booking>) -> Turn<'_> {
+        match booked {
+            Some(booking) => self.take_booked(booking),
+            None => self.turn_as(flow),
+        }
+    }
+
+    /// Take the turn `booking` queued, waiting for it if others go first.
+    fn take_booked(&self, mut booking: Booking) -> Turn<'_> {
+        assert!(std::ptr::eq(self, &*booking.cores), "a booking is taken on its own cores");
+        let ticket = booking.ticket.take().expect("a booking is taken once");
+        self.wait_for(self.lock(), ticket);
+        let flow = Some(booking.flow.clone());
+        Turn { cores: self, flow, since: Instant::now(), waited: Duration::ZERO }
+    }
+
     /// How long a computation keeps the cores while someone waits, from now on.
     pub fn set_turn(&self, turn: Duration) {
         self.turn_nanos.store(turn.as_nanos().min(u128::from(u64::MAX)) as u64, Relaxed);
@@ -217,6 +246,29 @@ impl Turn<'_> {
     /// computation leaves out.
     pub fn waited(&self) -> Duration {
         self.waited
+    }
+}
+
+/// A turn queued and not yet taken ([`Cores::book`]). Dropped untaken, it leaves the
+/// queue, or, if it is already being served, ends: the cores never wait for a booking
+/// nobody will take.
+pub(crate) struct Booking {
+    cores: Arc<Cores>,
+    flow: Flow,
+    ticket: Option<u64>,
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        let Some(ticket) = self.ticket else { return };
+        let mut queue = self.cores.lock();
+        if queue.serving == Some(ticket) {
+            queue.end();
+            drop(queue);
+            self.cores.served.notify_all();
+        } else {
+            queue.waiting.retain(|&(_, t)| t != ticket);
+        }
     }
 }
 
@@ -425,6 +477,62 @@ mod tests {
         drop(first);
         waiters.into_iter().for_each(|w| w.join().unwrap());
         assert_eq!(order.try_iter().collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(cores.waiting(), 0);
+    }
+
+    #[test]
+    fn a_turn_booked_before_a_step_ends_is_passed_back_to_once_due() {
+        use std::sync::atomic::AtomicBool;
+        let cores = Arc::new(Cores::default());
+        cores.set_turn(Duration::ZERO);
+        let (batch, tenant) = (Flow::new_batch(), Flow::Tenant("embedder".into()));
+        let step = cores.turn_as(&batch);
+        let handed_over = Arc::new(AtomicBool::new(false));
+        let beside = {
+            let (mine, tenant, handed_over) = (cores.clone(), tenant.clone(), handed_over.clone());
+            std::thread::spawn(move || {
+                let mut long = mine.turn_as(&tenant);
+                long.pass_if_due(&mut || handed_over.store(true, Relaxed))
+            })
+        };
+        while cores.waiting() != 2 {
+            std::thread::yield_now();
+        }
+        // Booked under the step's turn: the long computation that goes next sees it
+        // waiting, though this thread has not asked yet (asking only after the step,
+        // the computation would find nobody waiting and keep the cores).
+        let booking = cores.book(&batch);
+        drop(step);
+        let next = cores.turn_of(&batch, Some(booking));
+        assert!(handed_over.load(Relaxed), "the computation passed to the booked turn");
+        drop(next);
+        assert!(beside.join().unwrap(), "and went on after it");
+        assert_eq!(cores.waiting(), 0);
+    }
+
+    #[test]
+    fn a_booking_dropped_untaken_gives_its_place_or_its_turn_up() {
+        let cores = Arc::new(Cores::default());
+        let batch = Flow::new_batch();
+        // Queued behind a turn held: dropped, it leaves the queue.
+        let held = cores.turn();
+        let queued = cores.book(&batch);
+        assert_eq!(cores.waiting(), 2);
+        drop(queued);
+        assert_eq!(cores.waiting(), 1);
+        drop(held);
+        // Served at once (the cores were free), never taken: dropped, the turn ends and
+        // whoever waits goes.
+        let served = cores.book(&batch);
+        let waiter = {
+            let mine = cores.clone();
+            std::thread::spawn(move || drop(mine.turn()))
+        };
+        while cores.waiting() != 2 {
+            std::thread::yield_now();
+        }
+        drop(served);
+        waiter.join().unwrap();
         assert_eq!(cores.waiting(), 0);
     }
 

@@ -15,7 +15,7 @@ mod registry;
 pub mod schedule;
 
 pub use batch::{BatchPolicy, StepObserver, StepReport};
-pub(crate) use cores::{Cores, Flow, FlowCores, Pacer};
+pub(crate) use cores::{Booking, Cores, Flow, FlowCores, Pacer};
 pub(crate) use lease::{Lease, LeaseRequest};
 pub(crate) use media::{EncodePace, MediaLease, MediaRequest};
 pub(crate) use meter::Meter;

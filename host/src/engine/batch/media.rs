@@ -49,7 +49,7 @@ impl Steps {
                     PromptPiece::Embeddings { .. } => 0,
                 };
                 let (result, elapsed) = {
-                    let _turn = self.policy.cores.turn_as(&self.flow);
+                    let _turn = self.policy.cores.turn_of(&self.flow, self.booked.take());
                     let started = Instant::now();
                     let result = self.sequences.with_room(&mut self.ctx, |ctx| {
                         ctx.eval(std::slice::from_ref(&part), seq, Some(caller.stop()))

@@ -15,7 +15,7 @@ use super::{Arrivals, BatchPolicy, StepReport};
 use crate::engine::schedule::{
     BesideTurn, Candidate, Pick, Plan, Scheduler, StepEnd, Stepped, Want, YieldTo,
 };
-use crate::engine::Flow;
+use crate::engine::{Booking, Flow};
 use crate::native::{self, Batch, CancelFlag, Context, Error, Stop, TokenLoop};
 
 /// How long the thread sleeps when every member waits for its reader.
@@ -44,6 +44,10 @@ pub(super) struct Steps {
     pub(super) flow: Flow,
     /// The turn of work beside the batch, from the steps that computed tokens.
     pub(super) beside: BesideTurn,
+    /// The next step's turn, booked as the last step ended
+    /// ([`crate::engine::Cores::book`]); dropped, and so given up, whenever the loop has
+    /// no step to run.
+    pub(super) booked: Option<Booking>,
     /// Test hook: every step that may yield does so at this node (as if a call arrived
     /// then: a flood of arrivals).
     #[cfg(test)]
@@ -78,6 +82,7 @@ impl Steps {
             arrived: CancelFlag::new(),
             flow: Flow::new_batch(),
             beside: BesideTurn::default(),
+            booked: None,
             #[cfg(test)]
             yield_at: None,
         }
@@ -104,6 +109,7 @@ impl Steps {
                 self.step();
                 continue;
             }
+            self.booked = None;
             // Nothing to compute: wait for a seat's op, polling while a reader's full
             // buffer holds a generation back.
             let ops = self.inbox.as_ref().expect("the loop's inbox");
@@ -150,6 +156,7 @@ impl Steps {
         match op {
             #[cfg(test)]
             Op::Pause(gate) => {
+                self.booked = None;
                 let _ = gate.recv();
                 // What was sent meanwhile is taken next, before any step: not arrivals.
                 self.fresh_arrivals();
@@ -344,6 +351,7 @@ impl Steps {
     pub(super) fn step(&mut self) {
         let (shares, yields) = self.plan();
         if shares.is_empty() {
+            self.booked = None;
             return;
         }
         // llama.cpp's log lines from this step name the groups (tenant/plugin) whose
@@ -361,6 +369,12 @@ impl Steps {
         let tokens = shares.iter().any(|s| {
             matches!(&self.members[&s.id].running, Some(Running::Generate(g)) if g.tokens.is_some())
         });
+        // The turn is held until the step's tokens are sampled and sent, and the next
+        // step's turn is booked before it ends (`Cores::book`): on cores that work beside
+        // the batch keeps busy, this thread would otherwise wait for a core behind that
+        // work's threads, and slow them down once it got one.
+        let cores = self.policy.cores.clone();
+        let turn;
         let (result, elapsed, cancelled) = {
             let mut stops: Vec<Stop<'_>> = shares
                 .iter()
@@ -381,7 +395,7 @@ impl Steps {
             if shares.iter().any(|s| !s.long) {
                 self.set_turn(true);
             }
-            let _turn = self.policy.cores.turn_as(&self.flow);
+            turn = cores.turn_of(&self.flow, self.booked.take());
             let started = Instant::now();
             let stop = Stop::Any(&stops);
             let result =
@@ -464,6 +478,10 @@ impl Steps {
                 }
             }
         }
+        // Most steps have a next one (a booking of our own before the rest above would
+        // have rested the team for nothing).
+        self.booked = Some(cores.book(&self.flow));
+        drop(turn);
     }
 
     /// Whether a member streams (its generation's tokens go out as they come).
