@@ -99,6 +99,18 @@ impl Queue {
         ticket
     }
 
+    /// Take back `ticket`, asked as `flow` and not begun: it leaves the queue, and the
+    /// flow's next turn goes in the round this one would have had.
+    fn withdraw(&mut self, ticket: u64, flow: &Flow) {
+        let Some(&(round, _)) = self.waiting.iter().find(|&&(_, t)| t == ticket) else { return };
+        self.waiting.remove(&(round, ticket));
+        if round > self.round {
+            self.next_round.insert(flow.clone(), round);
+        } else {
+            self.next_round.remove(flow);
+        }
+    }
+
     /// The turn being served ends: the next one begins.
     fn end(&mut self) {
         self.serving = None;
@@ -250,8 +262,8 @@ impl Turn<'_> {
 }
 
 /// A turn queued and not yet taken ([`Cores::book`]). Dropped untaken, it leaves the
-/// queue, or, if it is already being served, ends: the cores never wait for a booking
-/// nobody will take.
+/// queue, giving its flow back its place in the rounds, or, if it is already being
+/// served, ends: the cores never wait for a booking nobody will take.
 pub(crate) struct Booking {
     cores: Arc<Cores>,
     flow: Flow,
@@ -267,7 +279,7 @@ impl Drop for Booking {
             drop(queue);
             self.cores.served.notify_all();
         } else {
-            queue.waiting.retain(|&(_, t)| t != ticket);
+            queue.withdraw(ticket, &self.flow);
         }
     }
 }
@@ -520,6 +532,7 @@ mod tests {
         assert_eq!(cores.waiting(), 2);
         drop(queued);
         assert_eq!(cores.waiting(), 1);
+        assert_eq!(cores.lock().next_round.get(&batch), None, "its next turn keeps its round");
         drop(held);
         // Served at once (the cores were free), never taken: dropped, the turn ends and
         // whoever waits goes.
