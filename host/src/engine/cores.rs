@@ -156,6 +156,16 @@ impl Cores {
     fn take(&self, flow: Option<Flow>) -> Turn<'_> {
         let mut queue = self.lock();
         let ticket = queue.ask(flow.as_ref());
+        self.turn_when_served(queue, ticket, flow)
+    }
+
+    /// `ticket`'s turn as `flow`'s, once it is served.
+    fn turn_when_served(
+        &self,
+        queue: MutexGuard<'_, Queue>,
+        ticket: u64,
+        flow: Option<Flow>,
+    ) -> Turn<'_> {
         self.wait_for(queue, ticket);
         Turn { cores: self, flow, since: Instant::now(), waited: Duration::ZERO }
     }
@@ -184,9 +194,7 @@ impl Cores {
     fn take_booked(&self, mut booking: Booking) -> Turn<'_> {
         assert!(std::ptr::eq(self, &*booking.cores), "a booking is taken on its own cores");
         let ticket = booking.ticket.take().expect("a booking is taken once");
-        self.wait_for(self.lock(), ticket);
-        let flow = Some(booking.flow.clone());
-        Turn { cores: self, flow, since: Instant::now(), waited: Duration::ZERO }
+        self.turn_when_served(self.lock(), ticket, Some(booking.flow.clone()))
     }
 
     /// How long a computation keeps the cores while someone waits, from now on.

@@ -478,8 +478,8 @@ impl Steps {
                 }
             }
         }
-        // Most steps have a next one (a booking of our own before the rest above would
-        // have rested the team for nothing).
+        // Most steps have a next one. Booked only now: booked before
+        // `rest_if_others_wait`, our own booking would have rested the team for nothing.
         self.booked = Some(cores.book(&self.flow));
         drop(turn);
     }
