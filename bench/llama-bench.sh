@@ -72,7 +72,7 @@ if [ ! -x "$bin" ]; then
   sdist="$cache/sdist/llama_cpp_python-$version.tar.gz"
   if [ ! -s "$sdist" ]; then
     echo "fetching llama-cpp-python==$version (sdist) from PyPI into $cache/sdist" >&2
-    python3 -m pip download --no-deps --no-binary :all: --quiet -d "$cache/sdist" "llama-cpp-python==$version" >&2
+    python3 -m pip download --no-deps --no-binary llama-cpp-python --only-binary ninja,cmake --quiet -d "$cache/sdist" "llama-cpp-python==$version" >&2
   fi
   src="$cache/llama_cpp_python-$version"
   if [ ! -d "$src/vendor/llama.cpp/tools/$target" ] && [ ! -d "$src/vendor/llama.cpp/tools/${target#llama-}" ]; then
