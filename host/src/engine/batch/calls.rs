@@ -235,9 +235,12 @@ impl Steps {
                     undelivered: VecDeque::new(),
                     finish: None,
                 };
+                // As on a context of its own, the logits read afterwards are those the
+                // generation ends on (none if it does not end well: a cancelled decode
+                // leaves none there either).
+                let last = std::mem::take(&mut self.member(id).logits);
                 if work.request.prompt.is_empty() {
-                    let logits =
-                        self.member(id).logits.last().cloned().flatten().unwrap_or_default();
+                    let logits = last.last().cloned().flatten().unwrap_or_default();
                     self.start_tokens(id, &mut work, &logits);
                 }
                 self.member(id).running = Some(Running::Generate(Box::new(work)));
@@ -322,6 +325,15 @@ impl Steps {
             Err(e) => work.finish = Some(Err(e)),
         }
         work.tokens = Some(tokens);
+        if work.finish.is_some() {
+            self.ended_on(id, logits);
+        }
+    }
+
+    /// A generation ended with `logits` (its last decoded row) at hand: they are the
+    /// seat's last logits, which a generation with an empty prompt continues from.
+    pub(super) fn ended_on(&mut self, id: u64, logits: &[f32]) {
+        self.member(id).logits = vec![Some(logits.to_vec())];
     }
 
     pub(super) fn finish_generation(

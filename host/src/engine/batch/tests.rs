@@ -474,6 +474,37 @@ async fn generations_on_seats_batch_their_tokens_and_pick_what_a_context_of_its_
     );
 }
 
+/// A seat keeps the logits its generation ended on, as a context of its own does: a
+/// prefill alone (`max_tokens` 0) and then a generation are each continued by a
+/// generation with an empty prompt, and the three pick what one generation picks.
+#[tokio::test]
+async fn a_generation_on_a_seat_is_continued_from_the_logits_it_ended_on() {
+    let f = Fixture::new(512);
+    let p = prompt(5, 10);
+    let seat = f.seat().await;
+    let run = |request: GenerateRequest| {
+        let (tx, rx) = pieces::channel(64);
+        let sampler = Sampler::new(model(), &greedy(), &native::SamplerCaps::default()).unwrap();
+        (seat.generate(sampler, request, CancelFlag::new(), tx), rx)
+    };
+    let mut picked = Vec::new();
+    for request in [
+        GenerateRequest::new(p.clone(), 0),
+        GenerateRequest::new(Vec::new(), 4),
+        GenerateRequest::new(Vec::new(), 4),
+    ] {
+        let (call, rx) = run(request);
+        picked.extend(read_all(rx).await);
+        assert_eq!(call.await.unwrap().unwrap().finish, FinishReason::MaxTokens);
+    }
+    assert_eq!(picked, solo_generation(&p, 8));
+    assert_eq!(seat.seq_pos_max(0).await.unwrap().unwrap(), 10 + 8 - 1);
+    let last = seat.logits(None).await.unwrap().unwrap();
+    let solo = solo_logits(&[p, picked].concat());
+    let scale = solo.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    assert!(max_diff(&last, &solo) < 1e-2 * scale, "the last logits are the last token's");
+}
+
 /// Generations of two groups, one with three seats: whether the scheduler caps the
 /// heavy group's token rows (its seats then take turns) or not, every generation ends
 /// with what a context of its own picks.

@@ -561,6 +561,11 @@ impl Steps {
                         }
                         Err(e) => g.finish = Some(Err(e)),
                     }
+                    if g.finish.is_some() {
+                        if let Some(logits) = logits_of(&self.ctx, 0) {
+                            self.ended_on(id, &logits);
+                        }
+                    }
                 }
             },
         }
