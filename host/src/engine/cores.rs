@@ -197,6 +197,12 @@ impl Cores {
         self.turn_when_served(self.lock(), ticket, Some(booking.flow.clone()))
     }
 
+    /// The turn being served ends: whoever's ticket comes next is woken.
+    fn end_turn(&self, queue: &mut Queue) {
+        queue.end();
+        self.served.notify_all();
+    }
+
     /// How long a computation keeps the cores while someone waits, from now on.
     pub fn set_turn(&self, turn: Duration) {
         self.turn_nanos.store(turn.as_nanos().min(u128::from(u64::MAX)) as u64, Relaxed);
@@ -253,8 +259,7 @@ impl Turn<'_> {
         // Queue again and end this turn in one step under the lock, so that exactly the
         // ones whose round comes first go before it.
         let ticket = queue.ask(self.flow.as_ref());
-        queue.end();
-        self.cores.served.notify_all();
+        self.cores.end_turn(&mut queue);
         let asked = Instant::now();
         self.cores.wait_for(queue, ticket);
         self.since = Instant::now();
@@ -283,9 +288,7 @@ impl Drop for Booking {
         let Some(ticket) = self.ticket else { return };
         let mut queue = self.cores.lock();
         if queue.serving == Some(ticket) {
-            queue.end();
-            drop(queue);
-            self.cores.served.notify_all();
+            self.cores.end_turn(&mut queue);
         } else {
             queue.withdraw(ticket, &self.flow);
         }
@@ -347,8 +350,7 @@ impl CoreTurn for Turn<'_> {
 
 impl Drop for Turn<'_> {
     fn drop(&mut self) {
-        self.cores.lock().end();
-        self.cores.served.notify_all();
+        self.cores.end_turn(&mut self.cores.lock());
     }
 }
 

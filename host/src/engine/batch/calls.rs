@@ -326,14 +326,14 @@ impl Steps {
         }
         work.tokens = Some(tokens);
         if work.finish.is_some() {
-            self.ended_on(id, logits);
+            self.keep_last_logits(id, logits.to_vec());
         }
     }
 
     /// A generation ended with `logits` (its last decoded row) at hand: they are the
     /// seat's last logits, which a generation with an empty prompt continues from.
-    pub(super) fn ended_on(&mut self, id: u64, logits: &[f32]) {
-        self.member(id).logits = vec![Some(logits.to_vec())];
+    pub(super) fn keep_last_logits(&mut self, id: u64, logits: Vec<f32>) {
+        self.member(id).logits = vec![Some(logits)];
     }
 
     pub(super) fn finish_generation(

@@ -563,7 +563,7 @@ impl Steps {
                     }
                     if g.finish.is_some() {
                         if let Some(logits) = logits_of(&self.ctx, 0) {
-                            self.ended_on(id, &logits);
+                            self.keep_last_logits(id, logits);
                         }
                     }
                 }
